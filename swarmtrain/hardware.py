@@ -1,0 +1,341 @@
+"""Hardware detection, the hardware profiles of the starting design, and recommended settings.
+
+Units: every ``*_mb`` figure is in MiB (1024 * 1024 bytes) and every ``*_gb`` figure in GiB,
+because that is what ``/proc/meminfo`` and psutil count in; "8 GB" below means 8192 MB.
+
+Profile boundaries (non-Pi machines, by total memory): each band includes its lower bound and
+excludes its upper bound, so a boundary value belongs to the *larger* profile::
+
+    RPI3 < 1 GB <= RPI4 < 4 GB <= RPI5 < 8 GB <= LAPTOP < 16 GB <= DESKTOP < 32 GB
+    <= WORKSTATION < 64 GB <= SERVER
+
+Exactly 8 GB is LAPTOP, exactly 64 GB is SERVER. A Raspberry Pi is classified by its model
+string, never by memory alone (a Pi 5 with 8 or 16 GB is still RPI5). Kernels reserve some
+memory, so a nominal "8 GB" box usually reports ~7.6 GB and lands in RPI5; because the
+recommended batch is interpolated within the band (see :func:`recommend`), such a box still
+gets ~15, next to LAPTOP's 16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from swarmtrain.errors import ConfigError
+
+__all__ = [
+    "PROFILE_TABLE", "HardwareInfo", "Profile", "ProfileSpec", "Recommended", "classify",
+    "describe", "detect", "parse_pi_model", "probe_speed", "recommend", "spec_for",
+]
+
+MEMORY_FRACTION = 0.8  # max_memory_mb = 0 -> this share of available memory
+BATCH_MEMORY_FRACTION = 0.5  # a batch may take at most this share of the memory budget
+
+
+class Profile(str, Enum):
+    RPI3 = "RPI3"
+    RPI4 = "RPI4"
+    RPI5 = "RPI5"
+    LAPTOP = "LAPTOP"
+    DESKTOP = "DESKTOP"
+    WORKSTATION = "WORKSTATION"
+    SERVER = "SERVER"
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """One row of the profile table: memory band ``[min_mem_gb, max_mem_gb)`` and batch range."""
+
+    profile: Profile
+    min_mem_gb: float
+    max_mem_gb: float | None  # None = unbounded
+    batch_min: int
+    batch_max: int
+
+
+PROFILE_TABLE: tuple[ProfileSpec, ...] = (
+    ProfileSpec(Profile.RPI3, 0.0, 1.0, 2, 2),
+    ProfileSpec(Profile.RPI4, 1.0, 4.0, 4, 8),
+    ProfileSpec(Profile.RPI5, 4.0, 8.0, 8, 16),
+    ProfileSpec(Profile.LAPTOP, 8.0, 16.0, 16, 32),
+    ProfileSpec(Profile.DESKTOP, 16.0, 32.0, 32, 64),
+    ProfileSpec(Profile.WORKSTATION, 32.0, 64.0, 64, 128),
+    ProfileSpec(Profile.SERVER, 64.0, None, 128, 256),
+)
+_PI_PROFILES = (Profile.RPI3, Profile.RPI4, Profile.RPI5)
+
+
+def spec_for(profile: Profile) -> ProfileSpec:
+    """The table row of ``profile``."""
+    return next(s for s in PROFILE_TABLE if s.profile is Profile(profile))
+
+
+@dataclass(frozen=True)
+class HardwareInfo:
+    total_memory_mb: int
+    available_memory_mb: int
+    cores: int  # logical cores this process may run on (affinity-aware)
+    physical_cores: int | None
+    cpu_model: str
+    architecture: str
+    pi_model: str | None  # e.g. "Raspberry Pi 4 Model B Rev 1.4"
+    profile: Profile
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of str/int/None values (msgpack- and JSON-able); profile as its name."""
+        d = asdict(self)
+        d["profile"] = self.profile.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareInfo:
+        """Inverse of :meth:`to_dict`; raises :class:`ConfigError` on a malformed dict."""
+        try:
+            return cls(**{**d, "profile": Profile(d["profile"])})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"bad hardware info {d!r}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Recommended:
+    batch_size: int
+    accumulation_steps: int
+    num_threads: int
+    max_memory_mb: int
+
+
+def parse_pi_model(text: str) -> str | None:
+    """Device-tree ``model`` text (NUL-terminated) -> cleaned model string if a Raspberry Pi."""
+    model = " ".join(text.split("\0", 1)[0].split())
+    return model if re.search(r"\braspberry\s+pi\b", model, re.IGNORECASE) else None
+
+
+def _pi_profile(pi_model: str) -> Profile:
+    low = pi_model.lower()
+    if re.search(r"\bzero\s*2\b", low):
+        return Profile.RPI3
+    m = re.search(r"raspberry\s+pi\s+(?:compute\s+module\s+|cm\s*)?(\d+)", low)
+    if m is None:  # Pi 1 Model A/B, Zero, Zero W, Compute Module 1: the smallest profile
+        return Profile.RPI3
+    gen = int(m.group(1))
+    gen = gen // 100 if gen >= 100 else gen  # Pi 400 -> 4, Pi 500 -> 5
+    if gen >= 5:  # Pi 5, 500, CM5 and anything newer
+        return Profile.RPI5
+    return Profile.RPI4 if gen == 4 else Profile.RPI3
+
+
+def classify(total_memory_mb: int, pi_model: str | None) -> Profile:
+    """Profile of a machine: a Pi by its model, anything else by total memory (see module doc)."""
+    if pi_model is not None:
+        return _pi_profile(pi_model)
+    gb = total_memory_mb / 1024
+    for spec in PROFILE_TABLE:
+        if spec.max_mem_gb is None or gb < spec.max_mem_gb:
+            return spec.profile
+    raise AssertionError("unreachable: the last profile is unbounded")
+
+
+# ARM CPU part numbers (implementer 0x41) -> core name, for cpuinfo without a useful model name.
+_ARM_PARTS = {
+    "0xb76": "ARM1176", "0xc07": "Cortex-A7", "0xd03": "Cortex-A53", "0xd04": "Cortex-A35",
+    "0xd05": "Cortex-A55", "0xd07": "Cortex-A57", "0xd08": "Cortex-A72", "0xd09": "Cortex-A73",
+    "0xd0a": "Cortex-A75", "0xd0b": "Cortex-A76", "0xd0c": "Neoverse-N1", "0xd40": "Neoverse-V1",
+    "0xd49": "Neoverse-N2",
+}
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _cpuinfo_fields(text: str) -> dict[str, str]:
+    """First value of each key in /proc/cpuinfo (keys lower-cased)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and value.strip():
+            fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+def _cpu_model(fields: dict[str, str]) -> str:
+    part = None
+    if fields.get("cpu implementer", "").lower() == "0x41":
+        part = _ARM_PARTS.get(fields.get("cpu part", "").lower())
+    name = fields.get("model name") or fields.get("processor name") or fields.get("cpu model")
+    if name and not (part and re.match(r"ARMv\d", name)):
+        return name
+    return part or fields.get("hardware") or platform.processor() or "unknown"
+
+
+def _meminfo(text: str) -> tuple[int, int] | None:
+    kb = {}
+    for line in text.splitlines():
+        m = re.match(r"(\w+):\s+(\d+)", line)
+        if m:
+            kb[m.group(1)] = int(m.group(2))
+    if "MemTotal" not in kb:
+        return None
+    avail = kb.get("MemAvailable", kb.get("MemFree", kb["MemTotal"]))
+    return kb["MemTotal"] // 1024, avail // 1024
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def detect(
+    *,
+    root: str = "/",
+    total_memory_mb: int | None = None,
+    available_memory_mb: int | None = None,
+) -> HardwareInfo:
+    """Detect this machine's hardware and profile.
+
+    Read under ``root``: ``proc/cpuinfo``, ``proc/device-tree/model`` (else
+    ``sys/firmware/devicetree/base/model``, else the ``Model`` line of cpuinfo) and, when
+    ``root`` is not ``/``, ``proc/meminfo``. Memory otherwise comes from psutil; the keyword
+    overrides beat both. Cores and architecture always describe the running process.
+    """
+    base = Path(root)
+    fields = _cpuinfo_fields(_read(base / "proc/cpuinfo") or "")
+    pi_model = None
+    for rel in ("proc/device-tree/model", "sys/firmware/devicetree/base/model"):
+        text = _read(base / rel)
+        if text is not None:
+            pi_model = parse_pi_model(text)
+            break
+    else:
+        pi_model = parse_pi_model(fields.get("model", ""))
+
+    mem = _meminfo(_read(base / "proc/meminfo") or "") if base.resolve() != Path("/") else None
+    if mem is None:
+        vm = psutil.virtual_memory()
+        mem = (vm.total // 2**20, vm.available // 2**20)
+    total = mem[0] if total_memory_mb is None else total_memory_mb
+    avail = mem[1] if available_memory_mb is None else available_memory_mb
+    avail = max(0, min(avail, total))
+    return HardwareInfo(
+        total_memory_mb=total,
+        available_memory_mb=avail,
+        cores=_cores(),
+        physical_cores=psutil.cpu_count(logical=False),
+        cpu_model=_cpu_model(fields),
+        architecture=platform.machine() or "unknown",
+        pi_model=pi_model,
+        profile=classify(total, pi_model),
+    )
+
+
+def _profile_batch(info: HardwareInfo) -> int:
+    """Batch within the profile's range, linear in total memory's position in the band (clamped;
+    SERVER's open band is treated as 64-128 GB). Continuous across boundaries except at 1 GB."""
+    spec = spec_for(info.profile)
+    hi = spec.max_mem_gb if spec.max_mem_gb is not None else 2 * spec.min_mem_gb
+    pos = (info.total_memory_mb / 1024 - spec.min_mem_gb) / (hi - spec.min_mem_gb)
+    pos = min(1.0, max(0.0, pos))
+    return spec.batch_min + math.floor((spec.batch_max - spec.batch_min) * pos)
+
+
+def recommend(
+    info: HardwareInfo,
+    *,
+    batch_size: int = 0,
+    accumulation_steps: int = 0,
+    num_threads: int = 0,
+    max_memory_mb: int = 0,
+    sample_bytes: int | None = None,
+) -> Recommended:
+    """Training settings for ``info``; 0 means "from the profile", explicit values win.
+
+    batch_size 0 -> :func:`_profile_batch`, then, if ``sample_bytes`` is given, capped so that
+    ``batch * sample_bytes`` fits in half of min(available memory, max_memory_mb); never below 1.
+    An explicit batch_size is never capped. accumulation_steps 0 -> 1; num_threads 0 -> cores;
+    max_memory_mb 0 -> 80 % of available memory (at least 1).
+    """
+    for name, value in (("batch_size", batch_size), ("accumulation_steps", accumulation_steps),
+                        ("num_threads", num_threads), ("max_memory_mb", max_memory_mb)):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0 (0 = from the profile), got {value}")
+    if sample_bytes is not None and sample_bytes <= 0:
+        raise ConfigError(f"sample_bytes must be positive, got {sample_bytes}")
+
+    mem = max_memory_mb or max(1, int(info.available_memory_mb * MEMORY_FRACTION))
+    batch = batch_size
+    if batch == 0:
+        batch = _profile_batch(info)
+        if sample_bytes is not None:
+            budget = BATCH_MEMORY_FRACTION * min(info.available_memory_mb, mem) * 2**20
+            batch = min(batch, int(budget // sample_bytes))
+        batch = max(1, batch)
+    return Recommended(
+        batch_size=batch,
+        accumulation_steps=accumulation_steps or 1,
+        num_threads=num_threads or max(1, info.cores),
+        max_memory_mb=mem,
+    )
+
+
+def probe_speed(
+    step_fn: Callable[[], int], *, seconds: float = 1.0, max_steps: int = 50
+) -> float:
+    """Samples/second of ``step_fn`` (which returns the samples it processed).
+
+    One untimed warm-up call, then timed calls until ``seconds`` have passed or ``max_steps``
+    timed calls were made (at least one): ``step_fn`` runs at most ``max_steps + 1`` times.
+    """
+    if max_steps < 1:
+        raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
+    if seconds < 0:
+        raise ConfigError(f"seconds must be >= 0, got {seconds}")
+    step_fn()
+    samples = steps = 0
+    start = time.perf_counter()
+    elapsed = 0.0
+    while steps < max_steps and (steps == 0 or elapsed < seconds):
+        n = step_fn()
+        if n < 0:
+            raise ConfigError(f"step_fn returned a negative sample count: {n}")
+        samples += n
+        steps += 1
+        elapsed = time.perf_counter() - start
+    return samples / max(elapsed, 1e-9)
+
+
+def describe(info: HardwareInfo, rec: Recommended) -> list[tuple[str, str]]:
+    """(label, value) rows for the ``swarmtrain profile`` table."""
+    spec = spec_for(info.profile)
+    band = (f"{spec.min_mem_gb:g}-{spec.max_mem_gb:g} GB" if spec.max_mem_gb is not None
+            else f">= {spec.min_mem_gb:g} GB")
+    batches = (f"{spec.batch_min}" if spec.batch_min == spec.batch_max
+               else f"{spec.batch_min}-{spec.batch_max}")
+    physical = f" / {info.physical_cores} physical" if info.physical_cores else ""
+    avail_gb = info.available_memory_mb / 1024
+    return [
+        ("Profile", f"{info.profile.value} ({band}, batch {batches})"),
+        ("Raspberry Pi", info.pi_model or "no"),
+        ("CPU", info.cpu_model),
+        ("Architecture", info.architecture),
+        ("Cores", f"{info.cores} logical{physical}"),
+        ("Memory", f"{info.total_memory_mb / 1024:.1f} GB total, {avail_gb:.1f} GB available"),
+        ("Batch size", str(rec.batch_size)),
+        ("Accumulation steps", str(rec.accumulation_steps)),
+        ("Threads", str(rec.num_threads)),
+        ("Memory budget", f"{rec.max_memory_mb} MB"),
+    ]

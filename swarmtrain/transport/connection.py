@@ -1,0 +1,290 @@
+"""One framed, authenticated TCP connection on asyncio.
+
+Reads go through :class:`FrameProtocol`, an ``asyncio.BufferedProtocol`` that lets the
+kernel write straight into the decoder's buffers, so a tensor payload lands in the very
+bytearray its tensors are built over (no copy per read). Writes go through a bounded send
+queue drained by one writer task that honours the transport's flow control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from swarmtrain.errors import ConnectionLost, ProtocolError, RemoteProtocolError, SwarmTimeout
+from swarmtrain.wire import Decoder, Error, Heartbeat, Limits, Message, encode
+
+__all__ = ["Timeouts", "Connection", "FrameProtocol"]
+
+log = logging.getLogger("swarmtrain.transport")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Named time limits (seconds) for each phase of a connection's life."""
+
+    connect: float = 10.0
+    handshake: float = 10.0
+    heartbeat_interval: float = 2.0
+    heartbeat_timeout: float = 10.0
+    send: float = 60.0
+
+
+class _Closed:
+    pass
+
+
+_CLOSED = _Closed()
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """Feeds received bytes to a :class:`Decoder` and queues complete messages."""
+
+    def __init__(self, limits: Limits, max_pending: int = 64) -> None:
+        self.decoder = Decoder(limits)
+        self.transport: asyncio.Transport | None = None
+        self.inbox: asyncio.Queue[Message | _Closed] = asyncio.Queue()
+        self.max_pending = max_pending
+        self.close_reason: BaseException | None = None
+        self.closed = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._reading_paused = False
+        self.last_received = time.monotonic()
+        self.protocol_error: RemoteProtocolError | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        try:
+            return self.decoder.get_buffer(sizehint)
+        except RemoteProtocolError:
+            return memoryview(bytearray(4096))  # already failing; drain into scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_received = time.monotonic()
+        if self.protocol_error is not None:
+            return
+        try:
+            self.decoder.buffer_updated(nbytes)
+        except RemoteProtocolError as exc:
+            self.protocol_error = exc
+            self._refuse(exc)
+            return
+        while (msg := self.decoder.next_message()) is not None:
+            self.inbox.put_nowait(msg)
+        if self.inbox.qsize() >= self.max_pending and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _refuse(self, exc: RemoteProtocolError) -> None:
+        """Tell the peer what was wrong with its frame, then close (the stream can't resync)."""
+        log.warning("closing connection: %s", exc)
+        if self.transport is not None and not self.transport.is_closing():
+            with contextlib.suppress(Exception):
+                for seg in encode(Error(code=exc.code, message=str(exc), fatal=True)):
+                    self.transport.write(seg)
+            self.transport.close()
+        self._mark_closed(exc)
+
+    def resume_if_drained(self) -> None:
+        if self._reading_paused and self.inbox.qsize() < self.max_pending // 2 and self.transport:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def eof_received(self) -> bool | None:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._can_write.set()
+        self._mark_closed(exc or ConnectionLost("connection closed by peer"))
+
+    def _mark_closed(self, exc: BaseException) -> None:
+        if not self.closed.is_set():
+            self.close_reason = exc
+            self.closed.set()
+            self.inbox.put_nowait(_CLOSED)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+
+class Connection:
+    """An established connection: ``send``/``recv`` messages, heartbeats, clean close.
+
+    Heartbeats are handled here: they refresh the peer's last-seen time and are never
+    returned by :meth:`recv`. A peer silent for ``timeouts.heartbeat_timeout`` is dropped.
+    """
+
+    def __init__(
+        self,
+        protocol: FrameProtocol,
+        timeouts: Timeouts,
+        *,
+        send_queue_size: int = 64,
+        limits: Limits | None = None,
+    ) -> None:
+        if protocol.transport is None:
+            raise ConnectionLost("transport not connected")
+        self._proto = protocol
+        self.transport = protocol.transport
+        self.timeouts = timeouts
+        self.limits = limits or protocol.decoder.limits
+        self.peer = _peer_name(self.transport)
+        self._outbox: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=send_queue_size)
+        self._tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._writer())]
+        self.bytes_sent = 0
+        self.sent_by_type: Counter[str] = Counter()
+        self.received_by_type: Counter[str] = Counter()
+        self.peer_step = 0
+        self.session = ""
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def send(self, msg: Message, timeout: float | None = None) -> None:
+        """Queue ``msg`` for sending; waits while the send queue is full.
+
+        Raises:
+            ConnectionLost: the connection is closed.
+            SwarmTimeout: the queue stayed full for ``timeout`` (default ``timeouts.send``).
+        """
+        self._check_open()
+        limit = self.timeouts.send if timeout is None else timeout
+        try:
+            await asyncio.wait_for(self._outbox.put(msg), limit)
+        except TimeoutError:
+            raise SwarmTimeout("send", limit, f"send queue to {self.peer} stayed full") from None
+
+    async def _writer(self) -> None:
+        try:
+            while True:
+                msg = await self._outbox.get()
+                if msg is None or self.transport.is_closing():
+                    return
+                await self._proto._can_write.wait()
+                if self.transport.is_closing():
+                    return
+                for seg in encode(msg, self.limits):
+                    self.transport.write(seg)
+                    self.bytes_sent += len(seg) if isinstance(seg, bytes) else seg.nbytes
+                self.sent_by_type[msg.TYPE.name] += 1
+        except ProtocolError as exc:
+            log.error("cannot send to %s: %s", self.peer, exc)
+            self.abort(exc)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def recv(self, timeout: float | None = None, phase: str = "recv") -> Message:
+        """The next message from the peer (heartbeats are consumed here).
+
+        Raises:
+            ConnectionLost: the connection closed (the reason is chained).
+            RemoteProtocolError: the peer sent a malformed frame (the connection is closed).
+            SwarmTimeout: nothing arrived within ``timeout`` (named ``phase``).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                item = await asyncio.wait_for(self._proto.inbox.get(), remaining)
+            except TimeoutError:
+                raise SwarmTimeout(phase, timeout or 0.0, f"waiting for {self.peer}") from None
+            self._proto.resume_if_drained()
+            if isinstance(item, _Closed):
+                self._proto.inbox.put_nowait(item)  # every later recv sees the close too
+                raise self._closed_error()
+            self.received_by_type[item.TYPE.name] += 1
+            if isinstance(item, Heartbeat):
+                self.peer_step = item.step
+                continue
+            return item
+
+    def _closed_error(self) -> Exception:
+        reason = self._proto.close_reason
+        if isinstance(reason, (RemoteProtocolError, SwarmTimeout)):
+            return reason
+        err = ConnectionLost(f"connection to {self.peer} closed" + (f": {reason}" if reason else ""))
+        err.__cause__ = reason
+        return err
+
+    def _check_open(self) -> None:
+        if self._proto.closed.is_set() or self.transport.is_closing():
+            raise self._closed_error()
+
+    # -- liveness --------------------------------------------------------------------------
+
+    def start_heartbeats(self, step_fn: Any = None) -> None:
+        """Send a heartbeat every interval and drop the peer after ``heartbeat_timeout`` silence."""
+        self._tasks.append(asyncio.create_task(self._heartbeat(step_fn)))
+
+    async def _heartbeat(self, step_fn: Any) -> None:
+        interval, limit = self.timeouts.heartbeat_interval, self.timeouts.heartbeat_timeout
+        while not self._proto.closed.is_set():
+            silent = time.monotonic() - self._proto.last_received
+            if silent > limit:
+                log.warning("no word from %s for %.1f s: dropping it", self.peer, silent)
+                self.abort(SwarmTimeout("heartbeat", limit, f"{self.peer} went silent"))
+                return
+            if self._outbox.qsize() < self._outbox.maxsize:
+                self._outbox.put_nowait(Heartbeat(time=time.time(), step=step_fn() if step_fn else 0))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._proto.closed.wait(), min(interval, limit / 2))
+
+    @property
+    def last_received(self) -> float:
+        """time.monotonic() of the last bytes received from the peer."""
+        return self._proto.last_received
+
+    @property
+    def is_closed(self) -> bool:
+        return self._proto.closed.is_set()
+
+    async def wait_closed(self) -> None:
+        await self._proto.closed.wait()
+
+    # -- closing ---------------------------------------------------------------------------
+
+    async def close(self, error: Error | None = None, timeout: float = 5.0) -> None:
+        """Send ``error`` (if given) and what is queued, then close."""
+        if not self.is_closed:
+            with contextlib.suppress(Exception):
+                if error is not None:
+                    self._outbox.put_nowait(error)
+                self._outbox.put_nowait(None)
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout)
+        self.transport.close()
+        self._proto._mark_closed(ConnectionLost("closed locally"))
+        await self._cancel_tasks()
+
+    def abort(self, reason: BaseException) -> None:
+        """Close now, discarding anything unsent."""
+        self._proto._mark_closed(reason)
+        self.transport.abort()
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+
+    async def _cancel_tasks(self) -> None:
+        me = asyncio.current_task()
+        others = [t for t in self._tasks if t is not me]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+
+def _peer_name(transport: asyncio.BaseTransport) -> str:
+    addr = transport.get_extra_info("peername")
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)

@@ -1,0 +1,237 @@
+"""Frames: encoding messages to bytes and an incremental, sans-IO decoder.
+
+Frame layout (all integers little-endian)::
+
+    offset size field
+    0      4    magic          b"SWRM"
+    4      1    version        PROTOCOL_VERSION
+    5      1    type           MsgType
+    6      2    flags          0 (reserved; any set bit is refused)
+    8      4    header_length  bytes of msgpack header that follow
+    12     8    payload_length bytes of raw tensor payload after the header
+    20     H    header         msgpack map {"f": {fields}, "t": [[name, dtype, shape, offset, nbytes], ...]}
+    20+H   P    payload        tensor bytes, each at a multiple of 64
+
+The decoder can be fed bytes in any split (``feed``), or lend its own buffers to the
+caller for zero-copy receives (``get_buffer``/``buffer_updated``, the shape of
+``asyncio.BufferedProtocol``): the payload is received straight into the bytearray the
+tensors are then built over.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from swarmtrain.errors import LocalProtocolError, RemoteProtocolError
+from swarmtrain.wire.messages import Message, MsgType, message_from_fields
+from swarmtrain.wire.tensors import layout_tensors, rebuild_tensors
+
+__all__ = [
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "PREAMBLE",
+    "Limits",
+    "encode",
+    "encode_bytes",
+    "Decoder",
+]
+
+MAGIC = b"SWRM"
+PROTOCOL_VERSION = 1
+PREAMBLE = struct.Struct("<4sBBHIQ")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what one frame may carry; a frame over any cap is refused before allocation."""
+
+    max_header_bytes: int = 1 << 20
+    max_payload_bytes: int = 1 << 30
+    max_tensors: int = 16384
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _pack_header(msg: Message, descs: list[Any]) -> bytes:
+    try:
+        return msgpack.packb({"f": msg.fields(), "t": descs}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(
+            "unencodable", f"{msg.TYPE.name} has a field msgpack cannot carry: {exc}"
+        ) from exc
+
+
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[bytes | memoryview]:
+    """Encode ``msg`` as a list of buffers to write back to back (tensor memory is not copied).
+
+    Raises:
+        LocalProtocolError: the message cannot be carried (bad dtype, over a limit...).
+    """
+    descs, segments, payload_len = layout_tensors(msg.tensor_map())
+    if len(descs) > limits.max_tensors:
+        raise LocalProtocolError("too_many_tensors", f"{len(descs)} tensors > {limits.max_tensors}")
+    header = _pack_header(msg, [d.to_wire() for d in descs])
+    if len(header) > limits.max_header_bytes:
+        raise LocalProtocolError(
+            "oversize_header", f"header of {len(header)} bytes > limit {limits.max_header_bytes}"
+        )
+    if payload_len > limits.max_payload_bytes:
+        raise LocalProtocolError(
+            "oversize_payload", f"payload of {payload_len} bytes > limit {limits.max_payload_bytes}"
+        )
+    pre = PREAMBLE.pack(MAGIC, PROTOCOL_VERSION, int(msg.TYPE), 0, len(header), payload_len)
+    return [pre + header, *segments]
+
+
+def encode_bytes(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Encode ``msg`` into one bytes object (convenient for tests and small messages)."""
+    return b"".join(encode(msg, limits))
+
+
+_PRE, _HEAD, _BODY = 0, 1, 2
+
+
+class Decoder:
+    """Incremental frame decoder; no I/O.
+
+    After a :class:`RemoteProtocolError` the stream cannot be resynchronised: the decoder
+    stays broken and every later call raises the same error.
+    """
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
+        self._ready: deque[Message] = deque()
+        self._error: RemoteProtocolError | None = None
+        self._start(_PRE, bytearray(PREAMBLE.size))
+        self._mtype = MsgType.HEARTBEAT
+        self._header_len = 0
+        self._payload_len = 0
+        self._fields: dict[str, Any] = {}
+        self._descs: list[Any] = []
+        self.bytes_received = 0
+
+    def _start(self, state: int, buf: bytearray) -> None:
+        self._state = state
+        self._buf = buf
+        self._filled = 0
+
+    def _fail(self, exc: RemoteProtocolError) -> RemoteProtocolError:
+        self._error = exc
+        return exc
+
+    # -- the two ways of getting bytes in --------------------------------------------------
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Take bytes received from the peer (any split). Raises RemoteProtocolError."""
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            target = self.get_buffer()
+            n = min(target.nbytes, view.nbytes)
+            target[:n] = view[:n]
+            view = view[n:]
+            self.buffer_updated(n)
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """A writable view of exactly the bytes the decoder needs next."""
+        if self._error is not None:
+            raise self._error
+        return memoryview(self._buf)[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were written into the last buffer from :meth:`get_buffer`."""
+        if self._error is not None:
+            raise self._error
+        self._filled += nbytes
+        self.bytes_received += nbytes
+        while self._filled == len(self._buf) and self._error is None:
+            self._advance()
+
+    # -- state machine ----------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        if self._state == _PRE:
+            self._parse_preamble()
+        elif self._state == _HEAD:
+            self._parse_header()
+        else:
+            self._finish()
+
+    def _parse_preamble(self) -> None:
+        magic, version, mtype, flags, hlen, plen = PREAMBLE.unpack(self._buf)
+        if magic != MAGIC:
+            raise self._fail(RemoteProtocolError(
+                "bad_magic", f"frame starts with {bytes(magic)!r}, not {MAGIC!r}: not a swarmtrain peer?"
+            ))
+        if version != PROTOCOL_VERSION:
+            raise self._fail(RemoteProtocolError(
+                "unsupported_version",
+                f"peer speaks protocol version {version}, this node speaks {PROTOCOL_VERSION}: "
+                "run the same swarmtrain release on every machine",
+            ))
+        try:
+            self._mtype = MsgType(mtype)
+        except ValueError:
+            raise self._fail(RemoteProtocolError("unknown_type", f"unknown message type {mtype}")) from None
+        if flags:
+            raise self._fail(RemoteProtocolError("bad_flags", f"reserved flags set: {flags:#x}"))
+        if hlen > self.limits.max_header_bytes:
+            raise self._fail(RemoteProtocolError(
+                "oversize_header", f"header of {hlen} bytes > limit {self.limits.max_header_bytes}"
+            ))
+        if plen > self.limits.max_payload_bytes:
+            raise self._fail(RemoteProtocolError(
+                "oversize_payload", f"payload of {plen} bytes > limit {self.limits.max_payload_bytes}"
+            ))
+        if hlen == 0:
+            raise self._fail(RemoteProtocolError("bad_header", "frame has an empty header"))
+        self._header_len, self._payload_len = hlen, plen
+        self._start(_HEAD, bytearray(hlen))
+
+    def _parse_header(self) -> None:
+        try:
+            obj = msgpack.unpackb(
+                self._buf, raw=False, strict_map_key=True, use_list=True
+            )
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise self._fail(RemoteProtocolError("bad_header", f"header is not valid msgpack: {exc}")) from None
+        if not (isinstance(obj, dict) and isinstance(obj.get("f"), dict) and isinstance(obj.get("t"), list)):
+            raise self._fail(RemoteProtocolError(
+                "bad_header", "header must be a map with 'f' (fields map) and 't' (tensor list)"
+            ))
+        if len(obj["t"]) > self.limits.max_tensors:
+            raise self._fail(RemoteProtocolError(
+                "too_many_tensors", f"frame carries {len(obj['t'])} tensors; limit {self.limits.max_tensors}"
+            ))
+        self._fields, self._descs = obj["f"], obj["t"]
+        self._start(_BODY, bytearray(self._payload_len))
+        if self._payload_len == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        payload = self._buf
+        try:
+            tensors = rebuild_tensors(self._descs, payload, self.limits.max_tensors)
+            msg = message_from_fields(self._mtype, self._fields, tensors)
+        except RemoteProtocolError as exc:
+            raise self._fail(exc) from None
+        except (TypeError, ValueError) as exc:
+            raise self._fail(RemoteProtocolError("bad_message", f"{self._mtype.name}: {exc}")) from None
+        self._ready.append(msg)
+        self._start(_PRE, bytearray(PREAMBLE.size))
+
+    # -- output ----------------------------------------------------------------------------
+
+    def next_message(self) -> Message | None:
+        """The next complete message, or None if more bytes are needed."""
+        return self._ready.popleft() if self._ready else None
+
+    @property
+    def mid_frame(self) -> bool:
+        """True if some bytes of an unfinished frame have been received."""
+        return self._state != _PRE or self._filled > 0

@@ -1,0 +1,328 @@
+"""Message types of the swarmtrain protocol as frozen dataclasses.
+
+Each message class has a :class:`MsgType` and plain fields (int, float, str, bool, bytes,
+list, dict) that travel in the msgpack header; messages that carry tensors have a
+``tensors`` field that travels in the payload. Decoding checks every field's presence and
+type, so roles only ever see well-typed messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from swarmtrain.errors import RemoteProtocolError
+
+__all__ = [
+    "MsgType",
+    "Message",
+    "Hello",
+    "Challenge",
+    "Auth",
+    "Welcome",
+    "Register",
+    "RegisterAck",
+    "Weights",
+    "Gradients",
+    "Update",
+    "Start",
+    "Pause",
+    "Resume",
+    "Shutdown",
+    "Heartbeat",
+    "CheckpointMsg",
+    "Error",
+    "StatusRequest",
+    "Status",
+    "MESSAGE_CLASSES",
+    "message_from_fields",
+]
+
+TensorMap = Mapping[str, torch.Tensor]
+
+
+class MsgType(enum.IntEnum):
+    """The type byte of a frame."""
+
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    WELCOME = 4
+    REGISTER = 10
+    REGISTER_ACK = 11
+    WEIGHTS = 12
+    GRADIENTS = 13
+    UPDATE = 14
+    START = 20
+    PAUSE = 21
+    RESUME = 22
+    SHUTDOWN = 23
+    HEARTBEAT = 24
+    CHECKPOINT = 25
+    ERROR = 26
+    STATUS_REQUEST = 27
+    STATUS = 28
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of all messages; ``TYPE`` is the frame's type byte."""
+
+    TYPE: ClassVar[MsgType]
+
+    def fields(self) -> dict[str, Any]:
+        """The header fields (everything but ``tensors``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tensors"}
+
+    def tensor_map(self) -> TensorMap:
+        return getattr(self, "tensors", {})
+
+
+# --- handshake -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Client → server: opens the handshake with a fresh nonce."""
+
+    TYPE = MsgType.HELLO
+    role: str
+    nonce: bytes
+    software: str = ""
+
+
+@dataclass(frozen=True)
+class Challenge(Message):
+    """Server → client: the server's nonce and its proof that it knows the cluster secret."""
+
+    TYPE = MsgType.CHALLENGE
+    nonce: bytes
+    proof: bytes
+    open_cluster: bool = False
+
+
+@dataclass(frozen=True)
+class Auth(Message):
+    """Client → server: the client's proof that it knows the cluster secret."""
+
+    TYPE = MsgType.AUTH
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Server → client: authentication succeeded."""
+
+    TYPE = MsgType.WELCOME
+    session: str
+
+
+# --- parameter server ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    """Worker → coordinator: who I am, what model I hold and what I can do."""
+
+    TYPE = MsgType.REGISTER
+    worker_id: str
+    task: str
+    fingerprint: list[Any]
+    hardware: dict[str, Any]
+    batch_size: int
+    accumulation_steps: int
+    shard_index: int
+    compression: dict[str, Any]
+    samples_per_sec: float
+    last_msg_id: int = 0
+
+
+@dataclass(frozen=True)
+class RegisterAck(Message):
+    """Coordinator → worker: accepted; the shard to train on and whether training runs."""
+
+    TYPE = MsgType.REGISTER_ACK
+    worker_id: str
+    shard_index: int
+    num_shards: int
+    running: bool
+    paused: bool
+    version: int
+    last_applied_msg_id: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Weights(Message):
+    """Coordinator → worker: full weights at ``version`` (initial sync and periodic resync)."""
+
+    TYPE = MsgType.WEIGHTS
+    version: int
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Gradients(Message):
+    """Worker → coordinator: a (compressed) gradient computed on weights of ``version``.
+
+    ``msg_id`` increases per worker; a coordinator applies each (worker, msg_id) once.
+    ``codecs`` maps parameter name → {codec, shape, dtype, meta}; the parts of parameter
+    ``p`` travel as tensors named ``p/<part>``.
+    """
+
+    TYPE = MsgType.GRADIENTS
+    msg_id: int
+    version: int
+    samples: int
+    loss: float
+    codecs: dict[str, Any]
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Update(Message):
+    """Coordinator → worker: answer to GRADIENTS ``msg_id`` and the (compressed) weight delta
+    that brings the worker's replica from its last known state to ``version``.
+
+    ``status`` is one of ``applied``, ``stale`` (dropped: older than max_staleness),
+    ``duplicate`` (already applied before a reconnect) or ``rejected`` (bad values).
+    """
+
+    TYPE = MsgType.UPDATE
+    msg_id: int
+    version: int
+    status: str
+    codecs: dict[str, Any]
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Start(Message):
+    TYPE = MsgType.START
+    version: int
+
+
+@dataclass(frozen=True)
+class Pause(Message):
+    TYPE = MsgType.PAUSE
+
+
+@dataclass(frozen=True)
+class Resume(Message):
+    TYPE = MsgType.RESUME
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    TYPE = MsgType.SHUTDOWN
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE = MsgType.HEARTBEAT
+    time: float
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointMsg(Message):
+    """A request to checkpoint now (empty ``path``), or the answer naming the file written."""
+
+    TYPE = MsgType.CHECKPOINT
+    path: str = ""
+    step: int = 0
+    ok: bool = True
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """Either side: what was wrong. ``fatal`` errors are followed by closing the connection."""
+
+    TYPE = MsgType.ERROR
+    code: str
+    message: str
+    fatal: bool = True
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    TYPE = MsgType.STATUS_REQUEST
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    """The coordinator's status: step, loss, version, workers (a msgpack-able dict)."""
+
+    TYPE = MsgType.STATUS
+    status: dict[str, Any]
+
+
+MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update,
+        Start, Pause, Resume, Shutdown, Heartbeat, CheckpointMsg, Error, StatusRequest, Status,
+    )
+}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint) or hint
+    if origin is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (str, bytes, bool, list, dict):
+        return isinstance(value, origin)
+    return True
+
+
+_HINTS: dict[type[Message], dict[str, Any]] = {
+    cls: typing.get_type_hints(cls) for cls in MESSAGE_CLASSES.values()
+}
+
+
+def message_from_fields(
+    mtype: MsgType, fields: Mapping[str, Any], tensors: dict[str, torch.Tensor]
+) -> Message:
+    """Build a message of ``mtype`` from decoded header fields, checking each field.
+
+    Unknown extra fields are ignored (a newer peer may add optional ones).
+
+    Raises:
+        RemoteProtocolError: a required field is missing or has the wrong type, or tensors
+            arrived on a message type that carries none.
+    """
+    cls = MESSAGE_CLASSES[mtype]
+    hints = _HINTS[cls]
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "tensors":
+            kwargs["tensors"] = tensors
+            continue
+        if f.name not in fields:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RemoteProtocolError(
+                    "missing_field", f"{mtype.name} message lacks required field '{f.name}'"
+                )
+            continue
+        value = fields[f.name]
+        if not _type_ok(value, hints[f.name]):
+            raise RemoteProtocolError(
+                "bad_field",
+                f"{mtype.name} field '{f.name}' should be {hints[f.name]}, got {type(value).__name__}",
+            )
+        if hints[f.name] is float:
+            value = float(value)
+        kwargs[f.name] = value
+    if tensors and "tensors" not in kwargs:
+        raise RemoteProtocolError("unexpected_tensors", f"{mtype.name} messages carry no tensors")
+    return cls(**kwargs)

@@ -1,0 +1,170 @@
+"""Tensor descriptors and the raw payload layout.
+
+A frame's payload is the raw bytes of its tensors back to back, each starting at an offset
+that is a multiple of :data:`ALIGN` (zero padding between). The header lists one descriptor per
+tensor: ``[name, dtype, shape, offset, nbytes]``. A receiver rebuilds every tensor with
+``torch.frombuffer`` over the one buffer the payload was received into: no per-tensor copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmtrain.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = ["ALIGN", "DTYPES", "TensorDesc", "layout_tensors", "tensor_bytes", "rebuild_tensors"]
+
+#: every tensor starts at a multiple of this many bytes in the payload
+ALIGN = 64
+
+#: dtype names allowed on the wire, and their torch dtypes
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+_MAX_NAME = 512
+_MAX_DIMS = 16
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """Where one tensor lies in a payload and how to read it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, as a memoryview sharing its memory."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def layout_tensors(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[list[TensorDesc], list[memoryview | bytes], int]:
+    """Plan a payload for ``tensors``.
+
+    Returns:
+        (descriptors, segments, payload_length): the segments written back to back are
+        the payload (tensor bytes and zero padding), without copying tensor memory.
+
+    Raises:
+        LocalProtocolError: a tensor has a dtype the wire cannot carry, or is not on the CPU.
+    """
+    descs: list[TensorDesc] = []
+    segments: list[memoryview | bytes] = []
+    offset = 0
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise LocalProtocolError("bad_tensor", f"tensor {name!r} is a {type(t).__name__}")
+        if t.dtype not in _NAMES:
+            raise LocalProtocolError(
+                "bad_dtype", f"tensor {name!r} has dtype {t.dtype}; the wire carries {sorted(DTYPES)}"
+            )
+        if t.device.type != "cpu":
+            raise LocalProtocolError("bad_device", f"tensor {name!r} is on {t.device}; move it to cpu")
+        if len(name) > _MAX_NAME or t.dim() > _MAX_DIMS:
+            raise LocalProtocolError("bad_tensor", f"tensor name or rank too large: {name[:40]!r}")
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        descs.append(TensorDesc(name, _NAMES[t.dtype], tuple(t.shape), offset, nbytes))
+        if nbytes:
+            segments.append(tensor_bytes(t))
+        end = offset + nbytes
+        pad = _aligned(end) - end
+        if pad:
+            segments.append(bytes(pad))
+        offset = end + pad
+    return descs, segments, offset
+
+
+def _parse_desc(raw: Any, index: int) -> TensorDesc:
+    if not (isinstance(raw, list) and len(raw) == 5):
+        raise RemoteProtocolError("bad_descriptor", f"tensor descriptor #{index} is not a 5-item list")
+    name, dtype, shape, offset, nbytes = raw
+    if not isinstance(name, str) or not name or len(name) > _MAX_NAME:
+        raise RemoteProtocolError("bad_descriptor", f"tensor descriptor #{index} has a bad name")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise RemoteProtocolError(
+            "bad_dtype", f"tensor {name!r} has dtype {dtype!r}; allowed: {', '.join(sorted(DTYPES))}"
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise RemoteProtocolError("bad_descriptor", f"tensor {name!r} has a bad shape {shape!r}")
+    for what, v in (("offset", offset), ("nbytes", nbytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise RemoteProtocolError("bad_descriptor", f"tensor {name!r} has a bad {what} {v!r}")
+    return TensorDesc(name, dtype, tuple(shape), offset, nbytes)
+
+
+def rebuild_tensors(
+    raw_descs: Sequence[Any], payload: bytearray, max_tensors: int
+) -> dict[str, torch.Tensor]:
+    """Rebuild tensors from descriptors over ``payload`` without copying.
+
+    Raises:
+        RemoteProtocolError: a descriptor is malformed, names a dtype we do not carry, does not
+            match its byte count, overlaps another, or points outside the payload.
+    """
+    if len(raw_descs) > max_tensors:
+        raise RemoteProtocolError(
+            "too_many_tensors", f"frame carries {len(raw_descs)} tensors; the limit is {max_tensors}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    end_prev = 0
+    for i, raw in enumerate(raw_descs):
+        d = _parse_desc(raw, i)
+        dt = DTYPES[d.dtype]
+        itemsize = torch.empty((), dtype=dt).element_size()
+        numel = math.prod(d.shape)
+        if numel * itemsize != d.nbytes:
+            raise RemoteProtocolError(
+                "bad_descriptor",
+                f"tensor {d.name!r}: shape {list(d.shape)} of {d.dtype} needs {numel * itemsize} "
+                f"bytes, descriptor says {d.nbytes}",
+            )
+        if d.offset < end_prev or d.offset + d.nbytes > len(payload):
+            raise RemoteProtocolError(
+                "descriptor_out_of_range",
+                f"tensor {d.name!r} claims bytes [{d.offset}, {d.offset + d.nbytes}) of a "
+                f"{len(payload)}-byte payload (out of range or overlapping the previous tensor)",
+            )
+        if d.offset % itemsize:
+            raise RemoteProtocolError("misaligned", f"tensor {d.name!r} offset {d.offset} is misaligned")
+        if d.name in out:
+            raise RemoteProtocolError("duplicate_tensor", f"tensor {d.name!r} appears twice")
+        end_prev = d.offset + d.nbytes
+        if numel == 0:
+            out[d.name] = torch.empty(d.shape, dtype=dt)
+        else:
+            out[d.name] = torch.frombuffer(payload, dtype=dt, count=numel, offset=d.offset).view(d.shape)
+    return out
