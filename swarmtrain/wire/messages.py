@@ -192,6 +192,7 @@ class Update(Message):
 
     ``status`` is one of ``applied``, ``stale`` (dropped: older than max_staleness),
     ``duplicate`` (already applied before a reconnect) or ``rejected`` (bad values).
+    With ``full`` set, ``tensors`` are the complete weights (a resync) and ``codecs`` is empty.
     """
 
     TYPE = MsgType.UPDATE
@@ -199,6 +200,7 @@ class Update(Message):
     version: int
     status: str
     codecs: dict[str, Any]
+    full: bool = False
     tensors: TensorMap = field(default_factory=dict)
 
 

@@ -38,6 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 _MAX_NAME = 512
 _MAX_DIMS = 16
+_MAX_DIM = 2**63  # torch sizes are int64; a larger dim (possible on an empty tensor) breaks torch.empty
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,12 @@ def layout_tensors(
             )
         if t.device.type != "cpu":
             raise LocalProtocolError("bad_device", f"tensor {name!r} is on {t.device}; move it to cpu")
-        if len(name) > _MAX_NAME or t.dim() > _MAX_DIMS:
-            raise LocalProtocolError("bad_tensor", f"tensor name or rank too large: {name[:40]!r}")
+        if not isinstance(name, str) or not name or len(name) > _MAX_NAME or t.dim() > _MAX_DIMS:
+            # the same rules _parse_desc applies on the receiving side
+            raise LocalProtocolError(
+                "bad_tensor", f"tensor name must be 1..{_MAX_NAME} characters and rank at most "
+                f"{_MAX_DIMS}: {str(name)[:40]!r} of rank {t.dim()}"
+            )
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
@@ -117,7 +122,7 @@ def _parse_desc(raw: Any, index: int) -> TensorDesc:
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _MAX_DIM for d in shape)
     ):
         raise RemoteProtocolError("bad_descriptor", f"tensor {name!r} has a bad shape {shape!r}")
     for what, v in (("offset", offset), ("nbytes", nbytes)):
@@ -152,11 +157,17 @@ def rebuild_tensors(
                 f"tensor {d.name!r}: shape {list(d.shape)} of {d.dtype} needs {numel * itemsize} "
                 f"bytes, descriptor says {d.nbytes}",
             )
-        if d.offset < end_prev or d.offset + d.nbytes > len(payload):
+        if d.offset + d.nbytes > len(payload):
             raise RemoteProtocolError(
                 "descriptor_out_of_range",
                 f"tensor {d.name!r} claims bytes [{d.offset}, {d.offset + d.nbytes}) of a "
-                f"{len(payload)}-byte payload (out of range or overlapping the previous tensor)",
+                f"{len(payload)}-byte payload",
+            )
+        if d.offset < end_prev:
+            raise RemoteProtocolError(
+                "overlapping_tensors",
+                f"tensor {d.name!r} starts at byte {d.offset}, inside or before the previous "
+                f"tensor (which ends at {end_prev}); tensors must follow each other in payload order",
             )
         if d.offset % itemsize:
             raise RemoteProtocolError("misaligned", f"tensor {d.name!r} offset {d.offset} is misaligned")

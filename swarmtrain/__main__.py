@@ -1,0 +1,5 @@
+import sys
+
+from swarmtrain.cli import main
+
+sys.exit(main())

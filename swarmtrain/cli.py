@@ -1,0 +1,217 @@
+"""The `swarmtrain` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from swarmtrain import __version__
+from swarmtrain.errors import SwarmError
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("swarmtrain")
+
+
+def _setup_logging(level: str, json_logs: bool = False) -> None:
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    if json_logs:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_JsonFormatter())
+    else:
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, rich_tracebacks=False, log_time_format="%H:%M:%S")
+    logging.basicConfig(level=lvl, handlers=[handler], format="%(message)s", force=True)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps({"time": record.created, "level": record.levelname.lower(),
+                           "logger": record.name, "message": record.getMessage()})
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (CLI flags override it)")
+    p.add_argument("--secret-file", help="file holding the cluster secret (or set SWARMTRAIN_SECRET)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="run an open cluster with no secret (anyone who can reach the port can join)")
+    p.add_argument("--task", help="digits, textlm, or package.module:factory")
+    p.add_argument("--data", dest="data_path", help="JSONL data file replacing the task's built-in data")
+    p.add_argument("--compression", choices=["none", "fp16", "topk", "qsgd"])
+    p.add_argument("--topk-ratio", type=float)
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-json", action="store_true", help="machine-readable JSON log lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarmtrain", description="Train one PyTorch model across many unequal machines.")
+    parser.add_argument("--version", action="version", version=f"swarmtrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="hold the master weights and serve workers")
+    _common(c)
+    c.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    c.add_argument("--port", type=int, help="port to listen on (default 7100; 0 = any free port)")
+    c.add_argument("--min-workers", type=int)
+    c.add_argument("--max-steps", type=int, help="stop after this many applied updates (0 = never)")
+    c.add_argument("--lr", "--learning-rate", dest="learning_rate", type=float)
+    c.add_argument("--eval-interval", dest="eval_interval_sec", type=float)
+    c.add_argument("--checkpoint-dir")
+    c.add_argument("--checkpoint-interval", type=int)
+    c.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    c.add_argument("--port-file", help=argparse.SUPPRESS)
+    c.add_argument("--summary-file", help="write the final status as JSON here on exit")
+
+    w = sub.add_parser("worker", help="compute gradients for a coordinator")
+    _common(w)
+    w.add_argument("--host", help="the coordinator's address")
+    w.add_argument("--port", type=int, help="the coordinator's port (default 7100)")
+    w.add_argument("--batch-size", type=int, help="0 = from the hardware profile")
+    w.add_argument("--accumulation-steps", type=int)
+    w.add_argument("--threads", dest="num_threads", type=int, help="0 = all cores")
+    w.add_argument("--shard", dest="shard_index", type=int, help="-1 = assigned by the coordinator")
+    w.add_argument("--worker-id")
+    w.add_argument("--speed", type=float, help="run at this fraction of full speed (rehearse a slow box)")
+    w.add_argument("--reconnect-attempts", type=int)
+    w.add_argument("--reconnect-delay", dest="reconnect_delay_sec", type=float)
+
+    d = sub.add_parser("demo", help="a small local cluster training a real model (digits)")
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--task", default="digits")
+    d.add_argument("--steps", type=int, default=0, help="updates to run (default: the task's demo length)")
+    d.add_argument("--compression", default="none", choices=["none", "fp16", "topk", "qsgd"])
+    d.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+    k = sub.add_parser("ctl", help="control a running coordinator")
+    k.add_argument("action", choices=["status", "pause", "resume", "checkpoint", "shutdown"])
+    k.add_argument("--host", default="127.0.0.1")
+    k.add_argument("--port", type=int, default=7100)
+    k.add_argument("--secret-file")
+    k.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+    s = sub.add_parser("secret", help="create a new random cluster secret file")
+    s.add_argument("--out", required=True, help="file to write (mode 0600)")
+
+    pr = sub.add_parser("profile", help="show detected hardware and recommended settings")
+    pr.add_argument("--task", default="digits")
+    pr.add_argument("--probe-seconds", type=float, default=1.0)
+    return parser
+
+
+def _overrides(args: argparse.Namespace, table: dict[str, str]) -> dict[str, Any]:
+    return {dotted: getattr(args, attr) for attr, dotted in table.items()
+            if getattr(args, attr, None) is not None}
+
+
+_SHARED = {
+    "task": "training.task", "data_path": "data.path", "compression": "compression.type",
+    "topk_ratio": "compression.topk_ratio", "secret_file": "security.secret_file",
+    "insecure": "security.insecure", "log_level": "logging.level",
+}
+_COORD = {
+    **_SHARED, "host": "network.host", "port": "network.port", "min_workers": "training.min_workers",
+    "max_steps": "training.max_steps", "learning_rate": "training.learning_rate",
+    "eval_interval_sec": "training.eval_interval_sec", "checkpoint_dir": "checkpointing.directory",
+    "checkpoint_interval": "checkpointing.interval",
+}
+_WORKER = {
+    **_SHARED, "host": "network.coordinator_host", "port": "network.coordinator_port",
+    "batch_size": "training.batch_size", "accumulation_steps": "training.accumulation_steps",
+    "num_threads": "hardware.num_threads", "shard_index": "data.shard_index",
+    "worker_id": "training.worker_id", "speed": "training.speed",
+    "reconnect_attempts": "network.reconnect_attempts", "reconnect_delay_sec": "network.reconnect_delay_sec",
+}
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from swarmtrain.config import load_coordinator_config
+    from swarmtrain.session import run_coordinator
+
+    cfg = load_coordinator_config(args.config, _overrides(args, _COORD))
+    _setup_logging(cfg.logging.level, args.log_json)
+    return run_coordinator(cfg, resume=args.resume, port_file=args.port_file,
+                           summary_file=args.summary_file)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from swarmtrain.config import load_worker_config
+    from swarmtrain.session import run_worker
+
+    cfg = load_worker_config(args.config, _overrides(args, _WORKER))
+    _setup_logging(cfg.logging.level, args.log_json)
+    return run_worker(cfg)
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    from swarmtrain.config import SecurityConfig, resolve_secret
+    from swarmtrain.roles.ctl import ctl_request
+    from swarmtrain.ui import print_status
+
+    secret = resolve_secret(SecurityConfig(secret_file=args.secret_file or ""))
+    reply = asyncio.run(ctl_request(args.host, args.port, args.action, secret=secret))
+    data = {k: v for k, v in reply.fields().items()}
+    if args.json:
+        print(json.dumps(data, default=str, indent=2))
+    elif "status" in data:
+        print_status(data["status"])
+    else:
+        print(data)
+    return 0 if data.get("ok", True) else 1
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    path = Path(args.out)
+    if path.exists():
+        raise SwarmError(f"{path} exists already; remove it first or choose another --out")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    print(f"wrote a new cluster secret to {path} (mode 0600); copy it to every machine and pass "
+          f"--secret-file {path}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from swarmtrain.ui import print_profile
+
+    print_profile(args.task, args.probe_seconds)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from swarmtrain.demo import run_demo
+
+    return run_demo(workers=args.workers, task=args.task, steps=args.steps,
+                    compression=args.compression, log_level=args.log_level)
+
+
+_COMMANDS = {
+    "coordinator": cmd_coordinator, "worker": cmd_worker, "ctl": cmd_ctl, "secret": cmd_secret,
+    "profile": cmd_profile, "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except SwarmError as exc:
+        print(f"swarmtrain {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

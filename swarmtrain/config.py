@@ -1,0 +1,462 @@
+"""TOML configuration of the coordinator and the worker.
+
+Each TOML section is a frozen dataclass; each field carries its help text and its allowed
+values in the field metadata, and one generic checker validates every field of every section
+(also when a section is built directly in Python). Precedence: defaults < file < overrides
+(overrides come from CLI flags as dotted keys, ``{"network.port": 7200}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from swarmtrain.errors import ConfigError
+
+__all__ = [
+    "CheckpointingConfig",
+    "CompressionConfig",
+    "CoordinatorConfig",
+    "CoordinatorDataConfig",
+    "CoordinatorNetworkConfig",
+    "CoordinatorTrainingConfig",
+    "HardwareConfig",
+    "LoggingConfig",
+    "SecurityConfig",
+    "WorkerConfig",
+    "WorkerDataConfig",
+    "WorkerNetworkConfig",
+    "WorkerTrainingConfig",
+    "load_coordinator_config",
+    "load_worker_config",
+    "resolve_secret",
+    "to_dict",
+    "with_overrides",
+]
+
+SECRET_ENV_VAR = "SWARMTRAIN_SECRET"
+_REDACTED = "<redacted>"
+_TOML_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def _opt(default: Any, help: str, **checks: Any) -> Any:
+    """A field with help text and checks: ``ge``, ``gt``, ``le``, ``lt`` or ``choices``."""
+    return field(default=default, metadata={"help": help, **checks})
+
+
+class _Section:
+    """Base of every section: validates each field against its type and metadata."""
+
+    SECTION: ClassVar[str]
+    # (a, b) pairs of fields where a must be strictly less than b
+    LESS_THAN: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = _check_value(type(self), f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+        for a, b in self.LESS_THAN:
+            if not getattr(self, a) < getattr(self, b):
+                raise ConfigError(
+                    f"{self.SECTION}.{a} ({getattr(self, a)}) must be less than "
+                    f"{self.SECTION}.{b} ({getattr(self, b)})"
+                )
+
+
+_SPECS: dict[type, dict[str, tuple[type, Mapping[str, Any]]]] = {}
+
+
+def _field_specs(cls: type) -> dict[str, tuple[type, Mapping[str, Any]]]:
+    """Field name -> (type, metadata) of a section class, resolved once per class."""
+    if cls not in _SPECS:
+        hints = typing.get_type_hints(cls)
+        _SPECS[cls] = {f.name: (hints[f.name], f.metadata) for f in dataclasses.fields(cls)}
+    return _SPECS[cls]
+
+
+def _check_value(cls: type[_Section], name: str, value: Any) -> Any:
+    """Return ``value`` (ints widened to float for float fields) or raise ConfigError."""
+    expected, meta = _field_specs(cls)[name]
+    key = f"{cls.SECTION}.{name}"
+    ok = isinstance(value, expected) and not (isinstance(value, bool) and expected is not bool)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(
+            f"{key}: expected {_TOML_TYPE_NAMES[expected]}, got {value!r} "
+            f"({_TOML_TYPE_NAMES.get(type(value), type(value).__name__)})"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{key} = {value!r} is not allowed; allowed values: {allowed}")
+    lower = [(meta[op], sym) for op, sym in (("ge", "<="), ("gt", "<")) if op in meta]
+    upper = [(meta[op], sym) for op, sym in (("le", "<="), ("lt", "<")) if op in meta]
+    in_range = all(value >= b if s == "<=" else value > b for b, s in lower) and all(
+        value <= b if s == "<=" else value < b for b, s in upper
+    )
+    if not in_range:
+        text = " ".join([*(f"{b} {s}" for b, s in lower), name, *(f"{s} {b}" for b, s in upper)])
+        raise ConfigError(f"{key} = {value!r} is out of range; allowed: {text}")
+    return value
+
+
+# ---------------------------------------------------------------- sections shared by both roles
+
+
+@dataclass(frozen=True)
+class SecurityConfig(_Section):
+    """[security]: the cluster secret that authenticates every connection."""
+
+    SECTION = "security"
+    secret: str = _opt("", "cluster secret; takes precedence over secret_file and the env var")
+    secret_file: str = _opt("", "file holding the cluster secret (whitespace stripped)")
+    insecure: bool = _opt(False, "allow running without any secret (trusted networks only)")
+
+
+@dataclass(frozen=True)
+class CompressionConfig(_Section):
+    """[compression]: how gradients (and weight deltas) are compressed on the wire."""
+
+    SECTION = "compression"
+    type: str = _opt("none", "codec", choices=("none", "fp16", "topk", "qsgd"))
+    topk_ratio: float = _opt(0.1, "fraction of entries topk keeps", gt=0.0, le=1.0)
+    qsgd_bits: int = _opt(8, "bits per QSGD level index", choices=(2, 4, 8))
+    bucket_size: int = _opt(512, "elements per QSGD bucket (one norm each)", ge=1)
+    warmup_steps: int = _opt(0, "steps sent uncompressed before compression starts", ge=0)
+    min_compress_numel: int = _opt(256, "tensors smaller than this go uncompressed", ge=0)
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Section):
+    """[logging]: console verbosity and the optional JSONL run log."""
+
+    SECTION = "logging"
+    level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    run_log: str = _opt("", 'path of a JSONL run log ("" = none)')
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig(_Section):
+    """[checkpointing]: periodic atomic checkpoints of weights and optimizer state."""
+
+    SECTION = "checkpointing"
+    interval: int = _opt(1000, "updates between checkpoints (0 = off)", ge=0)
+    directory: str = _opt("checkpoints", "where checkpoints are written")
+    keep: int = _opt(3, "newest checkpoints kept on disk", ge=1)
+
+
+@dataclass(frozen=True)
+class HardwareConfig(_Section):
+    """[hardware]: limits on what the worker uses of its machine."""
+
+    SECTION = "hardware"
+    num_threads: int = _opt(0, "torch threads (0 = auto)", ge=0)
+    max_memory_mb: int = _opt(0, "memory budget for training in MB (0 = auto)", ge=0)
+
+
+# ---------------------------------------------------------------- coordinator sections
+
+
+@dataclass(frozen=True)
+class CoordinatorNetworkConfig(_Section):
+    """[network] of the coordinator: where it listens and its connection timing."""
+
+    SECTION = "network"
+    LESS_THAN = (("heartbeat_interval_sec", "heartbeat_timeout_sec"),)
+    host: str = _opt("0.0.0.0", "address to listen on")
+    port: int = _opt(7100, "TCP port to listen on (0 = any free port)", ge=0, le=65535)
+    heartbeat_interval_sec: float = _opt(2.0, "seconds between heartbeats", gt=0.0)
+    heartbeat_timeout_sec: float = _opt(10.0, "silence after which a peer is dead", gt=0.0)
+    handshake_timeout_sec: float = _opt(10.0, "limit on the connection handshake", gt=0.0)
+    send_queue_size: int = _opt(64, "messages queued per connection before backpressure", ge=1)
+
+
+@dataclass(frozen=True)
+class CoordinatorTrainingConfig(_Section):
+    """[training] of the coordinator: task, Adam, staleness, and the run's length."""
+
+    SECTION = "training"
+    task: str = _opt("digits", "'digits', 'textlm' or 'package.module:factory'")
+    learning_rate: float = _opt(0.0, "Adam learning rate (0 = the task's default)", ge=0.0)
+    beta1: float = _opt(0.9, "Adam first-moment decay", ge=0.0, lt=1.0)
+    beta2: float = _opt(0.999, "Adam second-moment decay", ge=0.0, lt=1.0)
+    epsilon: float = _opt(1e-8, "Adam denominator epsilon", gt=0.0)
+    weight_decay: float = _opt(0.0, "decoupled weight decay (AdamW)", ge=0.0)
+    min_workers: int = _opt(1, "workers needed before training starts", ge=1)
+    max_staleness: int = _opt(16, "gradients staler than this are dropped", ge=0)
+    staleness_damping: bool = _opt(True, "scale the learning rate down with staleness")
+    max_steps: int = _opt(0, "stop after this many updates (0 = run until stopped)", ge=0)
+    eval_interval_sec: float = _opt(5.0, "seconds between held-out evaluations", gt=0.0)
+    num_shards: int = _opt(0, "data shards (0 = max(min_workers, 1))", ge=0)
+    resync_interval: int = _opt(50, "updates between full weight resyncs to a worker", ge=1)
+    seed: int = _opt(0, "seed of the model initialisation", ge=0)
+
+
+@dataclass(frozen=True)
+class CoordinatorDataConfig(_Section):
+    """[data] of the coordinator."""
+
+    SECTION = "data"
+    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)')
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything ``swarmtrain coordinator`` is configured with."""
+
+    network: CoordinatorNetworkConfig = field(default_factory=CoordinatorNetworkConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    training: CoordinatorTrainingConfig = field(default_factory=CoordinatorTrainingConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    data: CoordinatorDataConfig = field(default_factory=CoordinatorDataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------- worker sections
+
+
+@dataclass(frozen=True)
+class WorkerNetworkConfig(_Section):
+    """[network] of the worker: where the coordinator is, reconnects and timing."""
+
+    SECTION = "network"
+    LESS_THAN = (("heartbeat_interval_sec", "heartbeat_timeout_sec"),)
+    coordinator_host: str = _opt("127.0.0.1", "coordinator address")
+    coordinator_port: int = _opt(7100, "coordinator TCP port", ge=1, le=65535)
+    reconnect_attempts: int = _opt(10, "reconnects tried before giving up", ge=0)
+    reconnect_delay_sec: float = _opt(5.0, "first delay between reconnects (backs off)", ge=0.0)
+    heartbeat_interval_sec: float = _opt(2.0, "seconds between heartbeats", gt=0.0)
+    heartbeat_timeout_sec: float = _opt(10.0, "silence after which the link is dead", gt=0.0)
+    handshake_timeout_sec: float = _opt(10.0, "limit on the connection handshake", gt=0.0)
+    connect_timeout_sec: float = _opt(10.0, "limit on opening the TCP connection", gt=0.0)
+
+
+@dataclass(frozen=True)
+class WorkerTrainingConfig(_Section):
+    """[training] of the worker: task, batch shape, identity and throttle."""
+
+    SECTION = "training"
+    task: str = _opt("digits", "must match the coordinator's task")
+    batch_size: int = _opt(0, "samples per step (0 = from the hardware profile)", ge=0)
+    accumulation_steps: int = _opt(0, "micro-batches per gradient sent (0 = auto, 1)", ge=0)
+    worker_id: str = _opt("", 'stable worker name ("" = generated)')
+    speed: float = _opt(
+        1.0, "fraction of full speed (throttle to rehearse a slow machine)", gt=0.0, le=1.0
+    )
+    max_inflight: int = _opt(
+        1, "gradients in flight while the next one is computed", choices=(0, 1)
+    )
+    seed: int = _opt(0, "seed of the worker's batch sampling", ge=0)
+
+
+@dataclass(frozen=True)
+class WorkerDataConfig(_Section):
+    """[data] of the worker."""
+
+    SECTION = "data"
+    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)')
+    shard_index: int = _opt(-1, "shard to train on (-1 = assigned by the coordinator)", ge=-1)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything ``swarmtrain worker`` is configured with."""
+
+    network: WorkerNetworkConfig = field(default_factory=WorkerNetworkConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    training: WorkerTrainingConfig = field(default_factory=WorkerTrainingConfig)
+    data: WorkerDataConfig = field(default_factory=WorkerDataConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+C = TypeVar("C", CoordinatorConfig, WorkerConfig)
+_Layers = dict[str, dict[str, tuple[Any, str]]]  # section -> key -> (value, where it came from)
+
+
+def load_coordinator_config(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> CoordinatorConfig:
+    """Load a coordinator config: defaults, then the TOML file, then ``overrides``.
+
+    Args:
+        path: TOML file, or None for defaults only.
+        overrides: dotted keys (``"network.port"``) to values; None values are ignored.
+            String values for non-string keys are parsed (``"7200"``, ``"true"``).
+
+    Raises:
+        ConfigError: the file is missing or malformed, or a section, key, type or value is
+            not allowed; the message names the file or override and the key.
+    """
+    return _load(CoordinatorConfig, path, overrides)
+
+
+def load_worker_config(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> WorkerConfig:
+    """Load a worker config; as :func:`load_coordinator_config`."""
+    return _load(WorkerConfig, path, overrides)
+
+
+def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
+    """A copy of ``cfg`` with dotted-key ``overrides`` applied and validated."""
+    layers: _Layers = {}
+    for section, values in to_dict(cfg, redact_secrets=False).items():
+        layers[section] = {k: (v, "config") for k, v in values.items()}
+    _apply_overrides(type(cfg), layers, overrides)
+    return _build(type(cfg), layers)
+
+
+def to_dict(
+    cfg: CoordinatorConfig | WorkerConfig, *, redact_secrets: bool = True
+) -> dict[str, dict[str, Any]]:
+    """``cfg`` as a nested plain dict ``{section: {key: value}}``, e.g. for checkpoints.
+
+    Args:
+        redact_secrets: replace a non-empty ``security.secret`` with a placeholder, so the
+            dict can be written to checkpoints, logs and status pages.
+    """
+    out = dataclasses.asdict(cfg)
+    if redact_secrets and out["security"]["secret"]:
+        out["security"]["secret"] = _REDACTED
+    return out
+
+
+def resolve_secret(sec: SecurityConfig, env: Mapping[str, str] = os.environ) -> bytes | None:
+    """The cluster secret: ``secret``, else ``secret_file``'s content, else $SWARMTRAIN_SECRET.
+
+    Returns:
+        The secret as bytes, or None when none of the three is set.
+
+    Raises:
+        ConfigError: ``secret_file`` is set but cannot be read or is empty.
+    """
+    if sec.secret:
+        return sec.secret.encode("utf-8")
+    if sec.secret_file:
+        try:
+            with open(sec.secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as e:
+            raise ConfigError(
+                f"security.secret_file: cannot read {sec.secret_file!r}: {e.strerror or e}"
+            ) from e
+        if not secret:
+            raise ConfigError(f"security.secret_file: {sec.secret_file!r} is empty")
+        return secret
+    from_env = env.get(SECRET_ENV_VAR, "")
+    return from_env.encode("utf-8") if from_env else None
+
+
+def _sections(cls: type) -> dict[str, type[_Section]]:
+    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def _load(
+    cls: type[C], path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None
+) -> C:
+    layers: _Layers = {name: {} for name in _sections(cls)}
+    if path is not None:
+        _apply_file(cls, layers, os.fspath(path))
+    _apply_overrides(cls, layers, overrides or {})
+    return _build(cls, layers)
+
+
+def _apply_file(cls: type, layers: _Layers, path: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {path!r} not found") from e
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    sections = _sections(cls)
+    for name, table in doc.items():
+        if name not in sections:
+            raise ConfigError(
+                f"{path}: unknown section [{name}]{_did_you_mean(name, sections)}; "
+                f"allowed sections: {', '.join(sections)}"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{name}] must be a table (a section), got {table!r}")
+        for key, value in table.items():
+            _check_key(sections[name], name, key, path)
+            layers[name][key] = (value, path)
+
+
+def _apply_overrides(cls: type, layers: _Layers, overrides: Mapping[str, Any]) -> None:
+    sections = _sections(cls)
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        name, _, key = dotted.partition(".")
+        where = f"override {dotted!r}"
+        if name not in sections or not key:
+            raise ConfigError(
+                f"{where}: expected 'section.key' with section one of: {', '.join(sections)}"
+            )
+        _check_key(sections[name], name, key, where)
+        expected = _field_specs(sections[name])[key][0]
+        layers[name][key] = (_parse_string(value, expected), where)
+
+
+def _parse_string(value: Any, expected: type) -> Any:
+    """CLI strings for non-string keys: "7200" -> 7200, "true" -> True; else unchanged."""
+    if not isinstance(value, str) or expected is str:
+        return value
+    text = value.strip().lower()
+    if expected is bool:
+        return {"true": True, "false": False}.get(text, value)
+    try:
+        return expected(text)
+    except ValueError:
+        return value
+
+
+def _check_key(section_cls: type[_Section], name: str, key: str, where: str) -> None:
+    allowed = list(_field_specs(section_cls))
+    if key not in allowed:
+        raise ConfigError(
+            f"{where}: unknown key '{name}.{key}'{_did_you_mean(key, allowed)}; "
+            f"allowed keys in [{name}]: {', '.join(allowed)}"
+        )
+
+
+def _did_you_mean(word: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _build(cls: type[C], layers: _Layers) -> C:
+    sections = _sections(cls)
+    built: dict[str, Any] = {}
+    for name, section_cls in sections.items():
+        values = layers.get(name, {})
+        kwargs = {}
+        for key, (value, where) in values.items():
+            try:
+                kwargs[key] = _check_value(section_cls, key, value)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        try:
+            built[name] = section_cls(**kwargs)
+        except ConfigError as e:
+            origins = sorted({where for _, where in values.values()})
+            raise ConfigError(f"{', '.join(origins) or 'defaults'}: {e}") from None
+    return cls(**built)

@@ -1,0 +1,101 @@
+"""Coordinator checkpoints: master weights, Adam state and bookkeeping, saved atomically
+every ``interval`` updates, on SHUTDOWN and on a CHECKPOINT command, restored bit-exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from swarmtrain.checkpoint import CheckpointStore, adam_state_from_tensors, adam_state_to_tensors
+from swarmtrain.config import to_dict
+from swarmtrain.errors import CheckpointError
+from swarmtrain.wire import CheckpointMsg
+
+if TYPE_CHECKING:
+    from swarmtrain.roles.coordinator import Coordinator
+
+__all__ = ["CoordinatorCheckpointer"]
+
+log = logging.getLogger("swarmtrain.checkpoint")
+
+
+class CoordinatorCheckpointer:
+    """Saves and restores a :class:`Coordinator`'s state through a :class:`CheckpointStore`."""
+
+    def __init__(self, directory: str, *, interval: int, keep: int) -> None:
+        self.store = CheckpointStore(directory, keep=keep)
+        self.interval = interval
+        self.last_saved_version = -1
+        self.failures = 0
+        self._lock = asyncio.Lock()
+
+    async def maybe_save(self, coord: Coordinator) -> None:
+        if self.interval and coord.version - max(self.last_saved_version, 0) >= self.interval:
+            await self.save_now(coord)
+
+    async def save_now(self, coord: Coordinator) -> CheckpointMsg:
+        """Snapshot on the apply thread (consistent), write on another thread."""
+        async with self._lock:
+            if coord.version == self.last_saved_version:
+                return CheckpointMsg(ok=True, step=coord.version, message="already saved")
+            tensors, meta = await coord._run_apply(self._snapshot, coord)
+            loop = asyncio.get_running_loop()
+            try:
+                path = await loop.run_in_executor(None, self.store.save, meta["version"], tensors, meta)
+            except CheckpointError as exc:
+                self.failures += 1
+                log.error("checkpoint failed, training goes on with the last good one: %s", exc)
+                coord._event("checkpoint_failed", error=str(exc))
+                return CheckpointMsg(ok=False, step=meta["version"], message=str(exc))
+            self.last_saved_version = meta["version"]
+            coord._event("checkpoint", step=meta["version"], path=str(path))
+            log.info("checkpoint at version %d: %s", meta["version"], path)
+            return CheckpointMsg(ok=True, step=meta["version"], path=str(path))
+
+    @staticmethod
+    def _snapshot(coord: Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
+        names = list(coord.params)
+        tensors = {f"model/{n}": p.detach().clone() for n, p in coord.params.items()}
+        adam_tensors, adam_meta = adam_state_to_tensors(coord.optimizer, names)
+        tensors.update({k: v.clone() for k, v in adam_tensors.items()})
+        meta = {
+            "version": coord.version, "task": coord.task_name, "config": to_dict(coord.config),
+            "adam": adam_meta, "stats": dict(coord.stats),
+            "loss_ema": None if math.isnan(coord.loss_ema) else coord.loss_ema,
+            "samples_ema": coord._samples_ema,
+            "workers": {w: r.last_msg_id for w, r in coord.workers.items()},
+        }
+        return tensors, meta
+
+    def restore(self, coord: Coordinator) -> bool:
+        """Load the newest valid checkpoint into ``coord``; False if there is none."""
+        ckpt = self.store.latest()
+        for path, why in self.store.last_skipped:
+            log.warning("skipped checkpoint %s: %s", path, why)
+        if ckpt is None:
+            log.warning("no valid checkpoint in %s: starting from scratch", self.store.directory)
+            return False
+        meta = ckpt.meta
+        import torch
+
+        with torch.no_grad():
+            for n, p in coord.params.items():
+                key = f"model/{n}"
+                if key not in ckpt.tensors or ckpt.tensors[key].shape != p.shape:
+                    raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({n!r})")
+                p.copy_(ckpt.tensors[key])
+        adam_state_from_tensors(coord.optimizer, list(coord.params), ckpt.tensors, meta["adam"])
+        coord.version = int(meta["version"])
+        coord.stats.update(meta.get("stats", {}))
+        coord.loss_ema = math.nan if meta.get("loss_ema") is None else float(meta["loss_ema"])
+        coord._samples_ema = float(meta.get("samples_ema", 0.0))
+        from swarmtrain.roles.coordinator import WorkerRecord
+
+        for wid, last in meta.get("workers", {}).items():
+            coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0, last_msg_id=int(last))
+        self.last_saved_version = coord.version
+        coord._event("resumed", step=coord.version, path=str(ckpt.path))
+        log.info("resumed from %s at version %d", ckpt.path, coord.version)
+        return True

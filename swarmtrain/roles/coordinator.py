@@ -1,0 +1,531 @@
+"""The parameter-server coordinator: master weights, Adam, asynchronous gradient apply.
+
+Each worker's gradient is applied the moment it arrives (workers never wait for each
+other). The coordinator keeps, per worker, a *shadow* of the replica that worker holds;
+the answer to a gradient is the (compressed) difference between the master weights and
+that shadow, and the shadow advances by exactly what was sent. So whatever compression
+loses on the downlink is sent again next time, and a periodic full resync resets both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmtrain.compression import Compressed, make_codec
+from swarmtrain.config import CoordinatorConfig, load_coordinator_config, resolve_secret
+from swarmtrain.errors import (
+    ConfigError,
+    ModelMismatch,
+    RemoteProtocolError,
+    SwarmError,
+)
+from swarmtrain.roles.common import check_fingerprint, fingerprint, pack_compressed, unpack_compressed
+from swarmtrain.transport import Connection, Server, Timeouts, is_loopback_host, start_server
+from swarmtrain.wire import (
+    CheckpointMsg,
+    Error,
+    Gradients,
+    Message,
+    Pause,
+    Register,
+    RegisterAck,
+    Resume,
+    Shutdown,
+    Start,
+    Status,
+    StatusRequest,
+    Update,
+    Weights,
+)
+
+__all__ = ["Coordinator", "WorkerRecord"]
+
+log = logging.getLogger("swarmtrain.coordinator")
+
+Evaluate = Callable[[nn.Module], Mapping[str, float]]
+
+
+@dataclass
+class WorkerRecord:
+    """What the coordinator knows of one worker (kept after it leaves, for idempotency)."""
+
+    worker_id: str
+    address: str
+    hardware: dict[str, Any]
+    batch_size: int
+    samples_per_sec: float
+    shard_index: int
+    conn: Connection | None = None
+    shadow: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0
+    samples: int = 0
+    stale: int = 0
+    rejected: int = 0
+    duplicates: int = 0
+    last_msg_id: int = 0
+    since_resync: int = 0
+    staleness_total: int = 0
+    loss: float = math.nan
+    last_seen: float = field(default_factory=time.monotonic)
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and not self.conn.is_closed
+
+    def summary(self, total_samples: int) -> dict[str, Any]:
+        return {
+            "id": self.worker_id, "address": self.address, "connected": self.connected,
+            "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
+            "shard": self.shard_index, "steps": self.steps, "samples": self.samples,
+            "share": self.samples / total_samples if total_samples else 0.0,
+            "samples_per_sec": self.samples_per_sec, "stale": self.stale, "rejected": self.rejected,
+            "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
+            "loss": self.loss, "last_seen_sec": time.monotonic() - self.last_seen,
+        }
+
+
+class Coordinator:
+    """Holds the master weights and the optimizer; serves workers over TCP.
+
+    Args:
+        model: the plain PyTorch model whose parameters are the master weights.
+        config: a :class:`CoordinatorConfig` (defaults if None).
+        evaluate: optional held-out evaluation, ``evaluate(model) -> {"metric": value}``.
+        task_name: the task name workers must also run (checked at registration).
+        secret: the cluster secret; default from config / SWARMTRAIN_SECRET.
+        **overrides: config keys by name, e.g. ``port=7100, min_workers=2``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: CoordinatorConfig | None = None,
+        *,
+        evaluate: Evaluate | None = None,
+        task_name: str = "",
+        secret: bytes | None = None,
+        **overrides: Any,
+    ) -> None:
+        cfg = config or load_coordinator_config()
+        if overrides:
+            cfg = _apply_kwargs(cfg, overrides)
+        self.config = cfg
+        self.model = model
+        self.task_name = task_name
+        self.evaluate_fn = evaluate
+        self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self._fingerprint = fingerprint(self.params.items())
+        t = cfg.training
+        self.base_lr = t.learning_rate
+        self.optimizer = torch.optim.Adam(
+            list(self.params.values()), lr=self.base_lr, betas=(t.beta1, t.beta2), eps=t.epsilon,
+            weight_decay=t.weight_decay, foreach=True,
+        )
+        c = cfg.compression
+        self.codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
+                                bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
+        self.num_shards = t.num_shards or max(t.min_workers, 1)
+        self.version = 0
+        self.workers: dict[str, WorkerRecord] = {}
+        self.running = False
+        self.paused = False
+        self.stats = {"applied": 0, "stale": 0, "duplicates": 0, "rejected": 0}
+        self.loss_ema = math.nan
+        self.metrics: dict[str, float] = {}
+        self.metric_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=1000)
+        self.events: deque[dict[str, Any]] = deque(maxlen=200)
+        self._samples_ema = 0.0
+        self._apply_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-apply")
+        self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
+        self._eval_model: nn.Module | None = None
+        self._server: Server | None = None
+        self._stop = asyncio.Event()
+        self._finished = False
+        self._started_at = time.monotonic()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.checkpointer: Any = None  # set by attach_checkpoints (checkpoint issue)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise SwarmError("the coordinator is not listening yet")
+        return self._server.port
+
+    async def start(self) -> None:
+        """Bind and start serving (returns once listening)."""
+        net = self.config.network
+        if self.secret is None and not self.config.security.insecure and not is_loopback_host(net.host):
+            raise ConfigError(
+                f"refusing to listen on {net.host}:{net.port} without a cluster secret: anyone on the "
+                "network could join or send gradients. Set SWARMTRAIN_SECRET or --secret-file "
+                "(create one with `swarmtrain secret --out FILE`), or pass --insecure for an open cluster"
+            )
+        timeouts = Timeouts(handshake=net.handshake_timeout_sec,
+                            heartbeat_interval=net.heartbeat_interval_sec,
+                            heartbeat_timeout=net.heartbeat_timeout_sec)
+        self._server = await start_server(net.host, net.port, self._handle, secret=self.secret,
+                                          timeouts=timeouts, send_queue_size=net.send_queue_size)
+        self._tasks.append(asyncio.create_task(self._eval_loop()))
+        self._event("listening", address=f"{net.host}:{self.port}")
+        log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
+                 net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
+
+    async def run(self) -> None:
+        """Serve until stopped (max_steps reached, SHUTDOWN, or :meth:`stop`)."""
+        if self._server is None:
+            await self.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.close()
+        self._apply_pool.shutdown(wait=True)
+        self._eval_pool.shutdown(wait=True)
+
+    async def shutdown_cluster(self, reason: str) -> None:
+        """Checkpoint, tell every worker to stop, and stop serving."""
+        if self._finished:
+            return
+        self._finished = True
+        log.info("shutting down the cluster: %s", reason)
+        await self._evaluate_now()
+        if self.checkpointer is not None:
+            await self.checkpoint()
+        self._event("shutdown", reason=reason)
+        await asyncio.gather(*(self._send(r, Shutdown(reason=reason)) for r in self._connected()),
+                             return_exceptions=True)
+        await asyncio.gather(*(r.conn.close() for r in self._connected() if r.conn),
+                             return_exceptions=True)
+        self.stop()
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _handle(self, conn: Connection, role: str) -> None:
+        if role == "worker":
+            await self._serve_worker(conn)
+        elif role == "ctl":
+            await self._serve_ctl(conn)
+        else:
+            await conn.close(Error(code="bad_role", message=f"unknown role {role!r}"))
+
+    async def _serve_worker(self, conn: Connection) -> None:
+        try:
+            msg = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
+            if not isinstance(msg, Register):
+                raise RemoteProtocolError("unexpected", f"expected REGISTER, got {msg.TYPE.name}")
+            rec = self._register(conn, msg)
+        except (ModelMismatch, ConfigError) as exc:
+            log.warning("refused worker at %s: %s", conn.peer, exc)
+            code = "model_mismatch" if isinstance(exc, ModelMismatch) else "config_mismatch"
+            await conn.close(Error(code=code, message=str(exc)))
+            return
+        except SwarmError as exc:
+            log.warning("worker at %s failed to register: %s", conn.peer, exc)
+            return
+        try:
+            await self._welcome(rec)
+            while True:
+                msg = await conn.recv()
+                rec.last_seen = time.monotonic()
+                await self._on_worker_message(rec, msg)
+        except SwarmError as exc:
+            if not self._finished:
+                log.info("worker %s left: %s", rec.worker_id, exc)
+        finally:
+            if rec.conn is conn:
+                rec.conn = None
+                rec.shadow = {}
+                self._event("left", worker=rec.worker_id)
+
+    def _register(self, conn: Connection, msg: Register) -> WorkerRecord:
+        if self.task_name and msg.task and msg.task != self.task_name:
+            raise ConfigError(f"this cluster trains task {self.task_name!r}, the worker runs {msg.task!r}")
+        check_fingerprint(self._fingerprint, msg.fingerprint)
+        mine = self.config.compression.type
+        theirs = msg.compression.get("type", mine)
+        if theirs != mine:
+            raise ConfigError(f"compression mismatch: coordinator uses {mine!r}, worker {theirs!r}; "
+                              "set the same [compression] type on both")
+        if msg.shard_index >= self.num_shards:
+            raise ConfigError(f"shard_index {msg.shard_index} is out of range: this cluster has "
+                              f"{self.num_shards} shards (0..{self.num_shards - 1}, or -1 for automatic)")
+        rec = self.workers.get(msg.worker_id)
+        if rec is not None and rec.connected and rec.conn is not conn:
+            log.info("worker %s reconnected; closing its old connection", msg.worker_id)
+            assert rec.conn is not None
+            rec.conn.abort(SwarmError("replaced by a new connection"))
+        shard = msg.shard_index if msg.shard_index >= 0 else self._free_shard(msg.worker_id)
+        if rec is None:
+            rec = WorkerRecord(msg.worker_id, conn.peer, msg.hardware, msg.batch_size,
+                               msg.samples_per_sec, shard)
+            self.workers[msg.worker_id] = rec
+        rec.conn, rec.address, rec.hardware = conn, conn.peer, msg.hardware
+        rec.batch_size, rec.samples_per_sec, rec.shard_index = msg.batch_size, msg.samples_per_sec, shard
+        rec.last_seen = time.monotonic()
+        self._event("joined", worker=rec.worker_id, address=conn.peer, shard=shard,
+                    profile=msg.hardware.get("profile", "?"))
+        log.info("worker %s joined from %s (profile %s, batch %d, %.0f samples/s, shard %d/%d)",
+                 rec.worker_id, conn.peer, msg.hardware.get("profile", "?"), msg.batch_size,
+                 msg.samples_per_sec, shard, self.num_shards)
+        return rec
+
+    def _free_shard(self, worker_id: str) -> int:
+        held: dict[int, int] = {i: 0 for i in range(self.num_shards)}
+        for r in self.workers.values():
+            if r.connected and r.worker_id != worker_id:
+                held[r.shard_index] = held.get(r.shard_index, 0) + 1
+        prev = self.workers.get(worker_id)
+        if prev is not None and held.get(prev.shard_index, 1) == 0:
+            return prev.shard_index
+        return min(held, key=lambda i: (held[i], i))
+
+    async def _welcome(self, rec: WorkerRecord) -> None:
+        weights = await self._run_apply(self._snapshot_for, rec)
+        await self._send(rec, RegisterAck(
+            worker_id=rec.worker_id, shard_index=rec.shard_index, num_shards=self.num_shards,
+            running=self.running, paused=self.paused, version=weights.version,
+            last_applied_msg_id=rec.last_msg_id,
+            info={"task": self.task_name, "min_workers": self.config.training.min_workers},
+        ))
+        await self._send(rec, weights)
+        if not self.running and len(self._connected()) >= self.config.training.min_workers:
+            self.running = True
+            self._event("start", version=self.version)
+            log.info("%d worker(s) connected: starting training", len(self._connected()))
+            await asyncio.gather(*(self._send(r, Start(version=self.version)) for r in self._connected()),
+                                 return_exceptions=True)
+        elif self.running:
+            await self._send(rec, Start(version=self.version))
+            if self.paused:
+                await self._send(rec, Pause())
+
+    async def _on_worker_message(self, rec: WorkerRecord, msg: Message) -> None:
+        if isinstance(msg, Gradients):
+            if self._finished:
+                return  # the run is over; SHUTDOWN is on its way to this worker
+            status, reply = await self._run_apply(self._apply_gradient, rec, msg)
+            await self._send(rec, reply)
+            if self.config.training.max_steps and self.version >= self.config.training.max_steps:
+                asyncio.create_task(self.shutdown_cluster(f"reached max_steps={self.config.training.max_steps}"))
+            elif self.checkpointer is not None and status == "applied":
+                await self._maybe_checkpoint()
+        elif isinstance(msg, StatusRequest):
+            await self._send(rec, Status(status=self.status()))
+        elif isinstance(msg, Error):
+            log.warning("worker %s reports: %s [%s]", rec.worker_id, msg.message, msg.code)
+        else:
+            await self._send(rec, Error(code="unexpected", fatal=False,
+                                        message=f"a worker may not send {msg.TYPE.name}"))
+
+    async def _send(self, rec: WorkerRecord, msg: Message) -> None:
+        if rec.conn is not None and not rec.conn.is_closed:
+            await rec.conn.send(msg)
+
+    def _connected(self) -> list[WorkerRecord]:
+        return [r for r in self.workers.values() if r.connected]
+
+    # -- the apply path (runs on the single apply thread) ---------------------------------
+
+    async def _run_apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._apply_pool, fn, *args)
+
+    def _snapshot_for(self, rec: WorkerRecord) -> Weights:
+        snap = {n: p.detach().clone() for n, p in self.params.items()}
+        rec.shadow = {n: t.clone() for n, t in snap.items()}
+        rec.since_resync = 0
+        return Weights(version=self.version, tensors=snap)
+
+    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message]:
+        staleness = self.version - msg.version
+        if msg.msg_id <= rec.last_msg_id:
+            status = "duplicate"
+            rec.duplicates += 1
+            self.stats["duplicates"] += 1
+        elif staleness > self.config.training.max_staleness or staleness < 0:
+            status = "stale"
+            rec.stale += 1
+            rec.last_msg_id = msg.msg_id
+            self.stats["stale"] += 1
+        else:
+            status = self._apply_checked(rec, msg, staleness)
+        rec.loss = msg.loss
+        return status, self._update_for(rec, msg.msg_id, status)
+
+    def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> str:
+        try:
+            grads = unpack_compressed(msg.codecs, msg.tensors, self.params)
+        except RemoteProtocolError as exc:
+            log.warning("rejected gradient %d from %s: %s", msg.msg_id, rec.worker_id, exc)
+            return self._reject(rec, msg)
+        if msg.samples <= 0 or not math.isfinite(msg.loss) or not all(
+            bool(torch.isfinite(g).all()) for g in grads.values()
+        ):
+            log.warning("rejected gradient %d from %s: NaN/Inf values or no samples",
+                        msg.msg_id, rec.worker_id)
+            return self._reject(rec, msg)
+        for name, p in self.params.items():
+            p.grad = grads[name]
+        self.optimizer.param_groups[0]["lr"] = self.base_lr * self._lr_scale(staleness, msg.samples)
+        self.optimizer.step()
+        for p in self.params.values():
+            p.grad = None
+        self.version += 1
+        rec.last_msg_id = msg.msg_id
+        rec.steps += 1
+        rec.samples += msg.samples
+        rec.staleness_total += staleness
+        self.stats["applied"] += 1
+        self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
+        return "applied"
+
+    def _reject(self, rec: WorkerRecord, msg: Gradients) -> str:
+        rec.rejected += 1
+        rec.last_msg_id = msg.msg_id
+        self.stats["rejected"] += 1
+        return "rejected"
+
+    def _lr_scale(self, staleness: int, samples: int) -> float:
+        """Damp stale gradients (lr / staleness) and weight each by the samples behind it."""
+        damp = 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
+        self._samples_ema = samples if self._samples_ema == 0 else 0.9 * self._samples_ema + 0.1 * samples
+        weight = min(4.0, max(0.05, samples / self._samples_ema))
+        return damp * weight
+
+    def _update_for(self, rec: WorkerRecord, msg_id: int, status: str) -> Message:
+        """The weight delta that brings ``rec``'s replica to the master weights (or a resync)."""
+        rec.since_resync += 1
+        if not rec.shadow or rec.since_resync >= self.config.training.resync_interval:
+            w = self._snapshot_for(rec)
+            return Update(msg_id=msg_id, version=w.version, status=status, codecs={}, full=True,
+                          tensors=w.tensors)
+        items: dict[str, Compressed] = {}
+        for name, p in self.params.items():
+            delta = p.detach() - rec.shadow[name]
+            items[name] = self.codec.compress(delta)
+            rec.shadow[name] = rec.shadow[name] + self.codec.decompress(items[name])
+        codecs, tensors = pack_compressed(items)
+        return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs, tensors=tensors)
+
+    # -- control, evaluation, status -------------------------------------------------------
+
+    async def _serve_ctl(self, conn: Connection) -> None:
+        with contextlib.suppress(SwarmError):
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, StatusRequest):
+                    await conn.send(Status(status=self.status()))
+                elif isinstance(msg, Pause):
+                    await self.set_paused(True)
+                    await conn.send(Status(status=self.status()))
+                elif isinstance(msg, Resume):
+                    await self.set_paused(False)
+                    await conn.send(Status(status=self.status()))
+                elif isinstance(msg, CheckpointMsg):
+                    await conn.send(await self.checkpoint())
+                elif isinstance(msg, Shutdown):
+                    await conn.send(Status(status=self.status()))
+                    await self.shutdown_cluster(msg.reason or "shutdown requested")
+                    return
+                else:
+                    await conn.send(Error(code="unexpected", fatal=False,
+                                          message=f"ctl may not send {msg.TYPE.name}"))
+
+    async def set_paused(self, paused: bool) -> None:
+        """Pause (workers stop computing, keep their connection) or resume the cluster."""
+        self.paused = paused
+        self._event("paused" if paused else "resumed")
+        msg: Message = Pause() if paused else Resume()
+        await asyncio.gather(*(self._send(r, msg) for r in self._connected()), return_exceptions=True)
+
+    async def checkpoint(self) -> CheckpointMsg:
+        """Write a checkpoint now (if checkpointing is set up)."""
+        if self.checkpointer is None:
+            return CheckpointMsg(ok=False, message="checkpointing is not enabled on this coordinator")
+        return await self.checkpointer.save_now(self)
+
+    async def _maybe_checkpoint(self) -> None:
+        await self.checkpointer.maybe_save(self)
+
+    async def _eval_loop(self) -> None:
+        interval = self.config.training.eval_interval_sec
+        if self.evaluate_fn is None or interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            if self.running:
+                await self._evaluate_now()
+
+    async def _evaluate_now(self) -> None:
+        if self.evaluate_fn is None:
+            return
+        snap = await self._run_apply(lambda: ({n: p.detach().clone() for n, p in self.params.items()},
+                                              self.version))
+        weights, version = snap
+        loop = asyncio.get_running_loop()
+        try:
+            metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, weights)
+        except Exception as exc:  # a user's evaluate() may raise anything; keep serving
+            log.error("evaluation failed: %s", exc)
+            return
+        self.metrics = dict(metrics)
+        self.metric_history.append((version, self.metrics))
+        log.info("version %d: %s", version, ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+
+    def _evaluate_snapshot(self, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
+        if self._eval_model is None:
+            self._eval_model = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for n, p in self._eval_model.named_parameters():
+                p.copy_(weights[n])
+        assert self.evaluate_fn is not None
+        return self.evaluate_fn(self._eval_model)
+
+    def _event(self, kind: str, **data: Any) -> None:
+        self.events.append({"time": time.time(), "event": kind, **data})
+
+    def status(self) -> dict[str, Any]:
+        """Step, loss, version, metrics and a table of workers (msgpack/JSON-able)."""
+        total = sum(r.samples for r in self.workers.values())
+        return {
+            "version": self.version, "step": self.version, "loss": self.loss_ema,
+            "metrics": dict(self.metrics), "running": self.running, "paused": self.paused,
+            "finished": self._finished, "task": self.task_name,
+            "min_workers": self.config.training.min_workers, "num_shards": self.num_shards,
+            "workers_connected": len(self._connected()), "stats": dict(self.stats),
+            "uptime_sec": time.monotonic() - self._started_at,
+            "workers": [r.summary(total) for r in self.workers.values()],
+            "events": list(self.events)[-20:],
+        }
+
+
+def _apply_kwargs(cfg: CoordinatorConfig, kwargs: Mapping[str, Any]) -> CoordinatorConfig:
+    from swarmtrain.config import overrides_from_kwargs, with_overrides
+
+    return with_overrides(cfg, overrides_from_kwargs(cfg, kwargs))

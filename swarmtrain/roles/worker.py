@@ -1,0 +1,400 @@
+"""The parameter-server worker: computes gradients on its shard and pushes them.
+
+The forward/backward pass runs on a dedicated thread while the event loop keeps the
+connection alive, so with ``max_inflight = 1`` the next gradient is computed while the
+previous one travels and its answer comes back. The worker's replica changes only between
+two computations, by exactly what the coordinator sent (a delta or full weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import secrets as _secrets
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmtrain import hardware
+from swarmtrain.compression import LOSSLESS_CODECS, Compressed, ErrorFeedback, make_codec
+from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret
+from swarmtrain.errors import (
+    AuthError,
+    ConnectionLost,
+    ProtocolError,
+    RefusedError,
+    SwarmError,
+    SwarmTimeout,
+)
+from swarmtrain.roles.common import fingerprint, pack_compressed, unpack_compressed
+from swarmtrain.tasks import Dataset, Shard
+from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.wire import (
+    Error,
+    Gradients,
+    Message,
+    Pause,
+    Register,
+    RegisterAck,
+    Resume,
+    Shutdown,
+    Start,
+    Update,
+    Weights,
+)
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("swarmtrain.worker")
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+_FATAL_CODES = {"model_mismatch", "config_mismatch", "auth_failed", "bad_role"}
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        return _batch_len(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_len(batch[0])
+    return 1
+
+
+class Worker:
+    """Trains a replica of the model on one shard and pushes gradients to a coordinator.
+
+    Args:
+        model: a plain PyTorch model, the same architecture as the coordinator's.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        data: a dataset with ``__len__`` and ``get_batch(indices)`` (sharded by the
+            coordinator), or any iterable of batches (e.g. a DataLoader; cycled).
+        config: a :class:`WorkerConfig` (defaults if None).
+        task_name: the task name, checked against the coordinator's.
+        secret: the cluster secret; default from config / SWARMTRAIN_SECRET.
+        **overrides: config keys by name, e.g. ``coordinator_host="10.0.0.2", batch_size=32``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        data: Dataset | Iterable[Any],
+        config: WorkerConfig | None = None,
+        *,
+        task_name: str = "",
+        secret: bytes | None = None,
+        sample_bytes: int | None = None,
+        **overrides: Any,
+    ) -> None:
+        cfg = config or load_worker_config()
+        if overrides:
+            from swarmtrain.config import overrides_from_kwargs, with_overrides
+
+            cfg = with_overrides(cfg, overrides_from_kwargs(cfg, overrides))
+        self.config = cfg
+        self.model = model
+        self.loss_fn = loss_fn
+        self.data = data
+        self.task_name = task_name
+        self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        t = cfg.training
+        self.worker_id = t.worker_id or f"w-{_secrets.token_hex(4)}"
+        self.hw = hardware.detect()
+        self.plan = hardware.recommend(
+            self.hw, batch_size=t.batch_size, accumulation_steps=t.accumulation_steps,
+            num_threads=cfg.hardware.num_threads, max_memory_mb=cfg.hardware.max_memory_mb,
+            sample_bytes=sample_bytes,
+        )
+        if cfg.hardware.num_threads or t.batch_size == 0:
+            torch.set_num_threads(self.plan.num_threads)
+        c = cfg.compression
+        self.codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
+                                bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
+        self.feedback = ErrorFeedback(self.codec) if c.type in ("topk", "fp16") else None
+        self.version = 0
+        self.msg_id = 0
+        self.steps = 0
+        self.samples = 0
+        self.samples_per_sec = 0.0
+        self.shard_index = -1
+        self.num_shards = 0
+        self.statuses: dict[str, int] = {}
+        self._shard: Shard | None = None
+        self._iter: Iterator[Any] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
+        self._replies: asyncio.Queue[Message | BaseException] = asyncio.Queue()
+        self._changed = asyncio.Event()
+        self._running = False
+        self._paused = False
+        self._stopped = False
+        self._inflight = 0
+        self._registered = False
+        self._broken: BaseException | None = None
+        self._conn: Connection | None = None
+        self._gen = torch.Generator().manual_seed(t.seed)
+        self.shutdown_reason = ""
+
+    # -- public ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Train until the coordinator says SHUTDOWN (blocking)."""
+        asyncio.run(self.run_async())
+
+    async def run_async(self) -> None:
+        """Connect (reconnecting with backoff), train, and return after SHUTDOWN.
+
+        Raises:
+            RefusedError: the coordinator refused this worker (model or config mismatch).
+            AuthError: the cluster secrets differ.
+            SwarmError: the coordinator stayed unreachable for ``reconnect_attempts`` tries.
+        """
+        net = self.config.network
+        failures = 0
+        try:
+            while not self._stopped:
+                try:
+                    conn = await connect(
+                        net.coordinator_host, net.coordinator_port, secret=self.secret, role="worker",
+                        timeouts=Timeouts(connect=net.connect_timeout_sec,
+                                          handshake=net.handshake_timeout_sec,
+                                          heartbeat_interval=net.heartbeat_interval_sec,
+                                          heartbeat_timeout=net.heartbeat_timeout_sec),
+                    )
+                    self._conn = conn
+                    await self._session(conn)
+                    failures = 0
+                except (AuthError, RefusedError):
+                    raise
+                except (ConnectionLost, SwarmTimeout, ProtocolError, ConnectionError) as exc:
+                    if self._stopped:
+                        break
+                    failures = 1 if self._registered else failures + 1
+                    self._registered = False
+                    if failures > net.reconnect_attempts:
+                        raise SwarmError(
+                            f"gave up reaching the coordinator at {net.coordinator_host}:"
+                            f"{net.coordinator_port} after {net.reconnect_attempts} attempts: {exc}; "
+                            "is it running, and is the address/port right?"
+                        ) from exc
+                    delay = net.reconnect_delay_sec * min(2 ** (failures - 1), 8) * random.uniform(0.8, 1.2)
+                    log.warning("lost the coordinator (%s); reconnecting in %.1f s (attempt %d of %d)",
+                                exc, delay, failures, net.reconnect_attempts)
+                    await asyncio.sleep(delay)
+                finally:
+                    if self._conn is not None:
+                        await self._conn.close()
+                        self._conn = None
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def stop(self) -> None:
+        """Stop after the current step (safe to call from a signal handler on the loop)."""
+        self._stopped = True
+        self._changed.set()
+        if self._conn is not None:
+            self._conn.abort(SwarmError("worker stopped"))
+
+    # -- one connection's life -------------------------------------------------------------
+
+    async def _session(self, conn: Connection) -> None:
+        self._reset_session()
+        await conn.send(Register(
+            worker_id=self.worker_id, task=self.task_name,
+            fingerprint=fingerprint(self.params.items()), hardware=self.hw.to_dict(),
+            batch_size=self.plan.batch_size, accumulation_steps=self.plan.accumulation_steps,
+            shard_index=self.config.data.shard_index, compression={"type": self.config.compression.type},
+            samples_per_sec=self.samples_per_sec, last_msg_id=self.msg_id,
+        ))
+        ack = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
+        if isinstance(ack, Error):
+            raise RefusedError(ack.code, ack.message)
+        if not isinstance(ack, RegisterAck):
+            raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
+        self._use_shard(ack.shard_index, ack.num_shards)
+        weights = await conn.recv(timeout=conn.timeouts.heartbeat_timeout, phase="weights")
+        if not isinstance(weights, Weights):
+            raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
+        self._load_full(weights.tensors, weights.version)
+        self._running, self._paused = ack.running, ack.paused
+        self._registered = True
+        log.info("registered as %s: shard %d/%d, version %d, batch %d x %d",
+                 self.worker_id, self.shard_index, self.num_shards, self.version,
+                 self.plan.batch_size, self.plan.accumulation_steps)
+        reader = asyncio.create_task(self._reader(conn))
+        try:
+            await self._train(conn)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    def _reset_session(self) -> None:
+        self._replies = asyncio.Queue()
+        self._inflight = 0
+        self._running = self._paused = False
+        self._broken = None
+        if self.feedback is not None:
+            self.feedback.reset()
+
+    async def _reader(self, conn: Connection) -> None:
+        try:
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, (Update, Weights)):
+                    self._replies.put_nowait(msg)
+                elif isinstance(msg, Start):
+                    self._running = True
+                elif isinstance(msg, Pause):
+                    self._paused = True
+                    log.info("paused by the coordinator")
+                elif isinstance(msg, Resume):
+                    self._paused = False
+                    log.info("resumed")
+                elif isinstance(msg, Shutdown):
+                    self.shutdown_reason = msg.reason
+                    log.info("coordinator says shut down: %s", msg.reason)
+                    self._stopped = True
+                elif isinstance(msg, Error):
+                    if msg.fatal:
+                        raise RefusedError(msg.code, msg.message)
+                    log.warning("coordinator reports: %s [%s]", msg.message, msg.code)
+                self._changed.set()
+        except (SwarmError, ConnectionError) as exc:
+            self._broken = exc
+            self._replies.put_nowait(exc)
+            self._changed.set()
+
+    async def _wait_active(self) -> bool:
+        """Wait until training runs and is not paused; False once stopped."""
+        while not self._stopped and not (self._running and not self._paused):
+            self._raise_if_broken()
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), 1.0)
+        return not self._stopped
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    async def _train(self, conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self.config.training.max_inflight
+        while await self._wait_active():
+            compressed, loss, samples, seconds = await loop.run_in_executor(self._pool, self._compute)
+            self._record_speed(samples, seconds)
+            await self._apply_ready()
+            while self._inflight >= max(1, limit):
+                await self._apply_next()
+            if self._stopped:
+                return
+            codecs, tensors = pack_compressed(compressed)
+            self.msg_id += 1
+            await conn.send(Gradients(msg_id=self.msg_id, version=self.version, samples=samples,
+                                      loss=loss, codecs=codecs, tensors=tensors))
+            self._inflight += 1
+            self.steps += 1
+            self.samples += samples
+            if limit == 0:
+                while self._inflight:
+                    await self._apply_next()
+
+    async def _apply_ready(self) -> None:
+        while not self._replies.empty():
+            await self._apply_next()
+
+    async def _apply_next(self) -> None:
+        limit = self.config.network.heartbeat_timeout_sec * 3
+        try:
+            item = await asyncio.wait_for(self._replies.get(), limit)
+        except TimeoutError:
+            raise SwarmTimeout("update", limit, "no answer to our gradient") from None
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, Weights):
+            self._load_full(item.tensors, item.version)
+        elif isinstance(item, Update):
+            self._inflight = max(0, self._inflight - 1)
+            self.statuses[item.status] = self.statuses.get(item.status, 0) + 1
+            if item.full:
+                self._load_full(item.tensors, item.version)
+            else:
+                deltas = unpack_compressed(item.codecs, item.tensors, self.params)
+                with torch.no_grad():
+                    for name, p in self.params.items():
+                        p.add_(deltas[name])
+                self.version = item.version
+
+    def _load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        missing = set(self.params) - set(tensors)
+        if missing:
+            raise ProtocolError("shape_mismatch", f"weights lack {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(tensors[name])
+        self.version = version
+
+    # -- compute (runs on the compute thread) ----------------------------------------------
+
+    def _use_shard(self, index: int, count: int) -> None:
+        if (index, count) == (self.shard_index, self.num_shards):
+            return
+        self.shard_index, self.num_shards = index, count
+        if hasattr(self.data, "get_batch") and hasattr(self.data, "__len__"):
+            self._shard = Shard(self.data, index, count, seed=self.config.training.seed + index)  # type: ignore[arg-type]
+
+    def _next_batch(self) -> Any:
+        if self._shard is not None:
+            return self._shard.next_batch(self.plan.batch_size)
+        if self._iter is None:
+            self._iter = iter(self.data)  # type: ignore[arg-type]
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self.data)  # type: ignore[arg-type]
+            return next(self._iter)
+
+    def _compute(self) -> tuple[dict[str, Compressed], float, int, float]:
+        start = time.perf_counter()
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        accum = self.plan.accumulation_steps
+        total_loss, samples = 0.0, 0
+        for _ in range(accum):
+            batch = self._next_batch()
+            loss = self.loss_fn(self.model, batch)
+            (loss / accum).backward()
+            total_loss += float(loss.detach())
+            samples += _batch_len(batch)
+        out: dict[str, Compressed] = {}
+        for name, p in self.params.items():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[name] = (self.feedback.compress(name, g, generator=self._gen) if self.feedback
+                         else self.codec.compress(g, generator=self._gen))
+        busy = time.perf_counter() - start
+        speed = self.config.training.speed
+        if speed < 1.0:
+            time.sleep(busy * (1.0 / speed - 1.0))  # throttle: rehearse a slower machine
+        return out, total_loss / accum, samples, time.perf_counter() - start
+
+    def _record_speed(self, samples: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = samples / seconds
+            self.samples_per_sec = rate if self.samples_per_sec == 0 else 0.9 * self.samples_per_sec + 0.1 * rate
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id, "version": self.version, "steps": self.steps,
+            "samples": self.samples, "samples_per_sec": self.samples_per_sec,
+            "shard": self.shard_index, "statuses": dict(self.statuses),
+            "residual_norm": self.feedback.residual_norm() if self.feedback else 0.0,
+            "loss": math.nan,
+        }
