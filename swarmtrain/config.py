@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 from swarmtrain.errors import ConfigError
 
 __all__ = [
+    "SECRET_ENV_VAR",
     "CheckpointingConfig",
     "CompressionConfig",
     "CoordinatorConfig",
@@ -36,6 +37,7 @@ __all__ = [
     "WorkerTrainingConfig",
     "load_coordinator_config",
     "load_worker_config",
+    "overrides_from_kwargs",
     "resolve_secret",
     "to_dict",
     "with_overrides",
@@ -284,7 +286,7 @@ class WorkerConfig:
 
 # ---------------------------------------------------------------- loading
 
-C = TypeVar("C", CoordinatorConfig, WorkerConfig)
+C = TypeVar("C", bound=CoordinatorConfig | WorkerConfig)
 _Layers = dict[str, dict[str, tuple[Any, str]]]  # section -> key -> (value, where it came from)
 
 
@@ -319,6 +321,39 @@ def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
         layers[section] = {k: (v, "config") for k, v in values.items()}
     _apply_overrides(type(cfg), layers, overrides)
     return _build(type(cfg), layers)
+
+
+def overrides_from_kwargs(
+    cfg: CoordinatorConfig | WorkerConfig, kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Turn Python keyword arguments into dotted overrides for ``cfg``'s type.
+
+    A plain name (``min_workers=2``) is looked up in every section and must name exactly
+    one key; a dotted name (``**{"network.port": 7200}``) passes through unchanged.
+
+    Raises:
+        ConfigError: a plain name matches no key, or keys in several sections.
+    """
+    sections = _sections(type(cfg))
+    out: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if "." in name:
+            out[name] = value
+            continue
+        owners = [s for s, section_cls in sections.items() if name in _field_specs(section_cls)]
+        if not owners:
+            known = [k for c in sections.values() for k in _field_specs(c)]
+            raise ConfigError(
+                f"keyword argument {name!r} is not a config key{_did_you_mean(name, known)}; "
+                f"allowed: {', '.join(known)}"
+            )
+        if len(owners) > 1:
+            raise ConfigError(
+                f"keyword argument {name!r} is a key of several sections; give one of "
+                f"{', '.join(f'{s}.{name}' for s in owners)} as a dotted key"
+            )
+        out[f"{owners[0]}.{name}"] = value
+    return out
 
 
 def to_dict(
@@ -363,7 +398,8 @@ def resolve_secret(sec: SecurityConfig, env: Mapping[str, str] = os.environ) -> 
 
 
 def _sections(cls: type) -> dict[str, type[_Section]]:
-    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _load(

@@ -18,6 +18,7 @@ from swarmtrain.config import (
     WorkerConfig,
     load_coordinator_config,
     load_worker_config,
+    overrides_from_kwargs,
     resolve_secret,
     to_dict,
     with_overrides,
@@ -137,6 +138,24 @@ def test_with_overrides_and_to_dict() -> None:
         "compression",
         "logging",
     }
+
+
+@pytest.mark.parametrize("cfg", [CoordinatorConfig(), WorkerConfig()], ids=["coord", "worker"])
+def test_overrides_from_kwargs(cfg: CoordinatorConfig | WorkerConfig) -> None:
+    sections = to_dict(cfg)
+    plain = [k for values in sections.values() for k in values]
+    assert len(plain) == len(set(plain))  # every key name is unique, so kwargs map uniquely
+    for section, values in sections.items():
+        for key in values:
+            assert overrides_from_kwargs(cfg, {key: None}) == {f"{section}.{key}": None}
+    assert overrides_from_kwargs(cfg, {"logging.level": "debug", "seed": 3}) == {
+        "logging.level": "debug",
+        "training.seed": 3,
+    }
+    changed = with_overrides(cfg, overrides_from_kwargs(cfg, {"seed": 3}))
+    assert changed.training.seed == 3
+    with pytest.raises(ConfigError, match=r"'sed' is not a config key \(did you mean 'seed'"):
+        overrides_from_kwargs(cfg, {"sed": 3})
 
 
 def test_sections_validate_when_built_in_python() -> None:
@@ -264,8 +283,10 @@ def test_wrong_types(tmp_path: Path, text: str, expected: str) -> None:
         ({"compression.topk_ratio": 1.5}, r"allowed: 0.0 < topk_ratio <= 1.0"),
         (
             {"compression.type": "gzip"},
-            r"compression.type = 'gzip' is not allowed; "
-            r"allowed values: 'none', 'fp16', 'topk', 'qsgd'",
+            (
+                r"compression.type = 'gzip' is not allowed; "
+                r"allowed values: 'none', 'fp16', 'topk', 'qsgd'"
+            ),
         ),
         ({"compression.qsgd_bits": 3}, r"allowed values: 2, 4, 8"),
         ({"logging.level": "verbose"}, r"allowed values: 'debug', 'info', 'warning', 'error'"),

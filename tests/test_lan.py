@@ -247,7 +247,8 @@ def test_close_removes_namespaces_and_processes_even_on_error() -> None:
 @netns
 def test_failed_build_removes_what_it_built(monkeypatch: pytest.MonkeyPatch) -> None:
     conftest.require_netns()
-    before = set(_list_netns())
+    mine = f"st-{os.getpid()}-"  # only this process's namespaces: others may run in parallel
+    before = {name for name in _list_netns() if name.startswith(mine)}
 
     def failing_cmd(*argv: str, timeout: float = 20.0) -> str:
         if "route" in argv and argv[2].endswith("-h1"):  # the second host's last step
@@ -257,7 +258,7 @@ def test_failed_build_removes_what_it_built(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(lan_module, "_cmd", failing_cmd)
     with pytest.raises(LanError, match="injected"):
         SimulatedLAN(3)
-    assert set(_list_netns()) <= before
+    assert {name for name in _list_netns() if name.startswith(mine)} <= before
 
 
 @netns

@@ -33,6 +33,7 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 """Original dtypes a codec accepts, by the name carried in :attr:`Compressed.dtype`."""
+_ACCEPTED_DTYPES = frozenset(FLOAT_DTYPES.values())
 
 # Bounds a shape from the network before anything is allocated from it (2**48 float32
 # elements is a petabyte: no real tensor, but every product stays far from int64 overflow).
@@ -116,10 +117,12 @@ class Codec(ABC):
 
 
 def require_float(tensor: torch.Tensor) -> None:
-    """Raise :class:`LocalProtocolError` unless ``tensor`` is a floating-point tensor."""
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+    """Raise :class:`LocalProtocolError` unless ``tensor`` has one of :data:`FLOAT_DTYPES`."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _ACCEPTED_DTYPES:
         got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise LocalProtocolError("unsupported_dtype", f"codecs compress float tensors, got {got}")
+        raise LocalProtocolError(
+            "unsupported_dtype", f"codecs compress tensors of {sorted(FLOAT_DTYPES)}, got {got}"
+        )
 
 
 def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
@@ -161,7 +164,7 @@ def check_header(c: Compressed, codec: str) -> int:
         or not all(type(d) is int and 0 <= d <= _MAX_DIM for d in c.shape)
     ):
         raise RemoteProtocolError("bad_shape", f"shape must be a tuple of ints >= 0: {c.shape!r}")
-    if False:
+    if math.prod(d for d in c.shape if d) > _MAX_NUMEL:
         raise RemoteProtocolError("bad_shape", f"shape {c.shape!r} is too large")
     if not isinstance(c.dtype, str) or c.dtype not in FLOAT_DTYPES:
         raise RemoteProtocolError(
@@ -225,5 +228,6 @@ def check_meta_keys(c: Compressed, keys: set[str]) -> None:
     """
     if set(c.meta) != keys:
         raise RemoteProtocolError(
-            "bad_meta", f"{c.codec}: expected meta keys {sorted(keys)}, got {sorted(c.meta)}"
+            "bad_meta",
+            f"{c.codec}: expected meta keys {sorted(keys)}, got {sorted(map(repr, c.meta))}",
         )

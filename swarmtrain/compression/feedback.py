@@ -8,12 +8,13 @@ gradients). This lives on the worker; the coordinator only decodes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
 import torch
 
-from swarmtrain.compression.base import Codec, Compressed
+from swarmtrain.compression.base import Codec, Compressed, dtype_name, require_float
 from swarmtrain.compression.codecs import LOSSLESS_CODECS
 
 __all__ = ["ErrorFeedback"]
@@ -46,6 +47,7 @@ class ErrorFeedback:
             ValueError: ``grad`` has a different shape than earlier tensors of this name.
             LocalProtocolError: ``grad`` is not floating point.
         """
+        require_float(grad)
         residual = self._residuals.get(name)
         if residual is None:
             target = grad.detach()
@@ -57,11 +59,18 @@ class ErrorFeedback:
         else:
             target = grad.detach().to(torch.float32) + residual
         sent = self.codec.compress(target, generator=generator)
+        if sent.dtype != dtype_name(grad):  # target was promoted to float32 by the residual
+            sent = dataclasses.replace(sent, dtype=dtype_name(grad))
         if sent.codec in LOSSLESS_CODECS:
             self._residuals.pop(name, None)
+            return sent
+        decoded = self.codec.decompress(sent)
+        if residual is not None and not _shares_memory(sent, target):
+            # `target` is our own temporary: reuse it rather than allocate another.
+            self._residuals[name] = target.sub_(decoded)
         else:
-            # A fresh tensor: `sent.parts` may be views of `target`, which must stay intact.
-            self._residuals[name] = target.to(torch.float32) - self.codec.decompress(sent)
+            # Never write into the caller's gradient or into parts that view it.
+            self._residuals[name] = target.to(torch.float32) - decoded
         return sent
 
     def residual_norm(self) -> float:
@@ -93,3 +102,8 @@ class ErrorFeedback:
                 raise ValueError(f"error feedback state {name!r} must be a float tensor")
             loaded[name] = r.detach().to(device="cpu", dtype=torch.float32, copy=True)
         self._residuals = loaded
+
+
+def _shares_memory(c: Compressed, tensor: torch.Tensor) -> bool:
+    storage = tensor.untyped_storage().data_ptr()
+    return any(p.untyped_storage().data_ptr() == storage for p in c.parts.values())

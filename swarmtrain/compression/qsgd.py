@@ -28,7 +28,7 @@ from swarmtrain.compression.base import (
     meta_int,
 )
 from swarmtrain.compression.bitpack import PACK_BITS, pack_bits, packed_nbytes, unpack_bits
-from swarmtrain.errors import ConfigError, RemoteProtocolError
+from swarmtrain.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 
 __all__ = ["MAX_BUCKET_SIZE", "QSGD_BITS", "QSGDCodec"]
 
@@ -105,6 +105,10 @@ class QSGDCodec(Codec):
             torch.linalg.vector_norm(flat[: full * size].view(full, size), dim=1, out=norms[:full])
         if numel > full * size:
             norms[full] = torch.linalg.vector_norm(flat[full * size :])
+        if norms.numel() and not bool(torch.isfinite(norms).all()):
+            raise LocalProtocolError(
+                "non_finite", "qsgd: a bucket norm is not finite (NaN/inf in the tensor)"
+            )
         # Zero-norm buckets get scale 0, so every level there is floor(0 + u) = 0.
         scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
         level = torch.rand(numel, generator=generator)

@@ -69,6 +69,7 @@ class WorkerRecord:
     samples_per_sec: float
     shard_index: int
     conn: Connection | None = None
+    welcomed: bool = False
     shadow: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: int = 0
     samples: int = 0
@@ -85,7 +86,8 @@ class WorkerRecord:
 
     @property
     def connected(self) -> bool:
-        return self.conn is not None and not self.conn.is_closed
+        """Connected and sent its weights (so it may receive broadcasts)."""
+        return self.conn is not None and not self.conn.is_closed and self.welcomed
 
     def summary(self, total_samples: int) -> dict[str, Any]:
         return {
@@ -219,10 +221,16 @@ class Coordinator:
         if self.checkpointer is not None:
             await self.checkpoint()
         self._event("shutdown", reason=reason)
-        await asyncio.gather(*(self._send(r, Shutdown(reason=reason)) for r in self._connected()),
-                             return_exceptions=True)
-        await asyncio.gather(*(r.conn.close() for r in self._connected() if r.conn),
-                             return_exceptions=True)
+        conns = [r.conn for r in self._connected() if r.conn is not None]
+        await asyncio.gather(*(c.send(Shutdown(reason=reason)) for c in conns), return_exceptions=True)
+        # Let workers hang up first: closing our end while a worker is still sending would
+        # reset its connection and could destroy the unread SHUTDOWN frame.
+        waits = [asyncio.ensure_future(c.wait_closed()) for c in conns]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.config.network.heartbeat_timeout_sec)
+            for w in pending:
+                w.cancel()
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
         self.stop()
 
     # -- connections -----------------------------------------------------------------------
@@ -261,6 +269,7 @@ class Coordinator:
         finally:
             if rec.conn is conn:
                 rec.conn = None
+                rec.welcomed = False
                 rec.shadow = {}
                 self._event("left", worker=rec.worker_id)
 
@@ -277,7 +286,7 @@ class Coordinator:
             raise ConfigError(f"shard_index {msg.shard_index} is out of range: this cluster has "
                               f"{self.num_shards} shards (0..{self.num_shards - 1}, or -1 for automatic)")
         rec = self.workers.get(msg.worker_id)
-        if rec is not None and rec.connected and rec.conn is not conn:
+        if rec is not None and rec.conn is not None and not rec.conn.is_closed and rec.conn is not conn:
             log.info("worker %s reconnected; closing its old connection", msg.worker_id)
             assert rec.conn is not None
             rec.conn.abort(SwarmError("replaced by a new connection"))
@@ -286,7 +295,7 @@ class Coordinator:
             rec = WorkerRecord(msg.worker_id, conn.peer, msg.hardware, msg.batch_size,
                                msg.samples_per_sec, shard)
             self.workers[msg.worker_id] = rec
-        rec.conn, rec.address, rec.hardware = conn, conn.peer, msg.hardware
+        rec.conn, rec.address, rec.hardware, rec.welcomed = conn, conn.peer, msg.hardware, False
         rec.batch_size, rec.samples_per_sec, rec.shard_index = msg.batch_size, msg.samples_per_sec, shard
         rec.last_seen = time.monotonic()
         self._event("joined", worker=rec.worker_id, address=conn.peer, shard=shard,
@@ -315,6 +324,7 @@ class Coordinator:
             info={"task": self.task_name, "min_workers": self.config.training.min_workers},
         ))
         await self._send(rec, weights)
+        rec.welcomed = True
         if not self.running and len(self._connected()) >= self.config.training.min_workers:
             self.running = True
             self._event("start", version=self.version)

@@ -55,7 +55,10 @@ __all__ = ["Worker"]
 log = logging.getLogger("swarmtrain.worker")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-_FATAL_CODES = {"model_mismatch", "config_mismatch", "auth_failed", "bad_role"}
+
+
+class _ShutdownRequested(SwarmError):
+    """The coordinator said SHUTDOWN: wakes any wait of the training loop."""
 
 
 def _batch_len(batch: Any) -> int:
@@ -174,6 +177,8 @@ class Worker:
                     failures = 0
                 except (AuthError, RefusedError):
                     raise
+                except _ShutdownRequested:
+                    break
                 except (ConnectionLost, SwarmTimeout, ProtocolError, ConnectionError) as exc:
                     if self._stopped:
                         break
@@ -262,6 +267,7 @@ class Worker:
                     self.shutdown_reason = msg.reason
                     log.info("coordinator says shut down: %s", msg.reason)
                     self._stopped = True
+                    self._replies.put_nowait(_ShutdownRequested(msg.reason))
                 elif isinstance(msg, Error):
                     if msg.fatal:
                         raise RefusedError(msg.code, msg.message)

@@ -1,0 +1,249 @@
+"""Coordinator and workers in one process over loopback TCP: behaviours that need a live
+coordinator but not separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from torch import nn
+
+from swarmtrain.config import load_coordinator_config, load_worker_config
+from swarmtrain.errors import ConfigError, RefusedError
+from swarmtrain.roles.coordinator import Coordinator
+from swarmtrain.roles.worker import Worker
+from swarmtrain.tasks import DigitsTask
+from swarmtrain.transport import auth
+from swarmtrain.wire import (
+    PREAMBLE,
+    Auth,
+    Challenge,
+    Decoder,
+    Error,
+    Hello,
+    Welcome,
+    encode_bytes,
+)
+
+TASK = DigitsTask()
+DATA = TASK.load_data()
+SECRET = b"inproc-secret"
+
+
+def coordinator(**over: Any) -> Coordinator:
+    cfg = load_coordinator_config(overrides={
+        "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+        "training.learning_rate": 3e-3, "training.eval_interval_sec": 0.5, **over})
+    return Coordinator(TASK.build_model(), cfg, evaluate=lambda m: TASK.evaluate(m, DATA),
+                       task_name="digits", secret=SECRET)
+
+
+def worker(port: int, model: nn.Module | None = None, **over: Any) -> Worker:
+    cfg = load_worker_config(overrides={
+        "network.coordinator_port": port, "hardware.num_threads": 1, "training.batch_size": 32,
+        "network.reconnect_attempts": 0, **over})
+    return Worker(model or TASK.build_model(), TASK.loss, DATA.train, cfg, task_name="digits",
+                  secret=SECRET)
+
+
+async def _run(coord: Coordinator, workers: list[Worker], timeout: float) -> None:
+    await coord.start()
+    try:
+        tasks = [asyncio.create_task(w.run_async()) for w in workers]
+        await asyncio.wait_for(coord.run(), timeout)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    finally:
+        await coord.close()
+
+
+def test_slow_worker_does_not_hold_back_the_fast_one() -> None:
+    async def main() -> tuple[Worker, Worker, Coordinator]:
+        c = coordinator(**{"training.min_workers": 2, "training.max_steps": 240})
+        await c.start()
+        fast = worker(c.port, **{"training.worker_id": "fast", "training.batch_size": 256})
+        slow = worker(c.port, **{"training.worker_id": "slow", "training.batch_size": 256,
+                                 "training.speed": 0.25})
+        tasks = [asyncio.create_task(w.run_async()) for w in (fast, slow)]
+        await asyncio.wait_for(c.run(), 120)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return fast, slow, c
+
+    fast, slow, c = asyncio.run(main())
+    assert fast.steps + slow.steps >= 240
+    assert fast.steps >= 2 * slow.steps, (fast.steps, slow.steps)
+    recs = c.workers
+    assert recs["fast"].steps >= 2 * recs["slow"].steps  # and the coordinator applied them
+
+
+def test_worker_with_a_different_model_is_refused_naming_the_difference() -> None:
+    other = nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    async def main() -> None:
+        c = coordinator()
+        await c.start()
+        try:
+            with pytest.raises(RefusedError) as info:
+                await asyncio.wait_for(worker(c.port, model=other).run_async(), 30)
+            assert info.value.code == "model_mismatch"
+            assert "parameter #0" in str(info.value) and "'0.weight'" in str(info.value)
+            assert "[128, 64]" in str(info.value) and "[100, 64]" in str(info.value)
+            assert not c.workers  # never registered
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_compression_mismatch_is_reported_at_registration() -> None:
+    async def main() -> None:
+        c = coordinator()
+        await c.start()
+        try:
+            with pytest.raises(RefusedError, match="compression mismatch"):
+                await asyncio.wait_for(worker(c.port, **{"compression.type": "fp16"}).run_async(), 30)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def _raw_session(port: int) -> socket.socket:
+    """An authenticated raw socket (handshake done by hand), for sending arbitrary bytes."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    nc = auth.new_nonce()
+    s.sendall(encode_bytes(Hello(role="worker", nonce=nc)))
+    ch = _read_msg(s)
+    assert isinstance(ch, Challenge)
+    s.sendall(encode_bytes(Auth(proof=auth.client_proof(SECRET, nc, ch.nonce))))
+    assert isinstance(_read_msg(s), Welcome)
+    return s
+
+
+def _read_msg(s: socket.socket) -> Any:
+    d = Decoder()
+    while True:
+        msg = d.next_message()
+        if msg is not None and msg.TYPE.name != "HEARTBEAT":
+            return msg
+        if msg is None:
+            chunk = s.recv(65536)
+            if not chunk:
+                return None
+            d.feed(chunk)
+
+
+def _frame(mtype: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"SWRM", version: int = 1,
+           flags: int = 0, plen: int | None = None) -> bytes:
+    return PREAMBLE.pack(magic, version, mtype, flags, len(header),
+                         len(payload) if plen is None else plen) + header + payload
+
+
+def _hdr(fields: dict[str, Any], tensors: list[Any] | None = None) -> bytes:
+    return msgpack.packb({"f": fields, "t": tensors or []}, use_bin_type=True)
+
+
+GRAD = 13
+MALFORMED = {
+    "bad_magic": _frame(GRAD, _hdr({}), magic=b"XXXX"),
+    "unsupported_version": _frame(GRAD, _hdr({}), version=9),
+    "unknown_type": _frame(99, _hdr({})),
+    "bad_flags": _frame(GRAD, _hdr({}), flags=4),
+    "oversize_header": PREAMBLE.pack(b"SWRM", 1, GRAD, 0, 1 << 30, 0),
+    "oversize_payload": PREAMBLE.pack(b"SWRM", 1, GRAD, 0, 10, 1 << 40),
+    "bad_header": _frame(GRAD, b"\xc1\xc1\xc1"),
+    "descriptor_out_of_range": _frame(GRAD, _hdr(
+        {"msg_id": 1, "version": 0, "samples": 1, "loss": 0.0, "codecs": {}},
+        [["x", "float32", [100], 0, 400]]), b"\0" * 64),
+    "bad_dtype": _frame(GRAD, _hdr(
+        {"msg_id": 1, "version": 0, "samples": 1, "loss": 0.0, "codecs": {}},
+        [["x", "complex64", [1], 0, 8]]), b"\0" * 64),
+    "missing_field": _frame(GRAD, _hdr({"msg_id": 1})),
+}
+
+
+def test_malformed_frames_get_their_own_error_and_others_keep_training() -> None:
+    async def main() -> None:
+        c = coordinator(**{"training.min_workers": 1})
+        await c.start()
+        good = worker(c.port, **{"training.worker_id": "good"})
+        task = asyncio.create_task(good.run_async())
+        try:
+            loop = asyncio.get_running_loop()
+            for code, frame in MALFORMED.items():
+                before = c.version
+
+                def attack(frame: bytes = frame) -> Any:
+                    s = _raw_session(c.port)
+                    try:
+                        s.sendall(frame)
+                        return _read_msg(s)
+                    finally:
+                        s.close()
+
+                reply = await loop.run_in_executor(None, attack)
+                assert isinstance(reply, Error), (code, reply)
+                assert reply.code == code, (code, reply)
+                for _ in range(200):  # the legitimate worker keeps training meanwhile
+                    if c.version > before:
+                        break
+                    await asyncio.sleep(0.05)
+                assert c.version > before, f"training stalled after {code}"
+            truncated = _frame(GRAD, _hdr({"msg_id": 1}))[:-3]
+            s = await loop.run_in_executor(None, _raw_session, c.port)
+            s.sendall(truncated)
+            s.close()
+            before = c.version
+            for _ in range(200):
+                if c.version > before + 5:
+                    break
+                await asyncio.sleep(0.05)
+            assert c.version > before + 5
+            assert c.workers["good"].rejected == 0
+        finally:
+            good.stop()
+            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_nan_gradient_is_rejected_and_weights_do_not_change() -> None:
+    class NaNLoss:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+            self.calls += 1
+            return TASK.loss(model, batch) * float("nan")
+
+    async def main() -> tuple[Coordinator, dict[str, torch.Tensor]]:
+        c = coordinator(**{"training.max_steps": 0})
+        before = {n: p.detach().clone() for n, p in c.params.items()}
+        await c.start()
+        w = worker(c.port)
+        w.loss_fn = NaNLoss()
+        t = asyncio.create_task(w.run_async())
+        for _ in range(400):
+            if c.stats["rejected"] >= 5:
+                break
+            await asyncio.sleep(0.05)
+        w.stop()
+        await asyncio.wait_for(asyncio.gather(t, return_exceptions=True), 30)
+        await c.close()
+        return c, before
+
+    c, before = asyncio.run(main())
+    assert c.stats["rejected"] >= 5 and c.stats["applied"] == 0
+    assert all(torch.equal(before[n], p) for n, p in c.params.items())
+
+
+def test_python_api_keywords_map_to_config_keys() -> None:
+    c = Coordinator(TASK.build_model(), port=0, min_workers=3, host="127.0.0.1", secret=SECRET)
+    assert c.config.network.port == 0 and c.config.training.min_workers == 3
+    with pytest.raises(ConfigError, match="prot"):
+        Coordinator(TASK.build_model(), prot=1)

@@ -1,0 +1,625 @@
+"""The asyncio transport over real loopback TCP (port 0): handshake and cluster secrets,
+refusal of garbage, heartbeats, timeouts per phase and bounded send queues.
+
+Each test is a plain function that runs its scenario with ``asyncio.run`` under an overall
+deadline, and every wait inside has its own timeout, so a bug shows as a failure, not a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+from swarmtrain.errors import (
+    AuthError,
+    ConnectionLost,
+    RemoteProtocolError,
+    SwarmError,
+    SwarmTimeout,
+)
+from swarmtrain.transport import Connection, Server, Timeouts, connect, start_server
+from swarmtrain.transport import auth
+from swarmtrain.transport.connection import FrameProtocol
+from swarmtrain.wire import (
+    Auth,
+    Challenge,
+    Decoder,
+    Error,
+    Heartbeat,
+    Hello,
+    Limits,
+    Message,
+    Shutdown,
+    Start,
+    Weights,
+    Welcome,
+    encode_bytes,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+HOST = "127.0.0.1"
+#: generous limits for everything that is not under test, so a slow machine does not fail
+SLOW = Timeouts(connect=10, handshake=10, heartbeat_interval=0.5, heartbeat_timeout=20, send=20)
+
+
+def run(coro: Coroutine[Any, Any, Any], timeout: float = 40) -> Any:
+    """Run one test scenario on a fresh event loop, under an overall deadline."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    handler: Callable[[Connection, str], Awaitable[None]], **kwargs: Any
+) -> AsyncIterator[Server]:
+    kwargs.setdefault("secret", None)
+    kwargs.setdefault("timeouts", SLOW)
+    srv = await start_server(HOST, 0, handler, **kwargs)
+    try:
+        yield srv
+    finally:
+        await asyncio.wait_for(srv.close(), 15)
+
+
+async def echo(conn: Connection, role: str) -> None:
+    """Send every message back until the peer goes away."""
+    while True:
+        try:
+            msg = await conn.recv(timeout=20)
+        except SwarmError:
+            return
+        await conn.send(msg)
+
+
+async def idle(conn: Connection, role: str) -> None:
+    with contextlib.suppress(SwarmError):
+        await conn.recv(timeout=20)
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 10, what: str = "") -> None:
+    """Wait until ``cond()`` holds (polling), failing after ``timeout`` seconds."""
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.wait_for(poll(), timeout)
+    except TimeoutError:
+        pytest.fail(f"condition not reached within {timeout} s: {what}")
+
+
+# --- raw peers: a socket speaking the wire protocol by hand ------------------------------
+
+
+class RawPeer:
+    """A plain asyncio stream plus a Decoder: a peer that does exactly what the test says."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.decoder = Decoder()
+
+    @classmethod
+    async def open(cls, port: int) -> RawPeer:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), 10)
+        return cls(reader, writer)
+
+    def send(self, msg: Message | bytes) -> None:
+        self.writer.write(msg if isinstance(msg, bytes) else encode_bytes(msg))
+
+    async def recv(self, timeout: float = 10) -> Message:
+        """The next message, skipping heartbeats; raises ConnectionLost at EOF."""
+        async def read() -> Message:
+            while True:
+                msg = self.decoder.next_message()
+                if msg is not None and not isinstance(msg, Heartbeat):
+                    return msg
+                if msg is None:
+                    data = await self.reader.read(1 << 16)
+                    if not data:
+                        raise ConnectionLost("raw peer saw EOF")
+                    self.decoder.feed(data)
+
+        return await asyncio.wait_for(read(), timeout)
+
+    async def read_to_eof(self, timeout: float = 10) -> list[Message]:
+        """Every message until the other side closes."""
+        out: list[Message] = []
+        with contextlib.suppress(ConnectionLost, ConnectionResetError):
+            while True:
+                out.append(await self.recv(timeout))
+        return out
+
+    async def client_handshake(self, secret: bytes | None, proof_secret: bytes | None = None) -> Message:
+        """HELLO, CHALLENGE, AUTH (with a proof made from ``proof_secret``), then the reply."""
+        nc = auth.new_nonce()
+        self.send(Hello(role="worker", nonce=nc))
+        ch = await self.recv()
+        assert isinstance(ch, Challenge)
+        key = secret if proof_secret is None else proof_secret
+        self.send(Auth(proof=auth.client_proof(key, nc, ch.nonce)))
+        return await self.recv()
+
+    async def server_handshake(self, secret: bytes | None) -> None:
+        hello = await self.recv()
+        assert isinstance(hello, Hello)
+        ns = auth.new_nonce()
+        self.send(Challenge(nonce=ns, proof=auth.server_proof(secret, hello.nonce, ns),
+                            open_cluster=secret is None))
+        reply = await self.recv()
+        assert isinstance(reply, Auth)
+        assert auth.proofs_equal(reply.proof, auth.client_proof(secret, hello.nonce, ns))
+        self.send(Welcome(session="raw"))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@contextlib.asynccontextmanager
+async def raw_server(serve: Callable[[RawPeer], Awaitable[None]]) -> AsyncIterator[int]:
+    """A listening socket whose connections are driven by ``serve`` (a hand-made peer)."""
+    tasks: list[asyncio.Task[None]] = []
+
+    def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tasks.append(asyncio.create_task(serve(RawPeer(reader, writer))))
+
+    srv = await asyncio.start_server(on_connect, HOST, 0)
+    try:
+        yield srv.sockets[0].getsockname()[1]
+    finally:
+        srv.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+# --- data --------------------------------------------------------------------------------
+
+
+def test_large_tensor_message_echoes_bit_exactly() -> None:
+    g = torch.Generator().manual_seed(1)
+    sent = Weights(version=7, tensors={
+        "big": torch.randn(4 * 1024 * 1024, generator=g),  # 16 MiB
+        "half": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(-5, 5, dtype=torch.int64).reshape(2, 5),
+        "mask": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 3),
+    })
+    roles: list[str] = []
+
+    async def handler(conn: Connection, role: str) -> None:
+        roles.append(role)
+        await echo(conn, role)
+
+    async def scenario() -> None:
+        async with serving(handler, secret=b"s3cret") as srv:
+            conn = await connect(HOST, srv.port, secret=b"s3cret", role="worker", timeouts=SLOW)
+            try:
+                assert conn.session
+                await conn.send(sent)
+                got = await conn.recv(timeout=30)
+            finally:
+                await conn.close()
+        assert roles == ["worker"]
+        assert isinstance(got, Weights) and got.version == 7
+        assert list(got.tensors) == list(sent.tensors)
+        for name, t in sent.tensors.items():
+            assert _same(got.tensors[name], t), name
+        assert srv.failed_handshakes == 0
+
+    run(scenario())
+
+
+def test_messages_arrive_in_order() -> None:
+    async def scenario() -> None:
+        async with serving(echo) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=SLOW)
+            try:
+                for i in range(50):
+                    await conn.send(Start(version=i))
+                got = [await conn.recv(timeout=10) for _ in range(50)]
+            finally:
+                await conn.close()
+        assert got == [Start(version=i) for i in range(50)]
+
+    run(scenario())
+
+
+# --- cluster secrets ---------------------------------------------------------------------
+
+
+def test_wrong_secret_is_refused_on_both_sides(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with serving(idle, secret=b"alpha") as srv:
+            with pytest.raises(AuthError, match="wrong secret"):
+                await connect(HOST, srv.port, secret=b"beta", role="worker", timeouts=SLOW)
+            await eventually(lambda: srv.failed_handshakes == 1, what="server counts the failure")
+            assert not srv.connections
+
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.transport"):
+        run(scenario())
+    refusals = [r.getMessage() for r in caplog.records if "refused connection" in r.getMessage()]
+    assert len(refusals) == 1 and "wrong secret" in refusals[0]
+
+
+def test_client_without_the_secret_is_told_by_the_server_it_does_not_know_it() -> None:
+    """A client that sends a bad proof (skipping its own check of the server) is refused by
+    the server, with an ERROR that says why."""
+    async def scenario() -> None:
+        async with serving(idle, secret=b"alpha") as srv:
+            peer = await RawPeer.open(srv.port)
+            reply = await peer.client_handshake(b"alpha", proof_secret=b"beta")
+            assert isinstance(reply, Error)
+            assert reply.code == "auth_failed" and reply.fatal
+            assert "does not know" in reply.message and "secret" in reply.message
+            assert await peer.read_to_eof() == []
+            peer.close()
+            await eventually(lambda: srv.failed_handshakes == 1, what="server counts the failure")
+
+    run(scenario())
+
+
+def test_missing_client_secret_is_refused() -> None:
+    async def scenario() -> None:
+        async with serving(idle, secret=b"alpha") as srv:
+            with pytest.raises(AuthError, match="requires a cluster secret") as info:
+                await connect(HOST, srv.port, secret=None, role="worker", timeouts=SLOW)
+            assert "SWARMTRAIN_SECRET" in str(info.value)  # says how to fix it
+            await eventually(lambda: srv.failed_handshakes == 1, what="server counts the failure")
+
+    run(scenario())
+
+
+def test_client_with_a_secret_is_refused_by_an_open_cluster() -> None:
+    async def scenario() -> None:
+        async with serving(idle, secret=None) as srv:
+            with pytest.raises(AuthError, match="open cluster"):
+                await connect(HOST, srv.port, secret=b"alpha", role="worker", timeouts=SLOW)
+            await eventually(lambda: srv.failed_handshakes == 1, what="server counts the failure")
+
+    run(scenario())
+
+
+def test_open_cluster_works() -> None:
+    async def scenario() -> None:
+        async with serving(echo, secret=None) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="peer", timeouts=SLOW)
+            try:
+                await conn.send(Shutdown(reason="bye"))
+                assert await conn.recv(timeout=10) == Shutdown(reason="bye")
+            finally:
+                await conn.close()
+            assert srv.failed_handshakes == 0
+
+    run(scenario())
+
+
+def test_failed_handshakes_are_counted_and_do_not_stop_the_server() -> None:
+    async def scenario() -> None:
+        async with serving(echo, secret=b"alpha") as srv:
+            for _ in range(3):
+                with pytest.raises(AuthError):
+                    await connect(HOST, srv.port, secret=b"beta", role="worker", timeouts=SLOW)
+            await eventually(lambda: srv.failed_handshakes == 3, what="three failures counted")
+            conn = await connect(HOST, srv.port, secret=b"alpha", role="worker", timeouts=SLOW)
+            try:
+                await conn.send(Start(version=1))
+                assert await conn.recv(timeout=10) == Start(version=1)
+            finally:
+                await conn.close()
+            assert srv.failed_handshakes == 3
+
+    run(scenario())
+
+
+# --- garbage and stalls --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET / HTTP/1.1\r\nHost: swarm\r\n\r\n",  # longer than a preamble: bytes left unread
+    b"\x00" * 20,                               # exactly one preamble
+], ids=["http", "zeros"])
+def test_garbage_gets_an_error_frame_and_the_server_keeps_serving(garbage: bytes) -> None:
+    async def scenario() -> None:
+        async with serving(echo, secret=b"alpha") as srv:
+            peer = await RawPeer.open(srv.port)
+            peer.send(garbage)
+            got = await peer.read_to_eof()
+            peer.close()
+            assert len(got) == 1 and isinstance(got[0], Error), got
+            assert got[0].code == "bad_magic" and got[0].fatal
+            await eventually(lambda: srv.failed_handshakes == 1, what="server counts the failure")
+            conn = await connect(HOST, srv.port, secret=b"alpha", role="worker", timeouts=SLOW)
+            try:
+                await conn.send(Start(version=3))
+                assert await conn.recv(timeout=10) == Start(version=3)
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+def test_garbage_after_the_handshake_closes_the_connection_with_an_error() -> None:
+    seen: asyncio.Queue[BaseException] = asyncio.Queue()
+
+    async def handler(conn: Connection, role: str) -> None:
+        try:
+            await conn.recv(timeout=20)
+        except SwarmError as exc:
+            seen.put_nowait(exc)
+
+    async def scenario() -> None:
+        async with serving(handler) as srv:
+            peer = await RawPeer.open(srv.port)
+            assert isinstance(await peer.client_handshake(None), Welcome)
+            peer.send(b"SWRM\x01\xee" + bytes(14))  # unknown message type
+            got = await peer.read_to_eof()
+            peer.close()
+            assert [(m.code, m.fatal) for m in got if isinstance(m, Error)] == [("unknown_type", True)]
+            exc = await asyncio.wait_for(seen.get(), 10)
+            assert isinstance(exc, RemoteProtocolError) and exc.code == "unknown_type"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("stall", ["nothing", "half_a_preamble", "hello_only"])
+def test_client_that_never_completes_the_handshake_is_closed(stall: str) -> None:
+    quick = Timeouts(connect=10, handshake=0.3, heartbeat_interval=0.5, heartbeat_timeout=20, send=20)
+
+    async def scenario() -> None:
+        async with serving(idle, secret=b"alpha", timeouts=quick) as srv:
+            peer = await RawPeer.open(srv.port)
+            if stall == "half_a_preamble":
+                peer.send(b"SWRM\x01")
+            elif stall == "hello_only":
+                peer.send(Hello(role="worker", nonce=auth.new_nonce()))
+            got = await peer.read_to_eof(timeout=10)
+            peer.close()
+            errors = [m for m in got if isinstance(m, Error)]
+            assert [e.code for e in errors] == ["handshake_timeout"], got
+            assert "handshake" in errors[0].message
+            await eventually(lambda: srv.failed_handshakes == 1, what="server counts the failure")
+            assert not srv.connections
+
+    run(scenario())
+
+
+def test_connect_to_a_server_that_never_answers_times_out_in_the_handshake() -> None:
+    async def mute(peer: RawPeer) -> None:
+        await asyncio.sleep(30)
+
+    async def scenario() -> None:
+        async with raw_server(mute) as port:
+            quick = Timeouts(connect=10, handshake=0.3, heartbeat_interval=0.5,
+                             heartbeat_timeout=20, send=20)
+            with pytest.raises(SwarmTimeout) as info:
+                await connect(HOST, port, secret=None, role="worker", timeouts=quick)
+            assert info.value.phase == "handshake"
+
+    run(scenario())
+
+
+def test_connect_to_a_closed_port_is_connection_lost() -> None:
+    async def scenario() -> None:
+        srv = await asyncio.start_server(lambda r, w: None, HOST, 0)
+        port = srv.sockets[0].getsockname()[1]
+        srv.close()
+        await srv.wait_closed()
+        with pytest.raises(ConnectionLost, match="cannot connect"):
+            await connect(HOST, port, secret=None, role="worker", timeouts=SLOW)
+
+    run(scenario())
+
+
+# --- heartbeats ----------------------------------------------------------------------------
+
+BEATING = Timeouts(connect=10, handshake=10, heartbeat_interval=0.05, heartbeat_timeout=0.5, send=20)
+
+
+def test_silent_client_is_dropped_after_the_heartbeat_timeout() -> None:
+    seen: asyncio.Queue[BaseException] = asyncio.Queue()
+
+    async def handler(conn: Connection, role: str) -> None:
+        try:
+            await conn.recv(timeout=20)
+        except SwarmError as exc:
+            seen.put_nowait(exc)
+
+    async def scenario() -> None:
+        async with serving(handler, timeouts=BEATING) as srv:
+            peer = await RawPeer.open(srv.port)
+            assert isinstance(await peer.client_handshake(None), Welcome)
+            # from here the raw peer neither sends nor answers heartbeats
+            exc = await asyncio.wait_for(seen.get(), 15)
+            peer.writer.transport.abort()
+            assert isinstance(exc, SwarmTimeout) and exc.phase == "heartbeat", exc
+            assert exc.seconds == BEATING.heartbeat_timeout
+            await eventually(lambda: not srv.connections, what="server forgets the connection")
+
+    run(scenario())
+
+
+def test_client_drops_a_server_that_goes_silent() -> None:
+    async def silent_after_handshake(peer: RawPeer) -> None:
+        await peer.server_handshake(None)
+        await asyncio.sleep(30)
+
+    async def scenario() -> None:
+        async with raw_server(silent_after_handshake) as port:
+            conn = await connect(HOST, port, secret=None, role="worker", timeouts=BEATING)
+            try:
+                with pytest.raises(SwarmTimeout) as info:
+                    await conn.recv(timeout=15)
+                assert info.value.phase == "heartbeat"
+                assert conn.is_closed
+                with pytest.raises(SwarmTimeout):  # every later call sees the same reason
+                    await conn.send(Start(version=1))
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+def test_heartbeats_keep_an_idle_connection_alive() -> None:
+    alive = Timeouts(connect=10, handshake=10, heartbeat_interval=0.05, heartbeat_timeout=1.5, send=20)
+
+    async def scenario() -> None:
+        async with serving(echo, timeouts=alive) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=alive)
+            try:
+                await asyncio.sleep(3 * alive.heartbeat_timeout)
+                assert not conn.is_closed
+                await conn.send(Start(version=5))
+                assert await conn.recv(timeout=10) == Start(version=5)
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+def test_heartbeats_are_not_returned_by_recv() -> None:
+    async def handler(conn: Connection, role: str) -> None:
+        await eventually(lambda: conn.sent_by_type["HEARTBEAT"] >= 5, what="heartbeats sent")
+        await conn.send(Start(version=11))
+        await idle(conn, role)
+
+    async def scenario() -> None:
+        async with serving(handler, timeouts=BEATING) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=BEATING)
+            try:
+                got = await conn.recv(timeout=10)
+                assert got == Start(version=11)
+                assert conn.received_by_type["HEARTBEAT"] >= 5
+                assert conn.received_by_type["START"] == 1
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+# --- backpressure ----------------------------------------------------------------------------
+
+
+class _Deaf(asyncio.Protocol):
+    """Accepts a connection and never reads from it."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        self.transport = transport
+
+
+def test_send_queue_is_bounded_when_the_peer_does_not_read() -> None:
+    tensor = torch.zeros(1 << 20)  # 4 MiB per message, one tensor shared by all of them
+    msg = Weights(version=0, tensors={"w": tensor})
+    msg_bytes = len(encode_bytes(msg))
+    attempts = 64  # 256 MiB if nothing pushed back
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        deaf: list[_Deaf] = []
+
+        def make() -> _Deaf:
+            deaf.append(_Deaf())
+            return deaf[-1]
+
+        srv = await loop.create_server(make, HOST, 0)
+        port = srv.sockets[0].getsockname()[1]
+        _, proto = await asyncio.wait_for(
+            loop.create_connection(lambda: FrameProtocol(Limits()), HOST, port), 10)
+        timeouts = Timeouts(connect=10, handshake=10, heartbeat_interval=1, heartbeat_timeout=20,
+                            send=0.3)
+        conn = Connection(proto, timeouts, send_queue_size=2)
+        sent = 0
+        try:
+            with pytest.raises(SwarmTimeout) as info:
+                for _ in range(attempts):
+                    await conn.send(msg)
+                    sent += 1
+            assert info.value.phase == "send"
+            assert sent < attempts
+            # what sits in user space: the full queue, plus at most one message the writer
+            # handed to the transport past its high-water mark
+            assert conn._outbox.full()
+            assert conn.transport.get_write_buffer_size() <= msg_bytes + (1 << 16)
+            with pytest.raises(SwarmTimeout):
+                await conn.send(msg, timeout=0.05)
+        finally:
+            conn.abort(ConnectionLost("test over"))
+            for d in deaf:
+                d.transport.abort()
+            srv.close()
+
+    run(scenario())
+
+
+# --- closing and timeouts --------------------------------------------------------------------
+
+
+def test_recv_after_the_peer_closes_raises_connection_lost() -> None:
+    async def hang_up(conn: Connection, role: str) -> None:
+        await conn.close()
+
+    async def scenario() -> None:
+        async with serving(hang_up) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=SLOW)
+            try:
+                with pytest.raises(ConnectionLost):
+                    await conn.recv(timeout=10)
+                with pytest.raises(ConnectionLost):  # and again: the close is sticky
+                    await conn.recv(timeout=10)
+                with pytest.raises(ConnectionLost):
+                    await conn.send(Start(version=1))
+                assert conn.is_closed
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+def test_pending_messages_are_delivered_before_the_close() -> None:
+    async def say_bye(conn: Connection, role: str) -> None:
+        await conn.send(Start(version=1))
+        await conn.close(Error(code="shutting_down", message="bye", fatal=True))
+
+    async def scenario() -> None:
+        async with serving(say_bye) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=SLOW)
+            try:
+                assert await conn.recv(timeout=10) == Start(version=1)
+                assert await conn.recv(timeout=10) == Error(code="shutting_down", message="bye")
+                with pytest.raises(ConnectionLost):
+                    await conn.recv(timeout=10)
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+def test_recv_timeout_names_the_phase_and_leaves_the_connection_usable() -> None:
+    async def scenario() -> None:
+        async with serving(echo) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=SLOW)
+            try:
+                with pytest.raises(SwarmTimeout) as info:
+                    await conn.recv(timeout=0.1, phase="register")
+                assert info.value.phase == "register" and info.value.seconds == 0.1
+                assert "register" in str(info.value)
+                assert isinstance(info.value, TimeoutError)
+                await conn.send(Start(version=2))
+                assert await conn.recv(timeout=10) == Start(version=2)
+            finally:
+                await conn.close()
+
+    run(scenario())
