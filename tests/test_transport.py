@@ -23,8 +23,7 @@ from swarmtrain.errors import (
     SwarmError,
     SwarmTimeout,
 )
-from swarmtrain.transport import Connection, Server, Timeouts, connect, start_server
-from swarmtrain.transport import auth
+from swarmtrain.transport import Connection, Server, Timeouts, auth, connect, start_server
 from swarmtrain.transport.connection import FrameProtocol
 from swarmtrain.wire import (
     Auth,
@@ -548,7 +547,7 @@ def test_send_queue_is_bounded_when_the_peer_does_not_read() -> None:
                     await conn.send(msg)
                     sent += 1
             assert info.value.phase == "send"
-            assert sent < attempts
+            assert sent < attempts, sent
             # what sits in user space: the full queue, plus at most one message the writer
             # handed to the transport past its high-water mark
             assert conn._outbox.full()

@@ -74,6 +74,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "i8": torch.tensor([-128, 127, 0], dtype=torch.int8),
         "i16": torch.tensor([[-3, 4]], dtype=torch.int16),
         "i32": torch.tensor([7], dtype=torch.int32),
+        "u16": torch.tensor([0, 1, 65535], dtype=torch.uint16),
         "special": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]),
     }
 
@@ -81,9 +82,14 @@ def _tensors() -> dict[str, torch.Tensor]:
 def _gradient_parts() -> dict[str, torch.Tensor]:
     # the compressed-gradient convention: parts of parameter p travel as "p/<part>"
     return {
+        # top-k's layout: fp16 values, uint16 low index bits, int32 counts per index block
         "fc.weight/values": torch.randn(3).to(torch.float16),
-        "fc.weight/indices": torch.tensor([0, 7, 19], dtype=torch.int64),
-        "fc.bias/data": torch.randn(5),
+        "fc.weight/index_low": torch.tensor([0, 7, 19], dtype=torch.uint16),
+        "fc.weight/block_counts": torch.tensor([3], dtype=torch.int32),
+        # qsgd's layout: fp32 norms and packed uint8 codes
+        "emb.weight/norms": torch.rand(2),
+        "emb.weight/codes": torch.randint(0, 256, (9,), dtype=torch.uint8),
+        "fc.bias/values": torch.randn(5),
     }
 
 
@@ -112,15 +118,20 @@ SAMPLES: dict[MsgType, Message] = {
     MsgType.GRADIENTS: Gradients(
         msg_id=42, version=17, samples=64, loss=2.3125,
         codecs={
-            "fc.weight": {"codec": "topk", "shape": [4, 5], "dtype": "float32", "meta": {"k": 3}},
-            "fc.bias": {"codec": "none", "shape": [5], "dtype": "float32", "meta": {}},
+            "fc.weight": {"codec": "topk", "shape": [4, 5], "dtype": "float32", "meta": {"k": 3},
+                          "parts": ["values", "index_low", "block_counts"]},
+            "emb.weight": {"codec": "qsgd", "shape": [3, 6], "dtype": "float32",
+                           "meta": {"bits": 4, "bucket_size": 16}, "parts": ["norms", "codes"]},
+            "fc.bias": {"codec": "none", "shape": [5], "dtype": "float32", "meta": {},
+                        "parts": ["values"]},
         },
         tensors=_gradient_parts(),
     ),
     MsgType.UPDATE: Update(
         msg_id=42, version=18, status="applied",
-        codecs={"fc.bias": {"codec": "none", "shape": [5], "dtype": "float32", "meta": {}}},
-        tensors={"fc.bias/data": torch.randn(5)},
+        codecs={"fc.bias": {"codec": "fp16", "shape": [5], "dtype": "float32", "meta": {},
+                            "parts": ["values"]}},
+        tensors={"fc.bias/values": torch.randn(5).to(torch.float16)},
     ),
     MsgType.START: Start(version=0),
     MsgType.PAUSE: Pause(),
@@ -182,6 +193,13 @@ def test_round_trip_every_message_type(mtype: MsgType) -> None:
     data = encode_bytes(msg)
     assert data[5] == int(mtype)
     (got,) = _decode_all(data)
+    assert_same_message(got, msg)
+
+
+def test_round_trip_of_a_full_update() -> None:
+    # a resync: complete weights under their plain names, no codecs
+    msg = Update(msg_id=0, version=30, status="applied", codecs={}, full=True, tensors=_tensors())
+    (got,) = _decode_all(encode_bytes(msg))
     assert_same_message(got, msg)
 
 
@@ -511,7 +529,7 @@ def test_error_codes_are_distinct_per_kind() -> None:
 # --- local errors ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.float8_e4m3fn])
 def test_encoding_an_unsupported_dtype_is_a_local_error(dtype: torch.dtype) -> None:
     t = torch.zeros(3, dtype=dtype)
     with pytest.raises(LocalProtocolError) as info:

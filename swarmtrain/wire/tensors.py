@@ -30,6 +30,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "int8": torch.int8,
     "uint8": torch.uint8,
+    "uint16": torch.uint16,  # top-k index_low parts
     "int16": torch.int16,
     "int32": torch.int32,
     "int64": torch.int64,
