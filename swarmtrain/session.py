@@ -64,10 +64,13 @@ def run_coordinator(
         if port_file:
             write_atomic(port_file, str(coord.port))
         loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            asyncio.ensure_future(coord.shutdown_cluster(f"signal {sig.name}"))
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(
-                    sig, lambda s=sig: asyncio.ensure_future(coord.shutdown_cluster(f"signal {s.name}")))
+                loop.add_signal_handler(sig, on_signal, sig)
         await coord.run()
         return coord.status()
 

@@ -47,7 +47,7 @@ def start_coordinator(
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float, log: Path | None = None) -> int:
     try:
         return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         proc.kill()
         proc.wait(timeout=10)
-        raise AssertionError(f"process did not exit within {timeout} s:\n{tail(log) if log else ''}")
+        raise AssertionError(f"process did not exit within {timeout} s:\n{tail(log) if log else ''}") from exc

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 from typing import Any
 
 import msgpack

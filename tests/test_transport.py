@@ -409,6 +409,20 @@ def test_connect_to_a_server_that_never_answers_times_out_in_the_handshake() -> 
     run(scenario())
 
 
+def test_connect_to_something_that_is_not_swarmtrain_is_a_protocol_error() -> None:
+    async def ssh(peer: RawPeer) -> None:
+        peer.send(b"SSH-2.0-OpenSSH_9.6 Debian-1\r\n")
+        await asyncio.sleep(30)
+
+    async def scenario() -> None:
+        async with raw_server(ssh) as port:
+            with pytest.raises(RemoteProtocolError, match="not a swarmtrain peer") as info:
+                await connect(HOST, port, secret=None, role="worker", timeouts=SLOW)
+            assert info.value.code == "bad_magic"
+
+    run(scenario())
+
+
 def test_connect_to_a_closed_port_is_connection_lost() -> None:
     async def scenario() -> None:
         srv = await asyncio.start_server(lambda r, w: None, HOST, 0)

@@ -343,7 +343,8 @@ class Coordinator:
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
             await self._send(rec, reply)
             if self.config.training.max_steps and self.version >= self.config.training.max_steps:
-                asyncio.create_task(self.shutdown_cluster(f"reached max_steps={self.config.training.max_steps}"))
+                reason = f"reached max_steps={self.config.training.max_steps}"
+                asyncio.create_task(self.shutdown_cluster(reason))
             elif self.checkpointer is not None and status == "applied":
                 await self._maybe_checkpoint()
         elif isinstance(msg, StatusRequest):
@@ -501,7 +502,7 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         try:
             metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, weights)
-        except Exception as exc:  # a user's evaluate() may raise anything; keep serving
+        except Exception as exc:  # noqa: BLE001 - a user's evaluate() may raise anything; keep serving
             log.error("evaluation failed: %s", exc)
             return
         self.metrics = dict(metrics)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from swarmtrain import hardware
-from swarmtrain.compression import LOSSLESS_CODECS, Compressed, ErrorFeedback, make_codec
+from swarmtrain.compression import Compressed, ErrorFeedback, make_codec
 from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret
 from swarmtrain.errors import (
     AuthError,
@@ -394,7 +394,8 @@ class Worker:
     def _record_speed(self, samples: int, seconds: float) -> None:
         if seconds > 0:
             rate = samples / seconds
-            self.samples_per_sec = rate if self.samples_per_sec == 0 else 0.9 * self.samples_per_sec + 0.1 * rate
+            old = self.samples_per_sec
+            self.samples_per_sec = rate if old == 0 else 0.9 * old + 0.1 * rate
 
     def status(self) -> dict[str, Any]:
         return {

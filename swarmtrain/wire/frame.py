@@ -198,8 +198,9 @@ class Decoder:
             obj = msgpack.unpackb(
                 self._buf, raw=False, strict_map_key=True, use_list=True
             )
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
-            raise self._fail(RemoteProtocolError("bad_header", f"header is not valid msgpack: {exc}")) from None
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
+            err = RemoteProtocolError("bad_header", f"header is not valid msgpack: {exc}")
+            raise self._fail(err) from None
         if not (isinstance(obj, dict) and isinstance(obj.get("f"), dict) and isinstance(obj.get("t"), list)):
             raise self._fail(RemoteProtocolError(
                 "bad_header", "header must be a map with 'f' (fields map) and 't' (tensor list)"

@@ -62,7 +62,8 @@ def _aligned(n: int) -> int:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, as a memoryview sharing its memory."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr)
 
 
 def layout_tensors(
