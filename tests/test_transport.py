@@ -182,6 +182,28 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+# --- authentication primitives ------------------------------------------------------------
+
+
+def test_hmac_proofs_match_the_documented_construction_and_vectors() -> None:
+    """docs/protocol.md gives the MAC inputs and these vectors; keep them true."""
+    import hashlib
+    import hmac
+
+    nc, ns, key = bytes(range(32)), bytes(range(32, 64)), b"example-secret"
+    server = auth.server_proof(key, nc, ns)
+    client = auth.client_proof(key, nc, ns)
+    assert server == hmac.new(key, b"swarmtrain/1 server" + nc + ns, hashlib.sha256).digest()
+    assert client == hmac.new(key, b"swarmtrain/1 client" + ns + nc, hashlib.sha256).digest()
+    assert server.hex() == "0633fce20fe77bcece53d8b52cdf89512abca9c895a9989d2f69c530b36b9f6c"
+    assert client.hex() == "8f9dd76b83251b0ace21c072ab13937f1dd87458377c50190e091e9ed3c40273"
+    assert auth.server_proof(None, nc, ns).hex() == (
+        "77e018d11ebbb4116b226c0b979235f6d371b3c9639acf4e8edc93a1d195a914")
+    assert server != client and auth.server_proof(b"other", nc, ns) != server
+    assert len(auth.new_nonce()) == auth.NONCE_BYTES == 32
+    assert auth.new_nonce() != auth.new_nonce()
+
+
 # --- data --------------------------------------------------------------------------------
 
 

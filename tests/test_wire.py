@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from swarmtrain.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from swarmtrain.wire import (
     ALIGN,
+    DTYPES,
     MAGIC,
     MESSAGE_CLASSES,
     PREAMBLE,
@@ -646,3 +647,43 @@ def test_protocol_errors_are_split_by_blame() -> None:
     assert issubclass(LocalProtocolError, ProtocolError)
     assert issubclass(RemoteProtocolError, ProtocolError)
     assert not issubclass(LocalProtocolError, RemoteProtocolError)
+
+
+# --- docs/protocol.md stays true -----------------------------------------------------------
+
+
+def test_the_worked_example_in_the_protocol_doc() -> None:
+    data = encode_bytes(Weights(version=1, tensors={"w": torch.tensor([1.0, -2.0])}))
+    expected = bytes.fromhex(
+        "5357524d 01 0c 0000 1f000000 4000000000000000"  # preamble
+        "82 a166 81 a776657273696f6e 01"  # {"f": {"version": 1},
+        "a174 91 95 a177 a7666c6f61743332 9102 00 08"  # "t": [["w", "float32", [2], 0, 8]]}
+        "0000803f 000000c0" + "00" * 56  # 1.0, -2.0, padding
+    )
+    assert data == expected
+    beat = bytes.fromhex(
+        "5357524d 01 18 0000 1b000000 0000000000000000"
+        "82 a166 82 a474696d65 cb3fe0000000000000 a473746570 03 a174 90"
+    )
+    assert encode_bytes(Heartbeat(time=0.5, step=3)) == beat
+    weights, heartbeat = _decode_all(expected + beat)
+    assert isinstance(weights, Weights) and weights.version == 1
+    assert weights.tensors["w"].tolist() == [1.0, -2.0]
+    assert heartbeat == Heartbeat(time=0.5, step=3)
+
+
+def test_constants_match_the_protocol_doc() -> None:
+    assert {t.name: int(t) for t in MsgType} == {
+        "HELLO": 1, "CHALLENGE": 2, "AUTH": 3, "WELCOME": 4,
+        "REGISTER": 10, "REGISTER_ACK": 11, "WEIGHTS": 12, "GRADIENTS": 13, "UPDATE": 14,
+        "START": 20, "PAUSE": 21, "RESUME": 22, "SHUTDOWN": 23, "HEARTBEAT": 24,
+        "CHECKPOINT": 25, "ERROR": 26, "STATUS_REQUEST": 27, "STATUS": 28,
+    }
+    assert PREAMBLE.format == "<4sBBHIQ" and PREAMBLE.size == 20
+    assert MAGIC == b"SWRM" and PROTOCOL_VERSION == 1 and ALIGN == 64
+    assert Limits() == Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 30, max_tensors=16384)
+    itemsizes = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+    assert itemsizes == {
+        "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "bool": 1,
+        "int8": 1, "uint8": 1, "uint16": 2, "int16": 2, "int32": 4, "int64": 8,
+    }
