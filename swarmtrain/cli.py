@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
     c.add_argument("--port-file", help=argparse.SUPPRESS)
     c.add_argument("--summary-file", help="write the final status as JSON here on exit")
+    c.add_argument("--status-file", help="keep the current status as JSON here (rewritten every second)")
 
     w = sub.add_parser("worker", help="compute gradients for a coordinator")
     _common(w)
@@ -140,7 +141,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg = load_coordinator_config(args.config, _overrides(args, _COORD))
     _setup_logging(cfg.logging.level, args.log_json)
     return run_coordinator(cfg, resume=args.resume, port_file=args.port_file,
-                           summary_file=args.summary_file)
+                           summary_file=args.summary_file, status_file=args.status_file)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -54,15 +54,23 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> None:
     os.replace(tmp, p)
 
 
+async def _write_status_forever(coord: Coordinator, path: str, interval: float = 1.0) -> None:
+    while True:
+        write_atomic(path, json.dumps(coord.status(), default=str))
+        await asyncio.sleep(interval)
+
+
 def run_coordinator(
     cfg: CoordinatorConfig, *, resume: bool = False, port_file: str | None = None,
-    summary_file: str | None = None,
+    summary_file: str | None = None, status_file: str | None = None,
 ) -> int:
     async def main() -> dict[str, Any]:
         coord = build_coordinator(cfg, resume=resume)
         await coord.start()
         if port_file:
             write_atomic(port_file, str(coord.port))
+        if status_file:
+            coord._tasks.append(asyncio.create_task(_write_status_forever(coord, status_file)))
         loop = asyncio.get_running_loop()
 
         def on_signal(sig: signal.Signals) -> None:
@@ -75,8 +83,9 @@ def run_coordinator(
         return coord.status()
 
     status = asyncio.run(main())
-    if summary_file:
-        write_atomic(summary_file, json.dumps(status, default=str))
+    for path in (summary_file, status_file):
+        if path:
+            write_atomic(path, json.dumps(status, default=str))
     return 0
 
 

@@ -66,17 +66,19 @@ def test_slow_worker_does_not_hold_back_the_fast_one() -> None:
         await c.start()
         fast = worker(c.port, **{"training.worker_id": "fast", "training.batch_size": 256})
         slow = worker(c.port, **{"training.worker_id": "slow", "training.batch_size": 256,
-                                 "training.speed": 0.25})
+                                 "training.speed": 0.1})
         tasks = [asyncio.create_task(w.run_async()) for w in (fast, slow)]
         await asyncio.wait_for(c.run(), 120)
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
         return fast, slow, c
 
     fast, slow, c = asyncio.run(main())
+    # Synchronous data parallelism would hold both to the same count (ratio 1); the slow
+    # worker runs at a tenth of its speed, so anything near 10 shows nobody waits for it.
     assert fast.steps + slow.steps >= 240
-    assert fast.steps >= 2 * slow.steps, (fast.steps, slow.steps)
+    assert fast.steps >= 3 * slow.steps, (fast.steps, slow.steps)
     recs = c.workers
-    assert recs["fast"].steps >= 2 * recs["slow"].steps  # and the coordinator applied them
+    assert recs["fast"].steps >= 3 * recs["slow"].steps  # and the coordinator applied them
 
 
 def test_worker_with_a_different_model_is_refused_naming_the_difference() -> None:

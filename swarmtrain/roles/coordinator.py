@@ -33,8 +33,10 @@ from swarmtrain.errors import (
     SwarmError,
 )
 from swarmtrain.roles.common import check_fingerprint, fingerprint, pack_compressed, unpack_compressed
+from swarmtrain.roles.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, is_loopback_host, start_server
 from swarmtrain.wire import (
+    Assign,
     CheckpointMsg,
     Error,
     Gradients,
@@ -68,6 +70,7 @@ class WorkerRecord:
     batch_size: int
     samples_per_sec: float
     shard_index: int
+    shards: list[int] = field(default_factory=list)
     conn: Connection | None = None
     welcomed: bool = False
     shadow: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -81,8 +84,8 @@ class WorkerRecord:
     staleness_total: int = 0
     loss: float = math.nan
     last_seen: float = field(default_factory=time.monotonic)
-    bytes_in: int = 0
-    bytes_out: int = 0
+    joined_at: float = field(default_factory=time.monotonic)
+    first_applied_pending: bool = False
 
     @property
     def connected(self) -> bool:
@@ -93,7 +96,8 @@ class WorkerRecord:
         return {
             "id": self.worker_id, "address": self.address, "connected": self.connected,
             "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
-            "shard": self.shard_index, "steps": self.steps, "samples": self.samples,
+            "shard": self.shard_index, "shards": list(self.shards), "steps": self.steps,
+            "samples": self.samples,
             "share": self.samples / total_samples if total_samples else 0.0,
             "samples_per_sec": self.samples_per_sec, "stale": self.stale, "rejected": self.rejected,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
@@ -143,6 +147,7 @@ class Coordinator:
         self.codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
                                 bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
         self.num_shards = t.num_shards or max(t.min_workers, 1)
+        self.shard_plan = ShardPlanner(self.num_shards)
         self.version = 0
         self.workers: dict[str, WorkerRecord] = {}
         self.running = False
@@ -161,7 +166,8 @@ class Coordinator:
         self._finished = False
         self._started_at = time.monotonic()
         self._tasks: list[asyncio.Task[Any]] = []
-        self.checkpointer: Any = None  # set by attach_checkpoints (checkpoint issue)
+        self.checkpointer: Any = None  # a CoordinatorCheckpointer, set by session.build_coordinator
+        self._pending_assign: dict[str, list[int]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -271,7 +277,15 @@ class Coordinator:
                 rec.conn = None
                 rec.welcomed = False
                 rec.shadow = {}
-                self._event("left", worker=rec.worker_id)
+                self._event("left", worker=rec.worker_id, reason=str(self._leave_reason(conn)))
+                if not self._finished:
+                    with contextlib.suppress(SwarmError):
+                        await self._send_assignments(self.shard_plan.leave(rec.worker_id))
+
+    @staticmethod
+    def _leave_reason(conn: Connection) -> str:
+        reason = conn.close_reason
+        return "unknown" if reason is None else str(reason)
 
     def _register(self, conn: Connection, msg: Register) -> WorkerRecord:
         if self.task_name and msg.task and msg.task != self.task_name:
@@ -290,13 +304,19 @@ class Coordinator:
             log.info("worker %s reconnected; closing its old connection", msg.worker_id)
             assert rec.conn is not None
             rec.conn.abort(SwarmError("replaced by a new connection"))
-        shard = msg.shard_index if msg.shard_index >= 0 else self._free_shard(msg.worker_id)
+        changed = self.shard_plan.join(msg.worker_id, msg.shard_index if msg.shard_index >= 0 else None)
+        shards = changed[msg.worker_id]
+        shard = shards[0]
         if rec is None:
             rec = WorkerRecord(msg.worker_id, conn.peer, msg.hardware, msg.batch_size,
                                msg.samples_per_sec, shard)
             self.workers[msg.worker_id] = rec
         rec.conn, rec.address, rec.hardware, rec.welcomed = conn, conn.peer, msg.hardware, False
         rec.batch_size, rec.samples_per_sec, rec.shard_index = msg.batch_size, msg.samples_per_sec, shard
+        rec.shards = shards
+        rec.first_applied_pending = True
+        rec.joined_at = time.monotonic()
+        self._pending_assign = {w: s for w, s in changed.items() if w != msg.worker_id}
         rec.last_seen = time.monotonic()
         self._event("joined", worker=rec.worker_id, address=conn.peer, shard=shard,
                     profile=msg.hardware.get("profile", "?"))
@@ -305,26 +325,31 @@ class Coordinator:
                  msg.samples_per_sec, shard, self.num_shards)
         return rec
 
-    def _free_shard(self, worker_id: str) -> int:
-        held: dict[int, int] = {i: 0 for i in range(self.num_shards)}
-        for r in self.workers.values():
-            if r.connected and r.worker_id != worker_id:
-                held[r.shard_index] = held.get(r.shard_index, 0) + 1
-        prev = self.workers.get(worker_id)
-        if prev is not None and held.get(prev.shard_index, 1) == 0:
-            return prev.shard_index
-        return min(held, key=lambda i: (held[i], i))
+    async def _send_assignments(self, changed: Mapping[str, list[int]]) -> None:
+        """Tell workers whose shard set changed (a worker came or went) what to train on."""
+        for wid, shards in changed.items():
+            rec = self.workers.get(wid)
+            if rec is None:
+                continue
+            rec.shards, rec.shard_index = list(shards), shards[0]
+            if rec.connected:
+                await self._send(rec, Assign(shards=list(shards), num_shards=self.num_shards))
+        if changed:
+            self._event("reassigned", shards={w: list(s) for w, s in changed.items()})
 
     async def _welcome(self, rec: WorkerRecord) -> None:
         weights = await self._run_apply(self._snapshot_for, rec)
         await self._send(rec, RegisterAck(
             worker_id=rec.worker_id, shard_index=rec.shard_index, num_shards=self.num_shards,
+            shards=list(rec.shards),
             running=self.running, paused=self.paused, version=weights.version,
             last_applied_msg_id=rec.last_msg_id,
             info={"task": self.task_name, "min_workers": self.config.training.min_workers},
         ))
         await self._send(rec, weights)
         rec.welcomed = True
+        changed, self._pending_assign = self._pending_assign, {}
+        await self._send_assignments(changed)
         if not self.running and len(self._connected()) >= self.config.training.min_workers:
             self.running = True
             self._event("start", version=self.version)
@@ -409,6 +434,10 @@ class Coordinator:
             p.grad = None
         self.version += 1
         rec.last_msg_id = msg.msg_id
+        if rec.first_applied_pending:
+            rec.first_applied_pending = False
+            self._event("first_applied", worker=rec.worker_id,
+                        after_join_sec=time.monotonic() - rec.joined_at)
         rec.steps += 1
         rec.samples += msg.samples
         rec.staleness_total += staleness

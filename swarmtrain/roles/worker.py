@@ -37,6 +37,7 @@ from swarmtrain.roles.common import fingerprint, pack_compressed, unpack_compres
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.wire import (
+    Assign,
     Error,
     Gradients,
     Message,
@@ -128,10 +129,12 @@ class Worker:
         self.steps = 0
         self.samples = 0
         self.samples_per_sec = 0.0
-        self.shard_index = -1
+        self.shards: list[int] = []
         self.num_shards = 0
         self.statuses: dict[str, int] = {}
-        self._shard: Shard | None = None
+        self._shard_cache: dict[tuple[int, int], Shard] = {}
+        self._active_shards: list[Shard] = []
+        self._turn = 0
         self._iter: Iterator[Any] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
         self._replies: asyncio.Queue[Message | BaseException] = asyncio.Queue()
@@ -224,15 +227,15 @@ class Worker:
             raise RefusedError(ack.code, ack.message)
         if not isinstance(ack, RegisterAck):
             raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
-        self._use_shard(ack.shard_index, ack.num_shards)
+        self._use_shards(ack.shards or [ack.shard_index], ack.num_shards)
         weights = await conn.recv(timeout=conn.timeouts.heartbeat_timeout, phase="weights")
         if not isinstance(weights, Weights):
             raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
         self._load_full(weights.tensors, weights.version)
         self._running, self._paused = ack.running, ack.paused
         self._registered = True
-        log.info("registered as %s: shard %d/%d, version %d, batch %d x %d",
-                 self.worker_id, self.shard_index, self.num_shards, self.version,
+        log.info("registered as %s: shards %s of %d, version %d, batch %d x %d",
+                 self.worker_id, self.shards, self.num_shards, self.version,
                  self.plan.batch_size, self.plan.accumulation_steps)
         reader = asyncio.create_task(self._reader(conn))
         try:
@@ -255,6 +258,9 @@ class Worker:
                 msg = await conn.recv()
                 if isinstance(msg, (Update, Weights)):
                     self._replies.put_nowait(msg)
+                elif isinstance(msg, Assign):
+                    self._use_shards(msg.shards, msg.num_shards)
+                    log.info("now training on shards %s of %d", msg.shards, msg.num_shards)
                 elif isinstance(msg, Start):
                     self._running = True
                 elif isinstance(msg, Pause):
@@ -350,16 +356,25 @@ class Worker:
 
     # -- compute (runs on the compute thread) ----------------------------------------------
 
-    def _use_shard(self, index: int, count: int) -> None:
-        if (index, count) == (self.shard_index, self.num_shards):
-            return
-        self.shard_index, self.num_shards = index, count
-        if hasattr(self.data, "get_batch") and hasattr(self.data, "__len__"):
-            self._shard = Shard(self.data, index, count, seed=self.config.training.seed + index)  # type: ignore[arg-type]
+    def _use_shards(self, shards: list[int], count: int) -> None:
+        """Train on ``shards`` of ``count`` from now on (batches rotate over them)."""
+        self.shards, self.num_shards = list(shards), count
+        if not (hasattr(self.data, "get_batch") and hasattr(self.data, "__len__")):
+            return  # an iterable (DataLoader): sharding is the user's business
+        active = []
+        for index in shards:
+            key = (index, count)
+            if key not in self._shard_cache:
+                seed = self.config.training.seed + index
+                self._shard_cache[key] = Shard(self.data, index, count, seed=seed)  # type: ignore[arg-type]
+            active.append(self._shard_cache[key])
+        self._active_shards = active  # one assignment: the compute thread sees old or new list
 
     def _next_batch(self) -> Any:
-        if self._shard is not None:
-            return self._shard.next_batch(self.plan.batch_size)
+        shards = self._active_shards
+        if shards:
+            self._turn += 1
+            return shards[self._turn % len(shards)].next_batch(self.plan.batch_size)
         if self._iter is None:
             self._iter = iter(self.data)  # type: ignore[arg-type]
         try:
@@ -401,7 +416,7 @@ class Worker:
         return {
             "worker_id": self.worker_id, "version": self.version, "steps": self.steps,
             "samples": self.samples, "samples_per_sec": self.samples_per_sec,
-            "shard": self.shard_index, "statuses": dict(self.statuses),
+            "shards": list(self.shards), "statuses": dict(self.statuses),
             "residual_norm": self.feedback.residual_norm() if self.feedback else 0.0,
             "loss": math.nan,
         }

@@ -57,6 +57,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._reading_paused = False
         self.last_received = time.monotonic()
         self.protocol_error: RemoteProtocolError | None = None
+        self.received_by_type: Counter[str] = Counter()
+        self.peer_step = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -79,6 +81,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._refuse(exc)
             return
         while (msg := self.decoder.next_message()) is not None:
+            self.received_by_type[msg.TYPE.name] += 1
+            if isinstance(msg, Heartbeat):
+                # consumed here, not queued: heartbeats must neither wait for the application
+                # to call recv() nor fill the inbox and pause reading (which would stop
+                # last_received and get a live peer dropped while the application is busy)
+                self.peer_step = msg.step
+                continue
             self.inbox.put_nowait(msg)
         if self.inbox.qsize() >= self.max_pending and not self._reading_paused and self.transport:
             self._reading_paused = True
@@ -97,7 +106,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def resume_if_drained(self) -> None:
         if self._reading_paused and self.inbox.qsize() < self.max_pending // 2 and self.transport:
             self._reading_paused = False
+            self.last_received = time.monotonic()  # silence while we did not read is ours
             self.transport.resume_reading()
+
+    @property
+    def reading_paused(self) -> bool:
+        """True while reading is paused because the application has not consumed messages."""
+        return self._reading_paused
 
     def eof_received(self) -> bool | None:
         return False
@@ -145,8 +160,7 @@ class Connection:
         self._tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._writer())]
         self.bytes_sent = 0
         self.sent_by_type: Counter[str] = Counter()
-        self.received_by_type: Counter[str] = Counter()
-        self.peer_step = 0
+        self.received_by_type = protocol.received_by_type  # counted as frames are decoded
         self.session = ""
 
     # -- sending ---------------------------------------------------------------------------
@@ -185,30 +199,23 @@ class Connection:
     # -- receiving -------------------------------------------------------------------------
 
     async def recv(self, timeout: float | None = None, phase: str = "recv") -> Message:
-        """The next message from the peer (heartbeats are consumed here).
+        """The next message from the peer (heartbeats never arrive here: the protocol
+        consumes them as they are decoded).
 
         Raises:
             ConnectionLost: the connection closed (the reason is chained).
             RemoteProtocolError: the peer sent a malformed frame (the connection is closed).
             SwarmTimeout: nothing arrived within ``timeout`` (named ``phase``).
         """
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            try:
-                item = await asyncio.wait_for(self._proto.inbox.get(), remaining)
-            except TimeoutError:
-                raise SwarmTimeout(phase, timeout or 0.0, f"waiting for {self.peer}") from None
-            self._proto.resume_if_drained()
-            if isinstance(item, _Closed):
-                self._proto.inbox.put_nowait(item)  # every later recv sees the close too
-                raise self._closed_error()
-            self.received_by_type[item.TYPE.name] += 1
-            if isinstance(item, Heartbeat):
-                self.peer_step = item.step
-                continue
-            return item
+        try:
+            item = await asyncio.wait_for(self._proto.inbox.get(), timeout)
+        except TimeoutError:
+            raise SwarmTimeout(phase, timeout or 0.0, f"waiting for {self.peer}") from None
+        self._proto.resume_if_drained()
+        if isinstance(item, _Closed):
+            self._proto.inbox.put_nowait(item)  # every later recv sees the close too
+            raise self._closed_error()
+        return item
 
     def _closed_error(self) -> Exception:
         reason = self._proto.close_reason
@@ -231,7 +238,10 @@ class Connection:
     async def _heartbeat(self, step_fn: Any) -> None:
         interval, limit = self.timeouts.heartbeat_interval, self.timeouts.heartbeat_timeout
         while not self._proto.closed.is_set():
-            silent = time.monotonic() - self._proto.last_received
+            # while reading is paused (the application is behind), the peer's bytes wait in
+            # the kernel: that silence says nothing about the peer
+            paused = self._proto.reading_paused
+            silent = 0.0 if paused else time.monotonic() - self._proto.last_received
             if silent > limit:
                 log.warning("no word from %s for %.1f s: dropping it", self.peer, silent)
                 self.abort(SwarmTimeout("heartbeat", limit, f"{self.peer} went silent"))
@@ -245,6 +255,16 @@ class Connection:
     def last_received(self) -> float:
         """time.monotonic() of the last bytes received from the peer."""
         return self._proto.last_received
+
+    @property
+    def peer_step(self) -> int:
+        """The training step the peer reported in its last heartbeat."""
+        return self._proto.peer_step
+
+    @property
+    def close_reason(self) -> BaseException | None:
+        """Why the connection closed (None while open)."""
+        return self._proto.close_reason
 
     @property
     def is_closed(self) -> bool:

@@ -11,6 +11,7 @@ from swarmtrain.wire.frame import (
 )
 from swarmtrain.wire.messages import (
     MESSAGE_CLASSES,
+    Assign,
     Auth,
     Challenge,
     CheckpointMsg,
@@ -49,6 +50,7 @@ __all__ = [
     "Weights",
     "Gradients",
     "Update",
+    "Assign",
     "Start",
     "Pause",
     "Resume",

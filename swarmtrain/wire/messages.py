@@ -31,6 +31,7 @@ __all__ = [
     "Weights",
     "Gradients",
     "Update",
+    "Assign",
     "Start",
     "Pause",
     "Resume",
@@ -59,6 +60,7 @@ class MsgType(enum.IntEnum):
     WEIGHTS = 12
     GRADIENTS = 13
     UPDATE = 14
+    ASSIGN = 15
     START = 20
     PAUSE = 21
     RESUME = 22
@@ -155,6 +157,7 @@ class RegisterAck(Message):
     paused: bool
     version: int
     last_applied_msg_id: int
+    shards: list[int] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -202,6 +205,15 @@ class Update(Message):
     codecs: dict[str, Any]
     full: bool = False
     tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Assign(Message):
+    """Coordinator → worker: train on these shards from now on (workers came or went)."""
+
+    TYPE = MsgType.ASSIGN
+    shards: list[int]
+    num_shards: int
 
 
 @dataclass(frozen=True)
@@ -270,7 +282,7 @@ class Status(Message):
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update,
+        Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update, Assign,
         Start, Pause, Resume, Shutdown, Heartbeat, CheckpointMsg, Error, StatusRequest, Status,
     )
 }

@@ -39,7 +39,8 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 _MAX_NAME = 512
 _MAX_DIMS = 16
-_MAX_DIM = 2**63  # torch sizes are int64; a larger dim (possible on an empty tensor) breaks torch.empty
+# torch sizes are int64: a larger dim (possible on an empty tensor) would break torch.empty
+_MAX_DIM = 2**63
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,9 @@ def _parse_desc(raw: Any, index: int) -> TensorDesc:
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _MAX_DIM for d in shape)
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _MAX_DIM for d in shape
+        )
     ):
         raise RemoteProtocolError("bad_descriptor", f"tensor {name!r} has a bad shape {shape!r}")
     for what, v in (("offset", offset), ("nbytes", nbytes)):
@@ -169,7 +172,8 @@ def rebuild_tensors(
             raise RemoteProtocolError(
                 "overlapping_tensors",
                 f"tensor {d.name!r} starts at byte {d.offset}, inside or before the previous "
-                f"tensor (which ends at {end_prev}); tensors must follow each other in payload order",
+                f"tensor (which ends at {end_prev}); tensors must follow each other in "
+                "payload order",
             )
         if d.offset % itemsize:
             raise RemoteProtocolError("misaligned", f"tensor {d.name!r} offset {d.offset} is misaligned")

@@ -1,0 +1,96 @@
+"""Training survives workers and the coordinator going away — on a simulated LAN with the
+coordinator and each worker on its own host (network namespace)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.testing import SimulatedLAN
+from tests.cluster import LanCluster
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def cluster(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: ignore[no-untyped-def]
+    c = LanCluster(lan_factory(3), tmp_path)
+    yield c
+    c.stop_all()
+
+
+def _steps(c: LanCluster, name: str) -> Callable[[dict], int]:  # type: ignore[type-arg]
+    return lambda st: int(c.worker(st, name)["steps"])
+
+
+def test_worker_killed_others_carry_on_and_it_rejoins(cluster: LanCluster) -> None:
+    c = cluster
+    c.start_coordinator("--min-workers", "2", "--checkpoint-interval", "0")
+    c.start_worker(1, "w1")
+    c.start_worker(2, "w2")
+    st = c.wait_for(lambda s: s["version"] > 60, 90, "training to get going")
+    c.procs["w1"].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    st = c.wait_for(lambda s: not c.worker(s, "w1")["connected"], 30, "the coordinator to notice w1 died")
+    noticed = time.monotonic() - killed_at
+    w2_then = _steps(c, "w2")(st)
+    assert c.worker(st, "w2")["shards"] == [0, 1]  # w2 took over w1's shard
+    st = c.wait_for(lambda s: _steps(c, "w2")(s) > w2_then + 30, 60, "w2 to keep training alone")
+    w1_before = _steps(c, "w1")(st)
+    c.start_worker(1, "w1")
+    st = c.wait_for(lambda s: c.worker(s, "w1")["connected"] and _steps(c, "w1")(s) > w1_before + 20,
+                    90, "w1 to rejoin and train on")
+    assert sorted(c.worker(st, w)["shards"][0] for w in ("w1", "w2")) == [0, 1]  # split again
+    assert c.events(st, "first_applied")
+    assert noticed < 30
+
+
+def test_worker_link_cut_for_10s_comes_back_by_itself(cluster: LanCluster) -> None:
+    c = cluster
+    c.start_coordinator("--min-workers", "2", "--checkpoint-interval", "0")
+    c.start_worker(1, "w1")
+    c.start_worker(2, "w2")
+    c.wait_for(lambda s: s["version"] > 60, 90, "training to get going")
+    c.lan.hosts[1].cut()
+    cut_at = time.monotonic()
+    st = c.wait_for(lambda s: not c.worker(s, "w1")["connected"], 20, "the coordinator to drop w1")
+    assert time.monotonic() - cut_at < 10  # heartbeat timeout is 3 s
+    w2_then = _steps(c, "w2")(st)
+    time.sleep(max(0.0, 10 - (time.monotonic() - cut_at)))
+    st = c.status()
+    assert st is not None and _steps(c, "w2")(st) > w2_then  # w2 trained through the outage
+    w1_before = _steps(c, "w1")(st)
+    c.lan.hosts[1].restore()
+    c.wait_for(lambda s: c.worker(s, "w1")["connected"] and _steps(c, "w1")(s) > w1_before + 10, 90,
+               "w1 to come back by itself after the link returns")
+    assert c.procs["w1"].poll() is None  # the same process, never restarted
+
+
+def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanCluster) -> None:
+    c = cluster
+    args = ("--min-workers", "2", "--checkpoint-interval", "50", "--max-steps", "700",
+            "--checkpoint-dir", str(c.tmp / "ckpt"), "--eval-interval", "1")
+    c.start_coordinator(*args)
+    w1, w2 = c.start_worker(1, "w1"), c.start_worker(2, "w2")
+    st = c.wait_for(lambda s: s["version"] >= 200 and c.events(s, "checkpoint"), 120, "200 updates")
+    c.procs["coordinator"].send_signal(signal.SIGKILL)
+    c.procs["coordinator"].wait(timeout=10)
+    last = c.status()  # the last status written before the kill (at most 1 s old)
+    assert last is not None
+    c.start_coordinator(*args, resume=True)
+    st = c.wait_for(lambda s: bool(c.events(s, "resumed")), 30, "the coordinator to resume")
+    resumed = c.events(st, "resumed")[0]["step"]
+    # checkpoints are taken once 50 updates have passed since the last (a few more may land
+    # while one is written), so at most about one interval of work is lost
+    assert resumed >= last["version"] - 60, (resumed, last["version"])
+    assert c.procs["coordinator"].wait(timeout=180) == 0
+    final = c.status()
+    assert final is not None and final["finished"]
+    assert final["metrics"]["accuracy"] > 0.9, final["metrics"]
+    for name, proc in (("w1", w1), ("w2", w2)):  # the very same worker processes finished the run
+        assert proc.wait(timeout=60) == 0, c.logs()
+        assert c.worker(final, name)["steps"] > 0
