@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.testing import SimulatedLAN
-from tests.cluster import LanCluster
+from swarmtrain.testing.cluster import LanCluster
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 

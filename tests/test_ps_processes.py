@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.procs import start_coordinator, swarm_cmd, tail, wait_exit
+from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
 
 SECRET = {"SWARMTRAIN_SECRET": "test-secret-1"}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain.testing import SimulatedLAN
-from tests.procs import swarm_cmd, tail
+from swarmtrain.testing.procs import swarm_cmd, tail
 
 SECRET = "lan-test-secret"
 PORT = 7100  # each LAN is its own set of namespaces, so a fixed port cannot collide

@@ -1,0 +1,174 @@
+"""Coordinator state that must survive restarts and bad conditions: checkpoints, exact resume,
+corrupt-checkpoint fallback, a checkpoint directory that cannot be written, at-most-once apply,
+and control commands (pause, resume, checkpoint, status, shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swarmtrain.checkpoint import CheckpointStore
+from swarmtrain.compression import make_codec
+from swarmtrain.config import load_coordinator_config
+from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
+from swarmtrain.roles.common import pack_compressed
+from swarmtrain.roles.coordinator import Coordinator, WorkerRecord
+from swarmtrain.roles.ctl import ctl_request
+from swarmtrain.tasks import DigitsTask
+from swarmtrain.wire import CheckpointMsg, Gradients, Status
+from tests.test_ps_inprocess import SECRET, worker
+
+TASK = DigitsTask()
+
+
+def make_coordinator(ckpt: Path, **over: Any) -> Coordinator:
+    cfg = load_coordinator_config(overrides={
+        "network.host": "127.0.0.1", "network.port": 0, "training.learning_rate": 3e-3,
+        "checkpointing.interval": 20, "checkpointing.directory": str(ckpt), **over})
+    c = Coordinator(TASK.build_model(), cfg, task_name="digits", secret=SECRET)
+    c.checkpointer = CoordinatorCheckpointer(str(ckpt), interval=cfg.checkpointing.interval,
+                                             keep=cfg.checkpointing.keep)
+    return c
+
+
+def gradient(c: Coordinator, msg_id: int, scale: float = 1.0) -> Gradients:
+    codec = make_codec("none")
+    g = {n: torch.full_like(p, 0.01 * scale * msg_id) for n, p in c.params.items()}
+    codecs, tensors = pack_compressed({n: codec.compress(t) for n, t in g.items()})
+    return Gradients(msg_id=msg_id, version=c.version, samples=32, loss=1.0, codecs=codecs, tensors=tensors)
+
+
+def record(c: Coordinator, wid: str = "w") -> WorkerRecord:
+    rec = WorkerRecord(wid, "test", {}, 32, 0.0, 0)
+    c.workers[wid] = rec
+    c._snapshot_for(rec)
+    return rec
+
+
+def test_a_gradient_is_applied_at_most_once_even_when_resent() -> None:
+    c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0})
+    rec = record(c)
+    g = gradient(c, 1)
+    assert c._apply_gradient(rec, g)[0] == "applied"
+    after_first = {n: p.detach().clone() for n, p in c.params.items()}
+    status, reply = c._apply_gradient(rec, g)  # the same message again, e.g. after a reconnect
+    assert status == "duplicate" and c.version == 1 and c.stats["duplicates"] == 1
+    assert all(torch.equal(after_first[n], p) for n, p in c.params.items())
+    assert reply.msg_id == 1  # answered, so the worker is not left waiting
+
+
+def test_resume_is_bit_exact_and_continues_identically(tmp_path: Path) -> None:
+    a = make_coordinator(tmp_path)
+    rec = record(a)
+    for i in range(1, 31):
+        a._apply_gradient(rec, gradient(a, i))
+
+    async def save() -> CheckpointMsg:
+        return await a.checkpoint()
+
+    saved = asyncio.run(save())
+    assert saved.ok and saved.step == 30
+    on_disk = CheckpointStore(tmp_path).latest()
+    assert on_disk is not None
+    b = make_coordinator(tmp_path)
+    assert b.checkpointer.restore(b)
+    assert b.version == 30 and b.workers["w"].last_msg_id == 30
+    for n, p in b.params.items():  # weights equal to the checkpoint and to the original, bit for bit
+        assert torch.equal(p, on_disk.tensors[f"model/{n}"]) and torch.equal(p, a.params[n])
+    for pa, pb in zip(a.params.values(), b.params.values()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a.optimizer.state[pa][key], b.optimizer.state[pb][key])
+    rec_b = b.workers["w"]
+    b._snapshot_for(rec_b)
+    for i in range(31, 41):  # and training on from there gives exactly the same weights
+        a._apply_gradient(rec, gradient(a, i))
+        b._apply_gradient(rec_b, gradient(b, i))
+    assert all(torch.equal(a.params[n], b.params[n]) for n in a.params)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    a = make_coordinator(tmp_path)
+    rec = record(a)
+
+    async def run() -> None:
+        for i in range(1, 46):
+            a._apply_gradient(rec, gradient(a, i))
+            if i in (20, 45):
+                assert (await a.checkpoint()).ok
+
+    asyncio.run(run())
+    newest = sorted(tmp_path.glob("ckpt-*"))[-1] / "tensors.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    b = make_coordinator(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert b.checkpointer.restore(b)
+    assert b.version == 20
+    assert "unusable" in caplog.text and "ckpt-000000000045" in caplog.text
+
+
+def test_unwritable_checkpoint_directory_reports_and_training_goes_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    c = make_coordinator(blocker / "ckpt")
+    rec = record(c)
+
+    async def run() -> CheckpointMsg:
+        for i in range(1, 6):
+            c._apply_gradient(rec, gradient(c, i))
+        return await c.checkpoint()
+
+    reply = asyncio.run(run())
+    assert not reply.ok and "ckpt" in reply.message and "point [checkpointing] directory" in reply.message
+    assert c.checkpointer.failures == 1
+    assert c._apply_gradient(rec, gradient(c, 6))[0] == "applied"  # training goes on
+
+
+def test_ctl_pause_resume_checkpoint_status_shutdown(tmp_path: Path) -> None:
+    async def main() -> None:
+        c = make_coordinator(tmp_path, **{"checkpointing.interval": 0})
+        await c.start()
+        w = worker(c.port, **{"training.worker_id": "ctl-w"})
+        wt = asyncio.create_task(w.run_async())
+        run = asyncio.create_task(c.run())
+
+        async def ctl(cmd: str) -> Any:
+            return await ctl_request("127.0.0.1", c.port, cmd, secret=SECRET, timeout=20)
+
+        async def until(pred: Any, what: str) -> None:
+            for _ in range(300):
+                if pred():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        await until(lambda: c.version > 20, "training")
+        reply = await ctl("pause")
+        assert isinstance(reply, Status) and reply.status["paused"]
+        await asyncio.sleep(0.5)  # let the gradient in flight land
+        frozen = c.version
+        await asyncio.sleep(1.0)
+        assert c.version <= frozen + 1  # workers stopped computing...
+        assert c.workers["ctl-w"].connected  # ...but kept their connection
+        assert not (await ctl("resume")).status["paused"]
+        await until(lambda: c.version > frozen + 10, "training after resume")
+        ck = await ctl("checkpoint")
+        assert isinstance(ck, CheckpointMsg) and ck.ok and Path(ck.path).exists()
+        st = (await ctl("status")).status
+        row = st["workers"][0]
+        assert {"id", "address", "profile", "steps", "last_seen_sec"} <= set(row) and row["id"] == "ctl-w"
+        await ctl("shutdown")
+        await asyncio.wait_for(run, 30)
+        await asyncio.wait_for(wt, 30)
+        assert w.shutdown_reason  # the worker was told and stopped cleanly
+        assert len(list(tmp_path.glob("ckpt-*"))) == 2  # SHUTDOWN checkpointed again
+        await c.close()
+
+    asyncio.run(main())
