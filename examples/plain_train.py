@@ -23,7 +23,7 @@ def make_spiral(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
+    return nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
 
 
 def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:

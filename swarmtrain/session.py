@@ -40,6 +40,12 @@ def build_coordinator(cfg: CoordinatorConfig, *, resume: bool = False) -> Coordi
 
 
 def build_worker(cfg: WorkerConfig) -> Worker:
+    import torch
+
+    from swarmtrain import hardware
+
+    if cfg.hardware.num_threads == 0:  # auto: as many threads as the machine's profile suggests
+        torch.set_num_threads(hardware.recommend(hardware.detect()).num_threads)
     task = load_task(cfg.training.task)
     model = task.build_model(seed=0)
     data = task.load_data(cfg.data.path or None)
@@ -74,7 +80,7 @@ def run_coordinator(
         loop = asyncio.get_running_loop()
 
         def on_signal(sig: signal.Signals) -> None:
-            asyncio.ensure_future(coord.shutdown_cluster(f"signal {sig.name}"))
+            coord.request_shutdown(f"signal {sig.name}")
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -46,6 +49,11 @@ pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"
 #: generous limits for everything that is not under test, so a slow machine does not fail
 SLOW = Timeouts(connect=10, handshake=10, heartbeat_interval=0.5, heartbeat_timeout=20, send=20)
+
+
+def timeouts(**tight: float) -> Timeouts:
+    """SLOW with the phases under test made short."""
+    return dataclasses.replace(SLOW, **tight)
 
 
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 40) -> Any:
@@ -134,7 +142,9 @@ class RawPeer:
                 out.append(await self.recv(timeout))
         return out
 
-    async def client_handshake(self, secret: bytes | None, proof_secret: bytes | None = None) -> Message:
+    async def client_handshake(
+        self, secret: bytes | None, proof_secret: bytes | None = None
+    ) -> Message:
         """HELLO, CHALLENGE, AUTH (with a proof made from ``proof_secret``), then the reply."""
         nc = auth.new_nonce()
         self.send(Hello(role="worker", nonce=nc))
@@ -187,9 +197,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_hmac_proofs_match_the_documented_construction_and_vectors() -> None:
     """docs/protocol.md gives the MAC inputs and these vectors; keep them true."""
-    import hashlib
-    import hmac
-
     nc, ns, key = bytes(range(32)), bytes(range(32, 64)), b"example-secret"
     server = auth.server_proof(key, nc, ns)
     client = auth.client_proof(key, nc, ns)
@@ -387,7 +394,8 @@ def test_garbage_after_the_handshake_closes_the_connection_with_an_error() -> No
             peer.send(b"SWRM\x01\xee" + bytes(14))  # unknown message type
             got = await peer.read_to_eof()
             peer.close()
-            assert [(m.code, m.fatal) for m in got if isinstance(m, Error)] == [("unknown_type", True)]
+            errors = [(m.code, m.fatal) for m in got if isinstance(m, Error)]
+            assert errors == [("unknown_type", True)]
             exc = await asyncio.wait_for(seen.get(), 10)
             assert isinstance(exc, RemoteProtocolError) and exc.code == "unknown_type"
 
@@ -396,7 +404,7 @@ def test_garbage_after_the_handshake_closes_the_connection_with_an_error() -> No
 
 @pytest.mark.parametrize("stall", ["nothing", "half_a_preamble", "hello_only"])
 def test_client_that_never_completes_the_handshake_is_closed(stall: str) -> None:
-    quick = Timeouts(connect=10, handshake=0.3, heartbeat_interval=0.5, heartbeat_timeout=20, send=20)
+    quick = timeouts(handshake=0.3)
 
     async def scenario() -> None:
         async with serving(idle, secret=b"alpha", timeouts=quick) as srv:
@@ -422,8 +430,7 @@ def test_connect_to_a_server_that_never_answers_times_out_in_the_handshake() -> 
 
     async def scenario() -> None:
         async with raw_server(mute) as port:
-            quick = Timeouts(connect=10, handshake=0.3, heartbeat_interval=0.5,
-                             heartbeat_timeout=20, send=20)
+            quick = timeouts(handshake=0.3)
             with pytest.raises(SwarmTimeout) as info:
                 await connect(HOST, port, secret=None, role="worker", timeouts=quick)
             assert info.value.phase == "handshake"
@@ -450,7 +457,7 @@ def test_connect_to_a_closed_port_is_connection_lost() -> None:
         srv = await asyncio.start_server(lambda r, w: None, HOST, 0)
         port = srv.sockets[0].getsockname()[1]
         srv.close()
-        await srv.wait_closed()
+        await asyncio.wait_for(srv.wait_closed(), 10)
         with pytest.raises(ConnectionLost, match="cannot connect"):
             await connect(HOST, port, secret=None, role="worker", timeouts=SLOW)
 
@@ -459,7 +466,7 @@ def test_connect_to_a_closed_port_is_connection_lost() -> None:
 
 # --- heartbeats ----------------------------------------------------------------------------
 
-BEATING = Timeouts(connect=10, handshake=10, heartbeat_interval=0.05, heartbeat_timeout=0.5, send=20)
+BEATING = timeouts(heartbeat_interval=0.05, heartbeat_timeout=0.5)
 
 
 def test_silent_client_is_dropped_after_the_heartbeat_timeout() -> None:
@@ -507,7 +514,7 @@ def test_client_drops_a_server_that_goes_silent() -> None:
 
 
 def test_heartbeats_keep_an_idle_connection_alive() -> None:
-    alive = Timeouts(connect=10, handshake=10, heartbeat_interval=0.05, heartbeat_timeout=1.5, send=20)
+    alive = timeouts(heartbeat_interval=0.05, heartbeat_timeout=1.5)
 
     async def scenario() -> None:
         async with serving(echo, timeouts=alive) as srv:
@@ -573,9 +580,7 @@ def test_send_queue_is_bounded_when_the_peer_does_not_read() -> None:
         port = srv.sockets[0].getsockname()[1]
         _, proto = await asyncio.wait_for(
             loop.create_connection(lambda: FrameProtocol(Limits()), HOST, port), 10)
-        timeouts = Timeouts(connect=10, handshake=10, heartbeat_interval=1, heartbeat_timeout=20,
-                            send=0.3)
-        conn = Connection(proto, timeouts, send_queue_size=2)
+        conn = Connection(proto, timeouts(send=0.3), send_queue_size=2)
         sent = 0
         try:
             with pytest.raises(SwarmTimeout) as info:
@@ -654,6 +659,58 @@ def test_recv_timeout_names_the_phase_and_leaves_the_connection_usable() -> None
                 assert isinstance(info.value, TimeoutError)
                 await conn.send(Start(version=2))
                 assert await conn.recv(timeout=10) == Start(version=2)
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+def test_a_busy_application_that_does_not_call_recv_keeps_its_connection() -> None:
+    """Heartbeats must not depend on the application reading: a worker in a long compute
+    step (no recv for many heartbeat intervals) is alive, and so is its peer."""
+    fast = timeouts(heartbeat_interval=0.01, heartbeat_timeout=0.5)
+    go = asyncio.Event()
+
+    async def handler(conn: Connection, role: str) -> None:
+        await asyncio.wait_for(go.wait(), 20)
+        await conn.send(Start(version=4))
+        await idle(conn, role)
+
+    async def scenario() -> None:
+        async with serving(handler, timeouts=fast) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=fast)
+            try:
+                # far more heartbeats than the inbox holds arrive while nobody calls recv
+                await asyncio.sleep(4 * fast.heartbeat_timeout)
+                go.set()
+                assert await conn.recv(timeout=10) == Start(version=4)
+                assert conn.received_by_type["HEARTBEAT"] > 64
+            finally:
+                await conn.close()
+
+    run(scenario())
+
+
+def test_a_backlog_of_unread_messages_does_not_get_a_live_peer_dropped() -> None:
+    """When the application falls behind, reading pauses (the inbox is bounded); the
+    peer's bytes then wait in the kernel, which is not the peer going silent."""
+    fast = timeouts(heartbeat_interval=0.01, heartbeat_timeout=0.5)
+    count = 300  # several times the inbox bound
+
+    async def handler(conn: Connection, role: str) -> None:
+        for i in range(count):
+            await conn.send(Start(version=i))
+        await idle(conn, role)
+
+    async def scenario() -> None:
+        async with serving(handler, timeouts=fast) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=fast)
+            try:
+                await eventually(lambda: conn._proto.reading_paused, what="reading paused")
+                await asyncio.sleep(4 * fast.heartbeat_timeout)
+                got = [await conn.recv(timeout=10) for _ in range(count)]
+                assert got == [Start(version=i) for i in range(count)]
+                assert not conn.is_closed
             finally:
                 await conn.close()
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import struct
+import typing
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -25,6 +28,7 @@ from swarmtrain.wire import (
     MESSAGE_CLASSES,
     PREAMBLE,
     PROTOCOL_VERSION,
+    Assign,
     Auth,
     Challenge,
     CheckpointMsg,
@@ -113,7 +117,8 @@ SAMPLES: dict[MsgType, Message] = {
     ),
     MsgType.REGISTER_ACK: RegisterAck(
         worker_id="pi-4", shard_index=2, num_shards=4, running=True, paused=False,
-        version=17, last_applied_msg_id=40, info={"lr": 1e-4, "nested": {"a": [1, 2]}},
+        version=17, last_applied_msg_id=40, shards=[2, 6],
+        info={"lr": 1e-4, "nested": {"a": [1, 2]}},
     ),
     MsgType.WEIGHTS: Weights(version=17, tensors=_tensors()),
     MsgType.GRADIENTS: Gradients(
@@ -134,15 +139,18 @@ SAMPLES: dict[MsgType, Message] = {
                             "parts": ["values"]}},
         tensors={"fc.bias/values": torch.randn(5).to(torch.float16)},
     ),
+    MsgType.ASSIGN: Assign(shards=[0, 3], num_shards=4),
     MsgType.START: Start(version=0),
     MsgType.PAUSE: Pause(),
     MsgType.RESUME: Resume(),
     MsgType.SHUTDOWN: Shutdown(reason="training finished"),
     MsgType.HEARTBEAT: Heartbeat(time=1_700_000_000.123456, step=99),
-    MsgType.CHECKPOINT: CheckpointMsg(path="/ckpt/step-100", step=100, ok=True, message="ünïcødé"),
+    MsgType.CHECKPOINT: CheckpointMsg(path="/ckpt/step-100", step=100, ok=True,
+                                      message="ünïcødé"),
     MsgType.ERROR: Error(code="auth_failed", message="wrong secret", fatal=True),
     MsgType.STATUS_REQUEST: StatusRequest(),
-    MsgType.STATUS: Status(status={"step": 5, "loss": 0.5, "workers": [{"id": "a"}], "raw": b"\x00"}),
+    MsgType.STATUS: Status(status={"step": 5, "loss": 0.5, "workers": [{"id": "a"}],
+                                   "raw": b"\x00"}),
 }
 
 
@@ -393,7 +401,8 @@ _F32 = struct.pack("<4f", 1, 2, 3, 4) + bytes(48)
 MALFORMED: dict[str, tuple[bytes, str]] = {
     "bad magic": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, magic=b"HTTP"), "bad_magic"),
     "http request": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad_magic"),
-    "unknown version": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, version=2), "unsupported_version"),
+    "unknown version": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, version=2),
+                        "unsupported_version"),
     "version zero": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, version=0), "unsupported_version"),
     "unknown type": (_frame(99, {"f": {}, "t": []}), "unknown_type"),
     "type zero": (_frame(0, {"f": {}, "t": []}), "unknown_type"),
@@ -401,8 +410,8 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     "empty header": (_frame(MsgType.PAUSE, b""), "bad_header"),
     "header not msgpack": (_frame(MsgType.PAUSE, b"\xc1\xc1\xc1"), "bad_header"),
     "header truncated msgpack": (_frame(MsgType.PAUSE, b"\x82\xa1f"), "bad_header"),
-    "header with trailing bytes": (_frame(MsgType.PAUSE, msgpack.packb({"f": {}, "t": []}) + b"\x00"),
-                                   "bad_header"),
+    "header with trailing bytes": (
+        _frame(MsgType.PAUSE, msgpack.packb({"f": {}, "t": []}) + b"\x00"), "bad_header"),
     "header is a list": (_frame(MsgType.PAUSE, [1, 2, 3]), "bad_header"),
     "header lacks f": (_frame(MsgType.PAUSE, {"t": []}), "bad_header"),
     "header lacks t": (_frame(MsgType.PAUSE, {"f": {}}), "bad_header"),
@@ -439,8 +448,10 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
         _frame(MsgType.WEIGHTS, {"f": {}, "t": [["a", "float32", [4], 0, 16]]}, _F32),
         "missing_field"),
     "wrong field type": (_frame(MsgType.START, {"f": {"version": "7"}, "t": []}), "bad_field"),
-    "bool for an int field": (_frame(MsgType.START, {"f": {"version": True}, "t": []}), "bad_field"),
-    "str for a float field": (_frame(MsgType.HEARTBEAT, {"f": {"time": "now"}, "t": []}), "bad_field"),
+    "bool for an int field": (
+        _frame(MsgType.START, {"f": {"version": True}, "t": []}), "bad_field"),
+    "str for a float field": (
+        _frame(MsgType.HEARTBEAT, {"f": {"time": "now"}, "t": []}), "bad_field"),
     "str for bytes": (_frame(MsgType.AUTH, {"f": {"proof": "abc"}, "t": []}), "bad_field"),
     "list for a dict": (_frame(MsgType.STATUS, {"f": {"status": [1]}, "t": []}), "bad_field"),
     "huge dimension on an empty tensor": (
@@ -614,9 +625,12 @@ def _random_header_object(draw: st.DrawFn) -> bytes:
     """A valid preamble and msgpack header holding arbitrary (msgpack-able) values."""
     leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
                      st.floats(), st.text(max_size=8), st.binary(max_size=8))
-    value = st.recursive(leaf, lambda c: st.one_of(st.lists(c, max_size=5),
-                                                   st.dictionaries(st.text(max_size=6), c, max_size=4)),
-                         max_leaves=20)
+    value = st.recursive(
+        leaf,
+        lambda c: st.one_of(st.lists(c, max_size=5),
+                            st.dictionaries(st.text(max_size=6), c, max_size=4)),
+        max_leaves=20,
+    )
     descs = st.lists(st.one_of(value, st.tuples(
         st.text(max_size=4), st.sampled_from(["float32", "int64", "bool", "bfloat16", "x"]),
         st.lists(st.integers(-1, 2**64 - 1), max_size=3),
@@ -676,14 +690,41 @@ def test_constants_match_the_protocol_doc() -> None:
     assert {t.name: int(t) for t in MsgType} == {
         "HELLO": 1, "CHALLENGE": 2, "AUTH": 3, "WELCOME": 4,
         "REGISTER": 10, "REGISTER_ACK": 11, "WEIGHTS": 12, "GRADIENTS": 13, "UPDATE": 14,
+        "ASSIGN": 15,
         "START": 20, "PAUSE": 21, "RESUME": 22, "SHUTDOWN": 23, "HEARTBEAT": 24,
         "CHECKPOINT": 25, "ERROR": 26, "STATUS_REQUEST": 27, "STATUS": 28,
     }
     assert PREAMBLE.format == "<4sBBHIQ" and PREAMBLE.size == 20
     assert MAGIC == b"SWRM" and PROTOCOL_VERSION == 1 and ALIGN == 64
-    assert Limits() == Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 30, max_tensors=16384)
+    assert Limits() == Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 30,
+                              max_tensors=16384)
     itemsizes = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
     assert itemsizes == {
         "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "bool": 1,
         "int8": 1, "uint8": 1, "uint16": 2, "int16": 2, "int32": 4, "int64": 8,
     }
+
+
+_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`([A-Z_]+)`\s*\|[^|]*\|(.*)\|\s*$", re.MULTILINE)
+_FIELD = re.compile(r"`(\w+): (\w+)( = [^`]+)?`")
+
+
+def test_protocol_doc_lists_every_message_type_with_its_fields() -> None:
+    """Each message row of docs/protocol.md gives the type byte and every header field with
+    its type and whether it has a default, in the order of the dataclass."""
+    rows = {name: (int(num), fields) for num, name, fields in _ROW.findall(_DOC.read_text())}
+    assert set(rows) == {t.name for t in MsgType}, "docs/protocol.md message tables are stale"
+    for mtype, cls in MESSAGE_CLASSES.items():
+        num, cell = rows[mtype.name]
+        assert num == int(mtype), mtype.name
+        hints = typing.get_type_hints(cls)
+        want = [
+            (f.name, getattr(typing.get_origin(hints[f.name]) or hints[f.name], "__name__", "?"),
+             f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+            for f in dataclasses.fields(cls) if f.name != "tensors"
+        ]
+        got = [(name, typ, bool(default)) for name, typ, default in _FIELD.findall(cell)]
+        assert got == want, f"docs/protocol.md row for {mtype.name} is stale"
+        carries = any(f.name == "tensors" for f in dataclasses.fields(cls))
+        assert ("**tensors**" in cell) == carries, mtype.name

@@ -138,6 +138,10 @@ class Coordinator:
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self._fingerprint = fingerprint(self.params.items())
         t = cfg.training
+        if t.learning_rate <= 0:
+            raise ConfigError(
+                "training.learning_rate is 0, which means 'the task's default', but no task supplies "
+                "one here: pass learning_rate=... (e.g. learning_rate=1e-3)")
         self.base_lr = t.learning_rate
         self.optimizer = torch.optim.Adam(
             list(self.params.values()), lr=self.base_lr, betas=(t.beta1, t.beta2), eps=t.epsilon,
@@ -168,6 +172,7 @@ class Coordinator:
         self._tasks: list[asyncio.Task[Any]] = []
         self.checkpointer: Any = None  # a CoordinatorCheckpointer, set by session.build_coordinator
         self._pending_assign: dict[str, list[int]] = {}
+        self._shutdown_task: asyncio.Future[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -206,7 +211,14 @@ class Coordinator:
             await self.close()
 
     def stop(self) -> None:
+        """Stop serving at once (workers are not told; see :meth:`request_shutdown`)."""
         self._stop.set()
+
+    def request_shutdown(self, reason: str = "shutdown requested") -> None:
+        """Shut the cluster down gracefully from synchronous code (e.g. a signal handler):
+        checkpoint, tell every worker SHUTDOWN, then stop. Call from the event loop's thread."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self.shutdown_cluster(reason))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -368,8 +380,7 @@ class Coordinator:
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
             await self._send(rec, reply)
             if self.config.training.max_steps and self.version >= self.config.training.max_steps:
-                reason = f"reached max_steps={self.config.training.max_steps}"
-                asyncio.create_task(self.shutdown_cluster(reason))
+                self.request_shutdown(f"reached max_steps={self.config.training.max_steps}")
             elif self.checkpointer is not None and status == "applied":
                 await self._maybe_checkpoint()
         elif isinstance(msg, StatusRequest):

@@ -102,7 +102,9 @@ class Worker:
         if overrides:
             from swarmtrain.config import overrides_from_kwargs, with_overrides
 
-            cfg = with_overrides(cfg, overrides_from_kwargs(cfg, overrides))
+            aliases = {"host": "coordinator_host", "port": "coordinator_port"}
+            named = {aliases.get(k, k): v for k, v in overrides.items()}
+            cfg = with_overrides(cfg, overrides_from_kwargs(cfg, named))
         self.config = cfg
         self.model = model
         self.loss_fn = loss_fn
@@ -118,8 +120,8 @@ class Worker:
             num_threads=cfg.hardware.num_threads, max_memory_mb=cfg.hardware.max_memory_mb,
             sample_bytes=sample_bytes,
         )
-        if cfg.hardware.num_threads or t.batch_size == 0:
-            torch.set_num_threads(self.plan.num_threads)
+        if cfg.hardware.num_threads:  # only when asked: the API must not surprise its host program
+            torch.set_num_threads(cfg.hardware.num_threads)
         c = cfg.compression
         self.codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
                                 bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
@@ -360,7 +362,11 @@ class Worker:
         """Train on ``shards`` of ``count`` from now on (batches rotate over them)."""
         self.shards, self.num_shards = list(shards), count
         if not (hasattr(self.data, "get_batch") and hasattr(self.data, "__len__")):
-            return  # an iterable (DataLoader): sharding is the user's business
+            # An iterable (e.g. a DataLoader) cannot be sliced, but workers should at least not
+            # all see the same order: seed its shuffling by shard before the first pass.
+            if self._iter is None and shards:
+                torch.manual_seed(self.config.training.seed * 100_003 + shards[0])
+            return
         active = []
         for index in shards:
             key = (index, count)

@@ -67,7 +67,8 @@ class LanCluster:
 
     def status(self) -> dict[str, Any] | None:
         try:
-            return json.loads(self.status_file.read_text())  # type: ignore[no-any-return]
+            status: dict[str, Any] = json.loads(self.status_file.read_text())
+            return status
         except (OSError, ValueError):
             return None
 
