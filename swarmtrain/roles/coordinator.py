@@ -143,10 +143,8 @@ class Coordinator:
                 "training.learning_rate is 0, which means 'the task's default', but no task supplies "
                 "one here: pass learning_rate=... (e.g. learning_rate=1e-3)")
         self.base_lr = t.learning_rate
-        self.optimizer = torch.optim.Adam(
-            list(self.params.values()), lr=self.base_lr, betas=(t.beta1, t.beta2), eps=t.epsilon,
-            weight_decay=t.weight_decay, foreach=True,
-        )
+        self.optimizer = _make_adam(list(self.params.values()), lr=self.base_lr,
+                                    betas=(t.beta1, t.beta2), eps=t.epsilon, weight_decay=t.weight_decay)
         c = cfg.compression
         self.codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
                                 bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
@@ -431,9 +429,7 @@ class Coordinator:
         except RemoteProtocolError as exc:
             log.warning("rejected gradient %d from %s: %s", msg.msg_id, rec.worker_id, exc)
             return self._reject(rec, msg)
-        if msg.samples <= 0 or not math.isfinite(msg.loss) or not all(
-            bool(torch.isfinite(g).all()) for g in grads.values()
-        ):
+        if msg.samples <= 0 or not math.isfinite(msg.loss) or not _all_finite(list(grads.values())):
             log.warning("rejected gradient %d from %s: NaN/Inf values or no samples",
                         msg.msg_id, rec.worker_id)
             return self._reject(rec, msg)
@@ -476,11 +472,13 @@ class Coordinator:
             w = self._snapshot_for(rec)
             return Update(msg_id=msg_id, version=w.version, status=status, codecs={}, full=True,
                           tensors=w.tensors)
-        items: dict[str, Compressed] = {}
-        for name, p in self.params.items():
-            delta = p.detach() - rec.shadow[name]
-            items[name] = self.codec.compress(delta)
-            rec.shadow[name] = rec.shadow[name] + self.codec.decompress(items[name])
+        names = list(self.params)
+        shadows = [rec.shadow[n] for n in names]
+        deltas = torch._foreach_sub([p.detach() for p in self.params.values()], shadows)
+        items: dict[str, Compressed] = {n: self.codec.compress(d) for n, d in zip(names, deltas)}
+        # The shadow moves by exactly what the worker will add (the decompressed delta), in
+        # place: no message holds shadow tensors (resyncs send their own snapshot).
+        torch._foreach_add_(shadows, [self.codec.decompress(items[n]) for n in names])
         codecs, tensors = pack_compressed(items)
         return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs, tensors=tensors)
 
@@ -574,6 +572,25 @@ class Coordinator:
             "workers": [r.summary(total) for r in self.workers.values()],
             "events": list(self.events)[-20:],
         }
+
+
+def _make_adam(params: list[torch.Tensor], **kwargs: Any) -> torch.optim.Adam:
+    """Adam with the fused CPU kernel where torch has it (about 3x the foreach one here)."""
+    try:
+        return torch.optim.Adam(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.Adam(params, foreach=True, **kwargs)
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True if no tensor holds NaN or Inf. The norms are a cheap screen (NaN/Inf make them
+    non-finite); only a non-finite norm, which huge finite values can also cause, gets the
+    exact element-wise check."""
+    if not tensors:
+        return True
+    if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _apply_kwargs(cfg: CoordinatorConfig, kwargs: Mapping[str, Any]) -> CoordinatorConfig:
