@@ -63,7 +63,7 @@ def worker_rounds(tmp: Path, repeats: int) -> dict[str, list[float]]:
                 out["kill_notice_s"].append((left or time.time()) - t_kill)
                 t_start = time.time()
                 c.start_worker(1, "w1")
-                st = c.wait_for(lambda s: _event_time(c, s, "first_applied", "w1", t_start) is not None,
+                st = c.wait_for(lambda s, t=t_start: _event_time(c, s, "first_applied", "w1", t) is not None,
                                 120, "w1 back")
                 joined = _event_time(c, st, "joined", "w1", t_start)
                 first = _event_time(c, st, "first_applied", "w1", t_start)
@@ -79,7 +79,7 @@ def worker_rounds(tmp: Path, repeats: int) -> dict[str, list[float]]:
                 time.sleep(2.0)
                 lan.hosts[1].restore()
                 t_restore = time.time()
-                c.wait_for(lambda s: _event_time(c, s, "first_applied", "w1", t_restore) is not None,
+                c.wait_for(lambda s, t=t_restore: _event_time(c, s, "first_applied", "w1", t) is not None,
                            120, "w1 back after the link returned")
                 st = c.status() or {}
                 first = _event_time(c, st, "first_applied", "w1", t_restore)
@@ -150,11 +150,13 @@ def main() -> int:
             "checkpoint_interval": CHECKPOINT_INTERVAL, "worker": w, "coordinator": k}
     labels = {
         "kill_notice_s": ("worker SIGKILL → coordinator notices", "s", "socket reset (≈0)"),
-        "cut_notice_s": ("worker link cut → coordinator drops it", "s", f"heartbeat timeout {HEARTBEAT_TIMEOUT} s"),
+        "cut_notice_s": ("worker link cut → coordinator drops it", "s",
+                         f"heartbeat timeout {HEARTBEAT_TIMEOUT} s"),
         "restart_to_join_s": ("worker restarted → joined (process start-up)", "s", "Python + torch import"),
         "join_to_first_s": ("joined → first gradient applied", "s", "one step + weights transfer"),
         "restore_to_first_s": ("link restored → first gradient applied", "s", "reconnect backoff"),
-        "updates_lost": ("coordinator SIGKILL: updates lost", "updates", f"checkpoint interval {CHECKPOINT_INTERVAL}"),
+        "updates_lost": ("coordinator SIGKILL: updates lost", "updates",
+                         f"checkpoint interval {CHECKPOINT_INTERVAL}"),
         "restart_to_first_update_s": ("coordinator restarted → first update", "s", "start-up + reconnects"),
     }
     rows = []
