@@ -230,6 +230,9 @@ class Worker:
         if not isinstance(ack, RegisterAck):
             raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
         self._use_shards(ack.shards or [ack.shard_index], ack.num_shards)
+        # A restarted process reusing this worker id starts counting at 0; continue after the
+        # last id the coordinator applied, or our new gradients would be taken for old ones.
+        self.msg_id = max(self.msg_id, ack.last_applied_msg_id)
         weights = await conn.recv(timeout=conn.timeouts.heartbeat_timeout, phase="weights")
         if not isinstance(weights, Weights):
             raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
