@@ -257,7 +257,7 @@ class WorkerTrainingConfig(_Section):
         1.0, "fraction of full speed (throttle to rehearse a slow machine)", gt=0.0, le=1.0
     )
     max_inflight: int = _opt(
-        1, "gradients in flight while the next one is computed", choices=(0, 1)
+        1, "gradients in flight while the next is computed (0 = wait for each answer)", ge=0, le=8
     )
     seed: int = _opt(0, "seed of the worker's batch sampling", ge=0)
 

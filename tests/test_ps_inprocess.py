@@ -255,3 +255,27 @@ def test_python_api_keywords_map_to_config_keys() -> None:
         Coordinator(TASK.build_model())  # 0 = "the task's default", and there is no task here
     w = Worker(TASK.build_model(), TASK.loss, DATA.train, host="10.0.0.9", port=7200, secret=SECRET)
     assert (w.config.network.coordinator_host, w.config.network.coordinator_port) == ("10.0.0.9", 7200)
+
+
+@pytest.mark.parametrize("inflight", [0, 1, 3])
+def test_gradients_carry_the_version_they_were_computed_on(inflight: int) -> None:
+    """One worker: waiting for each answer gives staleness 0; with one gradient in flight
+    every gradient after the first is exactly one update behind; with k in flight, at most k
+    (answers that already arrived are applied before sending)."""
+
+    async def main() -> Coordinator:
+        c = coordinator(**{"training.max_steps": 60, "training.max_staleness": 16})
+        await c.start()
+        w = worker(c.port, **{"training.max_inflight": inflight, "training.worker_id": "one"})
+        t = asyncio.create_task(w.run_async())
+        await asyncio.wait_for(c.run(), 60)
+        await asyncio.wait_for(t, 30)
+        return c
+
+    c = asyncio.run(main())
+    rec = c.workers["one"]
+    most = sum(min(i, inflight) for i in range(rec.steps))
+    if inflight <= 1:
+        assert rec.staleness_total == most, (rec.staleness_total, most, rec.steps)
+    else:
+        assert rec.steps - 1 <= rec.staleness_total <= most, (rec.staleness_total, most, rec.steps)

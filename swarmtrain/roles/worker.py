@@ -306,6 +306,9 @@ class Worker:
         loop = asyncio.get_running_loop()
         limit = self.config.training.max_inflight
         while await self._wait_active():
+            # The gradient belongs to the weights it was computed on: take the version now,
+            # before updates arriving during the computation are applied.
+            base_version = self.version
             compressed, loss, samples, seconds = await loop.run_in_executor(self._pool, self._compute)
             self._record_speed(samples, seconds)
             await self._apply_ready()
@@ -315,7 +318,7 @@ class Worker:
                 return
             codecs, tensors = pack_compressed(compressed)
             self.msg_id += 1
-            await conn.send(Gradients(msg_id=self.msg_id, version=self.version, samples=samples,
+            await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
                                       loss=loss, codecs=codecs, tensors=tensors))
             self._inflight += 1
             self.steps += 1

@@ -1,0 +1,372 @@
+"""Coordinator apply rate for a ~10M-parameter model, against plain Adam and memory bandwidth.
+
+Measured side by side in one run, for each torch thread count asked for:
+
+(a) baseline: ``torch.optim.Adam(foreach=True).step()`` on the model with gradients set, plus
+    ``fused=True`` (the fastest plain Adam here) and the default for-loop Adam for reference;
+(b) swarmtrain: ``Coordinator._apply_gradient(rec, msg)``, the coordinator's whole apply path
+    (decompress, NaN/Inf check, Adam step, downlink delta to the worker's shadow) on a
+    ``Gradients`` message whose tensors went through the real codec, ``pack_compressed``,
+    ``encode_bytes`` and ``Decoder`` (so they are views over one received buffer, as in
+    production); codecs ``none``, ``fp16``, ``topk``. Each piece is also timed on its own;
+(c) the memory bandwidth of this machine and the Adam rate it allows.
+
+GB/s is "Adam bytes": 28 bytes per parameter per step (Adam reads param, grad, exp_avg,
+exp_avg_sq and writes param, exp_avg, exp_avg_sq, 4 bytes each), divided by the time per
+step or per apply. The swarmtrain rows use the same definition, so their GB/s ratio to the
+baseline equals their rate ratio; the apply path really moves more bytes (see the notes).
+
+Run: ``python benchmarks/bench_apply.py [--quick] [--threads 1,2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _util import Timing, interleaved, machine, md_table, write_results
+
+from swarmtrain.compression import make_codec
+from swarmtrain.config import load_coordinator_config
+from swarmtrain.roles import coordinator as coordinator_module
+from swarmtrain.roles.common import pack_compressed, unpack_compressed
+from swarmtrain.roles.coordinator import Coordinator, WorkerRecord
+from swarmtrain.tasks import TextLMConfig, TextLMTask
+from swarmtrain.wire import Decoder, Gradients, encode_bytes
+
+#: the ~10M-parameter model: a byte-level GPT of the textlm task (10,069,120 params, 101 tensors)
+MODEL = TextLMConfig(context=128, d_model=320, n_heads=8, n_layers=8)
+ADAM_BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v; float32
+CODECS = ("none", "fp16", "topk")
+LR = 1e-3
+
+
+def build_model() -> torch.nn.Module:
+    return TextLMTask(MODEL).build_model(seed=0)
+
+
+def fake_grads(model: torch.nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=gen) * 1e-3 for n, p in model.named_parameters()}
+
+
+# -------------------------------------------------------------------------------- (c) memory
+
+
+class MemoryKernels:
+    """Streaming kernels over ``mb`` MB float32 tensors (far beyond any cache).
+
+    copy   c.copy_(a)   counted 2 x size (read a, write c; a write-allocate read of c, if
+                        the CPU does one, is not counted, so this can understate traffic)
+    rmw    a.add_(b)    counted 3 x size (read a, read b, write a): Adam's access pattern,
+                        every written line was read first, so no extra write-allocate traffic
+    read   a.sum()      counted 1 x size
+    """
+
+    FACTORS = {"copy": 2, "rmw": 3, "read": 1}
+
+    def __init__(self, mb: int = 256) -> None:
+        n = mb * 2**20 // 4
+        self.a, self.b, self.c = torch.randn(n), torch.zeros(n), torch.empty(n)
+        self.size = self.a.nbytes
+
+    def fns(self) -> dict[str, Callable[[int], Any]]:
+        a, b, c = self.a, self.b, self.c
+        return {"mem copy": lambda _: c.copy_(a), "mem rmw": lambda _: a.add_(b),
+                "mem read": lambda _: a.sum()}
+
+    def result(self, t: dict[str, Timing]) -> dict[str, Any]:
+        out = {}
+        for k, factor in self.FACTORS.items():
+            tk = t[f"mem {k}"]
+            out[k] = {"GBps": factor * self.size / tk.median / 1e9,
+                      "GBps_best": factor * self.size / min(tk.samples) / 1e9, **tk.to_dict()}
+        return out
+
+
+# -------------------------------------------------------------------------------- (a) baseline
+
+
+BASELINES = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+
+
+def adam_baseline(grads: dict[str, torch.Tensor], kind: dict[str, bool]) -> Callable[[int], Any]:
+    """``opt.step`` of a plain Adam on a fresh model whose ``.grad`` are ``grads``."""
+    model = build_model()
+    params = list(model.parameters())
+    for p, g in zip(params, grads.values()):
+        p.grad = g
+    opt = torch.optim.Adam(params, lr=LR, foreach=kind.get("foreach"), fused=kind.get("fused"))
+    return lambda _: opt.step()
+
+
+# -------------------------------------------------------------------------------- (b) swarmtrain
+
+
+def received_message(grads: dict[str, torch.Tensor], cfg: Any) -> Gradients:
+    """A Gradients message as the coordinator gets it: compressed, packed, framed, decoded."""
+    c = cfg.compression
+    codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
+                       bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
+    items = {n: codec.compress(g) for n, g in grads.items()}
+    codecs, tensors = pack_compressed(items)
+    frame = encode_bytes(Gradients(msg_id=1, version=0, samples=32, loss=2.5, codecs=codecs,
+                                   tensors=tensors))
+    dec = Decoder()
+    dec.feed(frame)
+    msg = dec.next_message()
+    if not isinstance(msg, Gradients):
+        raise RuntimeError(f"decoded {type(msg).__name__}, expected Gradients")
+    return msg
+
+
+class ApplyBench:
+    """A coordinator with one registered worker, and the pieces of its apply path."""
+
+    PIECES = ("decompress", "nan_check", "adam", "downlink_delta")
+
+    def __init__(self, codec_name: str, grads: dict[str, torch.Tensor]) -> None:
+        self.codec_name = codec_name
+        cfg = load_coordinator_config(overrides={"compression.type": codec_name,
+                                                 "training.learning_rate": LR})
+        self.coord = Coordinator(build_model(), cfg, task_name="bench")
+        self.rx = received_message(grads, cfg)
+        self.wire_bytes = sum(t.numel() * t.element_size() for t in self.rx.tensors.values())
+        self.rec = WorkerRecord("bench", "127.0.0.1:0", {}, 32, 0.0, 0)
+        self.coord.workers[self.rec.worker_id] = self.rec
+        self.coord._snapshot_for(self.rec)  # what registration does: the worker's shadow
+        self._msg_id = 0
+        self.grads = unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
+        self._glist = list(self.grads.values())
+
+    def close(self) -> None:
+        self.coord._apply_pool.shutdown(wait=True)
+        self.coord._eval_pool.shutdown(wait=True)
+
+    def apply(self, _: int) -> None:
+        """The production call; the periodic full resync is kept out (timed as ``snapshot``)."""
+        self.rec.since_resync = 0
+        self._msg_id += 1
+        msg = dataclasses.replace(self.rx, msg_id=self._msg_id, version=self.coord.version)
+        status, _reply = self.coord._apply_gradient(self.rec, msg)
+        if status != "applied":
+            raise RuntimeError(f"gradient was {status}, not applied")
+
+    def decompress(self, _: int) -> None:
+        unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
+
+    def nan_check(self, _: int) -> None:
+        """The check ``Coordinator._apply_checked`` makes (its helper, if the module has one)."""
+        check = getattr(coordinator_module, "_all_finite", None)
+        if check is not None:
+            ok = check(list(self.grads.values()))
+        else:  # the original inline expression
+            ok = all(bool(torch.isfinite(g).all()) for g in self.grads.values())
+        if not ok:
+            raise RuntimeError("the benchmark gradients are finite")
+
+    def nan_check_aminmax(self, _: int) -> None:
+        """Alternative: min and max of each tensor (NaN and +-inf propagate), one read pass."""
+        ends = [x for g in self._glist if g.numel() for x in torch.aminmax(g)]
+        if ends and not bool(torch.stack(ends).isfinite().all()):
+            raise RuntimeError("the benchmark gradients are finite")
+
+    def adam(self, _: int) -> None:  # the optimizer lines of Coordinator._apply_checked
+        for name, p in self.coord.params.items():
+            p.grad = self.grads[name]
+        self.coord.optimizer.param_groups[0]["lr"] = LR
+        self.coord.optimizer.step()
+        for p in self.coord.params.values():
+            p.grad = None
+
+    def downlink_delta(self, i: int) -> None:
+        self.rec.since_resync = 0
+        self.coord._update_for(self.rec, i, "applied")
+
+    def snapshot(self, _: int) -> None:
+        self.coord._snapshot_for(self.rec)
+
+    def fns(self) -> dict[str, Callable[[int], Any]]:
+        c = self.codec_name
+        return {f"{c} apply": self.apply, f"{c} decompress": self.decompress,
+                f"{c} nan_check": self.nan_check, f"{c} adam": self.adam,
+                f"{c} downlink_delta": self.downlink_delta,
+                f"{c} alt nan_check_aminmax": self.nan_check_aminmax,
+                f"{c} snapshot": self.snapshot}
+
+    def result(self, t: dict[str, Timing]) -> dict[str, Any]:
+        c = self.codec_name
+        total = t[f"{c} apply"]
+        parts = {k: t[f"{c} {k}"] for k in self.PIECES}
+        snapshot, delta = t[f"{c} snapshot"], parts["downlink_delta"]
+        every = self.coord.config.training.resync_interval
+        # One apply in resync_interval sends a full snapshot instead of a delta.
+        amortized = total.median + (snapshot.median - delta.median) / every
+        return {
+            "wire_bytes": self.wire_bytes,
+            "apply": total.to_dict(),
+            "apply_amortized_resync_ms": amortized * 1e3,
+            "parts": {k: v.to_dict() for k, v in parts.items()},
+            "other_ms": (total.median - sum(v.median for v in parts.values())) * 1e3,
+            "resync_snapshot": snapshot.to_dict(),
+            "resync_interval": every,
+            "alternatives": {"nan_check_aminmax": t[f"{c} alt nan_check_aminmax"].to_dict()},
+            "coordinator_adam": {k: self.coord.optimizer.defaults.get(k)
+                                 for k in ("fused", "foreach")},
+        }
+
+
+# -------------------------------------------------------------------------------- driver
+
+
+def run(threads: list[int], rounds: int, warmup: int) -> dict[str, Any]:
+    model = build_model()
+    nparams = sum(p.numel() for p in model.parameters())
+    ntensors = len(list(model.parameters()))
+    grads = fake_grads(model)
+    del model
+    adam_bytes = ADAM_BYTES_PER_PARAM * nparams
+    result: dict[str, Any] = {
+        "machine": machine(), "rounds": rounds, "warmup": warmup,
+        "model": {"kind": "TextLM (swarmtrain.tasks.textlm)", "config": dataclasses.asdict(MODEL),
+                  "params": nparams, "tensors": ntensors},
+        "adam_bytes_per_step": adam_bytes, "by_threads": {},
+    }
+    for th in threads:
+        torch.set_num_threads(th)
+        print(f"-- {th} thread(s): setting up", flush=True)
+        mem = MemoryKernels()
+        fns = dict(mem.fns())
+        for label, kind in BASELINES.items():
+            fns[f"adam {label}"] = adam_baseline(grads, kind)
+        benches = [ApplyBench(c, grads) for c in CODECS]
+        for b in benches:
+            fns.update(b.fns())
+        t0 = time.perf_counter()
+
+        def progress(r: int, t0: float = t0) -> None:
+            print(f"   round {r + 1}/{rounds} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+        timings = interleaved(fns, rounds, warmup, progress=progress)
+        r: dict[str, Any] = {"membw": mem.result(timings), "loadavg_after": os.getloadavg()}
+        r["adam_bound_steps_per_s"] = r["membw"]["rmw"]["GBps"] * 1e9 / adam_bytes
+        r["baseline"] = {label: timings[f"adam {label}"].to_dict() for label in BASELINES}
+        r["swarmtrain"] = {b.codec_name: b.result(timings) for b in benches}
+        for b in benches:
+            b.close()
+        del benches, fns, mem
+        gc.collect()
+        result["by_threads"][str(th)] = r
+    return result
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    m = res["model"]
+    per_step = res["adam_bytes_per_step"]
+    adam_kind = next(iter(next(iter(res["by_threads"].values()))["swarmtrain"].values()))[
+        "coordinator_adam"]
+    out = [
+        "## Coordinator apply rate (`benchmarks/bench_apply.py`)",
+        "",
+        f"Model: TextLM {m['config']}: **{m['params']:,} parameters** in {m['tensors']} tensors. "
+        f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, torch "
+        f"{res['machine']['torch']}. All measurements of one thread count are interleaved: "
+        f"{res['rounds']} rounds, each timing every operation once in turn (after "
+        f"{res['warmup']} warm-up calls each), so background load hits all of them alike; "
+        "figures are medians. Load average at start: "
+        f"{' / '.join(f'{x:.2f}' for x in res['machine']['loadavg'])} (this machine is shared).",
+        "",
+        f"GB/s = Adam bytes per step / time: 28 B/param (read p, g, m, v; write p, m, v) = "
+        f"{per_step / 1e6:.0f} MB per step or apply. \"vs foreach\" / \"vs fused\" = rate / "
+        "the plain torch Adam rate (foreach=True / fused=True) at the same thread count. "
+        "\"of bound\" = rate / (read-modify-write memory bandwidth / 28 B per param). "
+        f"The coordinator's own optimizer in this run: Adam {adam_kind}.",
+        "",
+    ]
+    for th, r in res["by_threads"].items():
+        ref = r["baseline"]["foreach"]["median_ms"]
+        ref_fused = r["baseline"]["fused"]["median_ms"]
+        bound = r["adam_bound_steps_per_s"]
+        rows: list[list[Any]] = []
+        for label, t in r["baseline"].items():
+            rate = 1e3 / t["median_ms"]
+            rows.append([f"torch Adam {label}", "-", t["median_ms"], rate, per_step * rate / 1e9,
+                         ref / t["median_ms"], ref_fused / t["median_ms"], rate / bound])
+        for codec, s in r["swarmtrain"].items():
+            ms = s["apply"]["median_ms"]
+            rate = 1e3 / ms
+            rows.append([f"swarmtrain apply, {codec}", f"{s['wire_bytes'] / 1e6:.1f}", ms, rate,
+                         per_step * rate / 1e9, ref / ms, ref_fused / ms, rate / bound])
+        mb = r["membw"]
+        out += [
+            f"### {th} thread(s)",
+            "",
+            f"Memory bandwidth: copy {mb['copy']['GBps']:.1f} GB/s, read-modify-write "
+            f"(`a.add_(b)`, 3 x size) {mb['rmw']['GBps']:.1f} GB/s (best call "
+            f"{mb['rmw']['GBps_best']:.1f}), read {mb['read']['GBps']:.1f} GB/s. Adam bound: "
+            f"{mb['rmw']['GBps']:.1f} GB/s / {per_step / 1e6:.0f} MB = **{bound:.0f} steps/s**. "
+            f"Load average after: {' / '.join(f'{x:.2f}' for x in r['loadavg_after'])}.",
+            "",
+            md_table(["what", "gradient MB on wire", "ms", "per s", "GB/s", "vs foreach",
+                      "vs fused", "of bound"], rows),
+            "",
+            "Split of the apply (each piece timed on its own, same tensors; ms):",
+            "",
+        ]
+        split_rows = []
+        for codec, s in r["swarmtrain"].items():
+            p = s["parts"]
+            split_rows.append([
+                codec, s["apply"]["median_ms"], p["decompress"]["median_ms"],
+                p["nan_check"]["median_ms"], p["adam"]["median_ms"],
+                p["downlink_delta"]["median_ms"], s["other_ms"],
+                s["resync_snapshot"]["median_ms"], s["apply_amortized_resync_ms"],
+                s["alternatives"]["nan_check_aminmax"]["median_ms"],
+            ])
+        out += [
+            md_table(["codec", "apply", "decompress", "NaN check", "Adam", "downlink delta",
+                      "rest", "resync snapshot", "apply incl. resync", "alt: NaN check by aminmax"],
+                     split_rows),
+            "",
+        ]
+    out += [
+        "Notes: the apply rows keep the periodic full resync (every `resync_interval` = "
+        f"{next(iter(next(iter(res['by_threads'].values()))['swarmtrain'].values()))['resync_interval']}"
+        " applies) out of the timed call; \"apply incl. resync\" adds it back amortized "
+        "(apply + (snapshot - delta) / resync_interval). \"rest\" is apply minus the four "
+        "pieces (bookkeeping and noise; can be negative). \"alt\" times a possible replacement, "
+        "not what swarmtrain runs: `torch.aminmax` per tensor (exact: NaN and +-inf propagate "
+        "to min/max, no overflow fallback needed).",
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (smoke run)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    ap.add_argument("--rounds", type=int, default=0, help="timed calls per operation")
+    args = ap.parse_args(argv)
+    threads = [int(x) for x in args.threads.split(",") if x]
+    rounds = args.rounds or (4 if args.quick else 30)
+    warmup = 1 if args.quick else 2
+    start = time.perf_counter()
+    res = run(threads, rounds, warmup)
+    res["seconds"] = time.perf_counter() - start
+    md = to_markdown(res)
+    j, m = write_results("apply", res, md)
+    print()
+    print(md)
+    print(f"\nwrote {j} and {m} in {res['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
