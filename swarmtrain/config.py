@@ -134,8 +134,20 @@ class CompressionConfig(_Section):
     topk_ratio: float = _opt(0.1, "fraction of entries topk keeps", gt=0.0, le=1.0)
     qsgd_bits: int = _opt(8, "bits per QSGD level index", choices=(2, 4, 8))
     bucket_size: int = _opt(512, "elements per QSGD bucket (one norm each)", ge=1)
-    warmup_steps: int = _opt(0, "steps sent uncompressed before compression starts", ge=0)
+    warmup_steps: int = _opt(
+        0, "topk density ramps from 1 (dense) down to topk_ratio over this many steps", ge=0)
     min_compress_numel: int = _opt(256, "tensors smaller than this go uncompressed", ge=0)
+    max_drift: float = _opt(
+        0.01, "coordinator only: largest relative L2 distance a worker's weights may have from the "
+        "master after an update; beyond it the full weights are sent", gt=0.0)
+    downlink: str = _opt(
+        "auto", "coordinator only: codec for weight deltas sent to workers; auto = the uplink's, "
+        "except qsgd 8-bit when the uplink is topk (Adam's updates are dense)",
+        choices=("auto", "none", "fp16", "topk", "qsgd"))
+
+    #: keys both sides must agree on (max_drift is the coordinator's alone)
+    SHARED_KEYS: ClassVar[tuple[str, ...]] = (
+        "type", "topk_ratio", "qsgd_bits", "bucket_size", "warmup_steps", "min_compress_numel")
 
 
 @dataclass(frozen=True)

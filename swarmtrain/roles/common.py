@@ -8,10 +8,15 @@ from typing import Any
 
 import torch
 
-from swarmtrain.compression import Compressed, decompress_any
-from swarmtrain.errors import ModelMismatch, RemoteProtocolError
+from swarmtrain.compression import Codec, Compressed, decompress_any, make_codec, topk_warmup_ratio
+from swarmtrain.config import CompressionConfig
+from swarmtrain.errors import ConfigError, ModelMismatch, RemoteProtocolError
 
 __all__ = [
+    "codec_for_step",
+    "downlink_codec",
+    "check_compression_match",
+    "payload_bytes",
     "fingerprint",
     "check_fingerprint",
     "pack_compressed",
@@ -47,6 +52,42 @@ def check_fingerprint(mine: list[list[Any]], theirs: Any) -> None:
             f"model mismatch: the {who} has {len(longer)} parameters, the other "
             f"{min(len(mine), len(theirs))}; first extra is {_fmt(extra)}"
         )
+
+
+def codec_for_step(c: CompressionConfig, step: int) -> Codec:
+    """The codec for gradient ``step``: during warm-up, top-k density ramps geometrically from
+    dense (1.0) down to ``topk_ratio`` over ``warmup_steps`` (as in Deep Gradient Compression)."""
+    ratio = c.topk_ratio
+    if c.type == "topk" and c.warmup_steps:
+        ratio = topk_warmup_ratio(step, c.topk_ratio, c.warmup_steps)
+    return make_codec(c.type, topk_ratio=ratio, qsgd_bits=c.qsgd_bits, bucket_size=c.bucket_size,
+                      min_compress_numel=c.min_compress_numel)
+
+
+def downlink_codec(c: CompressionConfig) -> Codec:
+    """The codec for weight deltas (coordinator → worker)."""
+    kind = c.downlink
+    if kind == "auto":
+        kind = "qsgd" if c.type == "topk" else c.type
+        bits = 8 if c.type == "topk" else c.qsgd_bits
+    else:
+        bits = c.qsgd_bits
+    return make_codec(kind, topk_ratio=c.topk_ratio, qsgd_bits=bits, bucket_size=c.bucket_size,
+                      min_compress_numel=c.min_compress_numel)
+
+
+def check_compression_match(mine: CompressionConfig, theirs: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` naming every [compression] key on which a worker differs."""
+    diffs = [f"{k} = {getattr(mine, k)!r} here, {theirs.get(k)!r} on the worker"
+             for k in CompressionConfig.SHARED_KEYS if theirs.get(k, getattr(mine, k)) != getattr(mine, k)]
+    if diffs:
+        raise ConfigError("compression mismatch: " + "; ".join(diffs)
+                          + ". Set the same [compression] keys on the coordinator and every worker")
+
+
+def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of tensor data a message carries (the frame adds a small header and padding)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def pack_compressed(

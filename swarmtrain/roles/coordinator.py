@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmtrain.compression import Compressed, make_codec
+from swarmtrain.compression import LOSSLESS_CODECS, Compressed
 from swarmtrain.config import CoordinatorConfig, load_coordinator_config, resolve_secret
 from swarmtrain.errors import (
     ConfigError,
@@ -32,7 +32,15 @@ from swarmtrain.errors import (
     RemoteProtocolError,
     SwarmError,
 )
-from swarmtrain.roles.common import check_fingerprint, fingerprint, pack_compressed, unpack_compressed
+from swarmtrain.roles.common import (
+    check_compression_match,
+    check_fingerprint,
+    downlink_codec,
+    fingerprint,
+    pack_compressed,
+    payload_bytes,
+    unpack_compressed,
+)
 from swarmtrain.roles.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, is_loopback_host, start_server
 from swarmtrain.wire import (
@@ -86,14 +94,26 @@ class WorkerRecord:
     last_seen: float = field(default_factory=time.monotonic)
     joined_at: float = field(default_factory=time.monotonic)
     first_applied_pending: bool = False
+    bytes_up: int = 0
+    bytes_down: int = 0
+    gradients: int = 0
+    updates: int = 0
+    resyncs: int = 0
+    drift: float = 0.0
+    residual_norm: float = 0.0
 
     @property
     def connected(self) -> bool:
         """Connected and sent its weights (so it may receive broadcasts)."""
         return self.conn is not None and not self.conn.is_closed and self.welcomed
 
-    def summary(self, total_samples: int) -> dict[str, Any]:
+    def summary(self, total_samples: int, raw_bytes: int) -> dict[str, Any]:
+        up = self.bytes_up / self.gradients if self.gradients else 0.0
+        down = self.bytes_down / self.updates if self.updates else 0.0
         return {
+            "bytes_up_per_step": up, "bytes_down_per_step": down,
+            "up_ratio": raw_bytes / up if up else 0.0, "down_ratio": raw_bytes / down if down else 0.0,
+            "residual_norm": self.residual_norm, "drift": self.drift, "resyncs": self.resyncs,
             "id": self.worker_id, "address": self.address, "connected": self.connected,
             "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
             "shard": self.shard_index, "shards": list(self.shards), "steps": self.steps,
@@ -145,9 +165,9 @@ class Coordinator:
         self.base_lr = t.learning_rate
         self.optimizer = _make_adam(list(self.params.values()), lr=self.base_lr,
                                     betas=(t.beta1, t.beta2), eps=t.epsilon, weight_decay=t.weight_decay)
-        c = cfg.compression
-        self.codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
-                                bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
+        # Weight deltas to workers; the per-worker shadow keeps whatever this codec drops.
+        self.codec = downlink_codec(cfg.compression)
+        self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
         self.num_shards = t.num_shards or max(t.min_workers, 1)
         self.shard_plan = ShardPlanner(self.num_shards)
         self.version = 0
@@ -301,11 +321,7 @@ class Coordinator:
         if self.task_name and msg.task and msg.task != self.task_name:
             raise ConfigError(f"this cluster trains task {self.task_name!r}, the worker runs {msg.task!r}")
         check_fingerprint(self._fingerprint, msg.fingerprint)
-        mine = self.config.compression.type
-        theirs = msg.compression.get("type", mine)
-        if theirs != mine:
-            raise ConfigError(f"compression mismatch: coordinator uses {mine!r}, worker {theirs!r}; "
-                              "set the same [compression] type on both")
+        check_compression_match(self.config.compression, msg.compression)
         if msg.shard_index >= self.num_shards:
             raise ConfigError(f"shard_index {msg.shard_index} is out of range: this cluster has "
                               f"{self.num_shards} shards (0..{self.num_shards - 1}, or -1 for automatic)")
@@ -408,6 +424,9 @@ class Coordinator:
         return Weights(version=self.version, tensors=snap)
 
     def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message]:
+        rec.gradients += 1
+        rec.bytes_up += payload_bytes(msg.tensors)
+        rec.residual_norm = msg.residual_norm
         staleness = self.version - msg.version
         if msg.msg_id <= rec.last_msg_id:
             status = "duplicate"
@@ -421,7 +440,10 @@ class Coordinator:
         else:
             status = self._apply_checked(rec, msg, staleness)
         rec.loss = msg.loss
-        return status, self._update_for(rec, msg.msg_id, status)
+        reply = self._update_for(rec, msg.msg_id, status)
+        rec.updates += 1
+        rec.bytes_down += payload_bytes(reply.tensor_map())
+        return status, reply
 
     def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> str:
         try:
@@ -466,21 +488,39 @@ class Coordinator:
         return damp * weight
 
     def _update_for(self, rec: WorkerRecord, msg_id: int, status: str) -> Message:
-        """The weight delta that brings ``rec``'s replica to the master weights (or a resync)."""
+        """The weight delta that brings ``rec``'s replica to the master weights, compressed.
+
+        Drift bound: after every update, the worker's weights (equal to ``rec.shadow``, bit for
+        bit) are within ``max_drift`` relative L2 distance of the master weights; when the
+        compressed delta would leave them further away, the full weights go instead. A full
+        resync also goes every ``resync_interval`` updates.
+        """
         rec.since_resync += 1
         if not rec.shadow or rec.since_resync >= self.config.training.resync_interval:
-            w = self._snapshot_for(rec)
-            return Update(msg_id=msg_id, version=w.version, status=status, codecs={}, full=True,
-                          tensors=w.tensors)
+            return self._full_update(rec, msg_id, status)
         names = list(self.params)
+        masters = [p.detach() for p in self.params.values()]
         shadows = [rec.shadow[n] for n in names]
-        deltas = torch._foreach_sub([p.detach() for p in self.params.values()], shadows)
+        deltas = torch._foreach_sub(masters, shadows)
         items: dict[str, Compressed] = {n: self.codec.compress(d) for n, d in zip(names, deltas)}
-        # The shadow moves by exactly what the worker will add (the decompressed delta), in
-        # place: no message holds shadow tensors (resyncs send their own snapshot).
-        torch._foreach_add_(shadows, [self.codec.decompress(items[n]) for n in names])
+        sent = [self.codec.decompress(items[n]) for n in names]
+        if self.codec.name not in LOSSLESS_CODECS:
+            left = _global_norm(torch._foreach_sub(deltas, sent))
+            rec.drift = left / max(_global_norm(masters), 1e-30)
+            if rec.drift > self.config.compression.max_drift:
+                return self._full_update(rec, msg_id, status)
+        # The shadow moves by exactly what the worker will add, in place: no message holds
+        # shadow tensors (resyncs send their own snapshot).
+        torch._foreach_add_(shadows, sent)
         codecs, tensors = pack_compressed(items)
         return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs, tensors=tensors)
+
+    def _full_update(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
+        w = self._snapshot_for(rec)
+        rec.resyncs += 1
+        rec.drift = 0.0
+        return Update(msg_id=msg_id, version=w.version, status=status, codecs={}, full=True,
+                      tensors=w.tensors)
 
     # -- control, evaluation, status -------------------------------------------------------
 
@@ -569,7 +609,8 @@ class Coordinator:
             "min_workers": self.config.training.min_workers, "num_shards": self.num_shards,
             "workers_connected": len(self._connected()), "stats": dict(self.stats),
             "uptime_sec": time.monotonic() - self._started_at,
-            "workers": [r.summary(total) for r in self.workers.values()],
+            "raw_bytes_per_step": self.raw_bytes_per_step,
+            "workers": [r.summary(total, self.raw_bytes_per_step) for r in self.workers.values()],
             "events": list(self.events)[-20:],
         }
 
@@ -580,6 +621,12 @@ def _make_adam(params: list[torch.Tensor], **kwargs: Any) -> torch.optim.Adam:
         return torch.optim.Adam(params, fused=True, **kwargs)
     except (RuntimeError, TypeError, ValueError):
         return torch.optim.Adam(params, foreach=True, **kwargs)
+
+
+def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from swarmtrain import hardware
-from swarmtrain.compression import Compressed, ErrorFeedback, make_codec
+from swarmtrain.compression import Compressed, ErrorFeedback
 from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret
 from swarmtrain.errors import (
     AuthError,
@@ -33,7 +33,13 @@ from swarmtrain.errors import (
     SwarmError,
     SwarmTimeout,
 )
-from swarmtrain.roles.common import fingerprint, pack_compressed, unpack_compressed
+from swarmtrain.roles.common import (
+    codec_for_step,
+    fingerprint,
+    pack_compressed,
+    payload_bytes,
+    unpack_compressed,
+)
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.wire import (
@@ -123,9 +129,12 @@ class Worker:
         if cfg.hardware.num_threads:  # only when asked: the API must not surprise its host program
             torch.set_num_threads(cfg.hardware.num_threads)
         c = cfg.compression
-        self.codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
-                                bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
+        self.codec = codec_for_step(c, step=c.warmup_steps)  # the codec after warm-up
+        # QSGD is unbiased and needs no memory; what topk and fp16 drop is sent later instead.
         self.feedback = ErrorFeedback(self.codec) if c.type in ("topk", "fp16") else None
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
         self.version = 0
         self.msg_id = 0
         self.steps = 0
@@ -217,11 +226,13 @@ class Worker:
 
     async def _session(self, conn: Connection) -> None:
         self._reset_session()
+        comp = self.config.compression
         await conn.send(Register(
             worker_id=self.worker_id, task=self.task_name,
             fingerprint=fingerprint(self.params.items()), hardware=self.hw.to_dict(),
             batch_size=self.plan.batch_size, accumulation_steps=self.plan.accumulation_steps,
-            shard_index=self.config.data.shard_index, compression={"type": self.config.compression.type},
+            shard_index=self.config.data.shard_index,
+            compression={k: getattr(comp, k) for k in comp.SHARED_KEYS},
             samples_per_sec=self.samples_per_sec, last_msg_id=self.msg_id,
         ))
         ack = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
@@ -293,6 +304,7 @@ class Worker:
         """Wait until training runs and is not paused; False once stopped."""
         while not self._stopped and not (self._running and not self._paused):
             self._raise_if_broken()
+            await self._apply_ready()  # stay current while paused: answers still arrive
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), 1.0)
@@ -318,8 +330,10 @@ class Worker:
                 return
             codecs, tensors = pack_compressed(compressed)
             self.msg_id += 1
+            self.bytes_up += payload_bytes(tensors)
+            residual = self.feedback.residual_norm() if self.feedback else 0.0
             await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
-                                      loss=loss, codecs=codecs, tensors=tensors))
+                                      loss=loss, codecs=codecs, residual_norm=residual, tensors=tensors))
             self._inflight += 1
             self.steps += 1
             self.samples += samples
@@ -339,6 +353,7 @@ class Worker:
             raise SwarmTimeout("update", limit, "no answer to our gradient") from None
         if isinstance(item, BaseException):
             raise item
+        self.bytes_down += payload_bytes(item.tensor_map())
         if isinstance(item, Weights):
             self._load_full(item.tensors, item.version)
         elif isinstance(item, Update):
@@ -348,9 +363,8 @@ class Worker:
                 self._load_full(item.tensors, item.version)
             else:
                 deltas = unpack_compressed(item.codecs, item.tensors, self.params)
-                with torch.no_grad():
-                    for name, p in self.params.items():
-                        p.add_(deltas[name])
+                with torch.no_grad():  # the coordinator's shadow of us moves by exactly this
+                    torch._foreach_add_(list(self.params.values()), [deltas[n] for n in self.params])
                 self.version = item.version
 
     def _load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -407,11 +421,15 @@ class Worker:
             (loss / accum).backward()
             total_loss += float(loss.detach())
             samples += _batch_len(batch)
+        c = self.config.compression
+        codec = codec_for_step(c, self.steps) if self.steps < c.warmup_steps else self.codec
+        if self.feedback is not None:
+            self.feedback.codec = codec
         out: dict[str, Compressed] = {}
         for name, p in self.params.items():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = (self.feedback.compress(name, g, generator=self._gen) if self.feedback
-                         else self.codec.compress(g, generator=self._gen))
+                         else codec.compress(g, generator=self._gen))
         busy = time.perf_counter() - start
         speed = self.config.training.speed
         if speed < 1.0:
@@ -430,5 +448,8 @@ class Worker:
             "samples": self.samples, "samples_per_sec": self.samples_per_sec,
             "shards": list(self.shards), "statuses": dict(self.statuses),
             "residual_norm": self.feedback.residual_norm() if self.feedback else 0.0,
+            "bytes_up_per_step": self.bytes_up / self.steps if self.steps else 0.0,
+            "bytes_down_per_step": self.bytes_down / self.steps if self.steps else 0.0,
+            "raw_bytes_per_step": self.raw_bytes_per_step,
             "loss": math.nan,
         }

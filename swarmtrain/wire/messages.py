@@ -185,6 +185,7 @@ class Gradients(Message):
     samples: int
     loss: float
     codecs: dict[str, Any]
+    residual_norm: float = 0.0
     tensors: TensorMap = field(default_factory=dict)
 
 

@@ -1,0 +1,137 @@
+"""Compression in the parameter server: uplink and downlink, warm-up, drift bound, metrics,
+wire bytes against each codec's declared size, and accuracy with heavy compression."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from swarmtrain.compression import CODEC_NAMES, make_codec
+from swarmtrain.config import CompressionConfig
+from swarmtrain.errors import RefusedError
+from swarmtrain.roles.common import codec_for_step, pack_compressed
+from swarmtrain.roles.coordinator import Coordinator
+from swarmtrain.wire import ALIGN, PREAMBLE, Gradients, encode, encode_bytes
+from tests.test_ps_inprocess import TASK, coordinator, worker
+
+
+def _train(codec: dict[str, Any], steps: int, workers: int = 2,
+           lr: float = 3e-3) -> tuple[Coordinator, list[Any]]:
+    comp = {f"compression.{k}": v for k, v in codec.items()}
+
+    async def main() -> tuple[Coordinator, list[Any]]:
+        c = coordinator(**{"training.min_workers": workers, "training.max_steps": steps,
+                           "training.learning_rate": lr, **comp})
+        await c.start()
+        ws = [worker(c.port, **{"training.worker_id": f"w{i}", **comp}) for i in range(workers)]
+        tasks = [asyncio.create_task(w.run_async()) for w in ws]
+        await asyncio.wait_for(c.run(), 150)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return c, ws
+
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("codec", [
+    {"type": "topk", "topk_ratio": 0.01, "warmup_steps": 100, "min_compress_numel": 0},
+    {"type": "qsgd", "qsgd_bits": 4, "min_compress_numel": 0},
+], ids=["topk-1%", "qsgd-4bit"])
+def test_digits_reaches_095_with_heavy_compression(codec: dict[str, Any]) -> None:
+    c, workers = _train(codec, steps=2000)
+    assert c.metrics["accuracy"] >= 0.95, c.metrics
+    st = c.status()
+    for row in st["workers"]:
+        assert row["up_ratio"] > (15 if codec["type"] == "topk" else 5), row  # really compressed
+        assert row["down_ratio"] > 1.5, row  # the downlink too (resyncs included)
+    if codec["type"] == "topk":
+        assert all(w["residual_norm"] > 0 for w in st["workers"])  # error feedback at work
+
+
+def test_worker_weights_stay_within_the_drift_bound() -> None:
+    # A top-k downlink lags far behind (Adam's updates are dense), so the bound must act.
+    comp = {"compression.type": "topk", "compression.topk_ratio": 0.01, "compression.min_compress_numel": 0,
+            "compression.max_drift": 0.002, "compression.downlink": "topk"}
+
+    async def main() -> None:
+        c = coordinator(**{"training.resync_interval": 10_000, **comp})
+        await c.start()
+        w = worker(c.port, **{"training.worker_id": "d", **comp})
+        t = asyncio.create_task(w.run_async())
+        try:
+            for _ in range(400):
+                if c.version > 150:
+                    break
+                await asyncio.sleep(0.05)
+            await c.set_paused(True)
+            await asyncio.sleep(1.0)  # the gradient in flight is answered and applied
+            rec = c.workers["d"]
+            assert rec.resyncs >= 1  # the bound forced full weights at least once
+            for n, p in w.params.items():  # the worker holds exactly what the coordinator sent
+                assert torch.equal(p, rec.shadow[n]), n
+            num = math.sqrt(sum(float((c.params[n] - w.params[n]).detach().norm()) ** 2 for n in c.params))
+            den = math.sqrt(sum(float(p.detach().norm()) ** 2 for p in c.params.values()))
+            assert num / den <= 0.002 + 1e-9
+            assert 0 <= rec.drift <= 0.002 + 1e-9
+        finally:
+            w.stop()
+            await asyncio.wait_for(asyncio.gather(t, return_exceptions=True), 30)
+            await c.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_bytes_on_the_wire_are_the_declared_size_plus_framing(name: str) -> None:
+    model = TASK.build_model()
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    codec = make_codec(name, topk_ratio=0.05, qsgd_bits=4)
+    items = {n: codec.compress(g) for n, g in grads.items()}
+    declared = sum(codec.estimate_wire_bytes(g.numel()) for g in grads.values())
+    assert sum(c.wire_bytes() for c in items.values()) == declared
+    codecs, tensors = pack_compressed(items)
+    msg = Gradients(msg_id=1, version=0, samples=32, loss=0.5, codecs=codecs, tensors=tensors)
+    frame = encode_bytes(msg)
+    header = len(encode(msg)[0]) - PREAMBLE.size
+    framing = len(frame) - declared
+    assert framing == PREAMBLE.size + header + sum(-t.nbytes % ALIGN for t in tensors.values())
+    assert framing <= PREAMBLE.size + 160 * len(grads) + ALIGN * len(tensors)  # small, per tensor
+
+
+def test_auto_downlink_is_dense_8bit_for_topk_and_the_uplink_codec_otherwise() -> None:
+    from swarmtrain.roles.common import downlink_codec
+
+    x = torch.randn(100_000)
+    top = downlink_codec(CompressionConfig(type="topk", topk_ratio=0.01, min_compress_numel=0))
+    assert top.compress(x).codec == "qsgd" and top.compress(x).meta["bits"] == 8
+    q4 = downlink_codec(CompressionConfig(type="qsgd", qsgd_bits=4, min_compress_numel=0))
+    assert q4.compress(x).meta["bits"] == 4
+    forced = downlink_codec(CompressionConfig(type="topk", downlink="fp16", min_compress_numel=0))
+    assert forced.compress(x).codec == "fp16"
+
+
+def test_topk_warmup_ramps_density_from_dense_to_target() -> None:
+    c = CompressionConfig(type="topk", topk_ratio=0.01, warmup_steps=100, min_compress_numel=0)
+    x = torch.randn(10_000)
+    sizes = [codec_for_step(c, s).compress(x).wire_bytes() for s in (0, 25, 50, 75, 100, 500)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 10 * sizes[-1]
+    assert codec_for_step(c, 0).compress(x).meta["k"] == 10_000  # dense at step 0
+    assert codec_for_step(c, 100).compress(x).meta["k"] == 100  # the target after warm-up
+
+
+def test_a_compression_key_mismatch_is_reported_at_registration() -> None:
+    async def main() -> None:
+        c = coordinator(**{"compression.type": "topk", "compression.topk_ratio": 0.01})
+        await c.start()
+        try:
+            w = worker(c.port, **{"compression.type": "topk", "compression.topk_ratio": 0.1})
+            with pytest.raises(RefusedError, match="topk_ratio = 0.01 here, 0.1 on the worker"):
+                await asyncio.wait_for(w.run_async(), 30)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
