@@ -272,6 +272,8 @@ class WorkerTrainingConfig(_Section):
         1, "gradients in flight while the next is computed (0 = wait for each answer)", ge=0, le=8
     )
     seed: int = _opt(0, "seed of the worker's batch sampling", ge=0)
+    probe_seconds: float = _opt(
+        1.0, "seconds of the real task timed at start-up (reported speed); 0 = no probe", ge=0.0)
 
 
 @dataclass(frozen=True)

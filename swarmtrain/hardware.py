@@ -35,7 +35,8 @@ from swarmtrain.errors import ConfigError
 
 __all__ = [
     "PROFILE_TABLE", "HardwareInfo", "Profile", "ProfileSpec", "Recommended", "classify",
-    "describe", "detect", "parse_pi_model", "probe_speed", "recommend", "spec_for",
+    "check_fits", "describe", "detect", "memory_needed_mb", "parse_pi_model", "probe_speed",
+    "recommend", "spec_for",
 ]
 
 MEMORY_FRACTION = 0.8  # max_memory_mb = 0 -> this share of available memory
@@ -290,6 +291,40 @@ def recommend(
         num_threads=num_threads or max(1, info.cores),
         max_memory_mb=mem,
     )
+
+
+#: model state a worker holds per parameter byte: weights, gradients, error-feedback
+#: residual and one transient copy (a received update being applied)
+MODEL_STATE_COPIES = 4
+
+
+def memory_needed_mb(batch_size: int, sample_bytes: int, model_bytes: int) -> float:
+    """Memory (MB) a training step needs: one micro-batch of activations plus model state."""
+    return (batch_size * sample_bytes + MODEL_STATE_COPIES * model_bytes) / 2**20
+
+
+def check_fits(
+    info: HardwareInfo, *, batch_size: int, sample_bytes: int, model_bytes: int, max_memory_mb: int = 0
+) -> None:
+    """Refuse, before training starts, a batch that would not fit in memory (the run would
+    swap or be killed). Accumulation steps do not count: each micro-batch is freed first.
+
+    Raises:
+        ConfigError: the estimate exceeds min(available memory, max_memory_mb), naming both
+            and what to change.
+    """
+    need = memory_needed_mb(batch_size, sample_bytes, model_bytes)
+    budget = float(info.available_memory_mb)
+    if max_memory_mb:
+        budget = min(budget, float(max_memory_mb))
+    if need > budget:
+        fit = max(0, int((budget * 2**20 - MODEL_STATE_COPIES * model_bytes) // sample_bytes))
+        raise ConfigError(
+            f"batch_size {batch_size} needs about {need:.0f} MB ({sample_bytes / 2**20:.2f} MB per "
+            f"sample + {MODEL_STATE_COPIES * model_bytes / 2**20:.0f} MB of model state) but only "
+            f"{budget:.0f} MB is available here; use batch_size <= {fit} (or 0 to size it from "
+            f"the hardware profile) and accumulation_steps to keep the effective batch"
+        )
 
 
 def probe_speed(

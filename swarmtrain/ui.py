@@ -38,18 +38,20 @@ def print_status(status: dict[str, Any], console: Console | None = None) -> None
                   f"workers {status.get('workers_connected', 0)} connected / "
                   f"min {status.get('min_workers')}")
     table = Table(title="workers")
-    for col in ("id", "address", "profile", "shard", "batch", "steps", "share", "samples/s",
-                "staleness", "last seen"):
+    for col in ("id", "address", "profile", "shards", "batch", "steps", "share", "samples/s",
+                "probe", "weight", "staleness", "up x", "down x", "last seen"):
         table.add_column(col, justify="right" if col not in ("id", "address", "profile") else "left")
     for w in status.get("workers", []):
         seen = "connected" if w.get("connected") else f"{w.get('last_seen_sec', 0):.0f} s ago"
         if w.get("connected"):
             seen = f"{w.get('last_seen_sec', 0):.1f} s ago"
         table.add_row(
-            str(w.get("id")), str(w.get("address")), str(w.get("profile")), str(w.get("shard")),
-            str(w.get("batch_size")), str(w.get("steps")), f"{100 * w.get('share', 0):.0f}%",
-            _num(w.get("samples_per_sec"), ".0f"), _num(w.get("avg_staleness"), ".1f"),
-            seen + ("" if w.get("connected") else " (gone)"),
+            str(w.get("id")), str(w.get("address")), str(w.get("profile")),
+            ",".join(str(s) for s in w.get("shards", [])), str(w.get("batch_size")), str(w.get("steps")),
+            f"{100 * w.get('share', 0):.0f}%", _num(w.get("samples_per_sec"), ".0f"),
+            _num(w.get("probe_samples_per_sec"), ".0f"), _num(w.get("weight"), ".2f"),
+            _num(w.get("avg_staleness"), ".1f"), _num(w.get("up_ratio"), ".1f"),
+            _num(w.get("down_ratio"), ".1f"), seen + ("" if w.get("connected") else " (gone)"),
         )
     console.print(table)
 

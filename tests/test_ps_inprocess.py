@@ -45,7 +45,7 @@ def coordinator(**over: Any) -> Coordinator:
 def worker(port: int, model: nn.Module | None = None, **over: Any) -> Worker:
     cfg = load_worker_config(overrides={
         "network.coordinator_port": port, "hardware.num_threads": 1, "training.batch_size": 32,
-        "network.reconnect_attempts": 0, **over})
+        "network.reconnect_attempts": 0, "training.probe_seconds": 0.2, **over})
     return Worker(model or TASK.build_model(), TASK.loss, DATA.train, cfg, task_name="digits",
                   secret=SECRET)
 

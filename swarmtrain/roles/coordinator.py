@@ -96,6 +96,8 @@ class WorkerRecord:
     first_applied_pending: bool = False
     bytes_up: int = 0
     bytes_down: int = 0
+    samples_since_join: int = 0
+    weight: float = 1.0
     gradients: int = 0
     updates: int = 0
     resyncs: int = 0
@@ -109,17 +111,23 @@ class WorkerRecord:
 
     def summary(self, total_samples: int, raw_bytes: int) -> dict[str, Any]:
         up = self.bytes_up / self.gradients if self.gradients else 0.0
+        connected_for = time.monotonic() - self.joined_at
         down = self.bytes_down / self.updates if self.updates else 0.0
         return {
             "bytes_up_per_step": up, "bytes_down_per_step": down,
             "up_ratio": raw_bytes / up if up else 0.0, "down_ratio": raw_bytes / down if down else 0.0,
             "residual_norm": self.residual_norm, "drift": self.drift, "resyncs": self.resyncs,
+            "weight": self.weight, "probe_samples_per_sec": self.samples_per_sec,
+            "applied_samples_per_sec": (self.samples_since_join / connected_for
+                                        if self.connected and connected_for > 0 else 0.0),
             "id": self.worker_id, "address": self.address, "connected": self.connected,
             "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
             "shard": self.shard_index, "shards": list(self.shards), "steps": self.steps,
             "samples": self.samples,
             "share": self.samples / total_samples if total_samples else 0.0,
-            "samples_per_sec": self.samples_per_sec, "stale": self.stale, "rejected": self.rejected,
+            "samples_per_sec": self.samples_per_sec if not self.connected or not self.samples_since_join
+            else self.samples_since_join / max(connected_for, 1e-9),
+            "stale": self.stale, "rejected": self.rejected,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
             "loss": self.loss, "last_seen_sec": time.monotonic() - self.last_seen,
         }
@@ -342,6 +350,7 @@ class Coordinator:
         rec.shards = shards
         rec.first_applied_pending = True
         rec.joined_at = time.monotonic()
+        rec.samples_since_join = 0
         self._pending_assign = {w: s for w, s in changed.items() if w != msg.worker_id}
         rec.last_seen = time.monotonic()
         self._event("joined", worker=rec.worker_id, address=conn.peer, shard=shard,
@@ -457,7 +466,8 @@ class Coordinator:
             return self._reject(rec, msg)
         for name, p in self.params.items():
             p.grad = grads[name]
-        self.optimizer.param_groups[0]["lr"] = self.base_lr * self._lr_scale(staleness, msg.samples)
+        rec.weight = self._sample_weight(msg.samples)
+        self.optimizer.param_groups[0]["lr"] = self.base_lr * self._damping(staleness) * rec.weight
         self.optimizer.step()
         for p in self.params.values():
             p.grad = None
@@ -469,6 +479,7 @@ class Coordinator:
                         after_join_sec=time.monotonic() - rec.joined_at)
         rec.steps += 1
         rec.samples += msg.samples
+        rec.samples_since_join += msg.samples
         rec.staleness_total += staleness
         self.stats["applied"] += 1
         self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
@@ -480,12 +491,18 @@ class Coordinator:
         self.stats["rejected"] += 1
         return "rejected"
 
-    def _lr_scale(self, staleness: int, samples: int) -> float:
-        """Damp stale gradients (lr / staleness) and weight each by the samples behind it."""
-        damp = 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
-        self._samples_ema = samples if self._samples_ema == 0 else 0.9 * self._samples_ema + 0.1 * samples
-        weight = min(4.0, max(0.05, samples / self._samples_ema))
-        return damp * weight
+    def _damping(self, staleness: int) -> float:
+        """A gradient ``staleness`` updates behind moves the weights 1/staleness as far."""
+        return 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
+
+    def _sample_weight(self, samples: int) -> float:
+        """Fair aggregation: a gradient's step is weighted by the samples behind it, relative to
+        the running mean of samples per gradient, so every sample counts the same whichever
+        machine computed it (a Pi's batch of 4 moves the weights 1/16 as far as a batch of 64).
+        Clamped to [0.05, 4] so one odd batch cannot dominate."""
+        mean = self._samples_ema
+        self._samples_ema = samples if mean == 0 else 0.9 * mean + 0.1 * samples
+        return min(4.0, max(0.05, samples / self._samples_ema))
 
     def _update_for(self, rec: WorkerRecord, msg_id: int, status: str) -> Message:
         """The weight delta that brings ``rec``'s replica to the master weights, compressed.

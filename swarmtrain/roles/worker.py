@@ -126,6 +126,11 @@ class Worker:
             num_threads=cfg.hardware.num_threads, max_memory_mb=cfg.hardware.max_memory_mb,
             sample_bytes=sample_bytes,
         )
+        if sample_bytes is not None:  # refuse now what would swap or be killed mid-run
+            hardware.check_fits(
+                self.hw, batch_size=self.plan.batch_size, sample_bytes=sample_bytes,
+                model_bytes=sum(p.numel() * p.element_size() for p in self.params.values()),
+                max_memory_mb=cfg.hardware.max_memory_mb)
         if cfg.hardware.num_threads:  # only when asked: the API must not surprise its host program
             torch.set_num_threads(cfg.hardware.num_threads)
         c = cfg.compression
@@ -176,6 +181,11 @@ class Worker:
         """
         net = self.config.network
         failures = 0
+        if self.config.training.probe_seconds > 0 and self.samples_per_sec == 0:
+            loop = asyncio.get_running_loop()
+            self.samples_per_sec = await loop.run_in_executor(self._pool, self.probe)
+            log.info("probe: %.0f samples/s at batch %d (profile %s)", self.samples_per_sec,
+                     self.plan.batch_size, self.hw.profile.value)
         try:
             while not self._stopped:
                 try:
@@ -409,6 +419,31 @@ class Worker:
             self._iter = iter(self.data)  # type: ignore[arg-type]
             return next(self._iter)
 
+    def probe(self) -> float:
+        """Samples/second of this machine on the real task at the chosen batch (throttle
+        included), timed for ``probe_seconds``; weights and error feedback are untouched."""
+        shards = self._active_shards
+        if not shards and hasattr(self.data, "get_batch") and hasattr(self.data, "__len__"):
+            shards = [Shard(self.data, 0, 1, seed=self.config.training.seed)]  # type: ignore[arg-type]
+
+        def step() -> int:
+            start = time.perf_counter()
+            batch = shards[0].next_batch(self.plan.batch_size) if shards else self._next_batch()
+            self.model.zero_grad(set_to_none=True)
+            self.loss_fn(self.model, batch).backward()
+            self._throttle(time.perf_counter() - start)
+            return _batch_len(batch)
+
+        try:
+            return hardware.probe_speed(step, seconds=self.config.training.probe_seconds)
+        finally:
+            self.model.zero_grad(set_to_none=True)
+
+    def _throttle(self, busy: float) -> None:
+        speed = self.config.training.speed
+        if speed < 1.0:
+            time.sleep(busy * (1.0 / speed - 1.0))  # rehearse a slower machine
+
     def _compute(self) -> tuple[dict[str, Compressed], float, int, float]:
         start = time.perf_counter()
         self.model.train()
@@ -430,10 +465,7 @@ class Worker:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = (self.feedback.compress(name, g, generator=self._gen) if self.feedback
                          else codec.compress(g, generator=self._gen))
-        busy = time.perf_counter() - start
-        speed = self.config.training.speed
-        if speed < 1.0:
-            time.sleep(busy * (1.0 / speed - 1.0))  # throttle: rehearse a slower machine
+        self._throttle(time.perf_counter() - start)
         return out, total_loss / accum, samples, time.perf_counter() - start
 
     def _record_speed(self, samples: int, seconds: float) -> None:
