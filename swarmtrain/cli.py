@@ -86,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--reconnect-attempts", type=int)
     w.add_argument("--reconnect-delay", dest="reconnect_delay_sec", type=float)
 
+    pe = sub.add_parser("peer", help="train with no coordinator: peers find each other and average")
+    _common(pe)
+    pe.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    pe.add_argument("--port", type=int, help="control port (default 7200; 0 = any free port)")
+    pe.add_argument("--run", help="run name: only peers of the same run are joined")
+    pe.add_argument("--min-peers", type=int, help="peers (including this one) to wait for")
+    pe.add_argument("--peers", help="static peer list host:port,... (when multicast is blocked)")
+    pe.add_argument("--mode", choices=["diloco", "step"])
+    pe.add_argument("--inner-steps", type=int, help="DiLoCo: inner steps per round")
+    pe.add_argument("--inner-seconds", type=float, help="DiLoCo: inner loop length in seconds")
+    pe.add_argument("--wire", choices=["fp32", "fp16", "int8"], help="all-reduce wire format")
+    pe.add_argument("--max-rounds", type=int)
+    pe.add_argument("--batch-size", type=int)
+    pe.add_argument("--threads", dest="num_threads", type=int)
+    pe.add_argument("--lr", "--learning-rate", dest="learning_rate", type=float)
+    pe.add_argument("--eval-every", type=int)
+    pe.add_argument("--speed", type=float, help="run at this fraction of full speed")
+    pe.add_argument("--status-file", help="keep this peer's status as JSON here")
+
     d = sub.add_parser("demo", help="a small local cluster training a real model (digits)")
     d.add_argument("--workers", type=int, default=2)
     d.add_argument("--task", default="digits")
@@ -153,6 +172,29 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(cfg)
 
 
+_PEER = {
+    "task": "training.task", "data_path": "data.path", "secret_file": "security.secret_file",
+    "insecure": "security.insecure", "log_level": "logging.level", "host": "network.host",
+    "port": "network.port", "run": "peer.run", "min_peers": "peer.min_peers", "peers": "peer.peers",
+    "mode": "training.mode", "inner_steps": "training.inner_steps",
+    "inner_seconds": "training.inner_seconds", "wire": "training.wire",
+    "max_rounds": "training.max_rounds", "batch_size": "training.batch_size",
+    "num_threads": "hardware.num_threads", "learning_rate": "training.learning_rate",
+    "eval_every": "training.eval_every", "speed": "training.speed",
+}
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from swarmtrain.config import load_peer_config
+    from swarmtrain.session import run_peer
+
+    if args.compression or args.topk_ratio:
+        raise SwarmError("peer mode compresses with --wire fp16|int8, not --compression")
+    cfg = load_peer_config(args.config, _overrides(args, _PEER))
+    _setup_logging(cfg.logging.level, args.log_json)
+    return run_peer(cfg, status_file=args.status_file)
+
+
 def cmd_ctl(args: argparse.Namespace) -> int:
     from swarmtrain.config import SecurityConfig, resolve_secret
     from swarmtrain.roles.ctl import ctl_request
@@ -198,7 +240,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 _COMMANDS = {
     "coordinator": cmd_coordinator, "worker": cmd_worker, "ctl": cmd_ctl, "secret": cmd_secret,
-    "profile": cmd_profile, "demo": cmd_demo,
+    "profile": cmd_profile, "demo": cmd_demo, "peer": cmd_peer,
 }
 
 

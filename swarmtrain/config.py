@@ -37,6 +37,8 @@ __all__ = [
     "WorkerTrainingConfig",
     "load_coordinator_config",
     "load_worker_config",
+    "load_peer_config",
+    "PeerConfig",
     "overrides_from_kwargs",
     "resolve_secret",
     "to_dict",
@@ -298,9 +300,78 @@ class WorkerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+# ---------------------------------------------------------------- peer
+
+
+@dataclass(frozen=True)
+class PeerNetworkConfig(_Section):
+    """[network] of a peer: where it listens, and the time limits of each phase."""
+
+    SECTION = "network"
+    LESS_THAN = (("heartbeat_interval_sec", "heartbeat_timeout_sec"),)
+    host: str = _opt("0.0.0.0", "address to listen on")
+    port: int = _opt(7200, "control port (membership, status); 0 = any free port", ge=0, le=65535)
+    ring_port: int = _opt(0, "port of the all-reduce ring listener (0 = any free port)", ge=0, le=65535)
+    advertise_host: str = _opt("", 'address others reach this peer at ("" = found automatically)')
+    heartbeat_interval_sec: float = _opt(0.5, "seconds between heartbeats to each member", gt=0.0)
+    heartbeat_timeout_sec: float = _opt(5.0, "a member silent this long is dead", gt=0.0)
+    propose_timeout_sec: float = _opt(3.0, "how long a proposer waits for each answer", gt=0.0)
+    ring_timeout_sec: float = _opt(
+        120.0, "longest wait for a ring neighbour's data (slow peers arrive late)", gt=0.0)
+    reform_timeout_sec: float = _opt(60.0, "longest wait for a new epoch after a failure", gt=0.0)
+
+
+@dataclass(frozen=True)
+class PeerDiscoveryConfig(_Section):
+    """[peer]: which run to join and how to find its other peers."""
+
+    SECTION = "peer"
+    run: str = _opt("default", "run name: only peers with the same name are joined")
+    min_peers: int = _opt(1, "peers (including this one) to wait for before the first round", ge=1)
+    discovery_timeout_sec: float = _opt(300.0, "longest wait for min_peers", gt=0.0)
+    peers: str = _opt("", 'static list "host:port,host:port" for networks without multicast')
+
+
+@dataclass(frozen=True)
+class PeerTrainingConfig(_Section):
+    """[training] of a peer: per-step averaging or DiLoCo."""
+
+    SECTION = "training"
+    task: str = _opt("textlm", "'digits', 'textlm' or 'package.module:factory'")
+    mode: str = _opt("diloco", "'diloco' (H local steps, then average) or 'step' (every step)",
+                     choices=("diloco", "step"))
+    learning_rate: float = _opt(0.0, "inner AdamW learning rate (0 = the task's default)", ge=0.0)
+    weight_decay: float = _opt(0.0, "inner AdamW weight decay", ge=0.0)
+    batch_size: int = _opt(0, "samples per step (0 = from the hardware profile)", ge=0)
+    inner_steps: int = _opt(50, "DiLoCo: inner steps per round (H)", ge=1)
+    inner_seconds: float = _opt(
+        0.0, "DiLoCo: if > 0, each round's inner loop runs this long instead of inner_steps", ge=0.0)
+    outer_lr: float = _opt(0.7, "DiLoCo outer Nesterov learning rate", gt=0.0)
+    outer_momentum: float = _opt(0.9, "DiLoCo outer Nesterov momentum", ge=0.0, lt=1.0)
+    wire: str = _opt("fp32", "all-reduce wire format", choices=("fp32", "fp16", "int8"))
+    max_rounds: int = _opt(0, "stop after this many rounds (0 = run until stopped)", ge=0)
+    eval_every: int = _opt(10, "rounds between held-out evaluations (by rank 0)", ge=1)
+    speed: float = _opt(1.0, "fraction of full speed (throttle to rehearse a slow machine)",
+                        gt=0.0, le=1.0)
+    seed: int = _opt(0, "seed of the model initialisation (the same on every peer)", ge=0)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything ``swarmtrain peer`` is configured with."""
+
+    network: PeerNetworkConfig = field(default_factory=PeerNetworkConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    peer: PeerDiscoveryConfig = field(default_factory=PeerDiscoveryConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    training: PeerTrainingConfig = field(default_factory=PeerTrainingConfig)
+    data: WorkerDataConfig = field(default_factory=WorkerDataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
 # ---------------------------------------------------------------- loading
 
-C = TypeVar("C", bound=CoordinatorConfig | WorkerConfig)
+C = TypeVar("C", bound=CoordinatorConfig | WorkerConfig | PeerConfig)
 _Layers = dict[str, dict[str, tuple[Any, str]]]  # section -> key -> (value, where it came from)
 
 
@@ -328,6 +399,13 @@ def load_worker_config(
     return _load(WorkerConfig, path, overrides)
 
 
+def load_peer_config(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> PeerConfig:
+    """Load a peer config; as :func:`load_coordinator_config`."""
+    return _load(PeerConfig, path, overrides)
+
+
 def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
     """A copy of ``cfg`` with dotted-key ``overrides`` applied and validated."""
     layers: _Layers = {}
@@ -338,7 +416,7 @@ def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
 
 
 def overrides_from_kwargs(
-    cfg: CoordinatorConfig | WorkerConfig, kwargs: Mapping[str, Any]
+    cfg: CoordinatorConfig | WorkerConfig | PeerConfig, kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Turn Python keyword arguments into dotted overrides for ``cfg``'s type.
 
@@ -371,7 +449,7 @@ def overrides_from_kwargs(
 
 
 def to_dict(
-    cfg: CoordinatorConfig | WorkerConfig, *, redact_secrets: bool = True
+    cfg: CoordinatorConfig | WorkerConfig | PeerConfig, *, redact_secrets: bool = True
 ) -> dict[str, dict[str, Any]]:
     """``cfg`` as a nested plain dict ``{section: {key: value}}``, e.g. for checkpoints.
 

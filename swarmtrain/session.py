@@ -9,15 +9,20 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from swarmtrain.config import CoordinatorConfig, WorkerConfig, with_overrides
+from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, with_overrides
 from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.coordinator import Coordinator
 from swarmtrain.roles.worker import Worker
 from swarmtrain.tasks import load_task
 
-__all__ = ["build_coordinator", "build_worker", "run_coordinator", "run_worker", "write_atomic"]
+__all__ = ["build_coordinator", "build_peer", "build_worker", "run_coordinator", "run_peer",
+           "run_worker", "write_atomic"]
+
+if TYPE_CHECKING:
+    from swarmtrain.peer.backend import PeerBackend
+    from swarmtrain.peer.node import PeerTrainer
 
 log = logging.getLogger("swarmtrain")
 
@@ -108,4 +113,81 @@ def run_worker(cfg: WorkerConfig) -> int:
     asyncio.run(main())
     log.info("worker %s done: %d steps, %d samples (%s)", worker.worker_id, worker.steps,
              worker.samples, worker.shutdown_reason or "stopped")
+    return 0
+
+
+def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
+    """A peer for ``cfg.training.task``: backend (not started) and trainer."""
+    import zlib
+
+    import torch
+
+    from swarmtrain import hardware
+    from swarmtrain.config import resolve_secret
+    from swarmtrain.errors import ConfigError
+    from swarmtrain.peer.backend import PeerBackend, PeerOptions
+    from swarmtrain.peer.discovery import parse_peer_list
+    from swarmtrain.peer.identity import Identity
+    from swarmtrain.peer.node import PeerTrainer
+    from swarmtrain.peer.training import DiLoCo, StepAveraging
+    from swarmtrain.tasks import Shard
+    from swarmtrain.transport import is_loopback_host
+
+    net, t = cfg.network, cfg.training
+    secret = resolve_secret(cfg.security)
+    if secret is None and not cfg.security.insecure and not is_loopback_host(net.host):
+        raise ConfigError(
+            f"refusing to listen on {net.host} without a cluster secret: set SWARMTRAIN_SECRET or "
+            "--secret-file (create one with `swarmtrain secret --out FILE`), or pass --insecure")
+    info = hardware.detect()
+    task = load_task(t.task)
+    plan = hardware.recommend(info, batch_size=t.batch_size, num_threads=cfg.hardware.num_threads,
+                              max_memory_mb=cfg.hardware.max_memory_mb,
+                              sample_bytes=task.sample_bytes_estimate())
+    torch.set_num_threads(plan.num_threads)
+    model = task.build_model(seed=t.seed)
+    data = task.load_data(cfg.data.path or None)
+    identity = Identity.load_or_create()
+    # every peer samples the whole data set, in its own order
+    shard = Shard(data.train, 0, 1, seed=zlib.crc32(identity.peer_id.encode()))
+    lr = t.learning_rate or task.default_learning_rate
+    common: dict[str, Any] = {"lr": lr, "weight_decay": t.weight_decay, "speed": t.speed}
+    strategy = (DiLoCo(model, task.loss, lambda: shard.next_batch(plan.batch_size), inner_steps=t.inner_steps,
+                       inner_seconds=t.inner_seconds, outer_lr=t.outer_lr, outer_momentum=t.outer_momentum,
+                       **common)
+                if t.mode == "diloco" else
+                StepAveraging(model, task.loss, lambda: shard.next_batch(plan.batch_size), **common))
+    options = PeerOptions(
+        run=cfg.peer.run, host=net.host, port=net.port, ring_port=net.ring_port,
+        advertise_host=net.advertise_host, static_peers=tuple(parse_peer_list(cfg.peer.peers))
+        if cfg.peer.peers else (), profile=info.profile.value,
+        heartbeat_interval=net.heartbeat_interval_sec, heartbeat_timeout=net.heartbeat_timeout_sec,
+        propose_timeout=net.propose_timeout_sec, ring_timeout=net.ring_timeout_sec,
+        reform_timeout=net.reform_timeout_sec, wire=t.wire)
+    backend = PeerBackend(options, secret=secret, identity=identity)
+    trainer = PeerTrainer(backend, strategy, max_rounds=t.max_rounds,
+                          evaluate=lambda m: task.evaluate(m, data), eval_every=t.eval_every)
+    return backend, trainer
+
+
+def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
+    backend, trainer = build_peer(cfg)
+    trainer.status_file = status_file or ""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        trainer.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    backend.start()
+    try:
+        if cfg.peer.min_peers > 1:
+            log.info("waiting for %d other peer(s) of run %r", cfg.peer.min_peers - 1, cfg.peer.run)
+            backend.wait_for_peers(cfg.peer.min_peers - 1, cfg.peer.discovery_timeout_sec)
+        trainer.run()
+    finally:
+        if status_file:
+            trainer._write_status()
+        backend.close()
+    log.info("peer done after %d rounds: %s", trainer.strategy.round, trainer.metrics)
     return 0

@@ -41,6 +41,11 @@ __all__ = [
     "Error",
     "StatusRequest",
     "Status",
+    "PeerHello",
+    "PeerInfoMsg",
+    "Propose",
+    "Accept",
+    "Commit",
     "MESSAGE_CLASSES",
     "message_from_fields",
 ]
@@ -70,6 +75,11 @@ class MsgType(enum.IntEnum):
     ERROR = 26
     STATUS_REQUEST = 27
     STATUS = 28
+    PEER_HELLO = 40
+    PEER_INFO = 41
+    PROPOSE = 42
+    ACCEPT = 43
+    COMMIT = 44
 
 
 @dataclass(frozen=True)
@@ -280,11 +290,79 @@ class Status(Message):
     status: dict[str, Any]
 
 
+# --- peer mode: membership (signed with the sender's Ed25519 identity) -------------------
+
+
+@dataclass(frozen=True)
+class PeerHello(Message):
+    """Peer → peer: who are you? (answered with PEER_INFO)."""
+
+    TYPE = MsgType.PEER_HELLO
+    run: str
+
+
+@dataclass(frozen=True)
+class PeerInfoMsg(Message):
+    """A peer's identity and addresses; ``peer_id`` must be the hash of ``public_key``."""
+
+    TYPE = MsgType.PEER_INFO
+    peer_id: str
+    public_key: bytes
+    ring_port: int
+    run: str
+    profile: str
+    epoch: int
+    rounds: int
+
+
+@dataclass(frozen=True)
+class Propose(Message):
+    """Proposer → member: the next epoch's members (peer ids in ring order) and ring addresses."""
+
+    TYPE = MsgType.PROPOSE
+    epoch: int
+    proposer: str
+    members: list[str]
+    addresses: dict[str, Any]
+    public_key: bytes = b""
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class Accept(Message):
+    """Member → proposer: accept (or refuse, with ``ok`` false and a reason) a proposal."""
+
+    TYPE = MsgType.ACCEPT
+    epoch: int
+    peer_id: str
+    ok: bool
+    rounds: int
+    reason: str = ""
+    public_key: bytes = b""
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    """Proposer → member: the epoch is agreed with exactly these members; ``donor`` sends its
+    state to all before the first round."""
+
+    TYPE = MsgType.COMMIT
+    epoch: int
+    proposer: str
+    members: list[str]
+    addresses: dict[str, Any]
+    donor: str
+    public_key: bytes = b""
+    signature: bytes = b""
+
+
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update, Assign,
         Start, Pause, Resume, Shutdown, Heartbeat, CheckpointMsg, Error, StatusRequest, Status,
+        PeerHello, PeerInfoMsg, Propose, Accept, Commit,
     )
 }
 

@@ -1,0 +1,358 @@
+"""`PeerBackend`: zero-configuration collectives for a training loop, with membership that
+survives failures.
+
+The control plane (discovery, membership, liveness) runs on an asyncio loop in a
+background thread; collectives run on the caller's thread over the ring of the current
+epoch. When a member dies or goes silent, its heartbeats stop, the ring is aborted (so a
+collective in progress fails fast instead of hanging), the survivors agree a new epoch,
+and :meth:`all_reduce` is retried on the new ring with the caller's original input.
+
+    backend = PeerBackend(run="myrun")
+    backend.start()
+    backend.wait_for_peers(2, timeout=60)
+    grads = backend.all_reduce(grads, op="mean")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from swarmtrain.errors import SwarmError, SwarmTimeout
+from swarmtrain.peer.control import ControlPlane
+from swarmtrain.peer.discovery import Discovery, MdnsDiscovery, PeerInfo, StaticDiscovery
+from swarmtrain.peer.identity import Identity
+from swarmtrain.peer.membership import Candidate, Membership, View
+from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
+from swarmtrain.transport import Timeouts
+from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg
+
+__all__ = ["PeerBackend", "PeerOptions"]
+
+log = logging.getLogger("swarmtrain.peer")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """How a peer finds others and how long each phase may take (seconds)."""
+
+    run: str = "default"
+    host: str = "0.0.0.0"
+    port: int = 7200
+    ring_port: int = 0
+    advertise_host: str = ""
+    mdns: bool = True
+    static_peers: tuple[tuple[str, int], ...] = ()
+    profile: str = ""
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    propose_timeout: float = 3.0
+    ring_timeout: float = 120.0
+    reform_timeout: float = 60.0
+    wire: str = "fp32"
+
+
+@dataclass
+class PeerBackend:
+    """Collectives over a ring of peers that find each other and agree membership per epoch.
+
+    Args:
+        options: see :class:`PeerOptions`.
+        secret: the cluster secret (authenticates control and ring connections).
+        identity: this node's key pair (default: the persistent one in the config directory).
+    """
+
+    options: PeerOptions = field(default_factory=PeerOptions)
+    secret: bytes | None = None
+    identity: Identity | None = None
+    rounds: int = 0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _ring: RingGroup | None = None
+    _ring_lock: threading.Lock = field(default_factory=threading.Lock)
+    _suspects: dict[str, float] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    _closed_bytes: tuple[int, int] = (0, 0)
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start listening, advertising and discovering (returns when ready)."""
+        self.identity = self.identity or Identity.load_or_create()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-peer-control",
+                                        daemon=True)
+        self._thread.start()
+        self._call(self._start_async(), timeout=30)
+
+    async def _start_async(self) -> None:
+        o = self.options
+        assert self.identity is not None
+        self.listener = RingListener(o.host, o.ring_port, secret=self.secret)
+        self.control = ControlPlane(
+            run=o.run, secret=self.secret,
+            timeouts=Timeouts(handshake=o.propose_timeout, heartbeat_interval=o.heartbeat_interval,
+                              heartbeat_timeout=o.heartbeat_timeout),
+            info=self._info, status=self.status, on_member_lost=self._member_lost)
+        self.port = await self.control.start(o.host, o.port)
+        advertise = o.advertise_host or ("" if o.host in ("0.0.0.0", "::") else o.host)
+        self.ring_address = (advertise or "127.0.0.1", self.listener.address[1])
+        self.membership = Membership(self.identity, ring_address=self.ring_address,
+                                     send=self.control.ask, rounds=lambda: self.rounds,
+                                     propose_timeout=o.propose_timeout)
+        self.control.membership = self.membership
+        self.discovery: Discovery
+        if o.static_peers:
+            self.discovery = StaticDiscovery(list(o.static_peers), probe=self._probe_peer)
+        else:
+            self.discovery = MdnsDiscovery()
+        me = PeerInfo(peer_id=self.identity.peer_id, host=advertise, port=self.port,
+                      ring_port=self.listener.address[1], run=o.run, version=PROTOCOL_VERSION,
+                      profile=o.profile, public_key=self.identity.public_key)
+        await self.discovery.start(me)
+        log.info("peer %s of run %r: control port %d, ring port %d", self.identity.peer_id[:8],
+                 o.run, self.port, self.listener.address[1])
+
+    def close(self) -> None:
+        """Leave: stop advertising, close the ring and every connection."""
+        with self._ring_lock:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
+        if self._loop is not None:
+            try:
+                self._call(self._close_async(), timeout=15)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                if self._thread is not None:
+                    self._thread.join(timeout=10)
+                self._loop.close()
+                self._loop = None
+
+    async def _close_async(self) -> None:
+        await self.discovery.stop()
+        await self.control.close()
+        self.listener.close()
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        assert self._loop is not None, "call start() first"
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise SwarmTimeout("peer control", timeout) from None
+
+    # -- who is there ----------------------------------------------------------------------
+
+    def _info(self) -> PeerInfoMsg:
+        assert self.identity is not None
+        return PeerInfoMsg(peer_id=self.identity.peer_id, public_key=self.identity.public_key,
+                           ring_port=self.listener.address[1], run=self.options.run,
+                           profile=self.options.profile, epoch=self.membership.epoch, rounds=self.rounds)
+
+    async def _probe_peer(self, host: str, port: int) -> PeerInfo | None:
+        ans = await self.control.probe(host, port)
+        if ans is None:
+            return None
+        return PeerInfo(peer_id=ans.peer_id, host=host, port=port, ring_port=ans.ring_port,
+                        run=ans.run, version=PROTOCOL_VERSION, profile=ans.profile,
+                        public_key=ans.public_key)
+
+    def _candidates(self) -> dict[str, Candidate]:
+        return {p.peer_id: Candidate(p.peer_id, p.host, p.port, p.ring_port)
+                for p in self.discovery.peers().values()}
+
+    def wait_for_peers(self, min_peers: int, timeout: float) -> list[PeerInfo]:
+        """Block until ``min_peers`` other peers of this run are known.
+
+        Raises:
+            SwarmTimeout: "found X of Y peers" after ``timeout`` seconds.
+        """
+        return self._call(self.discovery.wait_for_peers(min_peers, timeout), timeout + 5)
+
+    def _member_lost(self, peer_id: str) -> None:
+        """A watched member died or went silent: abort the ring so collectives fail fast."""
+        self._suspects[peer_id] = time.monotonic() + 30.0
+        with self._ring_lock:
+            if self._ring is not None:
+                self._ring.close()
+
+    def _live_suspects(self) -> set[str]:
+        now = time.monotonic()
+        return {p for p, until in self._suspects.items() if until > now}
+
+    # -- epochs ----------------------------------------------------------------------------
+
+    @property
+    def view(self) -> View | None:
+        return self.membership.view
+
+    @property
+    def rank(self) -> int:
+        v = self.view
+        assert v is not None and self.identity is not None, "no epoch agreed yet"
+        return v.rank(self.identity.peer_id)
+
+    @property
+    def world_size(self) -> int:
+        return self.view.world_size if self.view else 1
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
+
+    def refresh(self, timeout: float | None = None) -> bool:
+        """At a round boundary: propose a new epoch if this node leads and peers came or went,
+        or wait for the first one; rebuild the ring if the epoch changed. True if it changed."""
+        return self._call(self._refresh_async(), timeout or self.options.reform_timeout + 10)
+
+    async def _refresh_async(self) -> bool:
+        cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
+        m = self.membership
+        if m.leader(cands) == m.me and m.needs_new_view(cands):
+            self._learn_own_address(cands)
+            await m.propose(cands)
+        elif m.view is None:
+            await self._await_view(0)
+        return await self._ensure_ring()
+
+    def _learn_own_address(self, cands: dict[str, Candidate]) -> None:
+        """The address others reach our ring listener at: configured, or the source address
+        the kernel would use toward a peer (a UDP connect sends nothing)."""
+        if self.options.advertise_host or not cands:
+            return
+        import socket
+
+        host = next(iter(cands.values())).host
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((host, 9))
+                mine = s.getsockname()[0]
+            except OSError:
+                return
+        self.ring_address = (mine, self.listener.address[1])
+        self.membership.ring_address = self.ring_address
+
+    async def _await_view(self, above: int) -> None:
+        """Wait for a committed view with an epoch above ``above``; take over proposing if the
+        expected proposer stays silent."""
+        m = self.membership
+        deadline = time.monotonic() + self.options.reform_timeout
+        while m.epoch <= above:
+            if time.monotonic() > deadline:
+                raise SwarmTimeout("reform", self.options.reform_timeout,
+                                   f"no new epoch after epoch {above}; peers: {sorted(self._candidates())}")
+            cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
+            leader = m.leader(cands)
+            if leader == m.me:
+                self._learn_own_address(cands)
+                await m.propose(cands)
+                continue
+            m.changed.clear()
+            try:
+                await asyncio.wait_for(m.changed.wait(), self.options.propose_timeout * 3)
+            except TimeoutError:
+                if m.epoch <= above:
+                    log.info("no proposal from %s: treating it as gone", leader[:8])
+                    self._suspects[leader] = time.monotonic() + 10.0
+
+    async def _ensure_ring(self) -> bool:
+        v = self.membership.view
+        assert v is not None
+        with self._ring_lock:
+            current = self._ring
+        if current is not None and current.epoch == v.epoch:
+            return False
+        members = {p: self._candidates().get(p) for p in v.members if p != self.membership.me}
+        self.control.watch({p: c for p, c in members.items() if c is not None})
+        loop = asyncio.get_running_loop()
+        ring = await loop.run_in_executor(None, self._build_ring, v)
+        with self._ring_lock:
+            old, self._ring = self._ring, ring
+        if old is not None:
+            self._account(old, closing=True)
+            old.close()
+        return True
+
+    def _build_ring(self, v: View) -> RingGroup:
+        assert self.identity is not None
+        return RingGroup(self.listener, v.rank(self.identity.peer_id), v.ring_addresses(),
+                         ring_id=self.options.run, epoch=v.epoch, secret=self.secret,
+                         timeout=self.options.ring_timeout)
+
+    def recover(self, failed_epoch: int) -> None:
+        """After a broken ring: agree a new epoch without the lost peers and rebuild the ring."""
+        self._call(self._recover_async(failed_epoch), self.options.reform_timeout + 30)
+
+    async def _recover_async(self, failed_epoch: int) -> None:
+        m = self.membership
+        if m.epoch <= failed_epoch:
+            cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
+            if m.leader(cands) == m.me:
+                self._learn_own_address(cands)
+                await m.propose(cands)
+            else:
+                await self._await_view(failed_epoch)
+        await self._ensure_ring()
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def _current_ring(self) -> RingGroup:
+        with self._ring_lock:
+            ring = self._ring
+        if ring is None:
+            raise SwarmError("no ring yet: call refresh() (or wait_for_peers) first")
+        return ring
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean", *, weight: float | None = None,
+                   wire: str | None = None, retries: int = 5) -> torch.Tensor:
+        """All-reduce ``tensor`` in place over the current members; on a broken ring, agree a
+        new epoch and retry with the original input (at most ``retries`` times)."""
+        original = tensor.clone()
+        for attempt in range(retries + 1):
+            ring = self._current_ring()
+            try:
+                out = ring.all_reduce(tensor, op, weight=weight, wire=wire or self.options.wire)
+                self._account(ring)
+                return out
+            except RingBroken as exc:
+                if attempt == retries:
+                    raise
+                log.warning("epoch %d ring broke in %s (%s); re-forming", ring.epoch, exc.phase, exc)
+                tensor.copy_(original)
+                self.recover(ring.epoch)
+        raise AssertionError("unreachable")
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        return self._current_ring().broadcast(tensor, root)
+
+    def barrier(self) -> None:
+        self._current_ring().barrier()
+
+    def _account(self, ring: RingGroup, *, closing: bool = False) -> None:
+        """Bytes moved by collectives: those of closed rings plus the current one's."""
+        if closing:
+            self._closed_bytes = (self._closed_bytes[0] + ring.bytes_sent,
+                                  self._closed_bytes[1] + ring.bytes_received)
+            self.bytes_sent, self.bytes_received = self._closed_bytes
+        else:
+            self.bytes_sent = self._closed_bytes[0] + ring.bytes_sent
+            self.bytes_received = self._closed_bytes[1] + ring.bytes_received
+
+    def status(self) -> dict[str, Any]:
+        v = self.view
+        return {"peer_id": self.identity.peer_id if self.identity else "", "run": self.options.run,
+                "epoch": self.epoch, "members": list(v.members) if v else [],
+                "world_size": self.world_size, "rounds": self.rounds,
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}

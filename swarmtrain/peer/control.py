@@ -1,0 +1,161 @@
+"""The control plane of a peer: an authenticated asyncio server that answers who-are-you,
+PROPOSE, COMMIT and status requests, a pool of client connections for asking others, and
+liveness watches on the current members (heartbeats of the transport: a member that dies
+or goes silent is reported within the heartbeat timeout, whatever the ring is doing)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmtrain.errors import SwarmError
+from swarmtrain.peer.membership import Candidate, Membership
+from swarmtrain.transport import Connection, Server, Timeouts, connect, start_server
+from swarmtrain.wire import (
+    Commit,
+    Error,
+    Message,
+    PeerHello,
+    PeerInfoMsg,
+    Propose,
+    Status,
+    StatusRequest,
+)
+
+__all__ = ["ControlPlane"]
+
+log = logging.getLogger("swarmtrain.peer.control")
+
+
+@dataclass
+class ControlPlane:
+    """Serves and asks membership questions; watches members' liveness.
+
+    Args:
+        run: the run name; peers of other runs are refused.
+        info: returns this node's PEER_INFO answer.
+        status: returns this node's status dict.
+        on_member_lost: called with a peer id when a watched member's connection dies.
+    """
+
+    run: str
+    secret: bytes | None
+    timeouts: Timeouts
+    info: Callable[[], PeerInfoMsg]
+    status: Callable[[], dict[str, Any]]
+    on_member_lost: Callable[[str], None]
+    membership: Membership | None = None
+    server: Server | None = None
+    _pool: dict[str, Connection] = field(default_factory=dict)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _watched: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await start_server(host, port, self._serve, secret=self.secret,
+                                         timeouts=self.timeouts)
+        return self.server.port
+
+    async def close(self) -> None:
+        for t in self._watched.values():
+            t.cancel()
+        await asyncio.gather(*self._watched.values(), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self._pool.values()), return_exceptions=True)
+        if self.server is not None:
+            await self.server.close()
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def _serve(self, conn: Connection, role: str) -> None:
+        if role not in ("peer", "ctl"):
+            await conn.close(Error(code="bad_role", message=f"this is a peer; role {role!r} is not served"))
+            return
+        with contextlib.suppress(SwarmError, ConnectionError):
+            while True:
+                msg = await conn.recv()
+                await conn.send(self._answer(msg))
+
+    def _answer(self, msg: Message) -> Message:
+        m = self.membership
+        if isinstance(msg, PeerHello):
+            if msg.run != self.run:
+                return Error(code="other_run", fatal=False, message=f"this peer trains run {self.run!r}")
+            return self.info()
+        if isinstance(msg, StatusRequest):
+            return Status(status=self.status())
+        if m is None:
+            return Error(code="not_ready", fatal=False, message="membership not started yet")
+        if isinstance(msg, Propose):
+            return m.on_propose(msg)
+        if isinstance(msg, Commit):
+            installed = m.on_commit(msg)
+            return Status(status={"installed": installed, "epoch": m.epoch})
+        return Error(code="unexpected", fatal=False, message=f"a peer does not answer {msg.TYPE.name}")
+
+    # -- asking ----------------------------------------------------------------------------
+
+    async def _conn(self, c: Candidate, timeout: float) -> Connection:
+        conn = self._pool.get(c.peer_id)
+        if conn is None or conn.is_closed:
+            conn = await connect(c.host, c.port, secret=self.secret, role="peer",
+                                 timeouts=Timeouts(connect=timeout, handshake=timeout,
+                                                   heartbeat_interval=self.timeouts.heartbeat_interval,
+                                                   heartbeat_timeout=self.timeouts.heartbeat_timeout))
+            self._pool[c.peer_id] = conn
+        return conn
+
+    async def ask(self, c: Candidate, msg: Message, timeout: float) -> Message | None:
+        """Send ``msg`` to a candidate and return its answer, or None if it does not answer."""
+        lock = self._locks.setdefault(c.peer_id, asyncio.Lock())
+        try:
+            async with lock:
+                conn = await asyncio.wait_for(self._conn(c, timeout), timeout)
+                await conn.send(msg, timeout=timeout)
+                return await conn.recv(timeout=timeout, phase=f"answer to {msg.TYPE.name}")
+        except (SwarmError, ConnectionError, OSError, TimeoutError) as exc:
+            log.debug("no answer from %s:%d: %s", c.host, c.port, exc)
+            conn = self._pool.pop(c.peer_id, None)
+            if conn is not None:
+                conn.abort(SwarmError("dropped after a failed request"))
+            return None
+
+    async def probe(self, host: str, port: int, timeout: float = 3.0) -> PeerInfoMsg | None:
+        """Ask the node at host:port who it is (for static peer lists)."""
+        try:
+            conn = await connect(host, port, secret=self.secret, role="peer",
+                                 timeouts=Timeouts(connect=timeout, handshake=timeout))
+        except (SwarmError, ConnectionError, OSError):
+            return None
+        try:
+            await conn.send(PeerHello(run=self.run))
+            ans = await conn.recv(timeout=timeout, phase="peer hello")
+            return ans if isinstance(ans, PeerInfoMsg) else None
+        except (SwarmError, ConnectionError):
+            return None
+        finally:
+            await conn.close()
+
+    # -- liveness --------------------------------------------------------------------------
+
+    def watch(self, members: dict[str, Candidate]) -> None:
+        """Keep a heartbeating connection to each of ``members``; stop watching the others."""
+        for pid in list(self._watched):
+            if pid not in members:
+                self._watched.pop(pid).cancel()
+        for pid, c in members.items():
+            if pid not in self._watched or self._watched[pid].done():
+                self._watched[pid] = asyncio.create_task(self._watch_one(c))
+
+    async def _watch_one(self, c: Candidate) -> None:
+        try:
+            conn = await self._conn(c, self.timeouts.heartbeat_timeout)
+            await conn.wait_closed()
+            reason = conn.close_reason
+        except (SwarmError, ConnectionError, OSError, TimeoutError) as exc:
+            reason = exc
+        log.warning("lost member %s (%s)", c.peer_id[:8], reason)
+        self._pool.pop(c.peer_id, None)
+        self.on_member_lost(c.peer_id)

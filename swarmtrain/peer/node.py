@@ -1,0 +1,142 @@
+"""`PeerTrainer`: the round loop of peer mode (see :mod:`swarmtrain.peer.training`) on top
+of a :class:`~swarmtrain.peer.backend.PeerBackend` — what `swarmtrain peer` runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmtrain.peer.backend import PeerBackend
+from swarmtrain.peer.ring import RingBroken
+from swarmtrain.peer.training import Contribution, Strategy, flatten, unflatten_into
+
+__all__ = ["PeerTrainer"]
+
+log = logging.getLogger("swarmtrain.peer")
+
+Evaluate = Callable[[nn.Module], Mapping[str, float]]
+
+
+@dataclass
+class PeerTrainer:
+    """Runs rounds until ``max_rounds`` (0 = until stopped).
+
+    Args:
+        backend: a started :class:`PeerBackend`.
+        strategy: :class:`StepAveraging` or :class:`DiLoCo`.
+        evaluate: held-out evaluation, run every ``eval_every`` rounds by rank 0.
+        status_file: rewritten with this peer's status after every round.
+    """
+
+    backend: PeerBackend
+    strategy: Strategy
+    max_rounds: int = 0
+    evaluate: Evaluate | None = None
+    eval_every: int = 10
+    status_file: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    samples: int = 0
+    inner_steps: int = 0
+    _stop: bool = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        pending: Contribution | None = None
+        resync = False
+        started = time.monotonic()
+        while not self._stop and not (self.max_rounds and self.strategy.round >= self.max_rounds):
+            if pending is None:
+                pending = self.strategy.local_work()
+            try:
+                if self.backend.refresh() or resync:
+                    pending = self._sync_state(pending)
+                    resync = False
+                mean = self._reduce(pending)
+            except RingBroken as exc:
+                epoch = self.backend.epoch
+                log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
+                            epoch, exc)
+                self.events.append({"time": time.time(), "event": "ring_broken", "epoch": epoch})
+                self.backend.recover(epoch)
+                resync = True
+                continue
+            if mean is not None:
+                self.strategy.apply(mean)
+            self.samples += pending.samples if pending.weight > 0 else 0
+            self.inner_steps += pending.steps if pending.weight > 0 else 0
+            pending = None
+            self.backend.rounds = self.strategy.round
+            self._after_round(started)
+
+    def _sync_state(self, pending: Contribution) -> Contribution:
+        """Load the donor's boundary state; keep our contribution only if it is for that round."""
+        view = self.backend.view
+        assert view is not None
+        state = self.strategy.boundary_state()
+        flat = flatten(state)
+        self.backend.broadcast(flat, root=view.rank(view.donor))
+        unflatten_into(flat, state)
+        self.strategy.after_state_load()
+        self.events.append({"time": time.time(), "event": "epoch", "epoch": view.epoch,
+                            "members": len(view.members), "round": self.strategy.round,
+                            "donor": view.donor})
+        log.info("epoch %d: %d member(s), state of round %d from %s", view.epoch, view.world_size,
+                 self.strategy.round, view.donor[:8])
+        if pending.round != self.strategy.round:
+            return Contribution(torch.zeros_like(pending.flat), 0.0, self.strategy.round, 0, 0)
+        return pending
+
+    def _reduce(self, pending: Contribution) -> torch.Tensor | None:
+        """The weighted mean of everyone's contribution, or None if nobody contributed."""
+        buf = torch.cat([pending.flat * pending.weight, torch.tensor([pending.weight])])
+        self.backend.all_reduce(buf, op="sum")
+        total = float(buf[-1])
+        if total <= 0:
+            return None
+        return buf[:-1].div_(total)
+
+    def _after_round(self, started: float) -> None:
+        r = self.strategy.round
+        view = self.backend.view
+        if self.evaluate is not None and view is not None and self.backend.rank == 0 \
+                and (r % self.eval_every == 0 or r == self.max_rounds):
+            self.metrics = dict(self.evaluate(self.strategy.model))
+            log.info("round %d (epoch %d, %d peers): %s", r, self.backend.epoch, self.backend.world_size,
+                     ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+        self.history.append({"time": time.time(), "elapsed": time.monotonic() - started, "round": r,
+                             "epoch": self.backend.epoch, "world_size": self.backend.world_size,
+                             "loss": self.strategy.last_loss, "bytes_sent": self.backend.bytes_sent,
+                             **({"metrics": dict(self.metrics)} if self.metrics else {})})
+        if self.status_file:
+            self._write_status()
+
+    def checksum(self) -> float:
+        """A cheap fingerprint of the weights (equal on every member after each round)."""
+        return float(sum(float(p.detach().double().sum()) for p in self.strategy.params))
+
+    def status(self) -> dict[str, Any]:
+        return {**self.backend.status(), "round": self.strategy.round, "samples": self.samples,
+                "inner_steps": self.inner_steps, "metrics": self.metrics,
+                "loss": self.strategy.last_loss if math.isfinite(self.strategy.last_loss) else None,
+                "checksum": self.checksum(), "events": self.events[-50:],
+                "history": self.history[-2000:]}
+
+    def _write_status(self) -> None:
+        path = Path(self.status_file)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.status(), default=str))
+        tmp.replace(path)
+

@@ -1,0 +1,107 @@
+"""Membership epochs without a network: proposals, acceptance rules, signatures, donors."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from swarmtrain.peer.identity import Identity
+from swarmtrain.peer.membership import Candidate, Membership, check_signature
+from swarmtrain.wire import Commit, Message, Propose, Status
+
+
+def make_nodes(n: int) -> tuple[list[Membership], dict[str, Membership], set[str]]:
+    ids = sorted((Identity.generate() for _ in range(n)), key=lambda i: i.peer_id)
+    nodes: dict[str, Membership] = {}
+    dead: set[str] = set()
+
+    async def send(c: Candidate, msg: Message, timeout: float) -> Message | None:
+        if c.peer_id in dead:
+            return None
+        node = nodes[c.peer_id]
+        if isinstance(msg, Propose):
+            return node.on_propose(msg)
+        if isinstance(msg, Commit):
+            return Status(status={"installed": node.on_commit(msg)})
+        return None
+
+    for i, ident in enumerate(ids):
+        nodes[ident.peer_id] = Membership(ident, ring_address=("10.0.0.1", 9000 + i), send=send,
+                                          propose_timeout=0.1)
+    return list(nodes.values()), nodes, dead
+
+
+def cands(nodes: list[Membership], me: Membership) -> dict[str, Candidate]:
+    return {n.me: Candidate(n.me, "10.0.0.1", 7200, n.ring_address[1]) for n in nodes if n is not me}
+
+
+def test_the_lowest_id_proposes_and_everyone_installs_the_same_view() -> None:
+    nodes, _, _ = make_nodes(4)
+    leader = nodes[0]
+    assert leader.leader(cands(nodes, leader)) == leader.me
+    view = asyncio.run(leader.propose(cands(nodes, leader)))
+    assert view.members == tuple(sorted(n.me for n in nodes))
+    assert all(n.view == view for n in nodes)
+    assert [view.rank(n.me) for n in nodes] == [0, 1, 2, 3]
+    assert view.addresses[nodes[2].me] == ("10.0.0.1", 9002)
+
+
+def test_a_dead_candidate_is_left_out_and_cools_down() -> None:
+    nodes, _, dead = make_nodes(4)
+    dead.add(nodes[3].me)
+    leader = nodes[0]
+    view = asyncio.run(leader.propose(cands(nodes, leader)))
+    assert nodes[3].me not in view.members and view.world_size == 3
+    assert nodes[3].view is None
+    assert not leader.needs_new_view(cands(nodes, leader))  # no re-proposal every round
+
+
+def test_donor_is_the_member_with_most_rounds() -> None:
+    nodes, _, _ = make_nodes(3)
+    nodes[2].rounds = lambda: 40
+    nodes[1].rounds = lambda: 39
+    view = asyncio.run(nodes[0].propose(cands(nodes, nodes[0])))
+    assert view.donor == nodes[2].me
+
+
+def test_stale_and_losing_proposals_are_refused() -> None:
+    nodes, _, _ = make_nodes(3)
+    a, b, c = nodes
+    from swarmtrain.peer.membership import _sign
+
+    asyncio.run(a.propose(cands(nodes, a)))  # everyone is in epoch 1 now
+    stale = Propose(epoch=1, proposer=b.me, members=[a.me, b.me, c.me], addresses={})
+    ans = c.on_propose(_sign(b.identity, stale))
+    assert not ans.ok and "not above" in ans.reason
+    # two proposers for the same epoch: the lower id wins, the higher is refused after it
+    low = _sign(a.identity, Propose(epoch=5, proposer=a.me, members=[a.me, b.me, c.me], addresses={}))
+    high = _sign(b.identity, Propose(epoch=5, proposer=b.me, members=[a.me, b.me, c.me], addresses={}))
+    assert c.on_propose(low).ok
+    assert not c.on_propose(high).ok
+
+
+def test_forged_membership_messages_are_refused() -> None:
+    nodes, _, _ = make_nodes(3)
+    a, b, c = nodes
+    from swarmtrain.peer.membership import _sign
+
+    real = _sign(a.identity, Propose(epoch=3, proposer=a.me, members=[a.me, c.me], addresses={}))
+    assert check_signature(real)
+    tampered = dataclasses.replace(real, members=[a.me, b.me, c.me])
+    assert not check_signature(tampered)
+    assert not c.on_propose(tampered).ok
+    impostor = _sign(b.identity, Propose(epoch=3, proposer=a.me, members=[a.me, c.me], addresses={}))
+    assert not check_signature(impostor)  # b's key does not hash to a's id
+    assert "signature" in c.on_propose(impostor).reason
+    commit = _sign(b.identity, Commit(epoch=9, proposer=a.me, members=[a.me, c.me], addresses={},
+                                      donor=a.me))
+    assert not c.on_commit(commit) and c.view is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_views_of_any_size(n: int) -> None:
+    nodes, _, _ = make_nodes(n)
+    view = asyncio.run(nodes[0].propose(cands(nodes, nodes[0])))
+    assert view.world_size == n and view.epoch == 1
