@@ -143,6 +143,12 @@ class PeerBackend:
         await self.discovery.stop()
         await self.control.close()
         self.listener.close()
+        # connections opened for probes and by peers are still running: end them here, so
+        # the loop closes with nothing pending
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         assert self._loop is not None, "call start() first"
