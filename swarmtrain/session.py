@@ -158,7 +158,8 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
                 if t.mode == "diloco" else
                 StepAveraging(model, task.loss, lambda: shard.next_batch(plan.batch_size), **common))
     options = PeerOptions(
-        run=cfg.peer.run, host=net.host, port=net.port, ring_port=net.ring_port,
+        run=cfg.peer.run, min_peers=cfg.peer.min_peers, host=net.host, port=net.port,
+        ring_port=net.ring_port,
         advertise_host=net.advertise_host, static_peers=tuple(parse_peer_list(cfg.peer.peers))
         if cfg.peer.peers else (), profile=info.profile.value,
         heartbeat_interval=net.heartbeat_interval_sec, heartbeat_timeout=net.heartbeat_timeout_sec,

@@ -29,7 +29,7 @@ def make_nodes(n: int) -> tuple[list[Membership], dict[str, Membership], set[str
 
     for i, ident in enumerate(ids):
         nodes[ident.peer_id] = Membership(ident, ring_address=("10.0.0.1", 9000 + i), send=send,
-                                          propose_timeout=0.1)
+                                          propose_timeout=0.1, ready=True)
     return list(nodes.values()), nodes, dead
 
 
@@ -56,6 +56,25 @@ def test_a_dead_candidate_is_left_out_and_cools_down() -> None:
     assert nodes[3].me not in view.members and view.world_size == 3
     assert nodes[3].view is None
     assert not leader.needs_new_view(cands(nodes, leader))  # no re-proposal every round
+
+
+def test_a_node_not_ready_yet_is_left_out_and_asked_again_later() -> None:
+    nodes, _, _ = make_nodes(3)
+    nodes[2].ready = False  # still starting: it would hold up the first collective
+    view = asyncio.run(nodes[0].propose(cands(nodes, nodes[0])))
+    assert nodes[2].me not in view.members
+    assert nodes[0]._cooldown[nodes[2].me] > 0
+    nodes[2].ready = True
+    nodes[0]._cooldown.clear()  # time passes
+    view = asyncio.run(nodes[0].propose(cands(nodes, nodes[0])))
+    assert nodes[2].me in view.members and nodes[2].view == view
+
+
+def test_a_newcomer_does_not_lead_over_the_members_of_its_view() -> None:
+    nodes, _, _ = make_nodes(3)
+    asyncio.run(nodes[0].propose(cands(nodes, nodes[0])))
+    # nodes[2] has seen nobody through discovery yet, but its view names nodes[0]
+    assert nodes[2].leader({}) == nodes[0].me
 
 
 def test_donor_is_the_member_with_most_rounds() -> None:

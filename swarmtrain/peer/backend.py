@@ -33,7 +33,7 @@ from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.membership import Candidate, Membership, View
 from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
-from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg
+from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg, Reform
 
 __all__ = ["PeerBackend", "PeerOptions"]
 
@@ -46,6 +46,7 @@ class PeerOptions:
     """How a peer finds others and how long each phase may take (seconds)."""
 
     run: str = "default"
+    min_peers: int = 1
     host: str = "0.0.0.0"
     port: int = 7200
     ring_port: int = 0
@@ -80,6 +81,7 @@ class PeerBackend:
     _ring: RingGroup | None = None
     _ring_lock: threading.Lock = field(default_factory=threading.Lock)
     _suspects: dict[str, float] = field(default_factory=dict)
+    _known: dict[str, Candidate] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
     _closed_bytes: tuple[int, int] = (0, 0)
@@ -103,13 +105,15 @@ class PeerBackend:
             run=o.run, secret=self.secret,
             timeouts=Timeouts(handshake=o.propose_timeout, heartbeat_interval=o.heartbeat_interval,
                               heartbeat_timeout=o.heartbeat_timeout),
-            info=self._info, status=self.status, on_member_lost=self._member_lost)
+            info=self._info, status=self.status, on_member_lost=self._member_lost,
+            on_reform=self._reform_requested)
         self.port = await self.control.start(o.host, o.port)
         advertise = o.advertise_host or ("" if o.host in ("0.0.0.0", "::") else o.host)
         self.ring_address = (advertise or "127.0.0.1", self.listener.address[1])
         self.membership = Membership(self.identity, ring_address=self.ring_address,
                                      send=self.control.ask, rounds=lambda: self.rounds,
                                      propose_timeout=o.propose_timeout)
+        self.membership.on_install = self._epoch_installed
         self.control.membership = self.membership
         self.discovery: Discovery
         if o.static_peers:
@@ -176,8 +180,16 @@ class PeerBackend:
                         public_key=ans.public_key)
 
     def _candidates(self) -> dict[str, Candidate]:
-        return {p.peer_id: Candidate(p.peer_id, p.host, p.port, p.ring_port)
-                for p in self.discovery.peers().values()}
+        """Peers to consider: those discovery shows, plus the current members it has not
+        shown yet (discovery can lag; liveness watches catch members that really died)."""
+        found = {p.peer_id: Candidate(p.peer_id, p.host, p.port, p.ring_port)
+                 for p in self.discovery.peers().values()}
+        self._known.update(found)
+        v = self.view
+        for pid in v.members if v else ():
+            if pid not in found and pid in self._known and pid != self.membership.me:
+                found[pid] = self._known[pid]
+        return found
 
     def wait_for_peers(self, min_peers: int, timeout: float) -> list[PeerInfo]:
         """Block until ``min_peers`` other peers of this run are known.
@@ -193,6 +205,24 @@ class PeerBackend:
         with self._ring_lock:
             if self._ring is not None:
                 self._ring.close()
+
+    def _epoch_installed(self, view: View) -> None:
+        """A newer epoch supersedes the current ring: abort it, so a member still inside a
+        collective of the old epoch fails fast and moves on instead of waiting for peers
+        that have already left that ring."""
+        with self._ring_lock:
+            if self._ring is not None and self._ring.epoch < view.epoch:
+                self._ring.close()
+
+    def _reform_requested(self, msg: Reform) -> None:
+        """A member's ring broke: abort ours too (our collective cannot finish either), so our
+        training loop recovers and, as proposer, agrees the next epoch."""
+        v = self.view
+        if v is not None and msg.peer_id in v.members and msg.epoch >= v.epoch:
+            log.info("member %s reports epoch %d broke", msg.peer_id[:8], msg.epoch)
+            with self._ring_lock:
+                if self._ring is not None and self._ring.epoch <= msg.epoch:
+                    self._ring.close()
 
     def _live_suspects(self) -> set[str]:
         now = time.monotonic()
@@ -218,19 +248,33 @@ class PeerBackend:
     def epoch(self) -> int:
         return self.membership.epoch
 
+    def propose_if_needed(self) -> bool:
+        """At the start of a round: if this node leads and peers came or went, agree a new
+        epoch (members pick it up before their next collective). True if one was agreed."""
+        return self._call(self._propose_async(), self.options.propose_timeout * 10 + 10)
+
+    async def _propose_async(self) -> bool:
+        self.membership.ready = True
+        cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
+        m = self.membership
+        if m.leader(cands, self._live_suspects()) == m.me and m.needs_new_view(cands):
+            self._learn_own_address(cands)
+            # the first epoch waits for min_peers members: training starts with all of them
+            first = m.view is None
+            view = await m.propose(cands, min_members=self.options.min_peers if first else 1)
+            return view is not None
+        return False
+
     def refresh(self, timeout: float | None = None) -> bool:
-        """At a round boundary: propose a new epoch if this node leads and peers came or went,
-        or wait for the first one; rebuild the ring if the epoch changed. True if it changed."""
+        """Before a collective: wait for the first epoch if there is none yet, and rebuild the
+        ring if the epoch changed. True if it changed."""
         return self._call(self._refresh_async(), timeout or self.options.reform_timeout + 10)
 
     async def _refresh_async(self) -> bool:
-        cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
-        m = self.membership
-        if m.leader(cands) == m.me and m.needs_new_view(cands):
-            self._learn_own_address(cands)
-            await m.propose(cands)
-        elif m.view is None:
-            await self._await_view(0)
+        self.membership.ready = True
+        if self.membership.view is None:
+            if not await self._propose_async():
+                await self._await_view(0)
         return await self._ensure_ring()
 
     def _learn_own_address(self, cands: dict[str, Candidate]) -> None:
@@ -260,18 +304,23 @@ class PeerBackend:
                 raise SwarmTimeout("reform", self.options.reform_timeout,
                                    f"no new epoch after epoch {above}; peers: {sorted(self._candidates())}")
             cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
-            leader = m.leader(cands)
+            leader = m.leader(cands, self._live_suspects())
             if leader == m.me:
-                self._learn_own_address(cands)
-                await m.propose(cands)
+                if not await self._propose_async():
+                    await asyncio.sleep(0.5)  # not enough members ready yet
                 continue
             m.changed.clear()
+            if above and leader in cands:  # tell the proposer our ring broke; it is gone if silent
+                answer = await self.control.ask(cands[leader], Reform(epoch=above, peer_id=m.me),
+                                                self.options.propose_timeout)
+                if answer is None:
+                    log.info("proposer %s does not answer: treating it as gone", leader[:8])
+                    self._suspects[leader] = time.monotonic() + 30.0
+                    continue
             try:
                 await asyncio.wait_for(m.changed.wait(), self.options.propose_timeout * 3)
             except TimeoutError:
-                if m.epoch <= above:
-                    log.info("no proposal from %s: treating it as gone", leader[:8])
-                    self._suspects[leader] = time.monotonic() + 10.0
+                pass
 
     async def _ensure_ring(self) -> bool:
         v = self.membership.view
@@ -305,7 +354,7 @@ class PeerBackend:
         m = self.membership
         if m.epoch <= failed_epoch:
             cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
-            if m.leader(cands) == m.me:
+            if m.leader(cands, self._live_suspects()) == m.me:
                 self._learn_own_address(cands)
                 await m.propose(cands)
             else:

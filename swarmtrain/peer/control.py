@@ -22,6 +22,7 @@ from swarmtrain.wire import (
     PeerHello,
     PeerInfoMsg,
     Propose,
+    Reform,
     Status,
     StatusRequest,
 )
@@ -48,6 +49,7 @@ class ControlPlane:
     info: Callable[[], PeerInfoMsg]
     status: Callable[[], dict[str, Any]]
     on_member_lost: Callable[[str], None]
+    on_reform: Callable[[Reform], None] = lambda msg: None
     membership: Membership | None = None
     server: Server | None = None
     _pool: dict[str, Connection] = field(default_factory=dict)
@@ -93,6 +95,9 @@ class ControlPlane:
         if isinstance(msg, Commit):
             installed = m.on_commit(msg)
             return Status(status={"installed": installed, "epoch": m.epoch})
+        if isinstance(msg, Reform):
+            self.on_reform(msg)
+            return Status(status={"epoch": m.epoch})
         return Error(code="unexpected", fatal=False, message=f"a peer does not answer {msg.TYPE.name}")
 
     # -- asking ----------------------------------------------------------------------------
@@ -117,9 +122,9 @@ class ControlPlane:
                 return await conn.recv(timeout=timeout, phase=f"answer to {msg.TYPE.name}")
         except (SwarmError, ConnectionError, OSError, TimeoutError) as exc:
             log.debug("no answer from %s:%d: %s", c.host, c.port, exc)
-            conn = self._pool.pop(c.peer_id, None)
-            if conn is not None:
-                conn.abort(SwarmError("dropped after a failed request"))
+            dropped = self._pool.pop(c.peer_id, None)
+            if dropped is not None:
+                dropped.abort(SwarmError("dropped after a failed request"))
             return None
 
     async def probe(self, host: str, port: int, timeout: float = 3.0) -> PeerInfoMsg | None:

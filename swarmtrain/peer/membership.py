@@ -105,6 +105,12 @@ class Membership:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     _accepted: tuple[int, str] = (0, "")
     _cooldown: dict[str, float] = field(default_factory=dict)
+    _failures: dict[str, int] = field(default_factory=dict)
+    #: set once this node's training loop can take part in a new epoch right away; until then
+    #: proposals are refused and the proposer asks again a little later
+    ready: bool = False
+    #: called (on the event loop) with each newly installed view
+    on_install: Callable[[View], None] = lambda view: None
 
     @property
     def me(self) -> str:
@@ -121,6 +127,8 @@ class Membership:
         ok, reason = True, ""
         if not check_signature(msg):
             ok, reason = False, "bad signature"
+        elif not self.ready:
+            ok, reason = False, "not ready yet"
         elif self.me not in msg.members:
             ok, reason = False, "not a member of the proposal"
         elif msg.epoch <= self.epoch:
@@ -146,6 +154,7 @@ class Membership:
 
     def _install(self, view: View) -> None:
         self.view = view
+        self.on_install(view)
         log.info("epoch %d: %d member(s), rank %d, donor %s", view.epoch, view.world_size,
                  view.rank(self.me), view.donor[:8])
         self.changed.set()
@@ -154,8 +163,10 @@ class Membership:
 
     def leader(self, candidates: Mapping[str, Candidate], suspects: frozenset[str] | set[str] = frozenset()
                ) -> str:
-        """The lowest peer id believed alive proposes."""
-        return min({self.me} | {p for p in candidates if p not in suspects})
+        """The lowest peer id believed alive proposes. The current view's members count even
+        before discovery has shown them to us, so a newcomer does not propose over them."""
+        members = set(self.view.members) if self.view else set()
+        return min({self.me} | {p for p in set(candidates) | members if p not in suspects})
 
     def wanted(self, candidates: Mapping[str, Candidate]) -> set[str]:
         """Who should be in the view: me and every candidate not cooling down after failing."""
@@ -165,8 +176,13 @@ class Membership:
     def needs_new_view(self, candidates: Mapping[str, Candidate]) -> bool:
         return self.view is None or set(self.view.members) != self.wanted(candidates)
 
-    async def propose(self, candidates: Mapping[str, Candidate], *, known_epoch: int = 0) -> View:
+    async def propose(self, candidates: Mapping[str, Candidate], *, known_epoch: int = 0,
+                      min_members: int = 1) -> View | None:
         """Propose and commit a view of me and every wanted candidate that accepts.
+
+        Returns:
+            The new view, the current one if nobody new could join, or None if fewer than
+            ``min_members`` accepted (nothing is committed; ask again later).
 
         Raises:
             SwarmError: after several rounds of refusals (another proposer keeps winning).
@@ -175,7 +191,8 @@ class Membership:
         for _ in range(5):
             wanted = sorted(self.wanted(candidates))
             asked = [candidates[p] for p in wanted if p != self.me]
-            addresses = {p: [candidates[p].host, candidates[p].ring_port] for p in wanted if p != self.me}
+            addresses: dict[str, list[Any]] = {
+                p: [candidates[p].host, candidates[p].ring_port] for p in wanted if p != self.me}
             addresses[self.me] = list(self.ring_address)
             prop = _sign(self.identity, Propose(epoch=epoch, proposer=self.me, members=wanted,
                                                 addresses=addresses))
@@ -187,10 +204,14 @@ class Membership:
                     accepted.append(c.peer_id)
                     rounds[c.peer_id] = ans.rounds
                     self._cooldown.pop(c.peer_id, None)
+                    self._failures.pop(c.peer_id, None)
                 elif isinstance(ans, Accept) and check_signature(ans) and "epoch" in ans.reason:
                     higher += 1
-                else:
-                    backoff = 5.0 if ans is None else 2.0
+                elif isinstance(ans, Accept) and ans.reason == "not ready yet":
+                    self._cooldown[c.peer_id] = time.monotonic() + 1.0  # it is starting: soon
+                else:  # left out; asked again after a growing pause (5 s, 10 s, ... 5 min)
+                    self._failures[c.peer_id] = self._failures.get(c.peer_id, 0) + 1
+                    backoff = min(300.0, 5.0 * 2 ** (self._failures[c.peer_id] - 1))
                     self._cooldown[c.peer_id] = time.monotonic() + backoff
                     log.info("peer %s did not accept epoch %d (%s)", c.peer_id[:8], epoch,
                              "no answer" if ans is None else getattr(ans, "reason", ans.TYPE.name))
@@ -198,6 +219,11 @@ class Membership:
                 epoch += 5  # someone saw a later epoch: jump past it and ask again
                 continue
             members = sorted(accepted)
+            if len(members) < min_members:
+                self._accepted = (epoch, "")  # release our own promise; nothing was committed
+                return None
+            if self.view is not None and tuple(members) == self.view.members:
+                return self.view  # nobody new could join: keep the epoch (no state sync needed)
             donor = max(members, key=lambda p: (rounds[p], p == self.epoch_donor(), -int(p, 16)))
             commit = _sign(self.identity, Commit(
                 epoch=epoch, proposer=self.me, members=members,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmtrain.errors import SwarmTimeout
 from swarmtrain.peer.backend import PeerBackend
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy, flatten, unflatten_into
@@ -59,6 +60,7 @@ class PeerTrainer:
         started = time.monotonic()
         while not self._stop and not (self.max_rounds and self.strategy.round >= self.max_rounds):
             if pending is None:
+                self.backend.propose_if_needed()
                 pending = self.strategy.local_work()
             try:
                 if self.backend.refresh() or resync:
@@ -70,8 +72,11 @@ class PeerTrainer:
                 log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
                             epoch, exc)
                 self.events.append({"time": time.time(), "event": "ring_broken", "epoch": epoch})
-                self.backend.recover(epoch)
                 resync = True
+                try:
+                    self.backend.recover(epoch)
+                except (RingBroken, SwarmTimeout) as again:  # churn while re-forming: go round again
+                    log.warning("re-forming after epoch %d failed (%s); trying again", epoch, again)
                 continue
             if mean is not None:
                 self.strategy.apply(mean)
@@ -102,7 +107,8 @@ class PeerTrainer:
     def _reduce(self, pending: Contribution) -> torch.Tensor | None:
         """The weighted mean of everyone's contribution, or None if nobody contributed."""
         buf = torch.cat([pending.flat * pending.weight, torch.tensor([pending.weight])])
-        self.backend.all_reduce(buf, op="sum")
+        # no retry inside the backend: a new epoch must start with the state sync (run())
+        self.backend.all_reduce(buf, op="sum", retries=0)
         total = float(buf[-1])
         if total <= 0:
             return None

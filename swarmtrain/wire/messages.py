@@ -46,6 +46,7 @@ __all__ = [
     "Propose",
     "Accept",
     "Commit",
+    "Reform",
     "MESSAGE_CLASSES",
     "message_from_fields",
 ]
@@ -80,6 +81,7 @@ class MsgType(enum.IntEnum):
     PROPOSE = 42
     ACCEPT = 43
     COMMIT = 44
+    REFORM = 45
 
 
 @dataclass(frozen=True)
@@ -357,12 +359,21 @@ class Commit(Message):
     signature: bytes = b""
 
 
+@dataclass(frozen=True)
+class Reform(Message):
+    """Member → proposer: my ring of ``epoch`` broke; abort yours and agree a new epoch."""
+
+    TYPE = MsgType.REFORM
+    epoch: int
+    peer_id: str
+
+
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update, Assign,
         Start, Pause, Resume, Shutdown, Heartbeat, CheckpointMsg, Error, StatusRequest, Status,
-        PeerHello, PeerInfoMsg, Propose, Accept, Commit,
+        PeerHello, PeerInfoMsg, Propose, Accept, Commit, Reform,
     )
 }
 

@@ -1,0 +1,145 @@
+"""Peer mode on a simulated LAN: peers with no addresses find each other by mDNS, train
+together, survive a peer killed mid-all-reduce, take in a late joiner, ignore other runs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmtrain.testing import SimulatedLAN
+from swarmtrain.testing.procs import swarm_cmd, tail
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+
+TOML = """
+[network]
+heartbeat_interval_sec = 0.5
+heartbeat_timeout_sec = 2.0
+propose_timeout_sec = 2.0
+ring_timeout_sec = 30.0
+reform_timeout_sec = 30.0
+"""
+
+
+class Peers:
+    def __init__(self, lan: SimulatedLAN, tmp: Path) -> None:
+        self.lan, self.tmp = lan, tmp
+        (tmp / "peer.toml").write_text(TOML)
+        self.procs: dict[int, subprocess.Popen[Any]] = {}
+
+    def start(self, host: int, *args: str, run: str = "lan-test") -> subprocess.Popen[Any]:
+        home = self.tmp / f"home{host}"
+        home.mkdir(exist_ok=True)
+        argv = swarm_cmd("peer", "--config", str(self.tmp / "peer.toml"), "--task", "digits",
+                         "--run", run, "--threads", "1", "--batch-size", "32",
+                         "--status-file", str(self.tmp / f"p{host}.json"), *args)
+        env = {"SWARMTRAIN_SECRET": "peer-lan-secret", "SWARMTRAIN_HOME": str(home)}
+        self.procs[host] = p = self.lan.hosts[host].run(
+            argv, env=env, stdout=open(self.tmp / f"p{host}.log", "ab"), stderr=subprocess.STDOUT)
+        return p
+
+    def status(self, host: int) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.tmp / f"p{host}.json").read_text())  # type: ignore[no-any-return]
+        except (OSError, ValueError):
+            return None
+
+    def wait(self, pred: Callable[[dict[int, dict[str, Any]]], bool], timeout: float, what: str,
+             hosts: list[int]) -> dict[int, dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sts = {h: self.status(h) for h in hosts}
+            if all(s is not None for s in sts.values()) and pred(sts):  # type: ignore[arg-type]
+                return sts  # type: ignore[return-value]
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- peer {h} ---\n{tail(self.tmp / f'p{h}.log', 12)}" for h in self.procs)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self.procs.values():
+            p.wait(timeout=10)
+
+
+@pytest.fixture
+def peers(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: ignore[no-untyped-def]
+    ps = Peers(lan_factory(5, rate_mbit=None), tmp_path)
+    yield ps
+    ps.stop_all()
+
+
+def test_four_peers_find_each_other_by_mdns_and_train_together(peers: Peers) -> None:
+    for h in range(4):  # no addresses, no ranks, no world size
+        peers.start(h, "--min-peers", "4", "--mode", "step", "--max-rounds", "400", "--eval-every", "100")
+    for h, p in peers.procs.items():
+        assert p.wait(timeout=180) == 0, peers.logs()
+    sts = {h: peers.status(h) for h in range(4)}
+    assert all(s is not None and s["round"] == 400 and s["world_size"] == 4 for s in sts.values()), sts
+    assert len({s["checksum"] for s in sts.values() if s}) == 1  # bit-identical replicas
+    acc = max((s["metrics"].get("accuracy", 0) for s in sts.values() if s), default=0)
+    assert acc > 0.9, sts
+
+
+def test_a_peer_killed_mid_allreduce_the_others_reform_and_go_on(peers: Peers) -> None:
+    for h in range(4):
+        peers.lan.hosts[h].set_rate(4)  # slow links: most of a round is the all-reduce
+        peers.start(h, "--min-peers", "4", "--mode", "diloco", "--inner-steps", "2", "--wire", "fp32")
+    peers.wait(lambda s: all(x["round"] >= 5 and x["world_size"] == 4 for x in s.values()), 120,
+               "4 peers training", [0, 1, 2, 3])
+    victim = 2
+    peers.procs[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    survivors = [0, 1, 3]
+    sts = peers.wait(lambda s: all(x["world_size"] == 3 for x in s.values()), 60,
+                     "the survivors to agree a 3-member epoch", survivors)
+    reformed = time.monotonic() - killed
+    at = {h: s["round"] for h, s in sts.items()}
+    sts = peers.wait(lambda s: all(s[h]["round"] >= at[h] + 3 for h in s), 90,
+                     "training to go on with 3 peers", survivors)
+    assert reformed < 20, reformed  # heartbeat timeout 2 s + proposal 2 s + ring set-up, with slack
+    assert len({s["checksum"] for s in sts.values()} | set()) >= 1
+    assert any(e["event"] == "ring_broken" for s in sts.values() for e in s["events"])
+
+
+def test_a_late_joiner_loads_the_current_state_before_contributing(peers: Peers) -> None:
+    args = ("--mode", "diloco", "--inner-steps", "5", "--max-rounds", "250")
+    for h in range(4):
+        peers.lan.hosts[h].set_rate(10)  # about 0.1 s a round, so the joiner arrives mid-run
+    for h in range(3):
+        peers.start(h, "--min-peers", "3", *args)
+    peers.wait(lambda s: all(x["round"] >= 10 for x in s.values()), 120, "3 peers at round 10", [0, 1, 2])
+    peers.start(3, *args)
+    for h, p in peers.procs.items():
+        assert p.wait(timeout=180) == 0, peers.logs()
+    sts = {h: peers.status(h) for h in range(4)}
+    joiner = sts[3]
+    assert joiner is not None
+    # alone at first (min-peers 1) it trains by itself; the epoch that merges it into the
+    # group starts from the group's state, not from its own
+    first = next(e for e in joiner["events"] if e["event"] == "epoch" and e["members"] == 4)
+    assert first["round"] >= 10
+    assert joiner["inner_steps"] < sts[0]["inner_steps"]  # and contributed only after joining
+    assert len({s["checksum"] for s in sts.values() if s}) == 1  # all four end identical
+
+
+def test_peers_of_another_run_are_not_joined(peers: Peers) -> None:
+    for h in range(2):
+        peers.start(h, "--min-peers", "2", "--mode", "step", "--max-rounds", "100")
+    peers.start(2, "--min-peers", "1", "--mode", "step", "--max-rounds", "100", run="other-run")
+    for h, p in peers.procs.items():
+        assert p.wait(timeout=180) == 0, peers.logs()
+    sts = {h: peers.status(h) for h in range(3)}
+    assert [sts[h]["world_size"] for h in range(3)] == [2, 2, 1], sts  # type: ignore[index]
+    assert set(sts[0]["members"]) == set(sts[1]["members"])  # type: ignore[index]
+    assert sts[2]["peer_id"] not in sts[0]["members"]  # type: ignore[index]
