@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swarmtrain import wire
 from swarmtrain.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from swarmtrain.wire import (
     ALIGN,
@@ -151,6 +152,16 @@ SAMPLES: dict[MsgType, Message] = {
     MsgType.STATUS_REQUEST: StatusRequest(),
     MsgType.STATUS: Status(status={"step": 5, "loss": 0.5, "workers": [{"id": "a"}],
                                    "raw": b"\x00"}),
+    MsgType.PEER_HELLO: wire.PeerHello(run="lan-run"),
+    MsgType.PEER_INFO: wire.PeerInfoMsg(peer_id="ab" * 16, public_key=bytes(range(32)), ring_port=7201,
+                                        run="lan-run", profile="RPI4", epoch=3, rounds=40),
+    MsgType.PROPOSE: wire.Propose(epoch=4, proposer="ab" * 16, members=["ab" * 16, "cd" * 16],
+                                  addresses={"ab" * 16: ["10.0.0.1", 7201]}, public_key=b"k" * 32,
+                                  signature=b"s" * 64),
+    MsgType.ACCEPT: wire.Accept(epoch=4, peer_id="cd" * 16, ok=False, rounds=7, reason="not ready yet"),
+    MsgType.COMMIT: wire.Commit(epoch=4, proposer="ab" * 16, members=["ab" * 16], addresses={},
+                                donor="ab" * 16, signature=b"s" * 64),
+    MsgType.REFORM: wire.Reform(epoch=4, peer_id="cd" * 16),
 }
 
 
@@ -693,6 +704,7 @@ def test_constants_match_the_protocol_doc() -> None:
         "ASSIGN": 15,
         "START": 20, "PAUSE": 21, "RESUME": 22, "SHUTDOWN": 23, "HEARTBEAT": 24,
         "CHECKPOINT": 25, "ERROR": 26, "STATUS_REQUEST": 27, "STATUS": 28,
+        "PEER_HELLO": 40, "PEER_INFO": 41, "PROPOSE": 42, "ACCEPT": 43, "COMMIT": 44, "REFORM": 45,
     }
     assert PREAMBLE.format == "<4sBBHIQ" and PREAMBLE.size == 20
     assert MAGIC == b"SWRM" and PROTOCOL_VERSION == 1 and ALIGN == 64
