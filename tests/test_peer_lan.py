@@ -82,7 +82,7 @@ def peers(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: ig
 def test_four_peers_find_each_other_by_mdns_and_train_together(peers: Peers) -> None:
     for h in range(4):  # no addresses, no ranks, no world size
         peers.start(h, "--min-peers", "4", "--mode", "step", "--max-rounds", "400", "--eval-every", "100")
-    for h, p in peers.procs.items():
+    for p in peers.procs.values():
         assert p.wait(timeout=180) == 0, peers.logs()
     sts = {h: peers.status(h) for h in range(4)}
     assert all(s is not None and s["round"] == 400 and s["world_size"] == 4 for s in sts.values()), sts
@@ -120,7 +120,7 @@ def test_a_late_joiner_loads_the_current_state_before_contributing(peers: Peers)
         peers.start(h, "--min-peers", "3", *args)
     peers.wait(lambda s: all(x["round"] >= 10 for x in s.values()), 120, "3 peers at round 10", [0, 1, 2])
     peers.start(3, *args)
-    for h, p in peers.procs.items():
+    for p in peers.procs.values():
         assert p.wait(timeout=180) == 0, peers.logs()
     sts = {h: peers.status(h) for h in range(4)}
     joiner = sts[3]
@@ -137,7 +137,7 @@ def test_peers_of_another_run_are_not_joined(peers: Peers) -> None:
     for h in range(2):
         peers.start(h, "--min-peers", "2", "--mode", "step", "--max-rounds", "100")
     peers.start(2, "--min-peers", "1", "--mode", "step", "--max-rounds", "100", run="other-run")
-    for h, p in peers.procs.items():
+    for p in peers.procs.values():
         assert p.wait(timeout=180) == 0, peers.logs()
     sts = {h: peers.status(h) for h in range(3)}
     assert [sts[h]["world_size"] for h in range(3)] == [2, 2, 1], sts  # type: ignore[index]

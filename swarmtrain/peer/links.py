@@ -80,7 +80,7 @@ def tune_socket(sock: socket.socket) -> None:
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly `n` bytes (for the small handshake messages); EOF raises ConnectionError."""
+    """Read exactly `n` bytes (the small handshake messages); EOF raises ConnectionError."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -95,64 +95,65 @@ def dial(
     address: tuple[str, int], *, secret: bytes | None, ring_id: str, epoch: int, from_rank: int,
     peer: int, timeout: float,
 ) -> socket.socket:
-    """Connect to `peer`'s ring listener at `address` and announce ourselves.
+    """Connect to `peer`'s ring listener at `address`, authenticate both ways and announce
+    (`ring_id`, `epoch`, `from_rank`).
 
-    Connection refusals are retried until `timeout` (the peer may still be starting).
+    Transient failures (refused, unreachable, dropped before the listener answered: the
+    peer may still be starting, or its listener momentarily full) are retried until `timeout`.
 
     Returns:
         The connected, authenticated socket (blocking, tuned).
     Raises:
         RingBroken: phase ``connect``: unreachable within `timeout`, authentication failed,
-            refused (stale epoch, busy) or the handshake broke.
+            or refused (stale epoch, busy, malformed).
     """
     rid = ring_id.encode()
     if len(rid) > MAX_RING_ID_BYTES:
         raise ValueError(f"ring_id is longer than {MAX_RING_ID_BYTES} bytes")
+    where = f"{address[0]}:{address[1]}"
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RingBroken("connect", peer, f"cannot reach {address[0]}:{address[1]} within {timeout:g} s")
         try:
-            sock = socket.create_connection(address, timeout=remaining)
-            break
-        except (ConnectionRefusedError, ConnectionResetError, TimeoutError, OSError) as exc:
-            if time.monotonic() + delay >= deadline:
-                raise RingBroken(
-                    "connect", peer, f"cannot reach {address[0]}:{address[1]} within {timeout:g} s: {exc}"
-                ) from exc
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-    try:
-        tune_socket(sock)
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        client_nonce = new_nonce()
-        sock.sendall(MAGIC + client_nonce)
-        reply = recv_exact(sock, len(MAGIC) + NONCE_BYTES + _PROOF_BYTES)
-        if reply[: len(MAGIC)] != MAGIC:
-            raise RingBroken("connect", peer, f"{address[0]}:{address[1]} is not a swarmtrain ring listener")
-        server_nonce = reply[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
-        if not proofs_equal(reply[-_PROOF_BYTES:], server_proof(secret, client_nonce, server_nonce)):
-            raise RingBroken(
-                "connect", peer,
-                f"authentication failed: the listener at {address[0]}:{address[1]} does not know our "
-                "cluster secret (every member needs the same one)",
-            )
-        proof = client_proof(secret, client_nonce, server_nonce)
-        sock.sendall(proof + _ANNOUNCE.pack(epoch, from_rank, len(rid)) + rid)
-        status = recv_exact(sock, 1)[0]
-        if status != ACCEPTED:
-            raise RingBroken("connect", peer, f"refused by {address[0]}:{address[1]}: "
-                             + _REFUSALS.get(status, f"status {status}"))
-        sock.settimeout(None)
-        return sock
-    except RingBroken:
-        sock.close()
-        raise
-    except (OSError, ConnectionError) as exc:
-        sock.close()
-        raise RingBroken("connect", peer, f"handshake with {address[0]}:{address[1]} failed: {exc!r}") from exc
+            sock = socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.001))
+        except OSError as exc:
+            last: OSError = exc
+        else:
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                _client_handshake(sock, secret, rid, epoch, from_rank, peer, where)
+                sock.settimeout(None)
+                return sock
+            except RingBroken:
+                sock.close()
+                raise
+            except OSError as exc:
+                sock.close()
+                last = exc
+        if time.monotonic() + delay >= deadline:
+            raise RingBroken("connect", peer, f"cannot reach {where} within {timeout:g} s: {last!r}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _client_handshake(
+    sock: socket.socket, secret: bytes | None, rid: bytes, epoch: int, from_rank: int, peer: int, where: str
+) -> None:
+    tune_socket(sock)
+    client_nonce = new_nonce()
+    sock.sendall(MAGIC + client_nonce)
+    reply = recv_exact(sock, len(MAGIC) + NONCE_BYTES + _PROOF_BYTES)
+    if reply[: len(MAGIC)] != MAGIC:
+        raise RingBroken("connect", peer, f"{where} is not a swarmtrain ring listener")
+    server_nonce = reply[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
+    if not proofs_equal(reply[-_PROOF_BYTES:], server_proof(secret, client_nonce, server_nonce)):
+        raise RingBroken("connect", peer, f"authentication failed: the listener at {where} does not know "
+                         "our cluster secret (every member needs the same one)")
+    proof = client_proof(secret, client_nonce, server_nonce)
+    sock.sendall(proof + _ANNOUNCE.pack(epoch, from_rank, len(rid)) + rid)
+    status = recv_exact(sock, 1)[0]
+    if status != ACCEPTED:
+        raise RingBroken("connect", peer, f"refused by {where}: " + _REFUSALS.get(status, f"status {status}"))
 
 
 class RingListener:
@@ -191,7 +192,8 @@ class RingListener:
         self._sock = socket.create_server((host, port), backlog=128)
         tune_socket(self._sock)  # accepted sockets inherit the buffer sizes
         self._sock.settimeout(0.5)  # the accept loop wakes to expire parked connections
-        self.address: tuple[str, int] = tuple(self._sock.getsockname()[:2])  # type: ignore[assignment]
+        host_bound, port_bound = self._sock.getsockname()[:2]
+        self.address: tuple[str, int] = (host_bound, port_bound)
         self._thread = threading.Thread(target=self._accept_loop, name=f"ring-listener-{self.address[1]}",
                                         daemon=True)
         self._thread.start()
@@ -312,6 +314,7 @@ class RingListener:
 
     def _handshake(self, conn: socket.socket) -> bool:
         """Authenticate and park `conn`; True if it was parked (else the caller closes it)."""
+        tune_socket(conn)
         conn.settimeout(self._handshake_timeout)
         hello = recv_exact(conn, len(MAGIC) + NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:

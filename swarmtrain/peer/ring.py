@@ -24,206 +24,34 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 
 from swarmtrain.peer.links import RingBroken, RingListener, dial
 from swarmtrain.peer.wireformat import (
+    CHECKED_BYTES,
     CODEC_FP32,
-    CODEC_RAW,
     HEADER,
     KIND_ALL_REDUCE,
     KIND_BARRIER,
-    KIND_BROADCAST,
     WIRES,
+    AllReduceSchedule,
+    BroadcastSchedule,
     FrameHeader,
-    accumulate,
-    chunk_bounds,
-    decode_into,
-    encode_into,
-    encoded_nbytes,
-    segment_bounds,
+    Incoming,
+    Outgoing,
+    Schedule,
+    ScratchBuffers,
 )
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "RingBroken", "RingGroup", "RingListener"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
-_CHECKED = HEADER.size - 4  # every header field but the trailing scale is known in advance
 _SCALE = struct.Struct("<f")
-_RCVLOWAT_MAX = int(__import__("os").environ.get("LOWAT", 256 << 10))
-
-
-class _In(NamedTuple):
-    """A frame this member expects: its header (but the scale) and where its payload goes."""
-
-    step: int
-    segment: int
-    expect: bytes
-    payload: memoryview
-
-
-class _Out(NamedTuple):
-    """A frame this member will send once `after` frames have been received and processed."""
-
-    after: int
-    step: int
-    segment: int
-
-
-class _Segment:
-    """A piece of the buffer that travels as one frame."""
-
-    __slots__ = ("codec", "raw", "values")
-
-    def __init__(self, values: torch.Tensor, raw: memoryview, codec: int) -> None:
-        self.values = values
-        self.raw = raw
-        self.codec = codec
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-
-
-class _Collective:
-    """One collective's plan: the frames to receive and to send, in order, and what to do
-    with each. The engine (:meth:`RingGroup._pump`) decides when."""
-
-    def __init__(self, group: RingGroup, kind: int) -> None:
-        self.group = group
-        self.kind = kind
-        self.seq = group._seq
-
-    def phase(self, step: int) -> str:
-        raise NotImplementedError
-
-    def incoming(self) -> Iterator[_In]:
-        raise NotImplementedError
-
-    def received(self, frame: _In, scale: float) -> None:
-        """Called once `frame` has fully landed."""
-
-    def outgoing(self) -> Iterator[_Out]:
-        raise NotImplementedError
-
-    def build(self, frame: _Out) -> tuple[bytes, memoryview]:
-        """Header and payload of `frame`, called once its dependencies are met."""
-        raise NotImplementedError
-
-    def _header(self, codec: int, step: int, segment: int, nbytes: int, scale: float = 0.0) -> bytes:
-        return FrameHeader(self.seq, self.kind, codec, step, segment, nbytes, scale).pack()
-
-
-class _AllReduce(_Collective):
-    def __init__(
-        self, group: RingGroup, kind: int, flat: torch.Tensor, extra: torch.Tensor | None, codec: int,
-    ) -> None:
-        super().__init__(group, kind)
-        w, n = group.world_size, flat.numel()
-        seg_elems = group._segment_bytes // 4
-        base = _bytes_of(flat)
-        self.chunks: list[list[_Segment]] = []
-        for cs, ce in chunk_bounds(n + (extra is not None), w):
-            segs = [_Segment(flat[s:e], base[4 * s : 4 * e], codec)
-                    for s, e in segment_bounds(cs, min(ce, n), seg_elems)]
-            if extra is not None and cs <= n < ce:
-                segs.append(_Segment(extra, _bytes_of(extra), CODEC_FP32))  # a weight travels exactly
-            self.chunks.append(segs)
-        self.steps = 2 * (w - 1)
-        self.first_gather = w - 1
-        self.scratch = group._scratch
-        self.scratch_raw = memoryview(self.scratch.numpy())
-        self.relay: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}
-
-    def phase(self, step: int) -> str:
-        if self.kind == KIND_BARRIER:
-            return "barrier"
-        return "reduce_scatter" if step < self.first_gather else "all_gather"
-
-    def _chunk(self, step: int, sending: bool) -> list[_Segment]:
-        # At step k a member sends chunk rank-k and receives chunk rank-k-1 (mod W).
-        return self.chunks[(self.group.rank - step - (0 if sending else 1)) % self.group.world_size]
-
-    def incoming(self) -> Iterator[_In]:
-        for k in range(self.steps):
-            for j, seg in enumerate(self._chunk(k, sending=False)):
-                nb = encoded_nbytes(seg.codec, seg.values.numel())
-                expect = self._header(seg.codec, k, j, nb)[:_CHECKED]
-                if k < self.first_gather:
-                    yield _In(k, j, expect, self.scratch_raw[:nb])
-                elif seg.codec == CODEC_FP32:
-                    yield _In(k, j, expect, seg.raw)  # final values land in place
-                else:
-                    keep = torch.empty(nb, dtype=torch.uint8)  # decoded here, relayed as received
-                    self.relay[(k, j)] = (keep, 0.0)
-                    yield _In(k, j, expect, memoryview(keep.numpy()))
-
-    def received(self, frame: _In, scale: float) -> None:
-        seg = self._chunk(frame.step, sending=False)[frame.segment]
-        if frame.step < self.first_gather:
-            accumulate(seg.codec, self.scratch[: len(frame.payload)], scale, seg.values)
-        elif seg.codec != CODEC_FP32:
-            key = (frame.step, frame.segment)
-            keep = self.relay[key][0]
-            decode_into(seg.codec, keep, scale, seg.values)
-            if frame.step == self.steps - 1:
-                del self.relay[key]  # the last step is not relayed
-            else:
-                self.relay[key] = (keep, scale)
-
-    def outgoing(self) -> Iterator[_Out]:
-        before = 0  # frames received before step k-1: sending (k, j) needs (k-1, j) received
-        for k in range(self.steps):
-            for j in range(len(self._chunk(k, sending=True))):
-                yield _Out(before + j + 1 if k else 0, k, j)
-            if k:
-                before += len(self._chunk(k - 1, sending=False))
-
-    def build(self, frame: _Out) -> tuple[bytes, memoryview]:
-        k, j = frame.step, frame.segment
-        seg = self._chunk(k, sending=True)[j]
-        nb = encoded_nbytes(seg.codec, seg.values.numel())
-        group = self.group
-        if seg.codec == CODEC_FP32:
-            return self._header(seg.codec, k, j, nb), seg.raw
-        if k < self.first_gather:
-            scale = encode_into(seg.codec, seg.values, group._encoded[:nb], group._encode_tmp)
-        elif k == self.first_gather:
-            # This member owns the chunk: encode it once and keep what the others will
-            # decode, so that every member ends with the same bits.
-            scale = encode_into(seg.codec, seg.values, group._encoded[:nb], group._encode_tmp)
-            decode_into(seg.codec, group._encoded[:nb], scale, seg.values)
-        else:
-            keep, scale = self.relay.pop((k - 1, j))
-            return self._header(seg.codec, k, j, nb, scale), memoryview(keep.numpy())
-        return self._header(seg.codec, k, j, nb, scale), group._encoded_raw[:nb]
-
-
-class _Broadcast(_Collective):
-    def __init__(self, group: RingGroup, tensor: torch.Tensor, root: int) -> None:
-        super().__init__(group, KIND_BROADCAST)
-        self.raw = _bytes_of(tensor)
-        self.segments = segment_bounds(0, len(self.raw), group._segment_bytes)
-        self.position = (group.rank - root) % group.world_size  # hops from the root
-
-    def phase(self, step: int) -> str:
-        return "broadcast"
-
-    def incoming(self) -> Iterator[_In]:
-        if self.position > 0:
-            for j, (s, e) in enumerate(self.segments):
-                yield _In(0, j, self._header(CODEC_RAW, 0, j, e - s)[:_CHECKED], self.raw[s:e])
-
-    def outgoing(self) -> Iterator[_Out]:
-        if self.position < self.group.world_size - 1:
-            for j in range(len(self.segments)):
-                yield _Out(j + 1 if self.position else 0, 0, j)
-
-    def build(self, frame: _Out) -> tuple[bytes, memoryview]:
-        s, e = self.segments[frame.segment]
-        return self._header(CODEC_RAW, 0, frame.segment, e - s), self.raw[s:e]
+# poll() reports the predecessor's link readable once this much of the frame has landed (or
+# all of it, if less is left): a few wake-ups per frame instead of one per 64 KB skb.
+_RCVLOWAT_MAX = 256 << 10
 
 
 def _consume(bufs: list[memoryview], n: int) -> list[memoryview] | None:
@@ -243,7 +71,7 @@ class RingGroup:
     must call the same collectives in the same order with same-sized tensors; a mismatch is
     detected (every frame header is checked) and breaks the group. A failed collective breaks
     the group for good: build a new one for a new epoch. With one member, collectives are
-    no-ops. Not thread-safe: one collective at a time.
+    no-ops. One collective at a time; :meth:`close` may come from any thread (it aborts).
 
     Args:
         listener: this node's ring listener (its address is ``addresses[rank]``).
@@ -283,10 +111,7 @@ class RingGroup:
         self._aborted = False
         self._state_lock = threading.Lock()
         self._header_buf = bytearray(HEADER.size)
-        self._scratch = torch.empty(segment_bytes, dtype=torch.uint8)
-        self._encoded = torch.empty(segment_bytes, dtype=torch.uint8)
-        self._encoded_raw = memoryview(self._encoded.numpy())
-        self._encode_tmp = torch.empty(segment_bytes // 4, dtype=torch.float32)
+        self._buffers = ScratchBuffers(segment_bytes)
         self._next, self._prev = (rank + 1) % self.world_size, (rank - 1) % self.world_size
         self._out: socket.socket | None = None
         self._in: socket.socket | None = None
@@ -345,7 +170,7 @@ class RingGroup:
         if weight is not None:
             flat.mul_(weight)
             extra = torch.tensor([weight], dtype=torch.float32)
-        self._run(lambda: _AllReduce(self, KIND_ALL_REDUCE, flat, extra, WIRES[wire]), "reduce_scatter")
+        self._run(self._all_reduce_plan(KIND_ALL_REDUCE, flat, extra, WIRES[wire]), "reduce_scatter")
         if extra is not None:
             if float(extra[0]) == 0.0:
                 raise ValueError("the weights of all members sum to 0: no weighted mean")
@@ -368,7 +193,8 @@ class RingGroup:
         if self.world_size == 1:
             self._check_usable("broadcast")
             return tensor
-        self._run(lambda: _Broadcast(self, tensor, root), "broadcast")
+        self._run(lambda seq: BroadcastSchedule(seq=seq, rank=self.rank, world=self.world_size, tensor=tensor,
+                                                root=root, segment_bytes=self._segment_bytes), "broadcast")
         return tensor
 
     def barrier(self) -> None:
@@ -381,7 +207,7 @@ class RingGroup:
             self._check_usable("barrier")
             return
         token = torch.zeros(self.world_size)  # one element per chunk: every link carries frames
-        self._run(lambda: _AllReduce(self, KIND_BARRIER, token, None, CODEC_FP32), "barrier")
+        self._run(self._all_reduce_plan(KIND_BARRIER, token, None, CODEC_FP32), "barrier")
 
     def close(self) -> None:
         """Close the links; the neighbours' collectives then fail at once. Idempotent.
@@ -422,7 +248,14 @@ class RingGroup:
         if self._closed:
             raise RingBroken(phase, None, "the group is closed")
 
-    def _run(self, make_op: Callable[[], _Collective], phase: str) -> None:
+    def _all_reduce_plan(
+        self, kind: int, flat: torch.Tensor, extra: torch.Tensor | None, codec: int
+    ) -> Callable[[int], Schedule]:
+        return lambda seq: AllReduceSchedule(
+            seq=seq, kind=kind, rank=self.rank, world=self.world_size, flat=flat, extra=extra, codec=codec,
+            segment_bytes=self._segment_bytes, buffers=self._buffers)
+
+    def _run(self, plan: Callable[[int], Schedule], phase: str) -> None:
         with self._state_lock:
             if self._busy:
                 raise RuntimeError("another collective is running on this group (calls must be sequential)")
@@ -430,9 +263,11 @@ class RingGroup:
             self._busy = True
         try:
             self._seq += 1
-            self._pump(make_op())
+            self._pump(plan(self._seq))
         except RingBroken as exc:
-            err = RingBroken(exc.phase, None, "the group was closed during the collective") if self._aborted else exc
+            err = exc
+            if self._aborted:
+                err = RingBroken(exc.phase, None, "the group was closed during the collective")
             self._broken = err
             self.close()
             if err is exc:
@@ -448,7 +283,7 @@ class RingGroup:
                 if self._closed:
                     self._release()
 
-    def _pump(self, op: _Collective) -> None:
+    def _pump(self, op: Schedule) -> None:
         """Move `op`'s frames until all are sent and received; the only blocking call is poll.
 
         A socket is only tried again after poll says so once a call came back short (its
@@ -462,14 +297,14 @@ class RingGroup:
         header_view = memoryview(header)
         hlen = len(header)
         incoming, outgoing = op.incoming(), op.outgoing()
-        frame_in: _In | None = next(incoming, None)
-        frame_out: _Out | None = next(outgoing, None)
+        frame_in: Incoming | None = next(incoming, None)
+        frame_out: Outgoing | None = next(outgoing, None)
         got = 0  # bytes of frame_in (header + payload) received so far
         sending: list[memoryview] | None = None  # what is left of the frame being sent
         send_left = 0
         received = 0  # frames fully received and processed
         can_read = can_write = True
-        watching_out = False
+        watched: set[int] = set()
         idle_since = time.monotonic()
         while frame_in is not None or frame_out is not None or sending is not None:
             moved = False
@@ -498,7 +333,10 @@ class RingGroup:
                     sending = None
             while can_read and frame_in is not None:  # receive what has arrived
                 want = hlen + len(frame_in.payload) - got
-                bufs = [header_view[got:], frame_in.payload] if got < hlen else [frame_in.payload[got - hlen :]]
+                if got < hlen:
+                    bufs = [header_view[got:], frame_in.payload]
+                else:
+                    bufs = [frame_in.payload[got - hlen :]]
                 try:
                     n = sock_in.recvmsg_into(bufs)[0]
                 except BlockingIOError:
@@ -511,13 +349,13 @@ class RingGroup:
                                      f"rank {self._prev} closed the connection")
                 self.bytes_received += n
                 moved = True
-                if got < hlen <= got + n and header[:_CHECKED] != frame_in.expect:
+                if got < hlen <= got + n and header[:CHECKED_BYTES] != frame_in.expect:
                     raise self._desync(op, frame_in)
                 got += n
                 if n < want:
                     can_read = False  # the socket buffer is drained
                     continue
-                op.received(frame_in, _SCALE.unpack_from(header, _CHECKED)[0])
+                op.received(frame_in, _SCALE.unpack_from(header, CHECKED_BYTES)[0])
                 received += 1
                 got = 0
                 frame_in = next(incoming, None)
@@ -535,31 +373,32 @@ class RingGroup:
                 raise RingBroken(op.phase(step), self._prev,
                                  f"nothing from rank {self._prev} for {self.timeout:g} s")
             if frame_in is not None:
-                # Wake for a large piece of the frame, not for every 64 KB that lands.
                 lowat = min(hlen + len(frame_in.payload) - got, _RCVLOWAT_MAX)
                 if lowat != self._rcvlowat:
                     sock_in.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
                     self._rcvlowat = lowat
-            # Watch the successor only while there is something for it: a hang-up is always
-            # reported by poll, and would spin the loop once it has all our frames.
-            want_out = sending is not None or (frame_out is not None and frame_out.after <= received)
-            if want_out:
-                poller.register(out_fd, select.POLLOUT)
-            elif watching_out:
-                poller.unregister(out_fd)
-            watching_out = want_out
-            poller.register(in_fd, select.POLLIN if frame_in is not None else 0)
+            # Watch a link only while we wait on it: poll always reports a hang-up, which would
+            # spin this loop if, say, the predecessor left once we had all its frames.
+            can_send = sending is not None or (frame_out is not None and frame_out.after <= received)
+            for fd, mask in ((in_fd, select.POLLIN if frame_in is not None else 0),
+                             (out_fd, select.POLLOUT if can_send else 0)):
+                if mask:
+                    poller.register(fd, mask)
+                    watched.add(fd)
+                elif fd in watched:
+                    poller.unregister(fd)
+                    watched.discard(fd)
             for fd, _ in poller.poll(remaining * 1000):
                 if fd == in_fd:
                     can_read = True  # data, or a hang-up / error that recv will report
                 elif fd == out_fd:
                     can_write = True
-        if watching_out:
-            poller.unregister(out_fd)
+        for fd in watched:
+            poller.unregister(fd)
 
-    def _desync(self, op: _Collective, frame: _In) -> RingBroken:
+    def _desync(self, op: Schedule, frame: Incoming) -> RingBroken:
         got = FrameHeader.unpack(self._header_buf)
-        problem = got.mismatch(FrameHeader.unpack(frame.expect + bytes(HEADER.size - _CHECKED)))
+        problem = got.mismatch(FrameHeader.unpack(frame.expect + bytes(HEADER.size - CHECKED_BYTES)))
         return RingBroken(op.phase(frame.step), self._prev, f"desynchronised ring: frame has {problem}")
 
 

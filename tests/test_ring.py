@@ -1,0 +1,711 @@
+"""Ring collectives (swarmtrain.peer.ring): chunking and wire formats without a network, then
+rings of threads on 127.0.0.1 checked against torch.distributed's gloo, then real processes.
+
+Error bounds of the compressed wire formats, for a sum over W members of x_i, with
+S = max over elements of sum_i |x_i| (every partial sum, hence every encoded value, is at
+most S in magnitude): each element is encoded W times on its way round (W-1 partial sums in
+the reduce-scatter, the owner's final value once in the all-gather), so to first order
+
+- fp16: |ours - exact| <= W * 2**-11 * S  (unit roundoff of float16 per encoding);
+- int8: |ours - exact| <= W * S / 254     (scale/2 per encoding, scale = max|segment| / 127);
+
+and a mean is the sum divided by W. Float32 accumulation error is far below both.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import math
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from swarmtrain.compression.simple import dequantize_int8, quantize_int8
+from swarmtrain.peer import links
+from swarmtrain.peer.links import RingListener, dial
+from swarmtrain.peer.ring import RingBroken, RingGroup
+from swarmtrain.peer.wireformat import (
+    CHECKED_BYTES,
+    CODEC_FP16,
+    CODEC_FP32,
+    CODEC_INT8,
+    HEADER,
+    AllReduceSchedule,
+    BroadcastSchedule,
+    FrameHeader,
+    Schedule,
+    ScratchBuffers,
+    accumulate,
+    chunk_bounds,
+    decode_into,
+    encode_into,
+    segment_bounds,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"ring-test-secret"
+FP16_U = 2.0**-11
+SIZES = [1, 2, 3, 7, 1000, 1_000_003]
+BIG = 4_194_305  # "several million", odd: not divisible by any world size used
+
+
+def data(world: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed * 1000 + world * 10 + numel % 997)
+    return [torch.randn(numel, generator=gen) for _ in range(world)]
+
+
+# --- pure pieces ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,world", [(0, 1), (1, 1), (1, 3), (5, 5), (7, 3), (10, 4), (1_000_003, 5)])
+def test_chunk_bounds_cover_in_order_first_ones_longer(n: int, world: int) -> None:
+    bounds = chunk_bounds(n, world)
+    assert len(bounds) == world
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [e - s for s, e in bounds]
+    assert sizes == [n // world + (1 if c < n % world else 0) for c in range(world)]
+
+
+def test_segment_bounds() -> None:
+    assert segment_bounds(3, 3, 4) == []
+    assert segment_bounds(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert segment_bounds(5, 6, 100) == [(5, 6)]
+
+
+def test_frame_header_round_trip_and_mismatch() -> None:
+    h = FrameHeader(seq=2**32 + 5, kind=1, codec=2, step=3, segment=9, nbytes=4096, scale=0.25)
+    packed = h.pack()
+    assert len(packed) == HEADER.size == 20
+    back = FrameHeader.unpack(packed)
+    assert (back.seq, back.step, back.segment, back.nbytes, back.scale) == (5, 3, 9, 4096, 0.25)
+    assert back.mismatch(h) is None  # seq compared mod 2**32
+    assert "segment 9 where 8" in str(back.mismatch(FrameHeader(5, 1, 2, 3, 8, 4096)))
+
+
+def test_fp16_encoding_saturates_and_is_within_a_half_ulp() -> None:
+    x = torch.tensor([1.0, -3.14159, 1e-3, 70000.0, -1e9, 0.0])
+    enc = torch.empty(2 * x.numel(), dtype=torch.uint8)
+    assert encode_into(CODEC_FP16, x, enc, torch.empty(0)) == 0.0
+    out = torch.empty_like(x)
+    decode_into(CODEC_FP16, enc, 0.0, out)
+    assert out[3] == 65504.0 and out[4] == -65504.0  # saturates, never inf
+    ok = x.abs() <= 65504
+    assert torch.all((out - x)[ok].abs() <= FP16_U * x[ok].abs())
+
+
+def test_int8_encoding_matches_quantize_int8_and_the_scale_bound() -> None:
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(1)) * 3
+    enc, tmp, out = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(x.numel()), torch.empty_like(x)
+    scale = encode_into(CODEC_INT8, x, enc, tmp)
+    decode_into(CODEC_INT8, enc, scale, out)
+    q_ref, scale_ref = quantize_int8(x)
+    assert scale == pytest.approx(scale_ref, rel=1e-6)
+    assert (enc.view(torch.int8).int() - q_ref.int()).abs().max() <= 1  # only the f32-rounded scale differs
+    assert torch.all((out - x).abs() <= scale / 2 * (1 + 1e-5))
+    assert torch.allclose(out, dequantize_int8(enc.view(torch.int8), scale))
+    acc = torch.ones_like(x)
+    accumulate(CODEC_INT8, enc, scale, acc)
+    assert torch.allclose(acc, 1 + out)
+
+
+def test_int8_encoding_of_zeros_and_of_non_finite_values() -> None:
+    enc, tmp, out = torch.empty(4, dtype=torch.uint8), torch.empty(4), torch.empty(4)
+    assert encode_into(CODEC_INT8, torch.zeros(4), enc, tmp) == 0.0
+    decode_into(CODEC_INT8, enc, 0.0, out)
+    assert torch.equal(out, torch.zeros(4))
+    scale = encode_into(CODEC_INT8, torch.tensor([1.0, math.inf, 2.0, 3.0]), enc, tmp)
+    decode_into(CODEC_INT8, enc, scale, out)
+    assert torch.isnan(out).all()  # loud: the whole segment, never silently finite
+
+
+def simulate(schedules: list[Schedule]) -> int:
+    """Run one collective's schedules with frames passed in memory, member r to member r+1,
+    in order, each send only once its dependency is met. Returns the number of frames moved;
+    fails on a header mismatch or a deadlock (nobody can move)."""
+    world = len(schedules)
+    inbox: list[collections.deque[tuple[bytes, bytes]]] = [collections.deque() for _ in range(world)]
+    ins = [s.incoming() for s in schedules]
+    outs = [s.outgoing() for s in schedules]
+    want_in = [next(it, None) for it in ins]
+    want_out = [next(it, None) for it in outs]
+    received, moved = [0] * world, 0
+    while any(f is not None for f in want_in + want_out):
+        progress = False
+        for r, sched in enumerate(schedules):
+            while (frame := want_out[r]) is not None and frame.after <= received[r]:
+                header, payload = sched.build(frame)
+                inbox[(r + 1) % world].append((bytes(header), bytes(payload)))
+                want_out[r] = next(outs[r], None)
+                progress = True
+            while inbox[r] and (expected := want_in[r]) is not None:
+                header, payload = inbox[r].popleft()
+                assert header[:CHECKED_BYTES] == expected.expect
+                assert len(payload) == len(expected.payload)
+                expected.payload[:] = payload
+                sched.received(expected, FrameHeader.unpack(header).scale)
+                received[r] += 1
+                moved += 1
+                want_in[r] = next(ins[r], None)
+                progress = True
+        assert progress, "deadlock"
+    assert not any(inbox)
+    return moved
+
+
+@pytest.mark.parametrize("world,n,segment_bytes",
+                         [(2, 1, 64), (3, 2, 64), (4, 1001, 64), (5, 3, 8), (3, 5000, 4096)])
+@pytest.mark.parametrize("codec", [CODEC_FP32, CODEC_FP16, CODEC_INT8])
+def test_all_reduce_schedule_in_memory(world: int, n: int, segment_bytes: int, codec: int) -> None:
+    xs = [x.clone() for x in data(world, n, seed=2)]
+    exact = sum(xs)
+    weights = [torch.tensor([float(r + 1)]) for r in range(world)]
+    schedules: list[Schedule] = [
+        AllReduceSchedule(seq=7, kind=1, rank=r, world=world, flat=xs[r], extra=weights[r], codec=codec,
+                          segment_bytes=segment_bytes, buffers=ScratchBuffers(segment_bytes))
+        for r in range(world)
+    ]
+    simulate(schedules)
+    for r in range(world):
+        assert torch.equal(xs[r], xs[0])  # bit-identical everywhere, whatever the codec
+        assert weights[r].item() == sum(range(1, world + 1))  # the weight slot is summed exactly
+    tol = {CODEC_FP32: 1e-5, CODEC_FP16: 1e-2, CODEC_INT8: 0.1}[codec] * world
+    assert torch.allclose(xs[0], exact, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("world,root", [(2, 1), (3, 0), (5, 3)])
+def test_broadcast_schedule_in_memory(world: int, root: int) -> None:
+    source = torch.arange(1001, dtype=torch.int16)
+    tensors = [source.clone() if r == root else torch.zeros_like(source) for r in range(world)]
+    schedules: list[Schedule] = [BroadcastSchedule(seq=1, rank=r, world=world, tensor=tensors[r], root=root,
+                                                   segment_bytes=100) for r in range(world)]
+    assert simulate(schedules) == (world - 1) * 21  # 2002 bytes in 100-byte segments, W-1 hops
+    for t in tensors:
+        assert torch.equal(t, source)
+
+
+# --- rings of threads -------------------------------------------------------------------
+
+
+def run_ring(
+    world: int, body: Callable[[RingGroup, int], Any], *, timeout: float = 10.0, segment_bytes: int = 1 << 20,
+    join: float = 50.0,
+) -> list[Any]:
+    """Run `body(group, rank)` on every member of a fresh ring (one thread each); return the
+    results, or raise the first member's exception."""
+    listeners = [RingListener("127.0.0.1", secret=SECRET) for _ in range(world)]
+    addresses = [lst.address for lst in listeners]
+    results: list[Any] = [None] * world
+    errors: list[BaseException | None] = [None] * world
+
+    def member(rank: int) -> None:
+        try:
+            with RingGroup(listeners[rank], rank, addresses, ring_id="test", epoch=1, secret=SECRET,
+                           timeout=timeout, segment_bytes=segment_bytes) as group:
+                results[rank] = body(group, rank)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread (pytest.fail too)
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(join)
+        assert not any(t.is_alive() for t in threads), "a ring member hung"
+    finally:
+        for lst in listeners:
+            lst.close()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+
+
+def gloo_sums(batches: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """torch.distributed gloo all_reduce(SUM) of each batch (one tensor per rank), with one
+    ProcessGroupGloo per rank, each on its own thread."""
+    world = len(batches[0])
+    store = dist.HashStore()
+    out = [[t.clone() for t in batch] for batch in batches]
+
+    def member(rank: int) -> None:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world,
+                                   datetime.timedelta(seconds=30))
+        for batch in out:
+            pg.allreduce([batch[rank]]).wait()
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not any(t.is_alive() for t in threads), "gloo hung"
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_all_reduce_sum_and_mean_match_gloo(world: int) -> None:
+    sizes = SIZES + ([BIG] if world in (2, 5) else [])
+    batches = [data(world, n) for n in sizes]
+    expected = gloo_sums(batches)
+
+    def body(group: RingGroup, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for batch in batches:
+            summed = group.all_reduce(batch[rank].clone(), "sum")
+            mean = group.all_reduce(batch[rank].clone(), "mean")
+            out.append((summed, mean))
+        return out
+
+    results = run_ring(world, body)
+    for i, n in enumerate(sizes):
+        want = expected[i][0]
+        for rank in range(world):
+            summed, mean = results[rank][i]
+            assert summed.shape == (n,)
+            assert torch.allclose(summed, want, rtol=1e-5, atol=1e-5), (world, n, rank)
+            assert torch.allclose(mean, want / world, rtol=1e-5, atol=1e-5), (world, n, rank)
+            assert torch.equal(summed, results[0][i][0])  # the all-gather hands out the owner's bits
+
+
+def test_more_members_than_elements_and_many_segments_per_chunk() -> None:
+    sizes = [1, 2, 3, 1001]
+    batches = [data(5, n, seed=3) for n in sizes]
+    # 64-byte segments: a 1001-element tensor makes ~200 frames per member and step.
+    results = run_ring(5, lambda g, r: [g.all_reduce(b[r].clone()) for b in batches], segment_bytes=64)
+    for i, batch in enumerate(batches):
+        for res in results:
+            assert torch.allclose(res[i], sum(batch), rtol=1e-5, atol=1e-6)
+
+
+def test_all_reduce_keeps_shape_and_works_in_place() -> None:
+    xs = [torch.full((3, 5, 2), float(r + 1)) for r in range(3)]
+
+    def body(group: RingGroup, rank: int) -> bool:
+        out = group.all_reduce(xs[rank], "mean")
+        return out is xs[rank]
+
+    assert run_ring(3, body) == [True] * 3
+    for x in xs:
+        assert x.shape == (3, 5, 2) and torch.all(x == 2.0)
+
+
+@pytest.mark.parametrize("wire", ["fp32", "fp16", "int8"])
+def test_weighted_mean(wire: str) -> None:
+    world, n = 4, 100_003
+    xs = [x * 1e-3 for x in data(world, n, seed=7)]  # gradient-sized values, sample-count weights
+    weights = [32.0, 7.0, 1.0, 0.0]
+    exact = sum(w * x for w, x in zip(weights, xs)) / sum(weights)
+    results = run_ring(world, lambda g, r: g.all_reduce(xs[r].clone(), "mean", weight=weights[r], wire=wire),
+                       segment_bytes=64 << 10)
+    for res in results:
+        assert torch.equal(res, results[0])
+    s = max(sum(w * x.abs() for w, x in zip(weights, xs)).max().item(), 1e-30) / sum(weights)
+    bound = {"fp32": 1e-6 * s, "fp16": world * FP16_U * s, "int8": world * s / 254}[wire]
+    assert (results[0] - exact).abs().max().item() <= bound * 1.05 + 1e-9
+    # The weight travels exactly: with int8 the error stays at the data's scale (~s/254 per
+    # encoding), not at the weights' (32/254), which it would be were the weight quantised.
+
+
+@pytest.mark.parametrize("wire", ["fp16", "int8"])
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_compressed_wire_is_bit_identical_everywhere_and_within_bound(world: int, wire: str) -> None:
+    xs = data(world, 250_001, seed=11)
+    xs[0][17] = 1000.0  # one large value: its segment gets a coarse int8 scale, others keep theirs
+    exact = sum(xs)
+
+    def body(group: RingGroup, rank: int) -> tuple[torch.Tensor, int]:
+        out = group.all_reduce(xs[rank].clone(), "sum", wire=wire)
+        return out, group.bytes_sent
+
+    results = run_ring(world, body, segment_bytes=64 << 10)
+    for res, _ in results:
+        assert torch.equal(res, results[0][0])
+    s = sum(x.abs() for x in xs)
+    err = (results[0][0] - exact).abs()
+    if wire == "fp16":
+        assert torch.all(err <= world * FP16_U * s.max() * 1.01 + 1e-6)
+    else:
+        # per segment of 16384 values: W * (that segment's max partial sum) / 254
+        seg = 16384
+        for start in range(0, s.numel(), seg):
+            bound = world * s[start : start + seg].max().item() / 254
+            assert err[start : start + seg].max().item() <= bound * 1.05 + 1e-6
+    fp32_payload = 2 * (world - 1) / world * 4 * 250_001
+    assert results[0][1] < fp32_payload * (0.55 if wire == "fp16" else 0.3)
+
+
+def test_broadcast_any_dtype_odd_sizes_any_root() -> None:
+    gen = torch.Generator().manual_seed(5)
+    source = [
+        torch.randn(1001, dtype=torch.float64, generator=gen),
+        torch.randint(-(2**40), 2**40, (3, 7), dtype=torch.int64, generator=gen),
+        torch.randn(13, generator=gen).to(torch.bfloat16),
+        torch.rand(99, generator=gen) > 0.5,
+        torch.tensor(7, dtype=torch.uint8),
+        torch.randn(250_001, generator=gen).to(torch.float16),
+        torch.empty(0),
+    ]
+
+    def body(group: RingGroup, rank: int) -> list[torch.Tensor]:
+        out = []
+        for i, t in enumerate(source):
+            root = i % group.world_size
+            mine = t.clone() if rank == root else torch.zeros_like(t)
+            out.append(group.broadcast(mine, root=root))
+        return out
+
+    for res in run_ring(4, body, segment_bytes=4096):
+        for got, want in zip(res, source):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_barrier_waits_for_every_member() -> None:
+    entered = [False] * 3
+
+    def body(group: RingGroup, rank: int) -> list[bool]:
+        if rank == 2:
+            time.sleep(0.3)
+        entered[rank] = True
+        group.barrier()
+        return list(entered)
+
+    assert run_ring(3, body) == [[True] * 3] * 3
+
+
+def test_world_size_one() -> None:
+    with RingListener("127.0.0.1", secret=SECRET) as lst:
+        group = RingGroup(lst, 0, [lst.address], ring_id="solo", epoch=1, secret=SECRET)
+        x = torch.randn(10)
+        want = x.clone()
+        assert group.all_reduce(x) is x and torch.equal(x, want)
+        assert torch.equal(group.all_reduce(x, "mean", weight=3.0, wire="int8"), want)
+        assert torch.equal(group.broadcast(x, root=0), want)
+        group.barrier()
+        group.close()
+        with pytest.raises(RingBroken, match="closed"):
+            group.barrier()
+
+
+def test_bad_arguments_raise_before_anything_is_sent() -> None:
+    def body(group: RingGroup, rank: int) -> None:
+        with pytest.raises(ValueError, match="float32"):
+            group.all_reduce(torch.zeros(3, dtype=torch.float64))
+        with pytest.raises(ValueError, match="contiguous"):
+            group.all_reduce(torch.zeros(4, 4).t())
+        with pytest.raises(ValueError, match="op"):
+            group.all_reduce(torch.zeros(3), "max")
+        with pytest.raises(ValueError, match="wire"):
+            group.all_reduce(torch.zeros(3), wire="int4")
+        with pytest.raises(ValueError, match="mean"):
+            group.all_reduce(torch.zeros(3), "sum", weight=1.0)
+        with pytest.raises(ValueError, match="weight"):
+            group.all_reduce(torch.zeros(3), "mean", weight=-1.0)
+        with pytest.raises(ValueError, match="root"):
+            group.broadcast(torch.zeros(3), root=2)
+        group.barrier()  # still in step after all that
+
+    run_ring(2, body)
+
+
+def test_weights_summing_to_zero_raise_everywhere_and_the_group_stays_usable() -> None:
+    def body(group: RingGroup, rank: int) -> torch.Tensor:
+        with pytest.raises(ValueError, match="sum to 0"):
+            group.all_reduce(torch.ones(5), "mean", weight=0.0)
+        return group.all_reduce(torch.ones(5))
+
+    for res in run_ring(3, body):
+        assert torch.equal(res, torch.full((5,), 3.0))
+
+
+# --- connection set-up: authentication and epochs ---------------------------------------
+
+
+def test_wrong_secret_is_refused_naming_authentication() -> None:
+    good = [RingListener("127.0.0.1", secret=SECRET) for _ in range(2)]
+    bad = RingListener("127.0.0.1", secret=b"not the secret")
+    listeners = [*good, bad]
+    addresses = [lst.address for lst in listeners]
+    errors: list[BaseException | None] = [None] * 3
+
+    def member(rank: int) -> None:
+        secret = b"not the secret" if rank == 2 else SECRET
+        try:
+            RingGroup(listeners[rank], rank, addresses, ring_id="auth", epoch=1, secret=secret, timeout=2.0)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread (pytest.fail too)
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        assert not any(t.is_alive() for t in threads)
+        assert all(isinstance(e, RingBroken) and e.phase == "connect" for e in errors), errors
+        # rank 2 dials rank 0 with the wrong secret; rank 1 dials rank 2's listener, which has it
+        for rank, peer in ((2, 0), (1, 2)):
+            exc = errors[rank]
+            assert isinstance(exc, RingBroken) and exc.peer == peer
+            assert "authentication" in str(exc)
+    finally:
+        for lst in listeners:
+            lst.close()
+
+
+def test_listener_refuses_a_client_without_the_secret() -> None:
+    """The listener's own check (a proper client already hangs up on the listener's proof)."""
+    with RingListener("127.0.0.1", secret=SECRET) as lst, socket.create_connection(lst.address, 5) as sock:
+        sock.settimeout(5)
+        sock.sendall(links.MAGIC + bytes(32))
+        reply = links.recv_exact(sock, len(links.MAGIC) + 64)
+        assert reply.startswith(links.MAGIC)
+        sock.sendall(bytes(32) + struct.pack("<QIH", 1, 0, 1) + b"r")  # a made-up proof
+        assert sock.recv(1) == bytes([1])  # refused: authentication
+        assert sock.recv(1) == b""
+        assert lst.refused["auth"] == 1
+
+
+def test_stale_epoch_is_refused_and_parked_old_epochs_are_closed() -> None:
+    with RingListener("127.0.0.1", secret=SECRET) as lst:
+        # An epoch-1 connection arrives and is parked (nobody has claimed it yet)...
+        parked = dial(lst.address, secret=SECRET, ring_id="r", epoch=1, from_rank=3, peer=0, timeout=5)
+        # ...then this node moves on to epoch 2: the parked connection is closed,
+        lst.open_epoch("r", 2)
+        parked.settimeout(5)
+        assert parked.recv(1) == b""
+        parked.close()
+        # new connections for epoch 1 are refused,
+        with pytest.raises(RingBroken, match="stale epoch") as info:
+            dial(lst.address, secret=SECRET, ring_id="r", epoch=1, from_rank=3, peer=0, timeout=5)
+        assert info.value.phase == "connect"
+        assert lst.refused["stale"] == 1
+        # and a group of epoch 1 cannot be formed on this node any more.
+        with pytest.raises(RingBroken, match="older than epoch 2"):
+            RingGroup(lst, 0, [lst.address, ("127.0.0.1", 1)], ring_id="r", epoch=1, secret=SECRET)
+        # Other rings are independent.
+        other = dial(lst.address, secret=SECRET, ring_id="other", epoch=1, from_rank=0, peer=0, timeout=5)
+        other.close()
+
+
+def test_listener_bounds_the_parked_connections() -> None:
+    with RingListener("127.0.0.1", secret=SECRET, max_parked=1) as lst:
+        first = dial(lst.address, secret=SECRET, ring_id="r", epoch=1, from_rank=0, peer=0, timeout=5)
+        with pytest.raises(RingBroken, match="too many"):
+            dial(lst.address, secret=SECRET, ring_id="r", epoch=1, from_rank=1, peer=0, timeout=5)
+        first.close()
+
+
+def test_unreachable_neighbour_fails_connect_within_timeout() -> None:
+    with socket.socket() as unused:  # a port with nothing listening
+        unused.bind(("127.0.0.1", 0))
+        dead = unused.getsockname()[:2]
+    with RingListener("127.0.0.1", secret=SECRET) as lst:
+        start = time.monotonic()
+        with pytest.raises(RingBroken) as info:
+            RingGroup(lst, 0, [lst.address, dead], ring_id="r", epoch=1, secret=SECRET, timeout=1.0)
+        assert info.value.phase == "connect" and info.value.peer == 1
+        assert time.monotonic() - start < 3 * 1.0
+
+
+# --- failures during a collective -------------------------------------------------------
+
+
+def _survivors_of(world: int, victim: Callable[[RingGroup], None], timeout: float) -> list[Any]:
+    """Members other than the last start a big all_reduce; the last runs `victim(group)`.
+    Returns, per survivor, (exception or None, seconds until its all_reduce returned)."""
+    xs = data(world, 8_000_000)
+
+    def body(group: RingGroup, rank: int) -> Any:
+        if rank == world - 1:
+            victim(group)
+            return None
+        start = time.monotonic()
+        try:
+            group.all_reduce(xs[rank])
+        except RingBroken as exc:
+            with pytest.raises(RingBroken, match="broke earlier"):
+                group.barrier()  # the group stays unusable
+            return exc, time.monotonic() - start
+        return None, time.monotonic() - start
+
+    return run_ring(world, body, timeout=timeout, segment_bytes=256 << 10, join=6 * timeout)[:-1]
+
+
+def test_member_closing_mid_all_reduce_fails_the_others_fast() -> None:
+    timeout = 5.0
+
+    def victim(group: RingGroup) -> None:
+        time.sleep(0.05)  # the others are inside their all_reduce, waiting on us
+        group.close()
+
+    for exc, seconds in _survivors_of(3, victim, timeout):
+        assert isinstance(exc, RingBroken), exc
+        assert exc.phase in ("reduce_scatter", "all_gather")
+        assert seconds < 3 * timeout
+
+
+def test_silent_member_fails_the_others_after_timeout() -> None:
+    timeout = 1.0
+
+    def victim(group: RingGroup) -> None:
+        time.sleep(4 * timeout)  # alive, connected, but never takes part
+
+    survivors = _survivors_of(3, victim, timeout)
+    for exc, seconds in survivors:
+        assert isinstance(exc, RingBroken), exc
+        assert exc.phase == "reduce_scatter" and exc.peer is not None
+        assert seconds < 3 * timeout
+    # The first to time out gives up and closes its links, so the other may fail on that
+    # (fail-fast spreads along the ring) rather than time out itself.
+    assert any("for 1 s" in str(exc) for exc, _ in survivors), survivors
+
+
+def test_close_from_another_thread_aborts_a_collective_in_progress() -> None:
+    timeout = 30.0  # far longer than the test: only the abort can end the collective
+
+    def body(group: RingGroup, rank: int) -> Any:
+        if rank == 1:
+            time.sleep(0.5)
+            return None
+        threading.Timer(0.1, group.close).start()
+        start = time.monotonic()
+        with pytest.raises(RingBroken, match="closed during the collective"):
+            group.all_reduce(torch.zeros(1000))
+        return time.monotonic() - start
+
+    assert run_ring(2, body, timeout=timeout)[0] < 5.0
+
+
+def test_desynchronised_members_are_detected() -> None:
+    def body(group: RingGroup, rank: int) -> RingBroken | None:
+        try:
+            if rank == 0:
+                group.broadcast(torch.zeros(100), root=0)
+            else:
+                group.all_reduce(torch.zeros(100))
+        except RingBroken as exc:
+            return exc
+        return None
+
+    errors = run_ring(2, body, timeout=2.0)
+    assert any(e is not None and "desynchronised" in str(e) for e in errors), errors
+
+
+# --- real processes ---------------------------------------------------------------------
+
+MEMBER_SCRIPT = r"""
+import datetime, json, sys, time
+import torch, torch.distributed as dist
+from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
+rank, world, store_port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
+listener = RingListener("127.0.0.1", 0, secret=b"proc")
+store.set(f"addr{rank}", str(listener.address[1]))
+addresses = [("127.0.0.1", int(store.get(f"addr{r}"))) for r in range(world)]
+group = RingGroup(listener, rank, addresses, ring_id="proc", epoch=1, secret=b"proc", timeout=3.0)
+if mode == "gloo":
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
+    report = {}
+    for n in (7, 1_000_003):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(100 * n + rank))
+        ref = x.clone()
+        dist.all_reduce(ref)
+        ours = group.all_reduce(x.clone())
+        weighted = group.all_reduce(x.clone(), "mean", weight=float(rank + 1))
+        w_ref = x * (rank + 1)
+        dist.all_reduce(w_ref)
+        report[n] = [torch.allclose(ours, ref, rtol=1e-5, atol=1e-5),
+                     torch.allclose(weighted, w_ref / sum(range(1, world + 1)), rtol=1e-5, atol=1e-5)]
+    dist.destroy_process_group()
+    print(json.dumps(report), flush=True)
+else:
+    x = torch.randn(4_000_000)
+    print("ready", flush=True)
+    start = None
+    try:
+        while True:
+            group.all_reduce(x, "mean")
+            if start is None and mode == "survivor":
+                print("running", flush=True)
+            start = time.monotonic()
+    except RingBroken as exc:
+        print(json.dumps({"phase": exc.phase, "peer": exc.peer, "detail": exc.detail,
+                          "seconds": time.monotonic() - start}), flush=True)
+"""
+
+
+def _start_members(world: int, mode: str) -> list[subprocess.Popen[str]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([sys.executable, "-c", MEMBER_SCRIPT, str(r), str(world), str(port), mode],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True) for r in range(world)]
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode in (0, -signal.SIGKILL), err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return outs
+
+
+def test_processes_agree_with_gloo() -> None:
+    procs = _start_members(3, "gloo")
+    for out in _finish(procs, 50):
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report == {"7": [True, True], "1000003": [True, True]}
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output within {timeout} s"
+    return proc.stdout.readline()
+
+
+def test_killed_process_fails_the_survivors_fast() -> None:
+    procs = _start_members(3, "survivor")
+    try:
+        while (line := _read_line(procs[0], 40).strip()) != "running":  # one all_reduce done
+            assert line, "rank 0 exited before running"
+        procs[2].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        outs = _finish(procs[:2], 15)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    for out in outs:
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["phase"] in ("reduce_scatter", "all_gather"), report
+        assert report["seconds"] < 3 * 3.0
+    assert elapsed < 3 * 3.0 + 5
