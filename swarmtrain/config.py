@@ -144,7 +144,7 @@ class CompressionConfig(_Section):
         "master after an update; beyond it the full weights are sent", gt=0.0)
     downlink: str = _opt(
         "auto", "coordinator only: codec for weight deltas sent to workers; auto = the uplink's, "
-        "except qsgd 8-bit when the uplink is topk (Adam's updates are dense)",
+        "except qsgd 8-bit when the uplink is topk or qsgd (Adam's updates are dense)",
         choices=("auto", "none", "fp16", "topk", "qsgd"))
 
     #: keys both sides must agree on (max_drift is the coordinator's alone)

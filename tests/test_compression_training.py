@@ -109,7 +109,8 @@ def test_auto_downlink_is_dense_8bit_for_topk_and_the_uplink_codec_otherwise() -
     top = downlink_codec(CompressionConfig(type="topk", topk_ratio=0.01, min_compress_numel=0))
     assert top.compress(x).codec == "qsgd" and top.compress(x).meta["bits"] == 8
     q4 = downlink_codec(CompressionConfig(type="qsgd", qsgd_bits=4, min_compress_numel=0))
-    assert q4.compress(x).meta["bits"] == 4
+    assert q4.compress(x).meta["bits"] == 8  # 4-bit deltas would break the drift bound often
+    assert downlink_codec(CompressionConfig(type="fp16")).compress(x).codec == "fp16"
     forced = downlink_codec(CompressionConfig(type="topk", downlink="fp16", min_compress_numel=0))
     assert forced.compress(x).codec == "fp16"
 

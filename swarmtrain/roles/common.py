@@ -67,11 +67,13 @@ def codec_for_step(c: CompressionConfig, step: int) -> Codec:
 def downlink_codec(c: CompressionConfig) -> Codec:
     """The codec for weight deltas (coordinator → worker)."""
     kind = c.downlink
+    bits = c.qsgd_bits
     if kind == "auto":
-        kind = "qsgd" if c.type == "topk" else c.type
-        bits = 8 if c.type == "topk" else c.qsgd_bits
-    else:
-        bits = c.qsgd_bits
+        # Weight deltas are dense (Adam) and their error accumulates in the worker's replica:
+        # a top-k or coarse (2/4-bit) QSGD downlink exceeds the drift bound and ends up
+        # sending full weights often, so those get 8-bit QSGD instead.
+        kind = "qsgd" if c.type in ("topk", "qsgd") else c.type
+        bits = 8
     return make_codec(kind, topk_ratio=c.topk_ratio, qsgd_bits=bits, bucket_size=c.bucket_size,
                       min_compress_numel=c.min_compress_numel)
 
