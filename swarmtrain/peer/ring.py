@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from swarmtrain.peer.links import RingBroken, RingListener, dial
@@ -82,7 +83,8 @@ class RingGroup:
         secret: the cluster secret (None: open cluster).
         timeout: seconds forming the ring may take, and that a collective may go without
             any progress on its links before it fails.
-        segment_bytes: size of the pipelined frames (float32 bytes; a multiple of 4).
+        segment_bytes: largest pipelined frame (float32 bytes; a multiple of 4). Chunks are
+            cut into about 8 segments, no smaller than 64 KB (or this), no larger than this.
     Raises:
         ValueError: bad arguments.
         RingBroken: phase ``connect``: a neighbour was unreachable, refused us or failed
@@ -98,8 +100,8 @@ class RingGroup:
             raise ValueError(f"rank must be in 0..{len(addresses) - 1}, got {rank}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, got {timeout!r}")
-        if segment_bytes < 4 or segment_bytes % 4:
-            raise ValueError(f"segment_bytes must be a positive multiple of 4, got {segment_bytes}")
+        if not 4 <= segment_bytes <= 1 << 30 or segment_bytes % 4:
+            raise ValueError(f"segment_bytes must be a multiple of 4 in 4..2**30, got {segment_bytes}")
         self.rank, self.world_size, self.epoch = rank, len(addresses), epoch
         self.timeout = timeout
         self.bytes_sent = self.bytes_received = 0
@@ -110,13 +112,16 @@ class RingGroup:
         self._busy = False
         self._aborted = False
         self._state_lock = threading.Lock()
-        self._header_buf = bytearray(HEADER.size)
-        self._buffers = ScratchBuffers(segment_bytes)
         self._next, self._prev = (rank + 1) % self.world_size, (rank - 1) % self.world_size
         self._out: socket.socket | None = None
         self._in: socket.socket | None = None
+        self._poll = select.poll()
+        self._rcvlowat = 1  # the kernel default
+        self._send_step = 0  # of the frame being sent (for error messages)
         if self.world_size == 1:
             return
+        self._header_buf = bytearray(HEADER.size)
+        self._buffers = ScratchBuffers(segment_bytes)
         listener.open_epoch(ring_id, epoch)
         deadline = time.monotonic() + timeout
         self._out = dial(addresses[self._next], secret=secret, ring_id=ring_id, epoch=epoch,
@@ -128,9 +133,6 @@ class RingGroup:
             raise
         self._out.setblocking(False)
         self._in.setblocking(False)
-        self._poll = select.poll()
-        self._rcvlowat = 1
-        self._send_step = 0
 
     # --- collectives --------------------------------------------------------------------
 
@@ -162,21 +164,24 @@ class RingGroup:
         if weight is not None and not 0 <= weight < float("inf"):
             raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
         _check_tensor(tensor, float_only=True)
-        flat = tensor.detach().view(-1)
         if self.world_size == 1:
             self._check_usable("reduce_scatter")
+            if weight == 0.0:
+                raise ValueError("the weights of all members sum to 0: no weighted mean")
             return tensor
+        flat = tensor.detach().reshape(-1).numpy()  # a view: the collective works in place
         extra = None
         if weight is not None:
-            flat.mul_(weight)
-            extra = torch.tensor([weight], dtype=torch.float32)
+            np.multiply(flat, np.float32(weight), out=flat)
+            extra = np.array([weight], dtype=np.float32)  # summed alongside, exactly
         self._run(self._all_reduce_plan(KIND_ALL_REDUCE, flat, extra, WIRES[wire]), "reduce_scatter")
+        # numpy, like the kernels in wireformat: single-threaded, identical bits everywhere
         if extra is not None:
-            if float(extra[0]) == 0.0:
+            if extra[0] == 0.0:
                 raise ValueError("the weights of all members sum to 0: no weighted mean")
-            flat.div_(extra)
+            np.divide(flat, extra[0], out=flat)
         elif op == "mean":
-            flat.div_(self.world_size)
+            np.divide(flat, np.float32(self.world_size), out=flat)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -206,7 +211,7 @@ class RingGroup:
         if self.world_size == 1:
             self._check_usable("barrier")
             return
-        token = torch.zeros(self.world_size)  # one element per chunk: every link carries frames
+        token = np.zeros(self.world_size, dtype=np.float32)  # an element per chunk: frames on every link
         self._run(self._all_reduce_plan(KIND_BARRIER, token, None, CODEC_FP32), "barrier")
 
     def close(self) -> None:
@@ -249,7 +254,7 @@ class RingGroup:
             raise RingBroken(phase, None, "the group is closed")
 
     def _all_reduce_plan(
-        self, kind: int, flat: torch.Tensor, extra: torch.Tensor | None, codec: int
+        self, kind: int, flat: np.ndarray, extra: np.ndarray | None, codec: int
     ) -> Callable[[int], Schedule]:
         return lambda seq: AllReduceSchedule(
             seq=seq, kind=kind, rank=self.rank, world=self.world_size, flat=flat, extra=extra, codec=codec,

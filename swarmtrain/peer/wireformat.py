@@ -55,6 +55,7 @@ __all__ = [
     "encode_into",
     "encoded_nbytes",
     "segment_bounds",
+    "segment_size",
     "tensor_bytes",
 ]
 
@@ -124,6 +125,19 @@ def chunk_bounds(n: int, world: int) -> list[tuple[int, int]]:
     return bounds
 
 
+MIN_SEGMENT_BYTES = 64 << 10
+SEGMENTS_PER_CHUNK = 8
+
+
+def segment_size(nbytes: int, max_bytes: int, align: int = 1) -> int:
+    """Segment size for pipelining a chunk of `nbytes`: about an eighth of it, so a step
+    overlaps with the next after an eighth of its data (what a hop adds to the latency),
+    but at least 64 KB, where per-frame costs stay small, and at most `max_bytes`;
+    a multiple of `align`."""
+    size = min(max_bytes, max(MIN_SEGMENT_BYTES, -(-nbytes // SEGMENTS_PER_CHUNK)))
+    return max(align, size - size % align)
+
+
 def segment_bounds(start: int, end: int, seg_elems: int) -> list[tuple[int, int]]:
     """Split ``[start, end)`` into pieces of at most `seg_elems` (none if empty)."""
     if seg_elems < 1:
@@ -136,65 +150,88 @@ def encoded_nbytes(codec: int, numel: int) -> int:
     return numel * {CODEC_FP32: 4, CODEC_FP16: 2, CODEC_INT8: 1}[codec]
 
 
-def encode_into(codec: int, src: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> float:
+# The kernels below run on one segment at a time and must not use torch's thread pool: the
+# members of a ring are separate processes sharing the cores, and an OpenMP parallel region
+# waits for all its threads (and leaves them spinning), which on busy cores costs up to
+# milliseconds per call. numpy's kernels are single-threaded; torch is used only for float16
+# conversions (vectorised, unlike numpy's), on slices short enough that it runs them inline.
+_TORCH_INLINE = 32768  # at::internal::GRAIN_SIZE: shorter element-wise ops skip the pool
+
+
+def _torch_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` with dtype conversion by torch, without its thread pool."""
+    d, s = torch.from_numpy(dst), torch.from_numpy(src)
+    for i in range(0, len(dst), _TORCH_INLINE):
+        d[i : i + _TORCH_INLINE].copy_(s[i : i + _TORCH_INLINE])
+
+
+def _torch_add(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst += src`` (float32 += float16) by torch, without its thread pool."""
+    d, s = torch.from_numpy(dst), torch.from_numpy(src)
+    for i in range(0, len(dst), _TORCH_INLINE):
+        d[i : i + _TORCH_INLINE].add_(s[i : i + _TORCH_INLINE])
+
+
+def encode_into(codec: int, src: np.ndarray, out: np.ndarray, work: np.ndarray) -> float:
     """Encode float32 `src` into the uint8 buffer `out` (exactly ``encoded_nbytes`` long).
 
     Args:
-        codec: CODEC_FP16 or CODEC_INT8 (fp32 is sent as a view, never encoded).
-        src: contiguous float32 values.
-        out: uint8 tensor receiving the payload.
-        tmp: float32 scratch of at least ``src.numel()`` elements (int8 only).
+        codec: CODEC_FP16 or CODEC_INT8 (fp32 is sent as it is, never encoded).
+        src: float32 values.
+        out: uint8 array receiving the payload.
+        work: float32 scratch of at least ``len(src)`` elements.
     Returns:
         The scale to put in the frame header (0.0 for fp16).
     """
+    n = len(src)
+    tmp = work[:n]
     if codec == CODEC_FP16:
-        half = out.view(torch.float16)
-        half.copy_(src)
-        half.clamp_(-FP16_MAX, FP16_MAX)
+        np.clip(src, -FP16_MAX, FP16_MAX, out=tmp)  # saturate instead of overflowing to inf
+        _torch_copy(out.view(np.float16), tmp)
         return 0.0
     if codec != CODEC_INT8:
         raise ValueError(f"codec {codec} is not an encoding")
-    q = out.view(torch.int8)
-    if src.numel() == 0:
-        return 0.0
-    lo, hi = torch.aminmax(src)
-    amax = max(-float(lo), float(hi))
+    q = out.view(np.int8)
+    amax = max(-float(src.min()), float(src.max())) if n else 0.0
     if amax == 0.0 or not math.isfinite(amax):
-        q.zero_()
+        q.fill(0)
         return 0.0 if amax == 0.0 else math.nan
-    scale = float(np.float32(amax / 127.0))  # what the header carries, so what decoders use
-    work = tmp[: src.numel()]
-    torch.div(src, scale, out=work)
-    work.round_().clamp_(-127, 127)
-    q.copy_(work)
-    return scale
+    scale = np.float32(amax / 127.0)  # what the header carries, so what decoders use
+    np.divide(src, scale, out=tmp)
+    np.rint(tmp, out=tmp)
+    np.clip(tmp, -127, 127, out=tmp)
+    np.copyto(q, tmp, casting="unsafe")
+    return float(scale)
 
 
-def decode_into(codec: int, payload: torch.Tensor, scale: float, dst: torch.Tensor) -> None:
+def decode_into(codec: int, payload: np.ndarray, scale: float, dst: np.ndarray) -> None:
     """Overwrite float32 `dst` with the values of an encoded segment (uint8 `payload`)."""
     if codec == CODEC_FP16:
-        dst.copy_(payload.view(torch.float16))
+        _torch_copy(dst, payload.view(np.float16))
     elif codec == CODEC_INT8:
-        torch.mul(payload.view(torch.int8), scale, out=dst)
+        np.multiply(payload.view(np.int8), np.float32(scale), out=dst)
     else:
         raise ValueError(f"codec {codec} is not an encoding")
 
 
-def accumulate(codec: int, payload: torch.Tensor, scale: float, dst: torch.Tensor) -> None:
-    """``dst += decoded(payload)``, computed in float32 (`payload` is the uint8 frame payload)."""
+def accumulate(codec: int, payload: np.ndarray, scale: float, dst: np.ndarray, work: np.ndarray) -> None:
+    """``dst += decoded(payload)`` in float32; `payload` is the uint8 frame payload, `work`
+    float32 scratch of at least ``len(dst)`` elements."""
     if codec == CODEC_FP32:
-        dst.add_(payload.view(torch.float32))
+        np.add(dst, payload.view(np.float32), out=dst)
     elif codec == CODEC_FP16:
-        dst.add_(payload.view(torch.float16))
+        _torch_add(dst, payload.view(np.float16))
     elif codec == CODEC_INT8:
-        dst.add_(payload.view(torch.int8), alpha=scale)
+        tmp = work[: len(dst)]
+        np.multiply(payload.view(np.int8), np.float32(scale), out=tmp)
+        np.add(dst, tmp, out=dst)
     else:
         raise ValueError(f"codec {codec} cannot be accumulated")
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of contiguous `t`: writable, shared with it (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy().data
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of contiguous `t` as a uint8 array: writable, shared with it (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 # --- schedules --------------------------------------------------------------------------
@@ -222,21 +259,19 @@ class ScratchBuffers:
     segment, and the encoded segment being sent (with the float32 work space of int8)."""
 
     def __init__(self, segment_bytes: int) -> None:
-        self.received = torch.empty(segment_bytes, dtype=torch.uint8)
-        self.received_raw = tensor_bytes(self.received)
-        self.encoded = torch.empty(segment_bytes, dtype=torch.uint8)
-        self.encoded_raw = tensor_bytes(self.encoded)
-        self.work = torch.empty(segment_bytes // 4, dtype=torch.float32)
+        self.received = np.empty(segment_bytes, dtype=np.uint8)
+        self.encoded = np.empty(segment_bytes, dtype=np.uint8)
+        self.work = np.empty(segment_bytes // 4, dtype=np.float32)
 
 
 class _Segment:
-    """A piece of the buffer that travels as one frame."""
+    """A piece of the buffer that travels as one frame: float32 `values`, their bytes `raw`."""
 
     __slots__ = ("codec", "raw", "values")
 
-    def __init__(self, values: torch.Tensor, raw: memoryview, codec: int) -> None:
+    def __init__(self, values: np.ndarray, codec: int) -> None:
         self.values = values
-        self.raw = raw
+        self.raw = values.data.cast("B")
         self.codec = codec
 
 
@@ -268,8 +303,8 @@ class Schedule:
 
 
 class AllReduceSchedule(Schedule):
-    """Ring all-reduce of float32 `flat` (plus, for a weighted mean, the 1-element `extra`
-    weight, which always travels as exact float32 in a frame of its own).
+    """Ring all-reduce of the float32 array `flat`, in place (plus, for a weighted mean, the
+    1-element `extra` weight, which always travels as exact float32 in a frame of its own).
 
     At step k (0 <= k < 2(W-1)) a member sends chunk ``rank - k`` and receives chunk
     ``rank - k - 1`` (mod W), segment by segment; sending segment j of step k needs segment j
@@ -280,22 +315,23 @@ class AllReduceSchedule(Schedule):
     """
 
     def __init__(
-        self, *, seq: int, kind: int, rank: int, world: int, flat: torch.Tensor, extra: torch.Tensor | None,
+        self, *, seq: int, kind: int, rank: int, world: int, flat: np.ndarray, extra: np.ndarray | None,
         codec: int, segment_bytes: int, buffers: ScratchBuffers,
     ) -> None:
         super().__init__(seq=seq, kind=kind, rank=rank, world=world)
-        n, base = flat.numel(), tensor_bytes(flat)
+        n = len(flat)
+        bounds = chunk_bounds(n + (extra is not None), world)
+        seg_elems = segment_size(4 * (bounds[0][1] - bounds[0][0]), segment_bytes, 4) // 4
         self.chunks: list[list[_Segment]] = []
-        for cs, ce in chunk_bounds(n + (extra is not None), world):
-            segs = [_Segment(flat[s:e], base[4 * s : 4 * e], codec)
-                    for s, e in segment_bounds(cs, min(ce, n), segment_bytes // 4)]
+        for cs, ce in bounds:
+            segs = [_Segment(flat[s:e], codec) for s, e in segment_bounds(cs, min(ce, n), seg_elems)]
             if extra is not None and cs <= n < ce:
-                segs.append(_Segment(extra, tensor_bytes(extra), CODEC_FP32))
+                segs.append(_Segment(extra, CODEC_FP32))
             self.chunks.append(segs)
         self.steps = 2 * (world - 1)
         self.first_gather = world - 1
         self.buffers = buffers
-        self.relay: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}
+        self.relay: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
 
     def phase(self, step: int) -> str:
         if self.kind == KIND_BARRIER:
@@ -308,21 +344,22 @@ class AllReduceSchedule(Schedule):
     def incoming(self) -> Iterator[Incoming]:
         for k in range(self.steps):
             for j, seg in enumerate(self._chunk(k, sending=False)):
-                nb = encoded_nbytes(seg.codec, seg.values.numel())
+                nb = encoded_nbytes(seg.codec, len(seg.values))
                 expect = self._header(seg.codec, k, j, nb)[:CHECKED_BYTES]
                 if k < self.first_gather:
-                    yield Incoming(k, j, expect, self.buffers.received_raw[:nb])
+                    yield Incoming(k, j, expect, self.buffers.received[:nb].data)
                 elif seg.codec == CODEC_FP32:
                     yield Incoming(k, j, expect, seg.raw)  # final values land in place
                 else:
-                    keep = torch.empty(nb, dtype=torch.uint8)  # decoded here, relayed as received
+                    keep = np.empty(nb, dtype=np.uint8)  # decoded here, relayed as received
                     self.relay[(k, j)] = (keep, 0.0)
-                    yield Incoming(k, j, expect, tensor_bytes(keep))
+                    yield Incoming(k, j, expect, keep.data)
 
     def received(self, frame: Incoming, scale: float) -> None:
         seg = self._chunk(frame.step, sending=False)[frame.segment]
         if frame.step < self.first_gather:
-            accumulate(seg.codec, self.buffers.received[: len(frame.payload)], scale, seg.values)
+            payload = self.buffers.received[: len(frame.payload)]
+            accumulate(seg.codec, payload, scale, seg.values, self.buffers.work)
         elif seg.codec != CODEC_FP32:
             key = (frame.step, frame.segment)
             keep = self.relay.pop(key)[0]
@@ -341,17 +378,17 @@ class AllReduceSchedule(Schedule):
     def build(self, frame: Outgoing) -> tuple[bytes, memoryview]:
         k, j = frame.step, frame.segment
         seg = self._chunk(k, sending=True)[j]
-        nb = encoded_nbytes(seg.codec, seg.values.numel())
+        nb = encoded_nbytes(seg.codec, len(seg.values))
         if seg.codec == CODEC_FP32:
             return self._header(seg.codec, k, j, nb), seg.raw
         if k > self.first_gather:
             keep, scale = self.relay.pop((k - 1, j))
-            return self._header(seg.codec, k, j, nb, scale), tensor_bytes(keep)
+            return self._header(seg.codec, k, j, nb, scale), keep.data
         encoded = self.buffers.encoded[:nb]
         scale = encode_into(seg.codec, seg.values, encoded, self.buffers.work)
         if k == self.first_gather:  # the owner keeps what every other member will decode
             decode_into(seg.codec, encoded, scale, seg.values)
-        return self._header(seg.codec, k, j, nb, scale), self.buffers.encoded_raw[:nb]
+        return self._header(seg.codec, k, j, nb, scale), encoded.data
 
 
 class BroadcastSchedule(Schedule):
@@ -362,8 +399,8 @@ class BroadcastSchedule(Schedule):
         self, *, seq: int, rank: int, world: int, tensor: torch.Tensor, root: int, segment_bytes: int,
     ) -> None:
         super().__init__(seq=seq, kind=KIND_BROADCAST, rank=rank, world=world)
-        self.raw = tensor_bytes(tensor)
-        self.segments = segment_bounds(0, len(self.raw), segment_bytes)
+        self.raw = tensor_bytes(tensor).data
+        self.segments = segment_bounds(0, len(self.raw), segment_size(len(self.raw), segment_bytes))
         self.position = (rank - root) % world  # hops from the root
 
     def phase(self, step: int) -> str:
