@@ -31,8 +31,10 @@ def test_quarter_speed_worker_does_about_a_quarter_of_the_steps() -> None:
         return c, full, quarter
 
     c, full, quarter = asyncio.run(main())
-    ratio = c.workers["full"].steps / c.workers["quarter"].steps
-    assert 2.5 <= ratio <= 6.0, ratio  # about 4x; the unthrottled message round trip shrinks it
+    # steps each worker computed (the coordinator may drop a very stale one, which would skew
+    # its count): about 4x; the unthrottled round trip shrinks it, CPU contention stretches it
+    ratio = full.steps / quarter.steps
+    assert 2.5 <= ratio <= 7.0, ratio
     shares = {w["id"]: w["share"] for w in c.status()["workers"]}
     assert shares["full"] > 0.7 and abs(sum(shares.values()) - 1) < 1e-9
     # the probe ran with the throttle on, and each worker reported its speed when it joined
