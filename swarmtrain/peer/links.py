@@ -49,7 +49,6 @@ _REFUSALS = {
 _REFUSED_AUTH, _REFUSED_STALE, _REFUSED_BUSY, _REFUSED_BAD = 1, 2, 3, 4
 
 SOCKET_BUFFER_BYTES = 4 << 20
-_MAX_RINGS = 256  # rings whose newest epoch a listener remembers
 
 
 class RingBroken(SwarmError):
@@ -171,7 +170,6 @@ class RingListener:
         port: port to bind; 0 picks a free one (see :attr:`address`).
         secret: the cluster secret (None: an open cluster, authenticates nothing).
         max_parked: connections that may wait to be claimed; more are refused ("busy").
-        max_handshakes: handshakes in progress at once; more connections are closed at once.
         handshake_timeout: seconds a connecting side gets to complete the handshake.
         park_timeout: seconds an unclaimed connection is kept.
     """
@@ -216,7 +214,7 @@ class RingListener:
                                  f"epoch {newest}, already opened on this node")
             self._newest_epoch[ring_id] = epoch
             self._newest_epoch.move_to_end(ring_id)
-            while len(self._newest_epoch) > _MAX_RINGS:
+            while len(self._newest_epoch) > self._max_parked:
                 self._newest_epoch.popitem(last=False)
             for key in [k for k in self._parked if k[0] == ring_id and k[1] < epoch]:
                 self._parked.pop(key)[0].close()
