@@ -42,7 +42,7 @@ def _train(codec: dict[str, Any], steps: int, workers: int = 2,
     {"type": "qsgd", "qsgd_bits": 4, "min_compress_numel": 0},
 ], ids=["topk-1%", "qsgd-4bit"])
 def test_digits_reaches_095_with_heavy_compression(codec: dict[str, Any]) -> None:
-    c, workers = _train(codec, steps=2000)
+    c, workers = _train(codec, steps=3000)  # async top-k 1 % needs the margin (0.94 at 2000 seen)
     assert c.metrics["accuracy"] >= 0.95, c.metrics
     st = c.status()
     for row in st["workers"]:
