@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import safetensors
-import safetensors.torch
+from safetensors.torch import load as parse_safetensors  # JSON header + raw bytes: no pickle
+from safetensors.torch import save as serialise_safetensors
 import torch
 
 from swarmtrain.errors import CheckpointError, ConfigError
@@ -262,7 +263,7 @@ def _serialise_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, dict
         seen_storages.add(storage)
         prepared[name] = t
     try:
-        data = safetensors.torch.save(prepared)
+        data = serialise_safetensors(prepared)
     except (ValueError, TypeError, safetensors.SafetensorError) as exc:
         raise CheckpointError(f"cannot serialise checkpoint tensors: {exc}") from exc
     return data, _describe(prepared)
@@ -305,7 +306,7 @@ def _load_verified(path: Path) -> Checkpoint:
     if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"{_TENSORS_FILE} fails its SHA-256 check (corrupt)")
     try:
-        tensors = safetensors.torch.load(data)
+        tensors = parse_safetensors(data)
     except (safetensors.SafetensorError, ValueError) as exc:
         raise CheckpointError(f"{_TENSORS_FILE} does not parse as safetensors: {exc}") from exc
     if _describe(tensors) != index:
