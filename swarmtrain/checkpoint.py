@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import safetensors
+import torch
 from safetensors.torch import load as parse_safetensors  # JSON header + raw bytes: no pickle
 from safetensors.torch import save as serialise_safetensors
-import torch
 
 from swarmtrain.errors import CheckpointError, ConfigError
 
