@@ -124,3 +124,13 @@ def test_views_of_any_size(n: int) -> None:
     nodes, _, _ = make_nodes(n)
     view = asyncio.run(nodes[0].propose(cands(nodes, nodes[0])))
     assert view.world_size == n and view.epoch == 1
+
+
+def test_renew_commits_the_same_members_under_a_new_epoch() -> None:
+    nodes, _, _ = make_nodes(3)
+    leader = nodes[0]
+    first = asyncio.run(leader.propose(cands(nodes, leader)))
+    assert asyncio.run(leader.propose(cands(nodes, leader))) is first  # nothing changed: kept
+    renewed = asyncio.run(leader.propose(cands(nodes, leader), known_epoch=first.epoch, renew=True))
+    assert renewed.epoch > first.epoch and renewed.members == first.members
+    assert all(n.view == renewed for n in nodes)

@@ -62,7 +62,17 @@ class Peers:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
 
     def logs(self) -> str:
-        return "\n".join(f"--- peer {h} ---\n{tail(self.tmp / f'p{h}.log', 12)}" for h in self.procs)
+        return "\n".join(f"--- peer {h} ---\n{tail(self.tmp / f'p{h}.log', 30)}" for h in self.procs)
+
+    def join(self, timeout: float) -> None:
+        """Wait for every peer process to exit 0; on a timeout or failure show their logs."""
+        deadline = time.monotonic() + timeout
+        for h, p in self.procs.items():
+            try:
+                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"peer {h} still running after {timeout} s\n{self.logs()}") from None
+            assert rc == 0, f"peer {h} exited {rc}\n{self.logs()}"
 
     def stop_all(self) -> None:
         for p in self.procs.values():
@@ -82,8 +92,7 @@ def peers(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: ig
 def test_four_peers_find_each_other_by_mdns_and_train_together(peers: Peers) -> None:
     for h in range(4):  # no addresses, no ranks, no world size
         peers.start(h, "--min-peers", "4", "--mode", "step", "--max-rounds", "400", "--eval-every", "100")
-    for p in peers.procs.values():
-        assert p.wait(timeout=180) == 0, peers.logs()
+    peers.join(180)
     sts = {h: peers.status(h) for h in range(4)}
     assert all(s is not None and s["round"] == 400 and s["world_size"] == 4 for s in sts.values()), sts
     assert len({s["checksum"] for s in sts.values() if s}) == 1  # bit-identical replicas
@@ -120,8 +129,7 @@ def test_a_late_joiner_loads_the_current_state_before_contributing(peers: Peers)
         peers.start(h, "--min-peers", "3", *args)
     peers.wait(lambda s: all(x["round"] >= 10 for x in s.values()), 120, "3 peers at round 10", [0, 1, 2])
     peers.start(3, *args)
-    for p in peers.procs.values():
-        assert p.wait(timeout=180) == 0, peers.logs()
+    peers.join(180)
     sts = {h: peers.status(h) for h in range(4)}
     joiner = sts[3]
     assert joiner is not None
@@ -137,8 +145,7 @@ def test_peers_of_another_run_are_not_joined(peers: Peers) -> None:
     for h in range(2):
         peers.start(h, "--min-peers", "2", "--mode", "step", "--max-rounds", "100")
     peers.start(2, "--min-peers", "1", "--mode", "step", "--max-rounds", "100", run="other-run")
-    for p in peers.procs.values():
-        assert p.wait(timeout=180) == 0, peers.logs()
+    peers.join(180)
     sts = {h: peers.status(h) for h in range(3)}
     assert [sts[h]["world_size"] for h in range(3)] == [2, 2, 1], sts  # type: ignore[index]
     assert set(sts[0]["members"]) == set(sts[1]["members"])  # type: ignore[index]

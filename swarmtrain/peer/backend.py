@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -53,7 +53,7 @@ class PeerOptions:
     advertise_host: str = ""
     mdns: bool = True
     static_peers: tuple[tuple[str, int], ...] = ()
-    profile: str = ""
+    profile: str = ""  #: hardware profile name advertised to others; detected if empty
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 5.0
     propose_timeout: float = 3.0
@@ -100,6 +100,10 @@ class PeerBackend:
     async def _start_async(self) -> None:
         o = self.options
         assert self.identity is not None
+        if not o.profile:
+            from swarmtrain import hardware
+
+            self.options = o = replace(o, profile=hardware.detect().profile.value)
         self.listener = RingListener(o.host, o.ring_port, secret=self.secret)
         self.control = ControlPlane(
             run=o.run, secret=self.secret,
@@ -332,7 +336,11 @@ class PeerBackend:
         members = {p: self._candidates().get(p) for p in v.members if p != self.membership.me}
         self.control.watch({p: c for p, c in members.items() if c is not None})
         loop = asyncio.get_running_loop()
-        ring = await loop.run_in_executor(None, self._build_ring, v)
+        try:
+            ring = await loop.run_in_executor(None, self._build_ring, v)
+        except RingBroken as exc:
+            exc.epoch = v.epoch
+            raise
         with self._ring_lock:
             old, self._ring = self._ring, ring
         if old is not None:
@@ -351,12 +359,15 @@ class PeerBackend:
         self._call(self._recover_async(failed_epoch), self.options.reform_timeout + 30)
 
     async def _recover_async(self, failed_epoch: int) -> None:
+        """A broken ring's epoch is spent (its connections are gone on some members): the
+        next collective needs a view of a later epoch, even if nobody left — the proposer
+        then commits the same members under a new epoch number."""
         m = self.membership
         if m.epoch <= failed_epoch:
             cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
             if m.leader(cands, self._live_suspects()) == m.me:
                 self._learn_own_address(cands)
-                await m.propose(cands)
+                await m.propose(cands, known_epoch=failed_epoch, renew=True)
             else:
                 await self._await_view(failed_epoch)
         await self._ensure_ring()
@@ -382,6 +393,7 @@ class PeerBackend:
                 self._account(ring)
                 return out
             except RingBroken as exc:
+                exc.epoch = ring.epoch
                 if attempt == retries:
                     raise
                 log.warning("epoch %d ring broke in %s (%s); re-forming", ring.epoch, exc.phase, exc)
@@ -390,10 +402,20 @@ class PeerBackend:
         raise AssertionError("unreachable")
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        return self._current_ring().broadcast(tensor, root)
+        ring = self._current_ring()
+        try:
+            return ring.broadcast(tensor, root)
+        except RingBroken as exc:
+            exc.epoch = ring.epoch
+            raise
 
     def barrier(self) -> None:
-        self._current_ring().barrier()
+        ring = self._current_ring()
+        try:
+            ring.barrier()
+        except RingBroken as exc:
+            exc.epoch = ring.epoch
+            raise
 
     def _account(self, ring: RingGroup, *, closing: bool = False) -> None:
         """Bytes moved by collectives: those of closed rings plus the current one's."""

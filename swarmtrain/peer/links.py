@@ -59,7 +59,10 @@ class RingBroken(SwarmError):
         phase: ``connect``, ``reduce_scatter``, ``all_gather``, ``broadcast`` or ``barrier``.
         peer: the rank of the neighbour involved, if known.
         detail: what happened.
+        epoch: the epoch of the ring that broke (set by :class:`PeerBackend`; None if unknown).
     """
+
+    epoch: int | None = None
 
     def __init__(self, phase: str, peer: int | None, detail: str) -> None:
         where = f" (neighbour rank {peer})" if peer is not None else ""

@@ -177,12 +177,16 @@ class Membership:
         return self.view is None or set(self.view.members) != self.wanted(candidates)
 
     async def propose(self, candidates: Mapping[str, Candidate], *, known_epoch: int = 0,
-                      min_members: int = 1) -> View | None:
+                      min_members: int = 1, renew: bool = False) -> View | None:
         """Propose and commit a view of me and every wanted candidate that accepts.
 
+        Args:
+            renew: commit a new epoch even if the members are the current ones (the current
+                epoch's ring broke and cannot be used again).
+
         Returns:
-            The new view, the current one if nobody new could join, or None if fewer than
-            ``min_members`` accepted (nothing is committed; ask again later).
+            The new view, the current one if nobody new could join (and not ``renew``), or
+            None if fewer than ``min_members`` accepted (nothing is committed; ask again later).
 
         Raises:
             SwarmError: after several rounds of refusals (another proposer keeps winning).
@@ -222,7 +226,7 @@ class Membership:
             if len(members) < min_members:
                 self._accepted = (epoch, "")  # release our own promise; nothing was committed
                 return None
-            if self.view is not None and tuple(members) == self.view.members:
+            if not renew and self.view is not None and tuple(members) == self.view.members:
                 return self.view  # nobody new could join: keep the epoch (no state sync needed)
             donor = max(members, key=lambda p: (rounds[p], p == self.epoch_donor(), -int(p, 16)))
             commit = _sign(self.identity, Commit(

@@ -57,6 +57,7 @@ class PeerTrainer:
     def run(self) -> None:
         pending: Contribution | None = None
         resync = False
+        broken = 0  # rings broken in a row: re-forming is paced so it never spins
         started = time.monotonic()
         while not self._stop and not (self.max_rounds and self.strategy.round >= self.max_rounds):
             if pending is None:
@@ -68,11 +69,16 @@ class PeerTrainer:
                     resync = False
                 mean = self._reduce(pending)
             except RingBroken as exc:
-                epoch = self.backend.epoch
+                # the epoch of the ring that broke: a newer view may already be installed (its
+                # arrival is what closed our ring), and then there is nothing to agree
+                epoch = exc.epoch if exc.epoch is not None else self.backend.epoch
                 log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
                             epoch, exc)
                 self.events.append({"time": time.time(), "event": "ring_broken", "epoch": epoch})
                 resync = True
+                broken += 1
+                if broken > 1:
+                    time.sleep(min(2.0, 0.05 * 2 ** broken))
                 try:
                     self.backend.recover(epoch)
                 except (RingBroken, SwarmTimeout) as again:  # churn while re-forming: go round again
@@ -82,7 +88,7 @@ class PeerTrainer:
                 self.strategy.apply(mean)
             self.samples += pending.samples if pending.weight > 0 else 0
             self.inner_steps += pending.steps if pending.weight > 0 else 0
-            pending = None
+            pending, broken = None, 0
             self.backend.rounds = self.strategy.round
             self._after_round(started)
 
