@@ -70,7 +70,7 @@ TEXTLM_TARGET = 3.0  # held-out loss, nats per byte
 TEXTLM_CAP_S = 200.0  # wall-clock cap of one textlm run
 TEXTLM_EVAL_S = 4.0  # an evaluation costs ~1 core-second here; every 4 s is ~20 % of a core
 TEXTLM_BATCH = 16
-TOPK_WARMUP = 50  # [compression] warmup_steps for the topk rows (per worker, dense -> ratio)
+TOPK_WARMUP = 200  # [compression] warmup_steps for the topk rows (per worker, dense -> ratio)
 
 #: label -> [compression] keys (written to both the coordinator's and the workers' TOML)
 CODECS: dict[str, dict[str, Any]] = {

@@ -47,7 +47,7 @@ N_PEERS = 3
 BATCH = 16
 H = 20  # DiLoCo inner steps per round
 EVAL_STEPS = 20  # held-out evaluation every this many inner steps, in every mode
-CAP_S = 140.0  # per run, from launch (full run)
+CAP_S = 240.0  # per run, from launch (full run; 140 s was too short on a loaded machine)
 QUICK_CAP_S = 45.0
 
 TOML = """
