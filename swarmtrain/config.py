@@ -144,8 +144,11 @@ class CompressionConfig(_Section):
         "master after an update; beyond it the full weights are sent", gt=0.0)
     downlink: str = _opt(
         "auto", "coordinator only: codec for weight deltas sent to workers; auto = the uplink's, "
-        "except qsgd 8-bit when the uplink is topk or qsgd (Adam's updates are dense)",
-        choices=("auto", "none", "fp16", "topk", "qsgd"))
+        "except uniform (deterministic, error-compensated by the worker's shadow) when the uplink "
+        "is topk or qsgd (Adam's updates are dense)",
+        choices=("auto", "none", "fp16", "topk", "qsgd", "uniform"))
+    downlink_bits: int = _opt(
+        4, "coordinator only: bits per element of a uniform downlink", choices=(2, 4, 8))
 
     #: keys both sides must agree on (max_drift is the coordinator's alone)
     SHARED_KEYS: ClassVar[tuple[str, ...]] = (

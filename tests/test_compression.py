@@ -23,6 +23,7 @@ from swarmtrain.compression import (
     QSGDCodec,
     SizeAdaptive,
     TopKCodec,
+    UniformCodec,
     decompress_any,
     dequantize_int8,
     make_codec,
@@ -45,6 +46,9 @@ ALL_CODECS: list[Callable[[], Codec]] = [
     lambda: QSGDCodec(8, 16),
     lambda: QSGDCodec(4, 5),
     lambda: QSGDCodec(2, 3),
+    lambda: UniformCodec(8, 16),
+    lambda: UniformCodec(4, 5),
+    lambda: UniformCodec(2, 3),
 ]
 
 
@@ -302,7 +306,7 @@ def test_empty_and_scalar_tensors(factory: Callable[[], Codec]) -> None:
     for x in (torch.zeros(0), torch.zeros(3, 0), torch.tensor(2.5), torch.tensor([-1.5])):
         y = codec.decompress(codec.compress(x, generator=gen()))
         assert y.shape == x.shape
-        if codec.name != "qsgd":
+        if codec.name != "qsgd":  # uniform: a lone element is its bucket's maximum, exact
             assert torch.equal(y, x)
 
 
@@ -316,6 +320,7 @@ def test_wire_sizes_match_the_declared_layouts() -> None:
         "qsgd8": numel + 4 * 196,  # 1 byte per element + a float32 norm per 512 bucket
         "qsgd4": numel // 2 + 4 * 196,
         "qsgd2": numel // 4 + 4 * 196,
+        "uniform4": numel // 2 + 4 * 196,  # the same layout as qsgd: codes + a float32 scale
     }
     codecs = {
         "none": make_codec("none"),
@@ -324,6 +329,7 @@ def test_wire_sizes_match_the_declared_layouts() -> None:
         "qsgd8": make_codec("qsgd", qsgd_bits=8),
         "qsgd4": make_codec("qsgd", qsgd_bits=4),
         "qsgd2": make_codec("qsgd", qsgd_bits=2),
+        "uniform4": make_codec("uniform", qsgd_bits=4),
     }
     for key, codec in codecs.items():
         c = codec.compress(x, generator=gen())
@@ -397,6 +403,8 @@ def with_part(c: Compressed, name: str, value: torch.Tensor) -> Compressed:
 def malformed_cases() -> list[tuple[str, Codec, Compressed]]:
     topk, qsgd8, qsgd2 = TopKCodec(0.1), QSGDCodec(8, 512), QSGDCodec(2, 100)
     t, q8, q2, n = valid(topk), valid(qsgd8), valid(qsgd2), valid(NoneCodec(), 10)
+    uni = UniformCodec(8, 512)
+    u8 = valid(uni)
     low, counts = t.parts["index_low"], t.parts["block_counts"]
     out_of_range = low.clone()
     out_of_range[-1] = 70_000 - 65536  # last block: index 70000 == numel
@@ -450,6 +458,13 @@ def malformed_cases() -> list[tuple[str, Codec, Compressed]]:
             qsgd2,
             with_part(q2, "codes", torch.full_like(q2.parts["codes"], 255)),
         ),
+        ("uniform negative scale", uni, with_part(u8, "scales", -u8.parts["scales"])),
+        ("uniform inf scale", uni, with_part(u8, "scales", u8.parts["scales"] * float("inf"))),
+        ("uniform code 255", uni, with_part(u8, "codes", torch.full_like(u8.parts["codes"], 255))),
+        ("uniform bits", uni, dataclasses.replace(u8, meta={"bits": 5, "bucket_size": 512})),
+        ("uniform part name", uni, Compressed("uniform", u8.shape, "float32",
+                                              {"norms": u8.parts["scales"], "codes": u8.parts["codes"]},
+                                              u8.meta)),
     ]
 
 
@@ -516,3 +531,38 @@ def test_corrupted_input_only_ever_raises_remote_protocol_error(c: Compressed) -
     except RemoteProtocolError:
         return
     assert y.shape == c.shape and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_uniform_error_is_within_half_a_level_and_the_bucket_maximum_is_exact(bits: int) -> None:
+    x = randn(10_000) * torch.linspace(0.01, 10, 10_000)  # buckets of very different scales
+    codec = UniformCodec(bits, 128)
+    y = codec.decompress(codec.compress(x))
+    levels = 2 ** (bits - 1) - 1
+    for b in range(0, 10_000, 128):
+        xb, yb = x[b:b + 128], y[b:b + 128]
+        half_level = float(xb.abs().max()) / levels / 2
+        assert float((yb - xb).abs().max()) <= half_level * (1 + 1e-5)
+        i = int(xb.abs().argmax())
+        assert math.isclose(float(yb[i]), float(xb[i]), rel_tol=1e-6)
+    assert torch.equal(codec.decompress(codec.compress(x)), y)  # deterministic: no generator
+
+
+def test_uniform_with_error_feedback_sends_the_sum_of_gradients() -> None:
+    ef = ErrorFeedback(UniformCodec(2, 64))
+    grads = [randn(1000, seed=s) for s in range(50)]
+    sent = sum(decompress_any(ef.compress("w", g)) for g in grads)
+    assert isinstance(sent, torch.Tensor)
+    # what was sent plus what is held back is exactly what came in
+    held = sum(grads) - sent
+    assert ef.residual_norm() == pytest.approx(float(torch.linalg.vector_norm(held)), rel=1e-4)
+    assert float(held.abs().max()) <= float(max(g.abs().max() for g in grads))  # bounded, not growing
+
+
+def test_uniform_rejects_non_finite_input_and_bad_config() -> None:
+    with pytest.raises(LocalProtocolError, match="NaN"):
+        UniformCodec(4).compress(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ConfigError, match="bits"):
+        UniformCodec(3)
+    with pytest.raises(ConfigError, match="bucket_size"):
+        UniformCodec(4, 0)

@@ -72,8 +72,8 @@ def test_worker_weights_stay_within_the_drift_bound() -> None:
             await asyncio.sleep(1.0)  # the gradient in flight is answered and applied
             rec = c.workers["d"]
             assert rec.resyncs >= 1  # the bound forced full weights at least once
-            for n, p in w.params.items():  # the worker holds exactly what the coordinator sent
-                assert torch.equal(p, rec.shadow[n]), n
+            # the worker holds exactly what the coordinator sent
+            assert torch.equal(torch.cat([p.detach().reshape(-1) for p in w.params.values()]), rec.shadow)
             num = math.sqrt(sum(float((c.params[n] - w.params[n]).detach().norm()) ** 2 for n in c.params))
             den = math.sqrt(sum(float(p.detach().norm()) ** 2 for p in c.params.values()))
             assert num / den <= 0.002 + 1e-9
@@ -103,14 +103,19 @@ def test_bytes_on_the_wire_are_the_declared_size_plus_framing(name: str) -> None
     assert framing <= PREAMBLE.size + 160 * len(grads) + ALIGN * len(tensors)  # small, per tensor
 
 
-def test_auto_downlink_is_dense_8bit_for_topk_and_the_uplink_codec_otherwise() -> None:
+def test_auto_downlink_is_dense_uniform_for_topk_and_qsgd_and_the_uplink_codec_otherwise() -> None:
     from swarmtrain.roles.common import downlink_codec
 
     x = torch.randn(100_000)
     top = downlink_codec(CompressionConfig(type="topk", topk_ratio=0.01, min_compress_numel=0))
-    assert top.compress(x).codec == "qsgd" and top.compress(x).meta["bits"] == 8
-    q4 = downlink_codec(CompressionConfig(type="qsgd", qsgd_bits=4, min_compress_numel=0))
-    assert q4.compress(x).meta["bits"] == 8  # 4-bit deltas would break the drift bound often
+    assert top.compress(x).codec == "uniform" and top.compress(x).meta["bits"] == 4
+    q8 = downlink_codec(CompressionConfig(type="qsgd", qsgd_bits=8, min_compress_numel=0))
+    assert q8.compress(x).codec == "uniform" and q8.compress(x).meta["bits"] == 4
+    two = downlink_codec(CompressionConfig(type="topk", downlink_bits=2, min_compress_numel=0))
+    assert two.compress(x).meta["bits"] == 2
+    explicit = downlink_codec(CompressionConfig(type="topk", downlink="qsgd", qsgd_bits=4,
+                                                min_compress_numel=0))
+    assert explicit.compress(x).codec == "qsgd" and explicit.compress(x).meta["bits"] == 4
     assert downlink_codec(CompressionConfig(type="fp16")).compress(x).codec == "fp16"
     forced = downlink_codec(CompressionConfig(type="topk", downlink="fp16", min_compress_numel=0))
     assert forced.compress(x).codec == "fp16"
@@ -135,5 +140,56 @@ def test_a_compression_key_mismatch_is_reported_at_registration() -> None:
                 await asyncio.wait_for(w.run_async(), 30)
         finally:
             await c.close()
+
+    asyncio.run(main())
+
+
+def test_a_fused_delta_splits_into_the_models_tensors_and_malformed_ones_are_refused() -> None:
+    from swarmtrain.compression import UniformCodec
+    from swarmtrain.errors import RemoteProtocolError
+    from swarmtrain.roles.common import FUSED, unpack_compressed
+
+    expected = {"a.weight": torch.zeros(3, 4), "a.bias": torch.zeros(4), "b": torch.zeros(2, 2, 2)}
+    flat = torch.arange(24, dtype=torch.float32)
+    codecs, tensors = pack_compressed({FUSED: make_codec("none").compress(flat)})
+    out = unpack_compressed(codecs, tensors, expected)
+    assert list(out) == list(expected) and all(out[n].shape == t.shape for n, t in expected.items())
+    assert torch.equal(out["a.bias"], torch.arange(12, 16, dtype=torch.float32))
+    u_codecs, u_tensors = pack_compressed({FUSED: UniformCodec(8).compress(flat)})
+    assert torch.allclose(unpack_compressed(u_codecs, u_tensors, expected)["b"].reshape(-1),
+                          flat[16:], atol=23 / 127 / 2 + 1e-6)
+    short = dict(expected, b=torch.zeros(3))  # 23 elements expected, 24 sent
+    bad = [
+        (codecs, tensors, short),  # a model of another size
+        (codecs, {}, expected),  # the part is missing
+        (codecs, {**tensors, "extra/values": torch.zeros(1)}, expected),  # an unnamed tensor
+        ({FUSED: {**codecs[FUSED], "codec": "zstd"}}, tensors, expected),  # an unknown codec
+    ]
+    for c, t, e in bad:
+        with pytest.raises(RemoteProtocolError):
+            unpack_compressed(c, t, e)
+
+
+@pytest.mark.timeout(60)
+def test_with_a_lossless_downlink_the_worker_holds_the_master_weights_exactly() -> None:
+    async def main() -> None:
+        c = coordinator(**{"training.resync_interval": 10_000})
+        await c.start()
+        w = worker(c.port, **{"training.worker_id": "x", "training.max_inflight": 0})
+        t = asyncio.create_task(w.run_async())
+        try:
+            for _ in range(400):
+                if c.version >= 30:
+                    break
+                await asyncio.sleep(0.05)
+            await c.set_paused(True)
+            await asyncio.sleep(0.5)  # the last answer reaches the worker
+            assert c.version >= 30 and c.workers["x"].resyncs == 0  # deltas only, no full weights
+            for n, p in c.params.items():
+                assert torch.equal(p, w.params[n]), n
+        finally:
+            await c.close()
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
 
     asyncio.run(main())

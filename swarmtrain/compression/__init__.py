@@ -1,6 +1,6 @@
 """Gradient and weight compression: pure tensor functions, no I/O.
 
-Codecs (``none``, ``fp16``, ``topk``, ``qsgd``) turn a tensor into a :class:`Compressed`
+Codecs (``none``, ``fp16``, ``topk``, ``qsgd``, ``uniform``) turn a tensor into a :class:`Compressed`
 (named 1-D parts for the wire plus small meta scalars) and back; :func:`decompress_any`
 decodes any of them from the :class:`Compressed` alone. :class:`ErrorFeedback` keeps what
 a lossy codec dropped for the next step; :class:`SizeAdaptive` leaves small tensors
@@ -21,6 +21,7 @@ from swarmtrain.compression.feedback import ErrorFeedback
 from swarmtrain.compression.qsgd import QSGDCodec
 from swarmtrain.compression.simple import FP16Codec, NoneCodec, dequantize_int8, quantize_int8
 from swarmtrain.compression.topk import TopKCodec, topk_count, topk_warmup_ratio
+from swarmtrain.compression.uniform import UniformCodec
 
 __all__ = [
     "CODEC_NAMES",
@@ -34,6 +35,7 @@ __all__ = [
     "QSGDCodec",
     "SizeAdaptive",
     "TopKCodec",
+    "UniformCodec",
     "decompress_any",
     "dequantize_int8",
     "make_codec",

@@ -10,11 +10,12 @@ from swarmtrain.compression.base import Codec, Compressed
 from swarmtrain.compression.qsgd import QSGDCodec, decode_qsgd
 from swarmtrain.compression.simple import FP16Codec, NoneCodec
 from swarmtrain.compression.topk import TopKCodec, decode_topk
+from swarmtrain.compression.uniform import UniformCodec, decode_uniform
 from swarmtrain.errors import ConfigError, RemoteProtocolError
 
 __all__ = ["CODEC_NAMES", "LOSSLESS_CODECS", "SizeAdaptive", "decompress_any", "make_codec"]
 
-CODEC_NAMES = ("none", "fp16", "topk", "qsgd")
+CODEC_NAMES = ("none", "fp16", "topk", "qsgd", "uniform")
 """Codec names accepted by :func:`make_codec` (and the ``[compression] type`` config key)."""
 
 LOSSLESS_CODECS = frozenset({"none"})
@@ -25,6 +26,7 @@ _DECODERS: dict[str, Callable[[Compressed], torch.Tensor]] = {
     "fp16": FP16Codec().decompress,
     "topk": decode_topk,
     "qsgd": decode_qsgd,
+    "uniform": decode_uniform,
 }
 
 
@@ -108,8 +110,8 @@ def make_codec(
     Args:
         name: one of :data:`CODEC_NAMES`.
         topk_ratio: fraction of elements top-k keeps, in (0, 1].
-        qsgd_bits: 2, 4 or 8.
-        bucket_size: QSGD bucket size, 1 .. 2**24.
+        qsgd_bits: 2, 4 or 8 (QSGD's bits, and uniform's).
+        bucket_size: QSGD (and uniform) bucket size, 1 .. 2**24.
         min_compress_numel: when > 0, tensors with fewer elements are sent uncompressed
             (a :class:`SizeAdaptive` wraps the codec).
 
@@ -126,6 +128,7 @@ def make_codec(
         "fp16": FP16Codec(),
         "topk": TopKCodec(topk_ratio),
         "qsgd": QSGDCodec(qsgd_bits, bucket_size),
+        "uniform": UniformCodec(qsgd_bits, bucket_size),
     }
     adaptive = SizeAdaptive(codecs[name], min_numel=min_compress_numel)
     return adaptive if min_compress_numel > 0 else codecs[name]

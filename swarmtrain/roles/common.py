@@ -19,6 +19,7 @@ __all__ = [
     "payload_bytes",
     "fingerprint",
     "check_fingerprint",
+    "FUSED",
     "pack_compressed",
     "unpack_compressed",
 ]
@@ -67,13 +68,13 @@ def codec_for_step(c: CompressionConfig, step: int) -> Codec:
 def downlink_codec(c: CompressionConfig) -> Codec:
     """The codec for weight deltas (coordinator → worker)."""
     kind = c.downlink
-    bits = c.qsgd_bits
     if kind == "auto":
-        # Weight deltas are dense (Adam) and their error accumulates in the worker's replica:
-        # a top-k or coarse (2/4-bit) QSGD downlink exceeds the drift bound and ends up
-        # sending full weights often, so those get 8-bit QSGD instead.
-        kind = "qsgd" if c.type in ("topk", "qsgd") else c.type
-        bits = 8
+        # Weight deltas are dense (Adam moves every weight) and what the downlink drops is
+        # kept in the worker's shadow and sent again: a top-k downlink lags far behind and a
+        # stochastic coarse QSGD one exceeds the drift bound, while deterministic uniform
+        # levels scaled by each bucket's largest delta stay within half a level of the master.
+        kind = "uniform" if c.type in ("topk", "qsgd") else c.type
+    bits = c.downlink_bits if kind == "uniform" else c.qsgd_bits
     return make_codec(kind, topk_ratio=c.topk_ratio, qsgd_bits=bits, bucket_size=c.bucket_size,
                       min_compress_numel=c.min_compress_numel)
 
@@ -90,6 +91,12 @@ def check_compression_match(mine: CompressionConfig, theirs: Mapping[str, Any]) 
 def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """Bytes of tensor data a message carries (the frame adds a small header and padding)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+FUSED = "*"
+"""The ``codecs`` name of one entry that carries every parameter, flattened and concatenated
+in the model's parameter order (the fingerprint guarantees both ends share it): weight
+deltas travel this way, one codec call per message instead of one per tensor."""
 
 
 def pack_compressed(
@@ -114,6 +121,8 @@ def unpack_compressed(
     Raises:
         RemoteProtocolError: names, shapes or parts do not match, or a codec rejects its parts.
     """
+    if set(codecs) == {FUSED} and FUSED not in expected:
+        return _unpack_fused(codecs, tensors, expected)
     if set(codecs) != set(expected):
         missing = sorted(set(expected) - set(codecs))[:3]
         extra = sorted(set(codecs) - set(expected))[:3]
@@ -145,3 +154,15 @@ def unpack_compressed(
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
     return out
+
+
+def _unpack_fused(
+    codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Decode a :data:`FUSED` entry and split it into one view per expected tensor."""
+    sizes = [t.numel() for t in expected.values()]
+    prefix = FUSED + "/"
+    renamed = {("all/" + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
+    flat = unpack_compressed({"all": codecs[FUSED]}, renamed, {"all": torch.empty(sum(sizes))})["all"]
+    return {name: part.view(t.shape)
+            for (name, t), part in zip(expected.items(), torch.split(flat, sizes))}

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmtrain.compression import LOSSLESS_CODECS, Compressed
+from swarmtrain.compression import LOSSLESS_CODECS
 from swarmtrain.config import CoordinatorConfig, load_coordinator_config, resolve_secret
 from swarmtrain.errors import (
     ConfigError,
@@ -33,6 +33,7 @@ from swarmtrain.errors import (
     SwarmError,
 )
 from swarmtrain.roles.common import (
+    FUSED,
     check_compression_match,
     check_fingerprint,
     downlink_codec,
@@ -81,7 +82,8 @@ class WorkerRecord:
     shards: list[int] = field(default_factory=list)
     conn: Connection | None = None
     welcomed: bool = False
-    shadow: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the worker's replica as the coordinator knows it, flattened like :data:`FUSED`
+    shadow: torch.Tensor | None = None
     steps: int = 0
     samples: int = 0
     stale: int = 0
@@ -165,6 +167,7 @@ class Coordinator:
         self.secret = secret if secret is not None else resolve_secret(cfg.security)
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self._fingerprint = fingerprint(self.params.items())
+        self._flat = _flatten_storage(self.params)
         t = cfg.training
         if t.learning_rate <= 0:
             raise ConfigError(
@@ -314,7 +317,7 @@ class Coordinator:
             if rec.conn is conn:
                 rec.conn = None
                 rec.welcomed = False
-                rec.shadow = {}
+                rec.shadow = None
                 self._event("left", worker=rec.worker_id, reason=str(self._leave_reason(conn)))
                 if not self._finished:
                     with contextlib.suppress(SwarmError):
@@ -428,9 +431,15 @@ class Coordinator:
 
     def _snapshot_for(self, rec: WorkerRecord) -> Weights:
         snap = {n: p.detach().clone() for n, p in self.params.items()}
-        rec.shadow = {n: t.clone() for n, t in snap.items()}
+        rec.shadow = self._flat_master().clone()
         rec.since_resync = 0
         return Weights(version=self.version, tensors=snap)
+
+    def _flat_master(self) -> torch.Tensor:
+        """The master weights flattened in parameter order (a view when storage is flat)."""
+        if self._flat is not None:
+            return self._flat
+        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params.values()])
 
     def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message]:
         rec.gradients += 1
@@ -513,23 +522,23 @@ class Coordinator:
         resync also goes every ``resync_interval`` updates.
         """
         rec.since_resync += 1
-        if not rec.shadow or rec.since_resync >= self.config.training.resync_interval:
+        if rec.shadow is None or rec.since_resync >= self.config.training.resync_interval:
             return self._full_update(rec, msg_id, status)
-        names = list(self.params)
-        masters = [p.detach() for p in self.params.values()]
-        shadows = [rec.shadow[n] for n in names]
-        deltas = torch._foreach_sub(masters, shadows)
-        items: dict[str, Compressed] = {n: self.codec.compress(d) for n, d in zip(names, deltas)}
-        sent = [self.codec.decompress(items[n]) for n in names]
-        if self.codec.name not in LOSSLESS_CODECS:
-            left = _global_norm(torch._foreach_sub(deltas, sent))
-            rec.drift = left / max(_global_norm(masters), 1e-30)
+        # One flat delta, one codec call (FUSED): per-tensor calls cost more than the
+        # arithmetic for the small models this mode is used with.
+        master = self._flat_master()
+        delta = master - rec.shadow
+        item = self.codec.compress(delta)
+        sent = self.codec.decompress(item)
+        if item.codec not in LOSSLESS_CODECS:  # (a lossless `sent` may be `delta` itself)
+            left = float(torch.linalg.vector_norm(delta - sent))
+            rec.drift = left / max(float(torch.linalg.vector_norm(master)), 1e-30)
             if rec.drift > self.config.compression.max_drift:
                 return self._full_update(rec, msg_id, status)
         # The shadow moves by exactly what the worker will add, in place: no message holds
-        # shadow tensors (resyncs send their own snapshot).
-        torch._foreach_add_(shadows, sent)
-        codecs, tensors = pack_compressed(items)
+        # the shadow (resyncs send their own snapshot).
+        rec.shadow.add_(sent)
+        codecs, tensors = pack_compressed({FUSED: item})
         return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs, tensors=tensors)
 
     def _full_update(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
@@ -638,6 +647,22 @@ def _make_adam(params: list[torch.Tensor], **kwargs: Any) -> torch.optim.Adam:
         return torch.optim.Adam(params, fused=True, **kwargs)
     except (RuntimeError, TypeError, ValueError):
         return torch.optim.Adam(params, foreach=True, **kwargs)
+
+
+def _flatten_storage(params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """Move float32 CPU parameters into one flat buffer they all become views of (so the
+    flattened master weights cost nothing to read); None if they are not all float32 on
+    the CPU (then :meth:`Coordinator._flat_master` concatenates)."""
+    ps = list(params.values())
+    if not ps or any(p.dtype != torch.float32 or p.device.type != "cpu" for p in ps):
+        return None
+    flat = torch.cat([p.detach().reshape(-1) for p in ps])
+    offset = 0
+    with torch.no_grad():
+        for p in ps:
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+    return flat
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:

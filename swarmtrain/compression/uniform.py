@@ -1,0 +1,135 @@
+"""Uniform: bucketed deterministic quantization to a few signed levels, scaled by each
+bucket's largest magnitude — the codec for error-compensated streams.
+
+The flattened tensor is cut into buckets of ``bucket_size`` elements (the last may be
+shorter). For a bucket whose largest magnitude is ``M`` and ``s = 2**(bits-1) - 1`` levels
+a side, element ``x`` becomes ``round(x * s / M)`` in ``[-s, s]`` and decodes to
+``level * M / s``: the error is at most ``M / (2 s)`` per element, and the bucket's largest
+element is exact.
+
+Unlike QSGD (:mod:`.qsgd`) the rounding is to nearest, so the result is biased but its
+error is small and bounded — about ``sqrt(bucket_size) / 2`` times smaller than QSGD's at
+the same bits, whose levels are spaced by the bucket's L2 norm. That is the right trade
+wherever the error is fed back: the coordinator's weight deltas (the per-worker shadow
+carries the rounding error into the next delta, so it never accumulates) and gradients
+sent through :class:`~swarmtrain.compression.ErrorFeedback`.
+
+Each element is stored as the offset code ``level + s`` in ``[0, 2s]``, packed
+``8 // bits`` per byte (see :mod:`.bitpack`); each bucket adds one float32 scale ``M``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarmtrain.compression.base import (
+    Codec,
+    Compressed,
+    check_header,
+    check_meta_keys,
+    check_parts,
+    dtype_name,
+    flat_float32,
+    meta_int,
+)
+from swarmtrain.compression.bitpack import PACK_BITS, pack_bits, packed_nbytes, unpack_bits
+from swarmtrain.compression.qsgd import MAX_BUCKET_SIZE, _levels, _num_buckets, _scale_per_bucket_
+from swarmtrain.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+
+__all__ = ["UniformCodec", "decode_uniform"]
+
+
+def _bucket_max(flat: torch.Tensor, size: int) -> torch.Tensor:
+    """The largest magnitude of each bucket of ``size`` elements (float32, one per bucket)."""
+    numel = flat.numel()
+    full = numel // size
+    out = torch.empty(_num_buckets(numel, size), dtype=torch.float32)
+    if full:
+        torch.amax(flat[: full * size].view(full, size).abs(), dim=1, out=out[:full])
+    if numel > full * size:
+        out[full] = flat[full * size :].abs().max()
+    return out
+
+
+class UniformCodec(Codec):
+    """Deterministic ``bits``-bit quantization with one max-magnitude scale per bucket.
+
+    Args:
+        bits: 2 (levels -1..1), 4 (-7..7) or 8 (-127..127).
+        bucket_size: elements per bucket (one float32 scale each).
+
+    Raises:
+        ConfigError: ``bits`` not in (2, 4, 8) or ``bucket_size`` out of range.
+    """
+
+    name = "uniform"
+
+    def __init__(self, bits: int = 4, bucket_size: int = 512) -> None:
+        if isinstance(bits, bool) or bits not in PACK_BITS:
+            raise ConfigError(f"uniform bits must be one of {PACK_BITS}, got {bits!r}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) \
+                or not 1 <= bucket_size <= MAX_BUCKET_SIZE:
+            raise ConfigError(f"bucket_size must be an int in 1..{MAX_BUCKET_SIZE}, got {bucket_size!r}")
+        self.bits = bits
+        self.bucket_size = bucket_size
+
+    def __repr__(self) -> str:
+        return f"UniformCodec(bits={self.bits}, bucket_size={self.bucket_size})"
+
+    def compress(
+        self, tensor: torch.Tensor, *, generator: torch.Generator | None = None
+    ) -> Compressed:
+        flat = flat_float32(tensor)
+        size = self.bucket_size
+        s = _levels(self.bits)
+        scales = _bucket_max(flat, size)
+        if scales.numel() and not bool(torch.isfinite(scales).all()):
+            raise LocalProtocolError(
+                "non_finite", "uniform: a bucket holds NaN or inf; fix the tensor before sending it"
+            )
+        # Zero buckets get factor 0: every level there is 0.
+        factor = torch.where(scales > 0, s / scales, torch.zeros_like(scales))
+        level = flat.clone()
+        _scale_per_bucket_(level, factor, size)
+        codes = level.round_().clamp_(-s, s).add_(s).to(torch.uint8)
+        parts = {"scales": scales, "codes": pack_bits(codes, self.bits)}
+        meta: dict[str, int | float | str] = {"bits": self.bits, "bucket_size": size}
+        return Compressed(self.name, tuple(tensor.shape), dtype_name(tensor), parts, meta)
+
+    def decompress(self, c: Compressed) -> torch.Tensor:
+        return decode_uniform(c)
+
+    def estimate_wire_bytes(self, numel: int) -> int:
+        return 4 * _num_buckets(numel, self.bucket_size) + packed_nbytes(numel, self.bits)
+
+
+def decode_uniform(c: Compressed) -> torch.Tensor:
+    """Decode a ``uniform`` :class:`Compressed` from its parts and meta alone.
+
+    Raises:
+        RemoteProtocolError: bad meta, wrong part sizes or dtypes, a scale that is negative
+            or not finite, or a code above ``2s``.
+    """
+    numel = check_header(c, UniformCodec.name)
+    check_meta_keys(c, {"bits", "bucket_size"})
+    bits = meta_int(c, "bits", 2, 8)
+    if bits not in PACK_BITS:
+        raise RemoteProtocolError("bad_meta", f"uniform: bits must be one of {PACK_BITS}, got {bits}")
+    size = meta_int(c, "bucket_size", 1, MAX_BUCKET_SIZE)
+    check_parts(
+        c,
+        {
+            "scales": (torch.float32, _num_buckets(numel, size)),
+            "codes": (torch.uint8, packed_nbytes(numel, bits)),
+        },
+    )
+    scales = c.parts["scales"]
+    if scales.numel() and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
+        raise RemoteProtocolError("bad_uniform_scale", "uniform: bucket scales must be finite and >= 0")
+    s = _levels(bits)
+    codes = unpack_bits(c.parts["codes"].contiguous(), bits, numel)
+    if numel and int(codes.max()) > 2 * s:
+        raise RemoteProtocolError("bad_uniform_code", f"uniform: codes must be <= {2 * s}")
+    values = codes.to(torch.float32).sub_(s)
+    _scale_per_bucket_(values, scales / s, size)
+    return values.view(c.shape)
