@@ -126,7 +126,9 @@ def test_topk_warmup_ramps_density_from_dense_to_target() -> None:
     x = torch.randn(10_000)
     sizes = [codec_for_step(c, s).compress(x).wire_bytes() for s in (0, 25, 50, 75, 100, 500)]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 10 * sizes[-1]
-    assert codec_for_step(c, 0).compress(x).meta["k"] == 10_000  # dense at step 0
+    assert codec_for_step(c, 0).compress(x).codec == "fp16"  # dense at step 0, cheaper as fp16
+    assert codec_for_step(c, 14).compress(x).codec == "fp16"  # density 0.525: still fp16
+    assert codec_for_step(c, 16).compress(x).meta["k"] == 4787  # density 0.479: top-k from here
     assert codec_for_step(c, 100).compress(x).meta["k"] == 100  # the target after warm-up
 
 

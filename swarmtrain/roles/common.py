@@ -57,11 +57,18 @@ def check_fingerprint(mine: list[list[Any]], theirs: Any) -> None:
 
 def codec_for_step(c: CompressionConfig, step: int) -> Codec:
     """The codec for gradient ``step``: during warm-up, top-k density ramps geometrically from
-    dense (1.0) down to ``topk_ratio`` over ``warmup_steps`` (as in Deep Gradient Compression)."""
+    dense (1.0) down to ``topk_ratio`` over ``warmup_steps`` (as in Deep Gradient Compression).
+
+    Top-k costs 4 bytes per kept element (fp16 value + 16-bit index), so above half density
+    the whole tensor in fp16 is both smaller and exact to fp16: those warm-up steps send fp16.
+    """
     ratio = c.topk_ratio
+    kind = c.type
     if c.type == "topk" and c.warmup_steps:
         ratio = topk_warmup_ratio(step, c.topk_ratio, c.warmup_steps)
-    return make_codec(c.type, topk_ratio=ratio, qsgd_bits=c.qsgd_bits, bucket_size=c.bucket_size,
+        if ratio >= 0.5:
+            kind = "fp16"
+    return make_codec(kind, topk_ratio=ratio, qsgd_bits=c.qsgd_bits, bucket_size=c.bucket_size,
                       min_compress_numel=c.min_compress_numel)
 
 
