@@ -566,3 +566,15 @@ def test_uniform_rejects_non_finite_input_and_bad_config() -> None:
         UniformCodec(3)
     with pytest.raises(ConfigError, match="bucket_size"):
         UniformCodec(4, 0)
+
+
+@pytest.mark.parametrize("numel", [1000, 65_536, 200_003])
+def test_topk_feedback_fast_path_keeps_exactly_what_a_full_decode_would(numel: int) -> None:
+    ef = ErrorFeedback(TopKCodec(0.01))
+    g1, g2 = randn(numel, seed=1) * 1e5, randn(numel, seed=2)  # 1e5: some values clamp in fp16
+    s1 = ef.compress("w", g1)
+    expect = g1 - decompress_any(s1)
+    assert torch.equal(ef._residuals["w"], expect)
+    s2 = ef.compress("w", g2)
+    assert torch.equal(ef._residuals["w"], (g2 + expect) - decompress_any(s2))
+    assert torch.equal(g1, randn(numel, seed=1) * 1e5)  # the caller's gradient is untouched

@@ -16,6 +16,7 @@ import torch
 
 from swarmtrain.compression.base import Codec, Compressed, dtype_name, require_float
 from swarmtrain.compression.codecs import LOSSLESS_CODECS
+from swarmtrain.compression.topk import TopKCodec, subtract_topk_
 
 __all__ = ["ErrorFeedback"]
 
@@ -63,6 +64,14 @@ class ErrorFeedback:
             sent = dataclasses.replace(sent, dtype=dtype_name(grad))
         if sent.codec in LOSSLESS_CODECS:
             self._residuals.pop(name, None)
+            return sent
+        if sent.codec == TopKCodec.name:
+            # only the kept positions change: subtract them in place (a few small ops
+            # instead of decoding a full-size tensor)
+            if residual is None:  # `target` is the caller's gradient: work on a copy
+                target = target.to(torch.float32).clone(memory_format=torch.contiguous_format)
+            subtract_topk_(target, sent)
+            self._residuals[name] = target
             return sent
         decoded = self.codec.decompress(sent)
         if residual is not None and not _shares_memory(sent, target):
