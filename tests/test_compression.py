@@ -578,3 +578,11 @@ def test_topk_feedback_fast_path_keeps_exactly_what_a_full_decode_would(numel: i
     s2 = ef.compress("w", g2)
     assert torch.equal(ef._residuals["w"], (g2 + expect) - decompress_any(s2))
     assert torch.equal(g1, randn(numel, seed=1) * 1e5)  # the caller's gradient is untouched
+
+
+@pytest.mark.parametrize("factory", ALL_CODECS)
+def test_compress_decoded_is_exactly_what_the_receiver_decodes(factory: Callable[[], Codec]) -> None:
+    codec = SizeAdaptive(factory(), min_numel=50)
+    for x in (randn(10_000, seed=3), randn(3, 7, seed=4), randn(0)):
+        c, decoded = codec.compress_decoded(x, generator=gen())
+        assert torch.equal(decoded, decompress_any(c)) and decoded.shape == x.shape

@@ -115,6 +115,14 @@ class Codec(ABC):
     def estimate_wire_bytes(self, numel: int) -> int:
         """Exact :meth:`Compressed.wire_bytes` for a tensor of ``numel`` elements."""
 
+    def compress_decoded(
+        self, tensor: torch.Tensor, *, generator: torch.Generator | None = None
+    ) -> tuple[Compressed, torch.Tensor]:
+        """``compress`` plus what the receiver will decode from it (float32, ``tensor``'s shape),
+        for a sender that tracks the receiver's copy; codecs may override it to skip the decode."""
+        c = self.compress(tensor, generator=generator)
+        return c, self.decompress(c)
+
 
 def require_float(tensor: torch.Tensor) -> None:
     """Raise :class:`LocalProtocolError` unless ``tensor`` has one of :data:`FLOAT_DTYPES`."""

@@ -93,6 +93,11 @@ class SizeAdaptive(Codec):
     def decompress(self, c: Compressed) -> torch.Tensor:
         return decompress_any(c)
 
+    def compress_decoded(
+        self, tensor: torch.Tensor, *, generator: torch.Generator | None = None
+    ) -> tuple[Compressed, torch.Tensor]:
+        return self.codec_for(tensor.numel()).compress_decoded(tensor, generator=generator)
+
     def estimate_wire_bytes(self, numel: int) -> int:
         return self.codec_for(numel).estimate_wire_bytes(numel)
 

@@ -79,6 +79,11 @@ class UniformCodec(Codec):
     def compress(
         self, tensor: torch.Tensor, *, generator: torch.Generator | None = None
     ) -> Compressed:
+        return self.compress_decoded(tensor)[0]
+
+    def compress_decoded(
+        self, tensor: torch.Tensor, *, generator: torch.Generator | None = None
+    ) -> tuple[Compressed, torch.Tensor]:
         flat = flat_float32(tensor)
         size = self.bucket_size
         s = _levels(self.bits)
@@ -91,10 +96,13 @@ class UniformCodec(Codec):
         factor = torch.where(scales > 0, s / scales, torch.zeros_like(scales))
         level = flat.clone()
         _scale_per_bucket_(level, factor, size)
-        codes = level.round_().clamp_(-s, s).add_(s).to(torch.uint8)
+        level.round_().clamp_(-s, s)
+        codes = (level + s).to(torch.uint8)
         parts = {"scales": scales, "codes": pack_bits(codes, self.bits)}
         meta: dict[str, int | float | str] = {"bits": self.bits, "bucket_size": size}
-        return Compressed(self.name, tuple(tensor.shape), dtype_name(tensor), parts, meta)
+        _scale_per_bucket_(level, scales / s, size)  # what decode_uniform computes, bit for bit
+        c = Compressed(self.name, tuple(tensor.shape), dtype_name(tensor), parts, meta)
+        return c, level.view(tensor.shape)
 
     def decompress(self, c: Compressed) -> torch.Tensor:
         return decode_uniform(c)

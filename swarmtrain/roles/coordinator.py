@@ -528,8 +528,7 @@ class Coordinator:
         # arithmetic for the small models this mode is used with.
         master = self._flat_master()
         delta = master - rec.shadow
-        item = self.codec.compress(delta)
-        sent = self.codec.decompress(item)
+        item, sent = self.codec.compress_decoded(delta)
         if item.codec not in LOSSLESS_CODECS:  # (a lossless `sent` may be `delta` itself)
             left = float(torch.linalg.vector_norm(delta - sent))
             rec.drift = left / max(float(torch.linalg.vector_norm(master)), 1e-30)
