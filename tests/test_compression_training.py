@@ -173,7 +173,12 @@ def test_a_fused_delta_splits_into_the_models_tensors_and_malformed_ones_are_ref
 
 
 @pytest.mark.timeout(60)
-def test_with_a_lossless_downlink_the_worker_holds_the_master_weights_exactly() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per-tensor"])
+def test_with_a_lossless_downlink_the_worker_holds_the_master_weights_exactly(
+        fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not fused:  # the path big models take
+        monkeypatch.setattr("swarmtrain.roles.coordinator.FUSE_MAX_NUMEL", 0)
+
     async def main() -> None:
         c = coordinator(**{"training.resync_interval": 10_000})
         await c.start()

@@ -329,3 +329,14 @@ def test_describe_rows() -> None:
     assert table["Batch size"] == "24"
     assert table["Threads"] == "8"
     assert "8 logical" in table["Cores"]
+
+
+def test_allocator_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import platform
+
+    from swarmtrain.hardware import tune_allocator
+
+    monkeypatch.setenv("SWARMTRAIN_MALLOC_TUNING", "0")
+    assert tune_allocator() is False
+    monkeypatch.delenv("SWARMTRAIN_MALLOC_TUNING")
+    assert tune_allocator() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")

@@ -168,6 +168,7 @@ class Coordinator:
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self._fingerprint = fingerprint(self.params.items())
         self._flat = _flatten_storage(self.params)
+        self._sizes = [p.numel() for p in self.params.values()]
         t = cfg.training
         if t.learning_rate <= 0:
             raise ConfigError(
@@ -431,9 +432,17 @@ class Coordinator:
 
     def _snapshot_for(self, rec: WorkerRecord) -> Weights:
         snap = {n: p.detach().clone() for n, p in self.params.items()}
-        rec.shadow = self._flat_master().clone()
+        master = self._flat_master()
+        if rec.shadow is not None and rec.shadow.shape == master.shape:
+            rec.shadow.copy_(master)  # reuse: a fresh big buffer costs page faults
+        else:
+            rec.shadow = master.clone()
         rec.since_resync = 0
         return Weights(version=self.version, tensors=snap)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat vector shaped like the parameters, in order."""
+        return [t.view(p.shape) for t, p in zip(flat.split(self._sizes), self.params.values())]
 
     def _flat_master(self) -> torch.Tensor:
         """The master weights flattened in parameter order (a view when storage is flat)."""
@@ -524,20 +533,29 @@ class Coordinator:
         rec.since_resync += 1
         if rec.shadow is None or rec.since_resync >= self.config.training.resync_interval:
             return self._full_update(rec, msg_id, status)
-        # One flat delta, one codec call (FUSED): per-tensor calls cost more than the
-        # arithmetic for the small models this mode is used with.
         master = self._flat_master()
-        delta = master - rec.shadow
-        item, sent = self.codec.compress_decoded(delta)
-        if item.codec not in LOSSLESS_CODECS:  # (a lossless `sent` may be `delta` itself)
-            left = float(torch.linalg.vector_norm(delta - sent))
-            rec.drift = left / max(float(torch.linalg.vector_norm(master)), 1e-30)
+        if master.numel() <= FUSE_MAX_NUMEL:
+            # one flat delta, one codec call (FUSED): for small models per-tensor calls cost
+            # more than the arithmetic
+            names, masters, shadows = [FUSED], [master], [rec.shadow]
+        else:
+            # per tensor: every temporary stays small enough for the allocator to reuse (a
+            # fresh 40 MB one costs more in page faults than the arithmetic on it)
+            names, masters = list(self.params), self._split(master)
+            shadows = self._split(rec.shadow)
+        deltas = torch._foreach_sub(masters, shadows)
+        pairs = [self.codec.compress_decoded(d) for d in deltas]
+        items = {n: item for n, (item, _) in zip(names, pairs)}
+        sent = [decoded for _, decoded in pairs]
+        if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
+            # (a lossless `sent` may be its delta itself: subtract out of place)
+            rec.drift = _global_norm(torch._foreach_sub(deltas, sent)) / max(_global_norm(masters), 1e-30)
             if rec.drift > self.config.compression.max_drift:
                 return self._full_update(rec, msg_id, status)
         # The shadow moves by exactly what the worker will add, in place: no message holds
         # the shadow (resyncs send their own snapshot).
-        rec.shadow.add_(sent)
-        codecs, tensors = pack_compressed({FUSED: item})
+        torch._foreach_add_(shadows, sent)
+        codecs, tensors = pack_compressed(items)
         return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs, tensors=tensors)
 
     def _full_update(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
@@ -646,6 +664,10 @@ def _make_adam(params: list[torch.Tensor], **kwargs: Any) -> torch.optim.Adam:
         return torch.optim.Adam(params, fused=True, **kwargs)
     except (RuntimeError, TypeError, ValueError):
         return torch.optim.Adam(params, foreach=True, **kwargs)
+
+
+FUSE_MAX_NUMEL = 1 << 20
+"""Models up to this many parameters get their weight deltas as one :data:`FUSED` entry."""
 
 
 def _flatten_storage(params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
