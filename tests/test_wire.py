@@ -162,6 +162,20 @@ SAMPLES: dict[MsgType, Message] = {
     MsgType.COMMIT: wire.Commit(epoch=4, proposer="ab" * 16, members=["ab" * 16], addresses={},
                                 donor="ab" * 16, signature=b"s" * 64),
     MsgType.REFORM: wire.Reform(epoch=4, peer_id="cd" * 16),
+    MsgType.STAGE_FORWARD: wire.StageForward(
+        req=7, session="s1", microbatch=3, priority=20,
+        tensors={"x": torch.randn(2, 4, 8), "targets": torch.randint(0, 256, (2, 4))}),
+    MsgType.STAGE_RESULT: wire.StageResult(
+        req=7, session="s1", microbatch=3, done=True,
+        tensors={"y": torch.tensor(2.5), "grad": torch.randn(2, 4, 8)}),
+    MsgType.STAGE_BACKWARD: wire.StageBackward(req=8, session="s1", microbatch=3,
+                                               tensors={"grad": torch.randn(2, 4, 8)}),
+    MsgType.STAGE_GRAD: wire.StageGrad(req=8, session="s1", microbatch=3, duplicate=True),
+    MsgType.STAGE_INFER: wire.StageInfer(req=9, session="gen", priority=0,
+                                         tensors={"x": torch.tensor([[1, 2, 3]])}),
+    MsgType.STAGE_SYNC: wire.StageSync(req=1, round=2, step=40, reply=False,
+                                       tensors={"0.weight": torch.randn(3, 3)}),
+    MsgType.STAGE_ERROR: wire.StageError(req=9, code="bad_input", message="x must be float32"),
 }
 
 
@@ -705,6 +719,8 @@ def test_constants_match_the_protocol_doc() -> None:
         "START": 20, "PAUSE": 21, "RESUME": 22, "SHUTDOWN": 23, "HEARTBEAT": 24,
         "CHECKPOINT": 25, "ERROR": 26, "STATUS_REQUEST": 27, "STATUS": 28,
         "PEER_HELLO": 40, "PEER_INFO": 41, "PROPOSE": 42, "ACCEPT": 43, "COMMIT": 44, "REFORM": 45,
+        "STAGE_FORWARD": 50, "STAGE_RESULT": 51, "STAGE_BACKWARD": 52, "STAGE_GRAD": 53,
+        "STAGE_INFER": 54, "STAGE_SYNC": 55, "STAGE_ERROR": 56,
     }
     assert PREAMBLE.format == "<4sBBHIQ" and PREAMBLE.size == 20
     assert MAGIC == b"SWRM" and PROTOCOL_VERSION == 1 and ALIGN == 64

@@ -47,6 +47,13 @@ __all__ = [
     "Accept",
     "Commit",
     "Reform",
+    "StageForward",
+    "StageResult",
+    "StageBackward",
+    "StageGrad",
+    "StageInfer",
+    "StageSync",
+    "StageError",
     "MESSAGE_CLASSES",
     "message_from_fields",
 ]
@@ -82,6 +89,13 @@ class MsgType(enum.IntEnum):
     ACCEPT = 43
     COMMIT = 44
     REFORM = 45
+    STAGE_FORWARD = 50
+    STAGE_RESULT = 51
+    STAGE_BACKWARD = 52
+    STAGE_GRAD = 53
+    STAGE_INFER = 54
+    STAGE_SYNC = 55
+    STAGE_ERROR = 56
 
 
 @dataclass(frozen=True)
@@ -368,12 +382,109 @@ class Reform(Message):
     peer_id: str
 
 
+# --- pipeline mode: stage servers -------------------------------------------------------
+# Every request carries ``req``, a per-connection request id the answer repeats, so one
+# connection can have many requests in flight and answers may come back in any order.
+
+
+@dataclass(frozen=True)
+class StageForward(Message):
+    """Trainer → stage: training forward of micro-batch ``microbatch`` of ``session``.
+
+    Tensors: ``x`` (the stage input), and for the last stage ``targets``.
+    """
+
+    TYPE = MsgType.STAGE_FORWARD
+    req: int
+    session: str
+    microbatch: int
+    priority: int = 20
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageResult(Message):
+    """Stage → trainer: answer to STAGE_FORWARD or STAGE_INFER.
+
+    Tensors: ``y`` (the output; the loss as a 0-d tensor from the last stage's training
+    forward). With ``done`` set the stage has already applied this micro-batch's backward
+    (always so on the last stage) and ``grad``, the gradient of the stage input, comes along
+    (absent on stage 0, whose input is not differentiable).
+    """
+
+    TYPE = MsgType.STAGE_RESULT
+    req: int
+    session: str
+    microbatch: int
+    done: bool = False
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageBackward(Message):
+    """Trainer → stage: the gradient ``grad`` of the stage output of an earlier forward."""
+
+    TYPE = MsgType.STAGE_BACKWARD
+    req: int
+    session: str
+    microbatch: int
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageGrad(Message):
+    """Stage → trainer: answer to STAGE_BACKWARD; ``grad`` of the stage input (none for
+    stage 0). ``duplicate``: the backward had been applied before and was not applied again."""
+
+    TYPE = MsgType.STAGE_GRAD
+    req: int
+    session: str
+    microbatch: int
+    duplicate: bool = False
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageInfer(Message):
+    """Client → stage: forward of ``x`` without gradients (generation, evaluation)."""
+
+    TYPE = MsgType.STAGE_INFER
+    req: int
+    session: str
+    priority: int = 10
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageSync(Message):
+    """Replica → replica of the same stage: its parameters (by name) as of optimizer step
+    ``step``, for averaging; the answer (``reply`` set) carries the other replica's."""
+
+    TYPE = MsgType.STAGE_SYNC
+    req: int
+    round: int
+    step: int
+    reply: bool = False
+    tensors: TensorMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageError(Message):
+    """Stage → client: request ``req`` failed (``code``, ``message``); the connection stays open."""
+
+    TYPE = MsgType.STAGE_ERROR
+    req: int
+    code: str
+    message: str
+
+
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update, Assign,
         Start, Pause, Resume, Shutdown, Heartbeat, CheckpointMsg, Error, StatusRequest, Status,
         PeerHello, PeerInfoMsg, Propose, Accept, Commit, Reform,
+        StageForward, StageResult, StageBackward, StageGrad, StageInfer, StageSync, StageError,
     )
 }
 

@@ -1,0 +1,114 @@
+"""Replicas of one stage keep their weights together by periodic parameter averaging.
+
+A :class:`ReplicaSync` belongs to one stage server and averages its parameters with each of
+its sync peers (other servers of the same stage) in turn. One round with one peer:
+
+1. take a snapshot ``mine`` of the parameters on the compute thread;
+2. send it (STAGE_SYNC); the peer moves its parameters halfway towards ``mine`` and answers
+   with ``theirs``, its own parameters as they were just before;
+3. move halfway towards ``theirs`` on the compute thread: ``p += (theirs - mine) / 2``.
+
+Two replicas that did not train during the round end up identical, at the average; work
+done during the round is kept on top of it. Configure each pair on one side only (else a
+pair averages twice per period). Optimizer state is not averaged. A peer that fails is
+logged and counted; training goes on without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from swarmtrain.errors import SwarmError
+from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.wire import StageError, StageSync
+
+__all__ = ["ReplicaSync"]
+
+log = logging.getLogger("swarmtrain.pipeline")
+
+OnComputeThread = Callable[..., Awaitable[Any]]
+
+
+class ReplicaSync:
+    """Parameter averaging of one stage server with its sync peers.
+
+    Args:
+        peers: ``(host, port)`` of the replicas to average with.
+        on_compute_thread: runs ``kind`` (``"snapshot"`` → parameters by name, or
+            ``"sync_apply"`` with ``mine=`` and ``theirs=``) on the server's compute thread.
+        step: the server's optimizer step now (sent along, informational).
+        secret: the cluster secret.
+        timeouts: transport timeouts of the connections to peers.
+        round_timeout: most seconds one round with one peer may take.
+        name: how logs name the server.
+    """
+
+    def __init__(self, peers: Sequence[tuple[str, int]], *, on_compute_thread: OnComputeThread,
+                 step: Callable[[], int], secret: bytes | None, timeouts: Timeouts,
+                 round_timeout: float, name: str) -> None:
+        self.peers = list(peers)
+        self._on_compute_thread = on_compute_thread
+        self._step = step
+        self._secret = secret
+        self._timeouts = timeouts
+        self._round_timeout = round_timeout
+        self._name = name
+        self._conns: dict[tuple[str, int], Connection] = {}
+        self._ids = itertools.count(1)
+        self._task: asyncio.Future[int] | None = None
+        self.rounds = 0
+        self.failures = 0
+
+    async def sync_now(self) -> int:
+        """Average with every peer once, now.
+
+        Returns:
+            How many peers the round succeeded with.
+        """
+        ok = 0
+        for peer in self.peers:
+            try:
+                await asyncio.wait_for(self._sync_with(peer), self._round_timeout)
+                ok += 1
+            except (SwarmError, OSError, TimeoutError) as exc:
+                self.failures += 1
+                log.warning("%s: parameter sync with %s:%d failed: %s", self._name, *peer, exc)
+                conn = self._conns.pop(peer, None)
+                if conn is not None:
+                    conn.abort(SwarmError("sync failed"))
+        self.rounds += 1
+        return ok
+
+    def start_round(self) -> None:
+        """Start a round in the background unless one is running; call on the event loop."""
+        if self.peers and (self._task is None or self._task.done()):
+            self._task = asyncio.ensure_future(self.sync_now())
+
+    async def close(self) -> None:
+        """Stop a running round and close the connections to peers."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for conn in self._conns.values():
+            await conn.close()
+        self._conns.clear()
+
+    async def _sync_with(self, peer: tuple[str, int]) -> None:
+        conn = self._conns.get(peer)
+        if conn is None or conn.is_closed:
+            conn = await connect(*peer, secret=self._secret, role="stage", timeouts=self._timeouts)
+            self._conns[peer] = conn
+        mine = await self._on_compute_thread("snapshot")
+        req = next(self._ids)
+        await conn.send(StageSync(req=req, round=req, step=self._step(), tensors=mine))
+        while True:
+            answer = await conn.recv(timeout=self._round_timeout, phase="sync")
+            if isinstance(answer, StageError):
+                raise SwarmError(f"replica refused the sync: {answer.message} [{answer.code}]")
+            if isinstance(answer, StageSync) and answer.reply and answer.req == req:
+                break
+        await self._on_compute_thread("sync_apply", mine=mine, theirs=dict(answer.tensors))

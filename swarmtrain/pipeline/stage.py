@@ -1,0 +1,422 @@
+"""A pipeline stage server: holds a range of layers and serves forwards, backwards, inference.
+
+Requests arrive over authenticated transport connections (role ``pipeline`` for trainers
+and generation clients, ``stage`` for replicas of the same stage). Each request becomes a
+:class:`WorkPacket` in the inbound :class:`ActivationBuffer`, ordered by priority
+(inference before training forward before backward before replica sync), and ONE compute
+thread takes them one at a time, runs them on a :class:`StageCompute` and hands the answer
+to an :class:`OutboundBuffer` whose send loop writes it to the asking connection.
+
+Replicas: a server given ``sync_peers`` averages its parameters with each of them every
+``sync_every`` optimizer steps (see :mod:`swarmtrain.pipeline.replicas`); it also serves
+the other side of such rounds (STAGE_SYNC, at gradient-sync priority).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmtrain.errors import SwarmError
+from swarmtrain.pipeline.buffers import ActivationBuffer, BufferClosed, Priority, WorkPacket
+from swarmtrain.pipeline.compute import BadInput, ComputeConfig, StageCompute, UnknownMicrobatch
+from swarmtrain.pipeline.monitor import BufferMonitor
+from swarmtrain.pipeline.outbound import OutboundBuffer
+from swarmtrain.pipeline.partition import LossFn
+from swarmtrain.pipeline.replicas import ReplicaSync
+from swarmtrain.transport import Connection, Server, Timeouts, start_server
+from swarmtrain.wire import (
+    Error,
+    Message,
+    StageBackward,
+    StageError,
+    StageForward,
+    StageGrad,
+    StageInfer,
+    StageResult,
+    StageSync,
+    Status,
+    StatusRequest,
+)
+
+__all__ = ["StageServer", "StageServerConfig"]
+
+log = logging.getLogger("swarmtrain.pipeline")
+
+_FORWARD_PRIORITIES = {Priority.INFERENCE_URGENT, Priority.INFERENCE_NORMAL, Priority.TRAINING_FORWARD}
+_INFER_PRIORITIES = {Priority.INFERENCE_URGENT, Priority.INFERENCE_NORMAL}
+_ROLES = ("pipeline", "stage")
+
+
+@dataclass(frozen=True)
+class StageServerConfig:
+    """Where a stage listens and how it queues work.
+
+    Attributes:
+        host: address to listen on.
+        port: TCP port (0 = any free port).
+        buffer_capacity: inbound packets queued at most; more are refused as ``overloaded``.
+        outbound_capacity: answers queued for sending before the compute thread waits.
+        reply_timeout: seconds an answer may wait for room in a client's send queue.
+        sync_every: optimizer steps between parameter averages with ``sync_peers`` (0 = never).
+        sync_timeout: seconds a sync round may take before it counts as failed.
+        monitor_interval: seconds between buffer samples (0 = no monitor thread).
+        timeouts: transport timeouts of the server and of its connections to sync peers.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    buffer_capacity: int = 100
+    outbound_capacity: int = 256
+    reply_timeout: float = 10.0
+    sync_every: int = 0
+    sync_timeout: float = 30.0
+    monitor_interval: float = 0.0
+    timeouts: Timeouts = Timeouts()
+
+
+@dataclass(frozen=True, eq=False)
+class _Job(WorkPacket):
+    """A packet with what the compute thread needs to answer it."""
+
+    kind: str = ""  # forward, backward, infer, sync_serve, sync_apply, snapshot
+    req: int = 0
+    conn: Connection | None = None
+    targets: torch.Tensor | None = None
+    theirs: dict[str, torch.Tensor] = field(default_factory=dict)
+    mine: dict[str, torch.Tensor] = field(default_factory=dict)
+    result: concurrent.futures.Future[Any] | None = None
+    sync_round: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class _Reply(WorkPacket):
+    message: Message | None = None
+    conn: Connection | None = None
+
+
+class StageServer:
+    """Serves one stage's layers to trainers and generation clients.
+
+    Args:
+        layers: the stage's layers (e.g. from :func:`~swarmtrain.pipeline.build_stage`).
+        stage: index of the stage in the pipeline (0 takes token ids).
+        layer_range: the model layers ``[start, stop)`` the stage holds.
+        loss_fn: the loss, on the last stage only.
+        compute: optimizer and cache settings.
+        config: network and queue settings.
+        secret: the cluster secret (None = open cluster).
+        sync_peers: ``(host, port)`` of replicas of the same stage this server averages with.
+        name: how logs and the status name this server.
+    """
+
+    def __init__(
+        self,
+        layers: nn.Module,
+        *,
+        stage: int,
+        layer_range: tuple[int, int],
+        loss_fn: LossFn | None,
+        compute: ComputeConfig = ComputeConfig(),
+        config: StageServerConfig = StageServerConfig(),
+        secret: bytes | None,
+        sync_peers: Sequence[tuple[str, int]] = (),
+        name: str = "",
+    ) -> None:
+        self.stage = stage
+        self.layer_range = layer_range
+        self.config = config
+        self.secret = secret
+        self.name = name or f"stage{stage}"
+        self.compute = StageCompute(layers, is_first=stage == 0, loss_fn=loss_fn, config=compute)
+        self.inbound = ActivationBuffer(config.buffer_capacity)
+        self.outbound = OutboundBuffer(self._send_reply, capacity=config.outbound_capacity,
+                                       max_retries=0, on_failed=self._reply_lost)
+        self.monitor: BufferMonitor | None = None
+        self.replicas = ReplicaSync(sync_peers, on_compute_thread=self._on_compute_thread,
+                                    step=lambda: self.compute.steps, secret=secret,
+                                    timeouts=config.timeouts, round_timeout=config.sync_timeout,
+                                    name=self.name)
+        self.sync_served = 0
+        self.refused = 0
+        self._server: Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on.
+
+        Raises:
+            SwarmError: not started.
+        """
+        if self._server is None:
+            raise SwarmError(f"{self.name} is not listening yet")
+        return self._server.port
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` to give routers and replicas."""
+        return self.config.host, self.port
+
+    async def start(self) -> None:
+        """Listen, and start the compute thread and the answer send loop."""
+        self._loop = asyncio.get_running_loop()
+        await self.outbound.start()
+        self._thread = threading.Thread(target=self._compute_loop, name=f"{self.name}-compute", daemon=True)
+        self._thread.start()
+        if self.config.monitor_interval > 0:
+            self.monitor = BufferMonitor({f"{self.name}.in": self.inbound, f"{self.name}.out": self.outbound},
+                                         interval=self.config.monitor_interval)
+            self.monitor.start()
+        self._server = await start_server(self.config.host, self.config.port, self._handle,
+                                          secret=self.secret, timeouts=self.config.timeouts)
+        log.info("%s serving layers [%d, %d) on %s:%d", self.name, *self.layer_range,
+                 self.config.host, self.port)
+
+    async def close(self) -> None:
+        """Stop serving: close connections, drop queued work, stop the compute thread."""
+        await self._shutdown(abrupt=False)
+
+    def abort(self) -> None:
+        """Crash now, synchronously: stop listening, reset every connection, answer nothing
+        more (work in progress may finish, but its answer is not sent). Then await
+        :meth:`close` to release the threads."""
+        self._stopping = True
+        if self._server is not None:
+            self._server.server.close()
+            for conn in list(self._server.connections):
+                conn.abort(SwarmError(f"{self.name} killed"))
+        self.inbound.close()
+        self.inbound.clear()
+
+    async def kill(self) -> None:
+        """Stop as a crash would (:meth:`abort`), then release the threads."""
+        self.abort()
+        await self._shutdown(abrupt=True)
+
+    def status(self) -> dict[str, Any]:
+        """Layers held, optimizer steps, micro-batches, cache and sync counters, refusals
+        (full buffer, failed handshakes) and the metrics of both buffers."""
+        return {
+            "name": self.name, "stage": self.stage, "layers": list(self.layer_range),
+            **self.compute.status(),
+            "sync_rounds": self.replicas.rounds, "sync_served": self.sync_served,
+            "sync_failures": self.replicas.failures, "refused": self.refused,
+            "failed_handshakes": 0 if self._server is None else self._server.failed_handshakes,
+            "inbound": dataclasses.asdict(self.inbound.metrics()),
+            "outbound": dataclasses.asdict(self.outbound.metrics()),
+        }
+
+    async def sync_now(self) -> int:
+        """Average parameters with every sync peer once, now.
+
+        Returns:
+            How many peers the round succeeded with (failures are logged and counted).
+        """
+        return await self.replicas.sync_now()
+
+    # -- network side ----------------------------------------------------------------------
+
+    async def _handle(self, conn: Connection, role: str) -> None:
+        if role not in _ROLES:
+            await conn.close(Error(code="bad_role", message=f"a stage server serves roles {_ROLES}, "
+                                   f"not {role!r}"))
+            return
+        while True:
+            try:
+                msg = await conn.recv()
+            except SwarmError:
+                return
+            refusal = self._admit(conn, msg)
+            if refusal is not None:
+                with contextlib.suppress(SwarmError):
+                    await conn.send(refusal, timeout=self.config.reply_timeout)
+
+    def _admit(self, conn: Connection, msg: Message) -> Message | None:
+        """Queue the work ``msg`` asks for; an answer to send at once, or None."""
+        req = getattr(msg, "req", 0)
+        if isinstance(msg, StatusRequest):
+            return Status(status=self.status())
+        try:
+            job = self._job_for(conn, msg)
+        except (BadInput, ValueError) as exc:  # WorkPacket refuses negative ids with ValueError
+            return StageError(req=req, code="bad_input", message=f"{self.name}: {exc}")
+        if job is None:
+            return StageError(req=req, code="unexpected",
+                              message=f"{self.name} does not serve {msg.TYPE.name} messages")
+        try:
+            queued = self.inbound.put_nowait(job)
+        except BufferClosed:
+            return StageError(req=req, code="closing", message=f"{self.name} is shutting down")
+        if not queued:
+            self.refused += 1
+            return StageError(req=req, code="overloaded",
+                              message=f"{self.name}: inbound buffer full ({self.inbound.capacity} packets)")
+        return None
+
+    def _job_for(self, conn: Connection, msg: Message) -> _Job | None:
+        first = self.layer_range[0]
+        peer = conn.peer
+        if isinstance(msg, StageForward | StageInfer):
+            x = _tensor(msg.tensors, "x")
+            allowed = _FORWARD_PRIORITIES if isinstance(msg, StageForward) else _INFER_PRIORITIES
+            if msg.priority not in allowed:
+                raise BadInput(f"priority {msg.priority} not allowed for {msg.TYPE.name}; "
+                               f"use one of {sorted(int(p) for p in allowed)}")
+            if isinstance(msg, StageForward):
+                return _Job(Priority(msg.priority), msg.session, msg.microbatch, x, peer, first,
+                            "forward", kind="forward", req=msg.req, conn=conn,
+                            targets=msg.tensors.get("targets"))
+            return _Job(Priority(msg.priority), msg.session, 0, x, peer, first, "forward",
+                        kind="infer", req=msg.req, conn=conn)
+        if isinstance(msg, StageBackward):
+            grad = _tensor(msg.tensors, "grad")
+            return _Job(Priority.TRAINING_BACKWARD, msg.session, msg.microbatch, grad, peer, first,
+                        "backward", grad=grad, kind="backward", req=msg.req, conn=conn)
+        if isinstance(msg, StageSync) and not msg.reply:
+            return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
+                        "forward", kind="sync_serve", req=msg.req, conn=conn, theirs=dict(msg.tensors),
+                        sync_round=msg.round)
+        return None
+
+    async def _send_reply(self, packet: WorkPacket) -> None:
+        assert isinstance(packet, _Reply) and packet.conn is not None and packet.message is not None
+        await packet.conn.send(packet.message, timeout=self.config.reply_timeout)
+
+    def _reply_lost(self, packet: WorkPacket) -> None:
+        log.info("%s: answer for %s/%d not delivered (client gone)", self.name, packet.session_id,
+                 packet.microbatch_id)
+
+    async def _on_compute_thread(self, kind: str, **extra: Any) -> Any:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        job = _Job(Priority.GRADIENT_SYNC, "sync", 0, torch.zeros(()), self.name, self.layer_range[0],
+                   "forward", kind=kind, result=done, **extra)
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self.inbound.put, job, self.config.sync_timeout):
+            raise SwarmError(f"{self.name}: inbound buffer stayed full; sync skipped")
+        return await asyncio.wrap_future(done)
+
+    async def _shutdown(self, abrupt: bool) -> None:
+        self._stopping = True
+        if self._server is not None and not abrupt:
+            await self._server.close()
+        self.inbound.close()
+        self.inbound.clear()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        await self.replicas.close()
+        if self.monitor is not None:
+            self.monitor.stop()
+        await self.outbound.close()
+
+    # -- compute thread --------------------------------------------------------------------
+
+    def _compute_loop(self) -> None:
+        while True:
+            job = self.inbound.get(timeout=1.0)
+            if job is None:
+                if self.inbound.closed:
+                    return
+                continue
+            assert isinstance(job, _Job)
+            if self._stopping:
+                if job.result is not None:
+                    job.result.set_exception(SwarmError(f"{self.name} is shutting down"))
+                continue
+            try:
+                answer = self._run(job)
+            except Exception as exc:  # noqa: BLE001 - every failure is answered, none kills the stage
+                if job.result is not None:
+                    job.result.set_exception(exc)
+                    continue
+                answer = self._failure(job, exc)
+            if answer is not None and job.conn is not None and not self._stopping:
+                try:
+                    self._answer(job, answer)
+                except RuntimeError:  # the event loop is gone: close() was never awaited
+                    log.error("%s: event loop closed under a running stage; stopping", self.name)
+                    return
+
+    def _failure(self, job: _Job, exc: Exception) -> StageError:
+        if isinstance(exc, BadInput):
+            code = "bad_input"
+        elif isinstance(exc, UnknownMicrobatch):
+            code = "unknown_microbatch"
+        else:  # a bug: log it, tell the client, keep serving
+            code = "internal"
+            log.error("%s: %s of %s/%d failed", self.name, job.kind, job.session_id, job.microbatch_id,
+                      exc_info=exc)
+        return StageError(req=job.req, code=code, message=f"{self.name}: {exc}")
+
+    def _run(self, job: _Job) -> Message | None:
+        c = self.compute
+        if job.kind == "forward":
+            steps = c.steps
+            out = c.forward(job.session_id, job.microbatch_id, job.tensor, job.targets)
+            self._after(steps)
+            tensors = {"y": out.y} if out.y is not None else {}
+            if out.grad is not None:
+                tensors["grad"] = out.grad
+            return StageResult(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
+                               done=out.done, tensors=tensors)
+        if job.kind == "backward":
+            assert job.grad is not None
+            steps = c.steps
+            out = c.backward(job.session_id, job.microbatch_id, job.grad)
+            self._after(steps)
+            return StageGrad(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
+                             duplicate=out.cached, tensors={} if out.grad is None else {"grad": out.grad})
+        if job.kind == "infer":
+            y = c.infer(job.tensor)
+            return StageResult(req=job.req, session=job.session_id, microbatch=0, tensors={"y": y})
+        if job.kind == "sync_serve":
+            mine = c.parameters_snapshot()
+            c.move_towards(mine, job.theirs)
+            self.sync_served += 1
+            return StageSync(req=job.req, round=job.sync_round, step=c.steps, reply=True, tensors=mine)
+        assert job.result is not None
+        if job.kind == "snapshot":
+            job.result.set_result(c.parameters_snapshot())
+        elif job.kind == "sync_apply":
+            c.move_towards(job.mine, job.theirs)
+            job.result.set_result(None)
+        return None
+
+    def _after(self, steps_before: int) -> None:
+        every, steps = self.config.sync_every, self.compute.steps
+        if every and steps != steps_before and steps % every == 0 and not self._stopping:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self.replicas.start_round)
+
+    def _answer(self, job: _Job, answer: Message) -> None:
+        reply = _Reply(job.priority, job.session_id, job.microbatch_id, job.tensor, job.source,
+                       job.target_layer, "forward", message=answer, conn=job.conn)
+        try:
+            if self.outbound.offer(reply) != "refused":
+                return
+        except BufferClosed:
+            return
+        # The send loop is behind: wait for it here (backpressure on compute), never drop.
+        assert self._loop is not None
+        fut = asyncio.run_coroutine_threadsafe(self._send_reply(reply), self._loop)
+        with contextlib.suppress(Exception):
+            fut.result(self.config.reply_timeout)
+
+
+def _tensor(tensors: Any, name: str) -> torch.Tensor:
+    t = tensors.get(name)
+    if t is None:
+        raise BadInput(f"the request lacks the tensor {name!r} (it carries {sorted(tensors)})")
+    return t

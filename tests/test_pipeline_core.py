@@ -1,0 +1,521 @@
+"""Pipeline mode, part 2: layers sharded over stage servers, replicas with failover.
+
+Pure pieces first (partition, stage planning, a stage's arithmetic), then stage servers in
+this process over real loopback TCP (port 0): replica parameter sync, training a small
+TextLM through three stages with two replicas of the middle one (one killed mid-training),
+generation while training runs, and refusal of malformed or unauthenticated input.
+Nothing waits on wall-clock sleeps: progress is observed through events and counters, and
+every async scenario runs under ``asyncio.wait_for``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from swarmtrain.errors import AuthError, ConfigError
+from swarmtrain.pipeline import (
+    BadInput,
+    ComputeConfig,
+    LayerCost,
+    NodeSpec,
+    PipelineTrainer,
+    Priority,
+    Router,
+    RouterConfig,
+    StageCompute,
+    StageServer,
+    StageServerConfig,
+    StageUnavailable,
+    TrainerConfig,
+    UnknownMicrobatch,
+    build_stage,
+    estimate_layer_costs,
+    loss_fn_for,
+    plan_stages,
+    split_layers,
+)
+from swarmtrain.tasks import DigitsTask, TextLMConfig, TextLMTask
+from swarmtrain.transport import Timeouts, connect
+from swarmtrain.wire import (
+    PREAMBLE,
+    Error,
+    Register,
+    StageBackward,
+    StageError,
+    StageForward,
+    StageGrad,
+    StageInfer,
+    StageResult,
+    Status,
+    StatusRequest,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+SECRET = b"pipeline-core-secret"
+TASK = TextLMTask(TextLMConfig(context=32, d_model=32, n_heads=2, n_layers=4))
+SEED = 7
+FAST = Timeouts(connect=5.0, handshake=5.0, heartbeat_interval=1.0, heartbeat_timeout=10.0, send=10.0)
+
+
+def _run(coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture(scope="module")
+def data() -> Any:
+    return TASK.load_data()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_op() -> Any:
+    # Four compute threads share two cores: intra-op threads would only fight each other.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- partition and planning (pure) ---------------------------------------------------------
+
+
+def test_textlm_stages_reproduce_the_full_model(data: Any) -> None:
+    model = TASK.build_model(SEED)
+    model.eval()
+    inputs, _ = data.train.get_batch(torch.arange(0, 40, 10))
+    want = model(inputs)
+    layers = split_layers(model)
+    assert len(layers) == TASK.config.n_layers + 2
+    assert torch.equal(nn.Sequential(*layers)(inputs), want)
+    # stages built independently (as replicas on other machines do) compose to the same model
+    x = inputs
+    for start, stop in [(0, 2), (2, 5), (5, 6)]:
+        stage, _ = build_stage(TASK.build_model, SEED, start, stop)
+        stage.eval()
+        x = stage(x)
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+    # a replica of the middle stage is bit-identical to the first build
+    a, _ = build_stage(TASK.build_model, SEED, 2, 5)
+    b, _ = build_stage(TASK.build_model, SEED, 2, 5)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_sequential_models_split_into_their_children() -> None:
+    digits = DigitsTask()
+    model = digits.build_model(3)
+    layers = split_layers(model)
+    assert layers == list(model.children())
+    x = torch.randn(5, 64)
+    front, _ = build_stage(digits.build_model, 3, 0, 2)
+    back, loss_fn = build_stage(digits.build_model, 3, 2, len(layers))
+    torch.testing.assert_close(back(front(x)), model(x), rtol=0, atol=0)
+    assert float(loss_fn(model(x), torch.zeros(5, dtype=torch.long)).detach()) > 0
+    with pytest.raises(ConfigError, match="nn.Sequential"):
+        split_layers(nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="not within"):
+        build_stage(digits.build_model, 3, 2, 99)
+
+
+def test_plan_stages_balances_speed_within_memory() -> None:
+    mb = 2**20
+    costs = [LayerCost(compute=1.0, memory_bytes=mb)] * 8
+    # equal nodes: equal shares
+    assert plan_stages(costs, [NodeSpec(f"n{i}", 1.0, 100 * mb) for i in range(4)]) == [
+        (0, 2), (2, 4), (4, 6), (6, 8)]
+    # a node twice as fast takes twice the layers
+    assert plan_stages(costs, [NodeSpec("slow", 1.0, 100 * mb), NodeSpec("fast", 2.0, 100 * mb),
+                               NodeSpec("slow2", 1.0, 100 * mb)]) == [(0, 2), (2, 6), (6, 8)]
+    # ... unless its memory holds fewer (the slowest stage then takes 3; ties give earlier
+    # nodes fewer layers)
+    assert plan_stages(costs, [NodeSpec("slow", 1.0, 100 * mb), NodeSpec("fast", 2.0, 3 * mb),
+                               NodeSpec("slow2", 1.0, 100 * mb)]) == [(0, 2), (2, 5), (5, 8)]
+    with pytest.raises(ConfigError, match=r"does not fit.*8\.0 MiB"):
+        plan_stages(costs, [NodeSpec("a", 1.0, 3 * mb), NodeSpec("b", 1.0, 3 * mb)])
+    with pytest.raises(ConfigError, match="only 8 layers"):
+        plan_stages(costs, [NodeSpec(f"n{i}", 1.0, mb) for i in range(9)])
+    with pytest.raises(ConfigError, match="speed"):
+        NodeSpec("x", 0.0, mb)
+    # real TextLM costs: the embedding is memory but little compute, the blocks dominate
+    est = estimate_layer_costs(split_layers(TASK.build_model(SEED)))
+    assert est[0].compute < est[1].compute and est[0].memory_bytes > 0
+    ranges = plan_stages(est, [NodeSpec(f"n{i}", 1.0, 10 * mb) for i in range(3)])
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(est)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_stage_compute_applies_each_backward_once(data: Any) -> None:
+    layers, _ = build_stage(TASK.build_model, SEED, 1, 3)
+    c = StageCompute(layers, is_first=False, loss_fn=None,
+                     config=ComputeConfig(learning_rate=1e-2, accumulate=2, cache_size=2))
+    x = torch.randn(2, 8, 32)
+    y = c.forward("s", 0, x, None).y
+    assert y is not None and y.shape == x.shape
+    again = c.forward("s", 0, x, None)
+    assert again.cached and again.y is not None and torch.equal(again.y, y)
+    before = c.parameters_snapshot()
+    g = c.backward("s", 0, torch.ones_like(y))
+    assert g.done and not g.cached and g.grad is not None and g.grad.shape == x.shape
+    assert c.steps == 0 and c.microbatches == 1  # accumulate=2: no step yet
+    dup = c.backward("s", 0, torch.ones_like(y))
+    assert dup.cached and dup.grad is not None and torch.equal(dup.grad, g.grad)
+    assert c.microbatches == 1 and c.duplicate_backwards == 1
+    assert c.forward("s", 0, x, None).done  # a forward of an applied micro-batch says so
+    with pytest.raises(UnknownMicrobatch):
+        c.backward("s", 1, torch.ones_like(y))
+    for mb in (1, 2, 3):  # cache_size=2: the forward of micro-batch 1 is evicted
+        c.forward("s", mb, x, None)
+    assert c.evictions == 1
+    with pytest.raises(UnknownMicrobatch):
+        c.backward("s", 1, torch.ones_like(y))
+    c.backward("s", 2, torch.ones_like(y))
+    assert c.steps == 1 and not all(torch.equal(before[n], p) for n, p in c.parameters_snapshot().items())
+    with pytest.raises(BadInput, match="shape"):
+        c.backward("s", 3, torch.ones(3))
+    with pytest.raises(BadInput, match="NaN"):
+        c.backward("s", 3, torch.full_like(y, float("nan")))
+    with pytest.raises(BadInput, match="float"):
+        c.forward("s", 9, torch.ones(2, 8, 32, dtype=torch.int64), None)
+
+
+# --- stage servers over loopback ---------------------------------------------------------
+
+
+def _server(start: int, stop: int, stage: int, *, last: bool = False, seed: int = SEED,
+            sync_peers: list[tuple[str, int]] | None = None, name: str = "", lr: float = 3e-3,
+            sync_every: int = 0) -> StageServer:
+    layers, loss_fn = build_stage(TASK.build_model, seed, start, stop)
+    return StageServer(layers, stage=stage, layer_range=(start, stop), loss_fn=loss_fn if last else None,
+                       compute=ComputeConfig(learning_rate=lr),
+                       config=StageServerConfig(timeouts=FAST, sync_every=sync_every),
+                       secret=SECRET, sync_peers=sync_peers or [], name=name)
+
+
+def test_replica_sync_averages_two_replicas_to_identical_weights() -> None:
+    async def main() -> None:
+        b = _server(2, 4, 1, seed=11, name="b")
+        await b.start()
+        a = _server(2, 4, 1, seed=SEED, name="a", sync_peers=[b.address])
+        await a.start()
+        try:
+            pa, pb = a.compute.parameters_snapshot(), b.compute.parameters_snapshot()
+            assert any(not torch.equal(pa[n], pb[n]) for n in pa)
+            assert await a.sync_now() == 1
+            qa, qb = a.compute.parameters_snapshot(), b.compute.parameters_snapshot()
+            for n in pa:
+                torch.testing.assert_close(qa[n], qb[n], rtol=0, atol=1e-7)
+                torch.testing.assert_close(qa[n], (pa[n] + pb[n]) / 2, rtol=0, atol=1e-7)
+            assert (a.replicas.rounds, b.sync_served, a.replicas.failures) == (1, 1, 0)
+            await b.kill()
+            assert await a.sync_now() == 0 and a.replicas.failures == 1  # a dead peer: counted, no hang
+        finally:
+            await a.close()
+            await b.close()
+
+    _run(main())
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_router_bans_a_dead_replica_for_growing_times_and_fails_over() -> None:
+    now = [1000.0]
+
+    async def main() -> None:
+        live = _server(0, 2, 0, name="live")
+        await live.start()
+        dead = ("127.0.0.1", _dead_port())
+        cfg = RouterConfig(request_timeout=5.0, ban_base=2.0, ban_cap=5.0, wait_for_replica=0.0,
+                           timeouts=FAST)
+        router = Router([[dead, live.address]], secret=SECRET, config=cfg, clock=lambda: now[0])
+        lone = Router([[dead]], secret=SECRET, config=cfg, clock=lambda: now[0])
+        try:
+            x = torch.randint(0, 256, (2, 8))
+            for mb in range(3):
+                replica, _ = await router.forward(0, "s", mb, x)
+                assert replica.port == live.port
+            assert router.replicas[0][0].failures == 1 and router.resends == 1
+            bans = []
+            for _ in range(3):
+                with pytest.raises(StageUnavailable, match="stage 0"):
+                    await lone.infer(0, "s", x)
+                bans.append(lone.replicas[0][0].banned_until - now[0])
+                now[0] += 10.0  # past the ban
+            assert bans == [2.0, 4.0, 5.0]  # doubling, capped
+        finally:
+            await router.close()
+            await lone.close()
+            await live.close()
+
+    _run(main())
+
+
+def test_repeated_requests_over_the_wire_are_answered_from_caches_never_applied_twice() -> None:
+    async def main() -> None:
+        s = _server(2, 4, 1, name="mid")
+        await s.start()
+        conn = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
+        try:
+            x = torch.randn(2, 8, 32)
+
+            async def ask(msg: Any) -> Any:
+                await conn.send(msg)
+                return await conn.recv(timeout=10)
+
+            first = await ask(StageForward(req=1, session="s", microbatch=0, tensors={"x": x}))
+            again = await ask(StageForward(req=2, session="s", microbatch=0, tensors={"x": x}))
+            assert isinstance(first, StageResult) and isinstance(again, StageResult) and again.req == 2
+            assert torch.equal(first.tensors["y"], again.tensors["y"]) and not again.done
+            grad = torch.ones(2, 8, 32)
+            g1 = await ask(StageBackward(req=3, session="s", microbatch=0, tensors={"grad": grad}))
+            g2 = await ask(StageBackward(req=4, session="s", microbatch=0, tensors={"grad": grad}))
+            assert isinstance(g1, StageGrad) and isinstance(g2, StageGrad)
+            assert not g1.duplicate and g2.duplicate
+            assert torch.equal(g1.tensors["grad"], g2.tensors["grad"])
+            redo = await ask(StageForward(req=5, session="s", microbatch=0, tensors={"x": x}))
+            assert isinstance(redo, StageResult) and redo.done
+            assert torch.equal(redo.tensors["grad"], g1.tensors["grad"])
+            status = await ask(StatusRequest())
+            assert isinstance(status, Status)
+            st = status.status
+            counts = (st["forwards"], st["microbatches"], st["steps"], st["duplicate_backwards"])
+            assert counts == (1, 1, 1, 1)
+            assert st["layers"] == [2, 4] and st["inbound"]["capacity"] == 100
+        finally:
+            await conn.close()
+            await s.close()
+
+    _run(main())
+
+
+class _Gate(nn.Module):
+    """A layer that records each call (batch size, grad mode, train mode) and holds the
+    first one until the test opens it, so the stage's inbound buffer fills meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self.calls: list[tuple[int, bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append((x.shape[0], torch.is_grad_enabled(), self.training))
+        self.entered.set()
+        if not self.opened.wait(20):
+            raise RuntimeError("the test never opened the gate")
+        return x
+
+
+def test_inference_is_served_before_queued_training_work() -> None:
+    async def main() -> None:
+        gate = _Gate()
+        s = StageServer(nn.Sequential(gate, nn.Linear(4, 4)), stage=1, layer_range=(0, 2), loss_fn=None,
+                        config=StageServerConfig(timeouts=FAST), secret=SECRET, name="gated")
+        await s.start()
+        conn = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
+        try:
+            # micro-batch 1 occupies the compute thread; 2..4 and an inference queue up
+            await conn.send(StageForward(req=1, session="t", microbatch=1, tensors={"x": torch.randn(1, 4)}))
+            assert await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 10)
+            for mb in range(2, 5):
+                await conn.send(StageForward(req=mb, session="t", microbatch=mb,
+                                             tensors={"x": torch.randn(mb, 4)}))
+            await conn.send(StageInfer(req=9, session="gen", priority=int(Priority.INFERENCE_URGENT),
+                                       tensors={"x": torch.randn(9, 4)}))
+            # STATUS is answered at once, after everything sent before it was queued
+            await conn.send(StatusRequest())
+            status = await conn.recv(timeout=10)
+            assert isinstance(status, Status)
+            queued = status.status["inbound"]["count_by_priority"]
+            assert queued["INFERENCE_URGENT"] == 1 and queued["TRAINING_FORWARD"] == 3
+            gate.opened.set()
+            order = [(await conn.recv(timeout=10)).req for _ in range(5)]
+            assert order == [1, 9, 2, 3, 4], order
+            # training forwards and inference both run without autograd (the backward
+            # recomputes); inference also in eval mode
+            assert gate.calls == [(1, False, True), (9, False, False), (2, False, True),
+                                  (3, False, True), (4, False, True)]
+        finally:
+            gate.opened.set()
+            await conn.close()
+            await s.close()
+
+    _run(main())
+
+
+async def _raw_exchange(port: int, frame: bytes) -> Any:
+    """Authenticate with a real client, then write ``frame`` raw and read the answer."""
+    conn = await connect("127.0.0.1", port, secret=SECRET, role="pipeline", timeouts=FAST)
+    try:
+        conn.transport.write(frame)
+        return await conn.recv(timeout=10)
+    except Exception as exc:  # noqa: BLE001 - the close reason is what the test looks at
+        return exc
+    finally:
+        await conn.close()
+
+
+def test_malformed_and_unauthenticated_input_is_refused_and_others_keep_being_served() -> None:
+    async def main() -> None:
+        s = _server(0, 2, 0, name="s0")
+        await s.start()
+        router = Router([[s.address]], secret=SECRET, config=RouterConfig(timeouts=FAST))
+        try:
+            with pytest.raises(AuthError, match="secret"):
+                await connect("127.0.0.1", s.port, secret=b"wrong", role="pipeline", timeouts=FAST)
+            c = await connect("127.0.0.1", s.port, secret=SECRET, role="worker", timeouts=FAST)
+            answer = await c.recv(timeout=10)
+            assert isinstance(answer, Error) and answer.code == "bad_role"
+            assert "serves roles" in answer.message
+            await c.close()
+            conn = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
+            tokens = torch.randint(0, 256, (2, 8))
+            bad = {
+                "float tokens": StageForward(req=1, session="x", microbatch=0,
+                                             tensors={"x": torch.randn(2, 8)}),
+                "no x": StageForward(req=2, session="x", microbatch=0, tensors={"y": tokens}),
+                "token out of range": StageForward(req=3, session="x", microbatch=0,
+                                                   tensors={"x": tokens + 1000}),
+                "too long": StageInfer(req=4, session="x",
+                                       tensors={"x": torch.zeros(1, 99, dtype=torch.long)}),
+                "priority": StageInfer(req=5, session="x", priority=30, tensors={"x": tokens}),
+                "negative id": StageForward(req=6, session="x", microbatch=-1, tensors={"x": tokens}),
+            }
+            for why, msg in bad.items():
+                await conn.send(msg)
+                answer = await conn.recv(timeout=10)
+                assert isinstance(answer, StageError) and answer.code == "bad_input", (why, answer)
+                assert answer.req == msg.req and "s0" in answer.message
+            await conn.send(StageBackward(req=7, session="x", microbatch=5, tensors={"grad": torch.ones(1)}))
+            answer = await conn.recv(timeout=10)
+            assert isinstance(answer, StageError) and answer.code == "unknown_microbatch"
+            await conn.send(Register(worker_id="w", task="t", fingerprint=[], hardware={}, batch_size=1,
+                                     accumulation_steps=1, shard_index=0, compression={},
+                                     samples_per_sec=1.0))
+            answer = await conn.recv(timeout=10)
+            assert isinstance(answer, StageError) and answer.code == "unexpected"
+            await conn.close()
+            bad_magic = PREAMBLE.pack(b"XXXX", 1, 50, 0, 1, 0) + b"\x80"
+            answer = await _raw_exchange(s.port, bad_magic)
+            assert isinstance(answer, Error) and answer.code == "bad_magic", answer
+            # through all of that the server kept serving a well-behaved client
+            replica, res = await router.forward(0, "ok", 0, tokens)
+            assert not res.done and res.tensors["y"].shape == (2, 8, 32)
+            y = await router.infer(0, "ok", tokens, Priority.INFERENCE_URGENT)
+            assert y.shape == (2, 8, 32)
+            st = s.status()
+            assert (st["forwards"], st["inferences"], st["microbatches"]) == (1, 1, 0)
+            assert st["failed_handshakes"] >= 1
+        finally:
+            await router.close()
+            await s.close()
+
+    _run(main())
+
+
+# --- training through three stages, one middle replica killed --------------------------------
+
+# Pilot (run before fixing the numbers below; this config, seed 7, batch 16, lr 3e-3,
+# s1a killed after ~60 micro-batches, this 2-core machine, 21:40-21:50 UTC): the pipeline's
+# own held-out eval (64 windows) went from 5.54 (untrained, about ln 256) to 3.17, 3.19,
+# 3.23 and 3.30 after 360 micro-batches in four runs of this test (3.26-3.42 after 240; the
+# asynchronous schedule, which replica trains what, varies from run to run). About 9 s.
+MICROBATCHES = 360
+KILL_AFTER = 60
+HELDOUT_LOSS_BELOW = 3.5
+
+
+def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhile(data: Any) -> None:
+    ranges = plan_stages(estimate_layer_costs(split_layers(TASK.build_model(SEED))),
+                         [NodeSpec(f"n{i}", 1.0, 2**30) for i in range(3)])
+
+    async def main() -> dict[str, Any]:
+        first = _server(*ranges[0], 0, name="s0")
+        mid_b = _server(*ranges[1], 1, name="s1b")
+        last = _server(*ranges[2], 2, last=True, name="s2")
+        for srv in (first, mid_b, last):
+            await srv.start()
+        mid_a = _server(*ranges[1], 1, name="s1a", sync_peers=[mid_b.address], sync_every=10)
+        await mid_a.start()
+        router = Router([[first.address], [mid_a.address, mid_b.address], [last.address]],
+                        secret=SECRET, config=RouterConfig(request_timeout=20.0, timeouts=FAST))
+        killed = asyncio.Event()
+
+        def kill_when_a_holds_work(mb: int, loss: float) -> None:
+            # Kill synchronously at a moment s1a holds a forward whose backward is still to
+            # come, so that micro-batch must be redone on s1b (or, should that moment never
+            # come, a little later anyway: the asserts below then say what was missed).
+            done = len(trainer.loss_history)
+            holds_work = mid_a.status()["pending_forwards"] > 0
+            if not killed.is_set() and (done >= KILL_AFTER and holds_work or done >= 2 * KILL_AFTER):
+                mid_a.abort()
+                killed.set()
+
+        trainer = PipelineTrainer(router, data.train, TrainerConfig(batch_size=16, max_inflight=4, seed=1),
+                                  context=TASK.config.context, on_microbatch=kill_when_a_holds_work)
+        loss_fn = loss_fn_for(TASK.build_model(SEED))
+        try:
+            untrained = await trainer.evaluate(data.heldout, loss_fn, max_samples=64)
+            training = asyncio.create_task(trainer.train(MICROBATCHES))
+            await asyncio.wait_for(killed.wait(), 40)
+            generated = await trainer.generate(b"def ", 12)
+            generated_while_training = not training.done()
+            losses = await training
+            trained = await trainer.evaluate(data.heldout, loss_fn, max_samples=64)
+            return {
+                "losses": losses, "untrained": untrained, "trained": trained, "generated": generated,
+                "while_training": generated_while_training, "trainer": trainer, "router": router.stats(),
+                "servers": {s.name: s for s in (first, mid_a, mid_b, last)}, "b_port": mid_b.port,
+                "syncs": mid_a.replicas.rounds, "sync_served": mid_b.sync_served,
+            }
+        finally:
+            await router.close()
+            for srv in (first, mid_a, mid_b, last):
+                await srv.close()
+
+    out = _run(main(), timeout=80)
+    trainer, servers = out["trainer"], out["servers"]
+    print(f"held-out loss {out['untrained']:.3f} -> {out['trained']:.3f}; first/last 20 train "
+          f"{sum(out['losses'][:20]) / 20:.3f}/{sum(out['losses'][-20:]) / 20:.3f}; "
+          f"resends {trainer.router.resends} + redone forwards {trainer.redone_forwards}; "
+          f"syncs {out['syncs']}/{out['sync_served']}; router {out['router']}; "
+          f"generated {out['generated']!r}")
+    # no micro-batch lost: every one has a loss and was acknowledged exactly once per stage
+    assert len(out["losses"]) == MICROBATCHES
+    assert all(trainer.acknowledged[(s, mb)] == 1 for s in range(3) for mb in range(MICROBATCHES))
+    assert set(trainer.acknowledged) == {(s, mb) for s in range(3) for mb in range(MICROBATCHES)}
+    # ... and applied exactly once on every stage that survived
+    for name in ("s0", "s2"):
+        applied = Counter(mb for _, mb in servers[name].compute.applied_log)
+        assert applied == Counter(range(MICROBATCHES)), name
+        assert servers[name].compute.duplicate_backwards == 0
+    on_a = Counter(mb for _, mb in servers["s1a"].compute.applied_log)
+    on_b = Counter(mb for _, mb in servers["s1b"].compute.applied_log)
+    assert max(on_a.values()) == 1 and max(on_b.values()) == 1  # never twice on one replica
+    b_name = f"stage1@127.0.0.1:{out['b_port']}"
+    acked_by_b = {mb for (s, mb), who in trainer.acknowledged_by.items() if s == 1 and who == b_name}
+    acked_by_a = {mb for (s, mb), who in trainer.acknowledged_by.items() if s == 1 and who != b_name}
+    assert set(on_b) == acked_by_b and acked_by_a <= set(on_a)
+    assert set(on_a) | set(on_b) == set(range(MICROBATCHES))
+    # only a micro-batch s1a applied but could not acknowledge before dying was redone on
+    # s1b: at most the micro-batches in flight
+    assert len(set(on_a) & set(on_b)) <= 4
+    # the failover really happened, and the survivors carried the rest of the run
+    assert trainer.redone_forwards + trainer.router.resends >= 1
+    assert all(mb in acked_by_b for mb in range(max(on_a) + 1, MICROBATCHES))
+    assert out["syncs"] >= 1 and out["sync_served"] >= 1
+    # generation was served while training ran, and training learned
+    assert len(out["generated"]) == 12 and out["while_training"]
+    assert out["untrained"] > 5.0
+    assert out["trained"] < HELDOUT_LOSS_BELOW, out["trained"]
