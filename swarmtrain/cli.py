@@ -122,10 +122,94 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("secret", help="create a new random cluster secret file")
     s.add_argument("--out", required=True, help="file to write (mode 0600)")
 
+    _pipeline_parsers(sub)
+
     pr = sub.add_parser("profile", help="show detected hardware and recommended settings")
     pr.add_argument("--task", default="digits")
     pr.add_argument("--probe-seconds", type=float, default=1.0)
     return parser
+
+
+_ROUTE_HELP = ("the stage servers: HOST:PORT of each replica, ',' between replicas of one stage, "
+               "';' between stages, e.g. \"10.0.0.2:7300;10.0.0.3:7300,10.0.0.4:7300;10.0.0.5:7300\"")
+
+
+def _pipeline_common(p: argparse.ArgumentParser, *, model: bool = True) -> None:
+    p.add_argument("--secret-file", help="file holding the cluster secret (or set SWARMTRAIN_SECRET)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-json", action="store_true", help="machine-readable JSON log lines")
+    if not model:
+        return
+    p.add_argument("--task", default="textlm", help="textlm (default), or package.module:factory")
+    g = p.add_argument_group("model shape (textlm; every stage and client must give the same)")
+    g.add_argument("--context", type=int, help="tokens the model sees at once (default 128)")
+    g.add_argument("--d-model", type=int, help="width of the residual stream (default 128)")
+    g.add_argument("--n-heads", type=int, help="attention heads (default 4)")
+    g.add_argument("--n-layers", type=int, help="transformer blocks (default 4)")
+
+
+def _pipeline_parsers(sub: Any) -> None:
+    st = sub.add_parser(
+        "stage", help="serve one stage of a pipeline (a range of the model's layers)",
+        description="Serve layers of the model to `swarmtrain pipeline` and `swarmtrain generate` until "
+                    "SIGINT/SIGTERM. Every stage computes its layer range from --stage/--stages alone, so "
+                    "start every stage and replica with the same --task, --seed and model flags.")
+    _pipeline_common(st)
+    st.add_argument("--stage", type=int, required=True, help="index of the stage served (0 = the first)")
+    st.add_argument("--stages", type=int, required=True, help="number of stages in the pipeline")
+    st.add_argument("--seed", type=int, default=0, help="model initialisation seed (same on every stage)")
+    st.add_argument("--layers", help="serve layers START:STOP instead of the planned range")
+    st.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    st.add_argument("--port", type=int, default=7300, help="port to listen on (default 7300; 0 = any free)")
+    st.add_argument("--sync-with", action="append", default=[], metavar="HOST:PORT",
+                    help="a replica of the same stage to average parameters with (repeatable; "
+                         "configure each pair on one side only)")
+    st.add_argument("--sync-every", type=int, default=10,
+                    help="optimizer steps between averages (default 10)")
+    st.add_argument("--lr", "--learning-rate", dest="learning_rate", type=float, default=0.0,
+                    help="AdamW learning rate (default: the task's)")
+    st.add_argument("--threads", type=int, default=0, help="PyTorch threads (default 0 = all cores)")
+    st.add_argument("--status-file", default="", help="keep this stage's status as JSON here (every second)")
+    st.add_argument("--insecure", action="store_true",
+                    help="serve with no secret on a reachable address "
+                         "(anyone who can reach the port can use it)")
+
+    pl = sub.add_parser(
+        "pipeline", help="train a model whose layers are served by `swarmtrain stage` processes",
+        description="Drive micro-batches through the stages of --route and back, failing over between "
+                    "replicas of a stage. Give the same --task and model flags as the stages.")
+    _pipeline_common(pl)
+    pl.add_argument("--route", required=True, help=_ROUTE_HELP)
+    pl.add_argument("--microbatches", type=int, default=200, help="micro-batches to train (default 200)")
+    pl.add_argument("--batch-size", type=int, default=16, help="samples per micro-batch (default 16)")
+    pl.add_argument("--max-inflight", type=int, default=4,
+                    help="micro-batches in the pipeline at once (default 4)")
+    pl.add_argument("--eval-every", type=int, default=50,
+                    help="micro-batches between held-out evaluations (default 50; 0 = only at start and end)")
+    pl.add_argument("--eval-samples", type=int, default=64,
+                    help="held-out windows per evaluation (default 64)")
+    pl.add_argument("--seed", type=int, default=0, help="seed of the order training samples are drawn in")
+    pl.add_argument("--request-timeout", type=float, default=30.0,
+                    help="seconds a stage may take to answer before its replica is banned (default 30)")
+    pl.add_argument("--status-file", default="",
+                    help="keep the trainer's status (loss history, acknowledgements, resends) as JSON here")
+
+    ge = sub.add_parser("generate", help="generate text through the stages of a pipeline",
+                        description="Continue --prompt byte by byte through the stages of --route "
+                                    "and print it.")
+    _pipeline_common(ge)
+    ge.add_argument("--route", required=True, help=_ROUTE_HELP)
+    ge.add_argument("--prompt", required=True, help="the text to continue")
+    ge.add_argument("--tokens", type=int, default=64, help="bytes to generate (default 64)")
+    ge.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sample")
+    ge.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+
+    ss = sub.add_parser("status", help="show the stages of a pipeline: replicas, steps, buffers",
+                        description="Ask every stage server of --route for its status and print a table; "
+                                    "exits 1 if a replica does not answer.")
+    _pipeline_common(ss, model=False)
+    ss.add_argument("--route", required=True, help=_ROUTE_HELP)
+    ss.add_argument("--json", action="store_true", help="print the raw statuses as JSON")
 
 
 def _overrides(args: argparse.Namespace, table: dict[str, str]) -> dict[str, Any]:
@@ -238,7 +322,64 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     compression=args.compression, log_level=args.log_level)
 
 
+def _pipeline_secret(args: argparse.Namespace) -> bytes | None:
+    from swarmtrain.config import SecurityConfig, resolve_secret
+
+    return resolve_secret(SecurityConfig(secret_file=args.secret_file or ""))
+
+
+def _pipeline_task(args: argparse.Namespace) -> Any:
+    from swarmtrain.pipeline.session import load_pipeline_task
+
+    return load_pipeline_task(args.task, context=args.context, d_model=args.d_model,
+                              n_heads=args.n_heads, n_layers=args.n_layers)
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from swarmtrain.pipeline.route import parse_host_port
+    from swarmtrain.pipeline.session import StageOptions, parse_layer_range, run_stage
+
+    _setup_logging(args.log_level, args.log_json)
+    opts = StageOptions(
+        stage=args.stage, stages=args.stages, seed=args.seed, host=args.host, port=args.port,
+        layers=parse_layer_range(args.layers) if args.layers else None,
+        sync_with=tuple(parse_host_port(a, "--sync-with") for a in args.sync_with),
+        sync_every=args.sync_every,
+        learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file)
+    return run_stage(_pipeline_task(args), opts, secret=_pipeline_secret(args), insecure=args.insecure)
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from swarmtrain.pipeline.route import parse_route
+    from swarmtrain.pipeline.session import PipelineOptions, run_pipeline
+
+    _setup_logging(args.log_level, args.log_json)
+    opts = PipelineOptions(
+        microbatches=args.microbatches, batch_size=args.batch_size, max_inflight=args.max_inflight,
+        eval_every=args.eval_every, eval_samples=args.eval_samples, seed=args.seed,
+        request_timeout=args.request_timeout, status_file=args.status_file, route=parse_route(args.route))
+    return run_pipeline(_pipeline_task(args), opts, secret=_pipeline_secret(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from swarmtrain.pipeline.route import parse_route
+    from swarmtrain.pipeline.session import run_generate
+
+    _setup_logging(args.log_level, args.log_json)
+    return run_generate(_pipeline_task(args), parse_route(args.route), args.prompt, tokens=args.tokens,
+                        temperature=args.temperature, seed=args.seed, secret=_pipeline_secret(args))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarmtrain.pipeline.route import parse_route
+    from swarmtrain.pipeline.session import run_status
+
+    _setup_logging(args.log_level, args.log_json)
+    return run_status(parse_route(args.route), secret=_pipeline_secret(args), as_json=args.json)
+
+
 _COMMANDS = {
+    "stage": cmd_stage, "pipeline": cmd_pipeline, "generate": cmd_generate, "status": cmd_status,
     "coordinator": cmd_coordinator, "worker": cmd_worker, "ctl": cmd_ctl, "secret": cmd_secret,
     "profile": cmd_profile, "demo": cmd_demo, "peer": cmd_peer,
 }

@@ -6,10 +6,11 @@ import math
 import time
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["print_status", "print_profile", "format_metrics"]
+__all__ = ["print_status", "print_pipeline_status", "print_profile", "format_metrics"]
 
 
 def _num(v: Any, fmt: str = ".4f") -> str:
@@ -53,6 +54,36 @@ def print_status(status: dict[str, Any], console: Console | None = None) -> None
             _num(w.get("avg_staleness"), ".1f"), _num(w.get("up_ratio"), ".1f"),
             _num(w.get("down_ratio"), ".1f"), seen + ("" if w.get("connected") else " (gone)"),
         )
+    console.print(table)
+
+
+def print_pipeline_status(statuses: list[list[dict[str, Any]]], console: Console | None = None) -> None:
+    """Print one row per stage replica: layers, optimizer steps, micro-batches applied, forwards
+    waiting for their backward, inbound queue (size/capacity, mean wait), outbound queue (size,
+    and its pressure when not ok), refused requests and parameter-sync rounds (run+served)."""
+    # Too narrow a table truncates every column (80 when not a terminal); a wide one at worst
+    # wraps on a narrow terminal.
+    console = console or Console(width=max(Console().width, 120))
+    table = Table(title="pipeline stages", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("stage", "replica", "layers", "steps", "applied", "pending", "in", "wait ms", "out",
+                "refused", "syncs"):
+        table.add_column(col, justify="left" if col in ("replica", "out") else "right",
+                         no_wrap=col in ("replica", "layers"))
+    for i, replicas in enumerate(statuses):
+        for s in replicas:
+            if "error" in s:
+                table.add_row(str(i), s["replica"], "[red]down[/]", *["-"] * 8)
+                continue
+            inb, out = s.get("inbound", {}), s.get("outbound", {})
+            layers = s.get("layers", ["?", "?"])
+            pressure = out.get("pressure", "ok")
+            table.add_row(
+                str(i), s["replica"], f"{layers[0]}:{layers[1]}", str(s.get("steps")),
+                str(s.get("microbatches")), str(s.get("pending_forwards")),
+                f"{inb.get('size', 0)}/{inb.get('capacity', 0)}", _num(inb.get("avg_wait_ms"), ".1f"),
+                f"{out.get('size', 0)}" + ("" if pressure == "ok" else f" {pressure}"),
+                str(s.get("refused")), f"{s.get('sync_rounds', 0)}+{s.get('sync_served', 0)}",
+            )
     console.print(table)
 
 

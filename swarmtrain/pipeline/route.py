@@ -1,0 +1,123 @@
+"""Where a pipeline's stages are: the route ``"H:P,H:P;H:P"`` and what its servers say.
+
+``;`` separates stages, ``,`` replicas of one stage. :func:`fetch_statuses` asks every
+replica for its status (STATUS_REQUEST, answered at once, outside the work queue) and
+:func:`check_route` tells a user, before any training starts, which address is down or
+serves the wrong stage or layers, and what to run there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from swarmtrain.errors import ConfigError, SwarmError
+from swarmtrain.transport import Timeouts, connect
+from swarmtrain.wire import Status, StatusRequest
+
+__all__ = ["Route", "check_route", "fetch_statuses", "parse_host_port", "parse_route"]
+
+log = logging.getLogger("swarmtrain.pipeline")
+
+Route = list[list[tuple[str, int]]]
+
+
+def parse_route(text: str) -> Route:
+    """``"H:P,H:P;H:P"`` → ``[[(H, P), (H, P)], [(H, P)]]``.
+
+    Raises:
+        ConfigError: an empty stage or a replica that is not ``HOST:PORT``.
+    """
+    route: Route = []
+    for i, stage in enumerate(text.split(";")):
+        replicas = [r.strip() for r in stage.split(",") if r.strip()]
+        if not replicas:
+            raise ConfigError(f"--route {text!r}: stage {i} lists no replica; write HOST:PORT for each "
+                              "replica, ',' between replicas of a stage and ';' between stages")
+        route.append([parse_host_port(r, "--route") for r in replicas])
+    return route
+
+
+def parse_host_port(text: str, flag: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` → ``(HOST, PORT)``; ``flag`` names the option in the error.
+
+    Raises:
+        ConfigError: no host, or a port that is not 1-65535.
+    """
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag}: {text!r} is not HOST:PORT (e.g. 10.0.0.2:7300)")
+    return host.strip("[]"), int(port)
+
+
+async def fetch_statuses(route: Route, *, secret: bytes | None,
+                         timeout: float = 10.0) -> list[list[dict[str, Any]]]:
+    """Each replica's status, by stage; an unreachable replica gives ``{"error": why}``.
+
+    Every dict also carries ``"replica": "HOST:PORT"`` and the ``"route_stage"`` it was
+    listed under.
+    """
+    timeouts = Timeouts(connect=timeout, handshake=timeout)
+
+    async def ask(stage: int, host: str, port: int) -> dict[str, Any]:
+        where = {"replica": f"{host}:{port}", "route_stage": stage}
+        try:
+            conn = await connect(host, port, secret=secret, role="pipeline", timeouts=timeouts)
+            try:
+                await conn.send(StatusRequest(), timeout=timeout)
+                reply = await conn.recv(timeout=timeout, phase="stage status")
+            finally:
+                await conn.close()
+        except SwarmError as exc:
+            return {**where, "error": str(exc)}
+        if not isinstance(reply, Status):
+            return {**where, "error": f"answered {type(reply).__name__}, not a status: "
+                    "is this a stage server?"}
+        return {**reply.status, **where}
+
+    answers = await asyncio.gather(*(ask(i, h, p) for i, stage in enumerate(route) for h, p in stage))
+    it = iter(answers)
+    return [[next(it) for _ in stage] for stage in route]
+
+
+def check_route(statuses: list[list[dict[str, Any]]], n_layers: int) -> None:
+    """Raise unless every stage has a live replica that serves the stage its place says,
+    and the live stages' layer ranges join up to cover the model's ``n_layers`` layers.
+
+    Raises:
+        SwarmError: the message names the address and what to start or fix there.
+    """
+    n = len(statuses)
+    ranges: list[tuple[int, int]] = []
+    for i, replicas in enumerate(statuses):
+        live = [s for s in replicas if "error" not in s]
+        for s in replicas:
+            if "error" in s:
+                log.warning("stage %d replica %s is unreachable (%s); going on without it for now",
+                            i, s["replica"], s["error"])
+        if not live:
+            raise SwarmError(
+                f"no replica of stage {i} answered: "
+                + "; ".join(f"{s['replica']}: {s['error']}" for s in replicas)
+                + f". Check that `swarmtrain stage --stage {i} --stages {n}` runs at that address and "
+                "port, that the port is reachable from here, and that both sides use the same secret")
+        for s in live:
+            if s.get("stage") != i:
+                raise SwarmError(
+                    f"{s['replica']} serves stage {s.get('stage')}, but the route lists it as stage {i} of "
+                    f"{n}: fix --route or restart it with --stage {i} --stages {n}")
+        found = {tuple(s["layers"]) for s in live}
+        if len(found) > 1:
+            raise SwarmError(f"the replicas of stage {i} hold different layers ({sorted(found)}): "
+                             "start them with the same --stages and model flags")
+        ranges.append(found.pop())
+    if ranges[-1][1] != n_layers:
+        raise SwarmError(f"the last stage of the route ends at layer {ranges[-1][1]}, but the model here has "
+                         f"{n_layers} layers: give every process the same --task and model flags, and list "
+                         f"every stage in --route (it lists {n})")
+    for i in range(1, n):
+        if ranges[i][0] != ranges[i - 1][1]:
+            raise SwarmError(f"stage {i - 1} ends at layer {ranges[i - 1][1]} but stage {i} starts at "
+                             f"{ranges[i][0]}: start every stage with the same --stages, --task and "
+                             "model flags")

@@ -1,0 +1,423 @@
+"""What the pipeline commands do: `swarmtrain stage`, `pipeline`, `generate` and `status`.
+
+Every process of one pipeline builds the same task with the same model shape and seed. A
+stage server computes its layer range with :func:`plan_stages` over equal nodes, so all
+processes agree on the ranges without talking. The trainer, the generation client and the
+status query reach the stages through a route ``"H:P,H:P;H:P;H:P"``: ``;`` separates
+stages, ``,`` replicas of one stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmtrain.errors import ConfigError, SwarmError
+from swarmtrain.pipeline.compute import ComputeConfig
+from swarmtrain.pipeline.partition import (
+    NodeSpec,
+    build_stage,
+    estimate_layer_costs,
+    loss_fn_for,
+    plan_stages,
+    split_layers,
+)
+from swarmtrain.pipeline.route import Route, check_route, fetch_statuses
+from swarmtrain.pipeline.router import Router, RouterConfig, StageUnavailable
+from swarmtrain.pipeline.stage import StageServer, StageServerConfig
+from swarmtrain.pipeline.trainer import PipelineTrainer, TrainerConfig
+from swarmtrain.tasks import Task, TextLMConfig, TextLMTask, load_task
+from swarmtrain.transport import is_loopback_host
+
+__all__ = [
+    "PipelineOptions",
+    "StageOptions",
+    "load_pipeline_task",
+    "parse_layer_range",
+    "run_generate",
+    "run_pipeline",
+    "run_stage",
+    "run_status",
+    "stage_range",
+]
+
+log = logging.getLogger("swarmtrain.pipeline")
+
+# Plenty for any model: equal nodes whose memory never binds, so the plan depends only on
+# the layers' compute and every process computes the same ranges.
+_UNBOUNDED_MEMORY = 1 << 60
+
+
+def load_pipeline_task(spec: str, *, context: int | None = None, d_model: int | None = None,
+                       n_heads: int | None = None, n_layers: int | None = None) -> Task:
+    """The task every process of a pipeline builds; model-size flags shape a ``textlm``.
+
+    Raises:
+        ConfigError: model-size flags given for a task other than ``textlm``.
+        TaskError: unknown task or an invalid TextLM shape.
+    """
+    shape = {k: v for k, v in {"context": context, "d_model": d_model, "n_heads": n_heads,
+                               "n_layers": n_layers}.items() if v is not None}
+    if spec.strip() != "textlm":
+        if shape:
+            raise ConfigError(f"--context/--d-model/--n-heads/--n-layers shape the textlm task only, "
+                              f"not {spec!r}; drop them or use --task textlm")
+        return load_task(spec)
+    return TextLMTask(TextLMConfig(**shape))
+
+
+def parse_layer_range(text: str) -> tuple[int, int]:
+    """``"A:B"`` → ``(A, B)``, the half-open range of model layers.
+
+    Raises:
+        ConfigError: not two integers with ``0 <= A < B``.
+    """
+    start, sep, stop = text.partition(":")
+    if not sep or not start.strip().isdigit() or not stop.strip().isdigit() or int(start) >= int(stop):
+        raise ConfigError(f"--layers {text!r}: give the stage's layers as START:STOP with START < STOP "
+                          "(e.g. 0:2 for the embedding and the first block)")
+    return int(start), int(stop)
+
+
+def stage_range(task: Task, seed: int, stage: int, stages: int) -> tuple[int, int]:
+    """The layers of ``stage`` of ``stages`` when every stage runs on an equal node.
+
+    Raises:
+        ConfigError: the model has fewer layers than stages.
+    """
+    layers = split_layers(task.build_model(seed))
+    nodes = [NodeSpec(f"stage{i}", 1.0, _UNBOUNDED_MEMORY) for i in range(stages)]
+    return plan_stages(estimate_layer_costs(layers), nodes)[stage]
+
+
+def _require_secret(host: str, port: int, secret: bytes | None, insecure: bool) -> None:
+    if secret is None and not insecure and not is_loopback_host(host):
+        raise ConfigError(
+            f"refusing to listen on {host}:{port} without a cluster secret: anyone on the network "
+            "could send this stage activations or gradients. Set SWARMTRAIN_SECRET or --secret-file "
+            "(create one with `swarmtrain secret --out FILE`), or pass --insecure for an open cluster")
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    from swarmtrain.session import write_atomic
+
+    write_atomic(path, json.dumps(data, default=str))
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+# -- swarmtrain stage ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """Settings of one `swarmtrain stage` process.
+
+    Attributes:
+        stage: index of the stage served (0 takes token ids).
+        stages: number of stages in the pipeline.
+        seed: model initialisation seed; every stage and replica must use the same.
+        host: address to listen on.
+        port: TCP port (0 = any free port; the status file says which).
+        layers: the layer range to serve instead of the planned one.
+        sync_with: replicas of the same stage to average parameters with.
+        sync_every: optimizer steps between averages with ``sync_with``.
+        learning_rate: AdamW learning rate (0 = the task's default).
+        threads: PyTorch intra-op threads (0 = PyTorch's default).
+        status_file: keep the server's status as JSON here ("" = none).
+    """
+
+    stage: int
+    stages: int
+    seed: int = 0
+    host: str = "0.0.0.0"
+    port: int = 7300
+    layers: tuple[int, int] | None = None
+    sync_with: tuple[tuple[str, int], ...] = ()
+    sync_every: int = 10
+    learning_rate: float = 0.0
+    threads: int = 0
+    status_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or not 0 <= self.stage < self.stages:
+            raise ConfigError(f"--stage {self.stage} --stages {self.stages}: need 0 <= stage < stages")
+        for key in ("sync_every", "threads", "port"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
+        if self.learning_rate < 0:
+            raise ConfigError(f"--lr must be > 0 (or 0 for the task's default), got {self.learning_rate}")
+
+
+def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure: bool) -> int:
+    """Serve one stage until SIGINT or SIGTERM.
+
+    Raises:
+        ConfigError: no secret on a reachable address (without ``insecure``), or a layer
+            range that does not fit the model or the stage's place in the pipeline.
+    """
+    _require_secret(opts.host, opts.port, secret, insecure)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    n_layers = len(split_layers(task.build_model(opts.seed)))
+    layer_range = opts.layers or stage_range(task, opts.seed, opts.stage, opts.stages)
+    last = opts.stage == opts.stages - 1
+    if (layer_range[0] == 0) != (opts.stage == 0) or (layer_range[1] == n_layers) != last:
+        raise ConfigError(f"stage {opts.stage} of {opts.stages} cannot hold layers [{layer_range[0]}, "
+                          f"{layer_range[1]}) of {n_layers}: only stage 0 starts at layer 0 and only the "
+                          "last stage ends at the last layer; fix --layers or drop it")
+    layers, loss_fn = build_stage(task.build_model, opts.seed, *layer_range)
+    server = StageServer(
+        layers, stage=opts.stage, layer_range=layer_range, loss_fn=loss_fn if last else None,
+        compute=ComputeConfig(learning_rate=opts.learning_rate or task.default_learning_rate),
+        config=StageServerConfig(host=opts.host, port=opts.port,
+                                 sync_every=opts.sync_every if opts.sync_with else 0),
+        secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}")
+
+    def status(port: int, running: bool) -> dict[str, Any]:
+        return {**server.status(), "address": f"{opts.host}:{port}", "port": port,
+                "stages": opts.stages, "pid": os.getpid(), "running": running, "time": time.time()}
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        try:
+            await server.start()
+        except OSError as exc:
+            await server.close()
+            raise SwarmError(f"cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}; is something "
+                             "(another stage?) already using that port? Choose another --port") from exc
+        port = server.port  # a closed server no longer knows it
+        peers = ", ".join(f"{h}:{p}" for h, p in opts.sync_with)
+        log.info("stage %d of %d: layers [%d, %d) of %d, listening on %s:%d%s", opts.stage, opts.stages,
+                 *layer_range, n_layers, opts.host, port, f", averaging with {peers}" if peers else "")
+        try:
+            while not stop.is_set():
+                if opts.status_file:
+                    _write_json(opts.status_file, status(port, True))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+        finally:
+            await server.close()
+            if opts.status_file:
+                _write_json(opts.status_file, status(port, False))
+        log.info("stage %d stopped after %d optimizer steps", opts.stage, server.compute.steps)
+
+    asyncio.run(serve())
+    return 0
+
+
+def _count_layers(task: Task) -> int:
+    return len(split_layers(task.build_model(0)))
+
+
+def _unavailable(exc: StageUnavailable) -> SwarmError:
+    return SwarmError(f"{exc}. Check that `swarmtrain stage` still runs at those addresses "
+                      "(see `swarmtrain status --route ...`)")
+
+
+# -- swarmtrain pipeline -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Settings of the `swarmtrain pipeline` trainer.
+
+    Attributes:
+        microbatches: micro-batches to train.
+        batch_size: samples per micro-batch.
+        max_inflight: micro-batches in the pipeline at once.
+        eval_every: micro-batches between held-out evaluations (0 = only at start and end).
+        eval_samples: held-out windows per evaluation.
+        seed: seed of the order training samples are drawn in.
+        request_timeout: seconds a stage may take to answer before its replica is banned.
+        status_file: keep the trainer's status as JSON here ("" = none).
+        route: for each stage, the ``(host, port)`` of its replicas.
+    """
+
+    microbatches: int = 200
+    batch_size: int = 16
+    max_inflight: int = 4
+    eval_every: int = 50
+    eval_samples: int = 64
+    seed: int = 0
+    request_timeout: float = 30.0
+    status_file: str = ""
+    route: Route = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("microbatches", "batch_size", "max_inflight", "eval_samples"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if not self.request_timeout > 0:
+            raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout}")
+
+
+def _trainer_status(trainer: PipelineTrainer, opts: PipelineOptions, evals: list[tuple[int, float]],
+                    state: str, error: str = "") -> dict[str, Any]:
+    done = len(trainer.loss_history)
+    acked = {str(s): [trainer.acknowledged[(s, mb)] for mb in range(opts.microbatches)]
+             for s in range(trainer.router.num_stages)}
+    return {
+        "state": state, "error": error, "session": trainer.session, "microbatches": opts.microbatches,
+        "done": done, "loss_history": trainer.loss_history, "eval_history": evals,
+        "acknowledged": acked, "resends": trainer.resends, "router_resends": trainer.router.resends,
+        "redone_forwards": trainer.redone_forwards, "router": trainer.router.stats(), "time": time.time(),
+    }
+
+
+def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None) -> int:
+    """Train ``opts.microbatches`` micro-batches through the stages of ``opts.route``.
+
+    Raises:
+        SwarmError: a stage is unreachable or misconfigured, or training failed (the status
+            file, if any, then says ``"state": "failed"`` and why).
+    """
+    data = task.load_data()
+    loss_fn = loss_fn_for(task.build_model(0))
+    context = task.config.context if isinstance(task, TextLMTask) else None
+    evals: list[tuple[int, float]] = []
+    signals: list[signal.Signals] = []
+
+    async def train() -> PipelineTrainer:
+        main = asyncio.current_task()
+        assert main is not None
+
+        def on_signal(sig: signal.Signals) -> None:
+            signals.append(sig)
+            main.cancel()  # stops the micro-batches in flight; `finally` still writes the status
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, on_signal, sig)
+        check_route(await fetch_statuses(opts.route, secret=secret), _count_layers(task))
+        router = Router(opts.route, secret=secret, config=RouterConfig(request_timeout=opts.request_timeout))
+        started = time.monotonic()
+        every = max(1, opts.microbatches // 20)
+
+        def progress(mb: int, loss: float) -> None:
+            done = len(trainer.loss_history)
+            if done % every == 0 or done == opts.microbatches:
+                recent = [v for _, v in trainer.loss_history[-every:]]
+                log.info("micro-batch %d/%d  loss %.4f  %.1f micro-batches/s  resends %d", done,
+                         opts.microbatches, sum(recent) / len(recent), done / (time.monotonic() - started),
+                         trainer.resends)
+
+        trainer = PipelineTrainer(router, data.train, TrainerConfig(batch_size=opts.batch_size,
+                                  max_inflight=opts.max_inflight, seed=opts.seed),
+                                  context=context, on_microbatch=progress)
+
+        async def write_status_forever() -> None:
+            while True:
+                _write_json(opts.status_file, _trainer_status(trainer, opts, evals, "training"))
+                await asyncio.sleep(1.0)
+
+        async def evaluate() -> None:
+            loss = await trainer.evaluate(data.heldout, loss_fn, max_samples=opts.eval_samples)
+            evals.append((len(trainer.loss_history), loss))
+            log.info("held-out loss %.4f after %d micro-batches", loss, len(trainer.loss_history))
+
+        writer = asyncio.create_task(write_status_forever()) if opts.status_file else None
+        state, error = "failed", ""
+        try:
+            await evaluate()
+            chunk = opts.eval_every or opts.microbatches
+            while len(trainer.loss_history) < opts.microbatches:
+                await trainer.train(min(chunk, opts.microbatches - len(trainer.loss_history)))
+                await evaluate()
+            state = "finished"
+        except asyncio.CancelledError:
+            state = "stopped"
+            raise
+        except StageUnavailable as exc:
+            error = str(exc)
+            raise _unavailable(exc) from exc
+        except SwarmError as exc:
+            error = str(exc)
+            raise
+        finally:
+            if writer is not None:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
+            if opts.status_file:
+                _write_json(opts.status_file, _trainer_status(trainer, opts, evals, state, error))
+            await router.close()
+        return trainer
+
+    try:
+        trainer = asyncio.run(train())
+    except asyncio.CancelledError:
+        if not signals:
+            raise
+        log.warning("stopped by %s", signals[0].name)
+        return 128 + int(signals[0])
+    first = evals[0][1] if evals else float("nan")
+    last = evals[-1][1] if evals else float("nan")
+    print(f"trained {len(trainer.loss_history)} micro-batches: held-out loss {first:.4f} -> {last:.4f}; "
+          f"resends {trainer.resends} (requests resent {trainer.router.resends}, forwards redone "
+          f"{trainer.redone_forwards})")
+    return 0
+
+
+# -- swarmtrain generate -------------------------------------------------------------------
+
+
+def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperature: float, seed: int,
+                 secret: bytes | None) -> int:
+    """Print ``prompt`` continued by ``tokens`` bytes generated through the stages.
+
+    Raises:
+        ConfigError: the task is not a byte-level language model.
+        SwarmError: a stage is unreachable or misconfigured.
+    """
+    if not isinstance(task, TextLMTask):
+        raise ConfigError("generate needs a text model: use --task textlm")
+
+    async def generate() -> bytes:
+        check_route(await fetch_statuses(route, secret=secret), _count_layers(task))
+        router = Router(route, secret=secret)
+        try:
+            trainer = PipelineTrainer(router, task.load_data().heldout, context=task.config.context)
+            return await trainer.generate(prompt.encode("utf-8"), tokens, temperature, seed)
+        except StageUnavailable as exc:
+            raise _unavailable(exc) from exc
+        finally:
+            await router.close()
+
+    text = asyncio.run(generate())
+    print(prompt + text.decode("utf-8", errors="replace"))
+    return 0
+
+
+def run_status(route: Route, *, secret: bytes | None, as_json: bool) -> int:
+    """Print every stage replica's status; 1 if some replica did not answer."""
+    from swarmtrain.ui import print_pipeline_status
+
+    statuses = asyncio.run(fetch_statuses(route, secret=secret))
+    if as_json:
+        print(json.dumps(statuses, default=str, indent=2))
+    else:
+        print_pipeline_status(statuses)
+    down = [s for stage in statuses for s in stage if "error" in s]
+    for s in down:
+        log.error("stage %d replica %s did not answer: %s. Check that `swarmtrain stage --stage %d` "
+                  "runs there and that the port is reachable", s["route_stage"], s["replica"], s["error"],
+                  s["route_stage"])
+    return 1 if down else 0
