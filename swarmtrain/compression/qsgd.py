@@ -30,7 +30,7 @@ from swarmtrain.compression.base import (
 from swarmtrain.compression.bitpack import PACK_BITS, pack_bits, packed_nbytes, unpack_bits
 from swarmtrain.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 
-__all__ = ["MAX_BUCKET_SIZE", "QSGD_BITS", "QSGDCodec"]
+__all__ = ["MAX_BUCKET_SIZE", "QSGD_BITS", "QSGDCodec", "decode_bucketed_levels"]
 
 QSGD_BITS = PACK_BITS
 """Allowed bits per element: 2 (levels -1..1), 4 (-7..7), 8 (-127..127)."""
@@ -136,26 +136,39 @@ def decode_qsgd(c: Compressed) -> torch.Tensor:
         RemoteProtocolError: bad meta, wrong part sizes or dtypes, a norm that is negative
             or not finite, or a code above ``2s``.
     """
-    numel = check_header(c, QSGDCodec.name)
+    return decode_bucketed_levels(c, QSGDCodec.name, "norms")
+
+
+def decode_bucketed_levels(c: Compressed, codec: str, scale_part: str) -> torch.Tensor:
+    """The decoder shared by the bucketed level codecs (``qsgd``, ``uniform``): offset codes
+    ``level + s`` packed in ``bits`` bits, and one float32 scale per bucket under
+    ``scale_part``; element ``= level * scale / s``.
+
+    Raises:
+        RemoteProtocolError: bad meta, wrong part sizes or dtypes, a scale that is negative
+            or not finite, or a code above ``2s``.
+    """
+    numel = check_header(c, codec)
     check_meta_keys(c, {"bits", "bucket_size"})
     bits = meta_int(c, "bits", 2, 8)
     if bits not in QSGD_BITS:
-        raise RemoteProtocolError("bad_meta", f"qsgd: bits must be one of {QSGD_BITS}, got {bits}")
+        raise RemoteProtocolError("bad_meta", f"{codec}: bits must be one of {QSGD_BITS}, got {bits}")
     size = meta_int(c, "bucket_size", 1, MAX_BUCKET_SIZE)
     check_parts(
         c,
         {
-            "norms": (torch.float32, _num_buckets(numel, size)),
+            scale_part: (torch.float32, _num_buckets(numel, size)),
             "codes": (torch.uint8, packed_nbytes(numel, bits)),
         },
     )
-    norms = c.parts["norms"]
-    if norms.numel() and not bool(torch.isfinite(norms).all() and (norms >= 0).all()):
-        raise RemoteProtocolError("bad_qsgd_norm", "qsgd: bucket norms must be finite and >= 0")
+    scales = c.parts[scale_part]
+    if scales.numel() and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
+        raise RemoteProtocolError(f"bad_{codec}_{scale_part.removesuffix('s')}",
+                                  f"{codec}: bucket {scale_part} must be finite and >= 0")
     s = _levels(bits)
     codes = unpack_bits(c.parts["codes"].contiguous(), bits, numel)
     if numel and int(codes.max()) > 2 * s:
-        raise RemoteProtocolError("bad_qsgd_code", f"qsgd: codes must be <= {2 * s}")
+        raise RemoteProtocolError(f"bad_{codec}_code", f"{codec}: codes must be <= {2 * s}")
     values = codes.to(torch.float32).sub_(s)
-    _scale_per_bucket_(values, norms / s, size)
+    _scale_per_bucket_(values, scales / s, size)
     return values.view(c.shape)

@@ -25,16 +25,18 @@ import torch
 from swarmtrain.compression.base import (
     Codec,
     Compressed,
-    check_header,
-    check_meta_keys,
-    check_parts,
     dtype_name,
     flat_float32,
-    meta_int,
 )
-from swarmtrain.compression.bitpack import PACK_BITS, pack_bits, packed_nbytes, unpack_bits
-from swarmtrain.compression.qsgd import MAX_BUCKET_SIZE, _levels, _num_buckets, _scale_per_bucket_
-from swarmtrain.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from swarmtrain.compression.bitpack import PACK_BITS, pack_bits, packed_nbytes
+from swarmtrain.compression.qsgd import (
+    MAX_BUCKET_SIZE,
+    _levels,
+    _num_buckets,
+    _scale_per_bucket_,
+    decode_bucketed_levels,
+)
+from swarmtrain.errors import ConfigError, LocalProtocolError
 
 __all__ = ["UniformCodec", "decode_uniform"]
 
@@ -112,32 +114,11 @@ class UniformCodec(Codec):
 
 
 def decode_uniform(c: Compressed) -> torch.Tensor:
-    """Decode a ``uniform`` :class:`Compressed` from its parts and meta alone.
+    """Decode a ``uniform`` :class:`Compressed` from its parts and meta alone (the same layout
+    as QSGD's, with ``scales`` in place of ``norms``).
 
     Raises:
         RemoteProtocolError: bad meta, wrong part sizes or dtypes, a scale that is negative
             or not finite, or a code above ``2s``.
     """
-    numel = check_header(c, UniformCodec.name)
-    check_meta_keys(c, {"bits", "bucket_size"})
-    bits = meta_int(c, "bits", 2, 8)
-    if bits not in PACK_BITS:
-        raise RemoteProtocolError("bad_meta", f"uniform: bits must be one of {PACK_BITS}, got {bits}")
-    size = meta_int(c, "bucket_size", 1, MAX_BUCKET_SIZE)
-    check_parts(
-        c,
-        {
-            "scales": (torch.float32, _num_buckets(numel, size)),
-            "codes": (torch.uint8, packed_nbytes(numel, bits)),
-        },
-    )
-    scales = c.parts["scales"]
-    if scales.numel() and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
-        raise RemoteProtocolError("bad_uniform_scale", "uniform: bucket scales must be finite and >= 0")
-    s = _levels(bits)
-    codes = unpack_bits(c.parts["codes"].contiguous(), bits, numel)
-    if numel and int(codes.max()) > 2 * s:
-        raise RemoteProtocolError("bad_uniform_code", f"uniform: codes must be <= {2 * s}")
-    values = codes.to(torch.float32).sub_(s)
-    _scale_per_bucket_(values, scales / s, size)
-    return values.view(c.shape)
+    return decode_bucketed_levels(c, UniformCodec.name, "scales")

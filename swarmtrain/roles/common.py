@@ -128,11 +128,12 @@ def unpack_compressed(
     Raises:
         RemoteProtocolError: names, shapes or parts do not match, or a codec rejects its parts.
     """
-    if set(codecs) == {FUSED} and FUSED not in expected:
-        return _unpack_fused(codecs, tensors, expected)
-    if set(codecs) != set(expected):
-        missing = sorted(set(expected) - set(codecs))[:3]
-        extra = sorted(set(codecs) - set(expected))[:3]
+    fused = set(codecs) == {FUSED} and FUSED not in expected
+    shapes = ({FUSED: (sum(t.numel() for t in expected.values()),)} if fused
+              else {n: tuple(t.shape) for n, t in expected.items()})
+    if set(codecs) != set(shapes):
+        missing = sorted(set(shapes) - set(codecs))[:3]
+        extra = sorted(set(codecs) - set(shapes))[:3]
         raise RemoteProtocolError(
             "shape_mismatch", f"tensor names differ from the model's (missing {missing}, unknown {extra})"
         )
@@ -143,10 +144,9 @@ def unpack_compressed(
                 and isinstance(spec.get("shape"), list) and isinstance(spec.get("meta"), dict)
                 and isinstance(spec.get("codec"), str) and isinstance(spec.get("dtype"), str)):
             raise RemoteProtocolError("bad_codec", f"codec entry for {name!r} is malformed")
-        if tuple(spec["shape"]) != tuple(expected[name].shape):
+        if tuple(spec["shape"]) != shapes[name]:
             raise RemoteProtocolError(
-                "shape_mismatch",
-                f"{name!r} has shape {spec['shape']}, the model's is {list(expected[name].shape)}",
+                "shape_mismatch", f"{name!r} has shape {spec['shape']}, the model's is {list(shapes[name])}"
             )
         parts = {}
         for part in spec["parts"]:
@@ -160,16 +160,7 @@ def unpack_compressed(
         out[name] = decompress_any(c)
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
+    if fused:  # one view per parameter, in the model's order
+        pieces = out[FUSED].split([t.numel() for t in expected.values()])
+        return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
     return out
-
-
-def _unpack_fused(
-    codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Decode a :data:`FUSED` entry and split it into one view per expected tensor."""
-    sizes = [t.numel() for t in expected.values()]
-    prefix = FUSED + "/"
-    renamed = {("all/" + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
-    flat = unpack_compressed({"all": codecs[FUSED]}, renamed, {"all": torch.empty(sum(sizes))})["all"]
-    return {name: part.view(t.shape)
-            for (name, t), part in zip(expected.items(), torch.split(flat, sizes))}
