@@ -14,6 +14,7 @@ import torch
 
 from swarmtrain.peer.backend import PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
+from swarmtrain.peer.ring import RingBroken
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = b"backend-test-secret"
@@ -94,3 +95,11 @@ def test_a_broken_ring_with_everyone_alive_reforms_under_a_new_epoch(
     epochs = {b.epoch for b in group}
     assert len(epochs) == 1 and epochs.pop() > before  # the spent epoch is never reused
     assert all(b.world_size == 3 for b in group)
+
+
+def test_a_broken_ring_names_its_epoch(group: list[PeerBackend]) -> None:
+    ring = group[1]._current_ring()
+    ring.close()
+    with pytest.raises(RingBroken) as info:
+        group[1].broadcast(torch.zeros(4))
+    assert info.value.epoch == ring.epoch  # what recover() is given: the spent epoch, not the newest

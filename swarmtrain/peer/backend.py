@@ -336,11 +336,7 @@ class PeerBackend:
         members = {p: self._candidates().get(p) for p in v.members if p != self.membership.me}
         self.control.watch({p: c for p, c in members.items() if c is not None})
         loop = asyncio.get_running_loop()
-        try:
-            ring = await loop.run_in_executor(None, self._build_ring, v)
-        except RingBroken as exc:
-            exc.epoch = v.epoch
-            raise
+        ring = await loop.run_in_executor(None, self._build_ring, v)
         with self._ring_lock:
             old, self._ring = self._ring, ring
         if old is not None:
@@ -393,7 +389,6 @@ class PeerBackend:
                 self._account(ring)
                 return out
             except RingBroken as exc:
-                exc.epoch = ring.epoch
                 if attempt == retries:
                     raise
                 log.warning("epoch %d ring broke in %s (%s); re-forming", ring.epoch, exc.phase, exc)
@@ -402,20 +397,10 @@ class PeerBackend:
         raise AssertionError("unreachable")
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        ring = self._current_ring()
-        try:
-            return ring.broadcast(tensor, root)
-        except RingBroken as exc:
-            exc.epoch = ring.epoch
-            raise
+        return self._current_ring().broadcast(tensor, root)
 
     def barrier(self) -> None:
-        ring = self._current_ring()
-        try:
-            ring.barrier()
-        except RingBroken as exc:
-            exc.epoch = ring.epoch
-            raise
+        self._current_ring().barrier()
 
     def _account(self, ring: RingGroup, *, closing: bool = False) -> None:
         """Bytes moved by collectives: those of closed rings plus the current one's."""

@@ -59,7 +59,7 @@ class RingBroken(SwarmError):
         phase: ``connect``, ``reduce_scatter``, ``all_gather``, ``broadcast`` or ``barrier``.
         peer: the rank of the neighbour involved, if known.
         detail: what happened.
-        epoch: the epoch of the ring that broke (set by :class:`PeerBackend`; None if unknown).
+        epoch: the epoch of the ring that broke (set by the :class:`RingGroup` raising it).
     """
 
     epoch: int | None = None

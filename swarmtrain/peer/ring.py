@@ -124,12 +124,18 @@ class RingGroup:
         self._buffers = ScratchBuffers(segment_bytes)
         listener.open_epoch(ring_id, epoch)
         deadline = time.monotonic() + timeout
-        self._out = dial(addresses[self._next], secret=secret, ring_id=ring_id, epoch=epoch,
-                         from_rank=rank, peer=self._next, timeout=timeout)
+        try:
+            self._out = dial(addresses[self._next], secret=secret, ring_id=ring_id, epoch=epoch,
+                             from_rank=rank, peer=self._next, timeout=timeout)
+        except RingBroken as exc:
+            exc.epoch = epoch
+            raise
         try:
             self._in = listener.claim(ring_id, epoch, self._prev, max(deadline - time.monotonic(), 0.001))
-        except BaseException:
+        except BaseException as exc:
             self._out.close()
+            if isinstance(exc, RingBroken):
+                exc.epoch = epoch
             raise
         self._out.setblocking(False)
         self._in.setblocking(False)
@@ -247,11 +253,18 @@ class RingGroup:
 
     # --- the engine ---------------------------------------------------------------------
 
+    def _broken_here(self, phase: str, peer: int | None, detail: str) -> RingBroken:
+        """A :class:`RingBroken` of this group, stamped with its epoch."""
+        err = RingBroken(phase, peer, detail)
+        err.epoch = self.epoch
+        return err
+
     def _check_usable(self, phase: str) -> None:
         if self._broken is not None:
-            raise RingBroken(phase, self._broken.peer, f"the group broke earlier: {self._broken.detail}")
+            raise self._broken_here(phase, self._broken.peer,
+                                    f"the group broke earlier: {self._broken.detail}")
         if self._closed:
-            raise RingBroken(phase, None, "the group is closed")
+            raise self._broken_here(phase, None, "the group is closed")
 
     def _all_reduce_plan(
         self, kind: int, flat: np.ndarray, extra: np.ndarray | None, codec: int
@@ -270,16 +283,17 @@ class RingGroup:
             self._seq += 1
             self._pump(plan(self._seq))
         except RingBroken as exc:
+            exc.epoch = self.epoch
             err = exc
             if self._aborted:
-                err = RingBroken(exc.phase, None, "the group was closed during the collective")
+                err = self._broken_here(exc.phase, None, "the group was closed during the collective")
             self._broken = err
             self.close()
             if err is exc:
                 raise
             raise err from exc
         except BaseException as exc:  # interrupted mid-collective: the ring is out of step
-            self._broken = RingBroken(phase, None, f"interrupted: {exc!r}")
+            self._broken = self._broken_here(phase, None, f"interrupted: {exc!r}")
             self.close()
             raise
         finally:
