@@ -3,7 +3,6 @@ together, survive a peer killed mid-all-reduce, take in a late joiner, ignore ot
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import time
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 
 from swarmtrain.testing import SimulatedLAN
-from swarmtrain.testing.procs import swarm_cmd, tail
+from swarmtrain.testing.procs import LanProcesses
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -28,58 +27,28 @@ reform_timeout_sec = 30.0
 """
 
 
-class Peers:
-    def __init__(self, lan: SimulatedLAN, tmp: Path) -> None:
-        self.lan, self.tmp = lan, tmp
-        (tmp / "peer.toml").write_text(TOML)
-        self.procs: dict[int, subprocess.Popen[Any]] = {}
+class Peers(LanProcesses):
+    """Peer processes named by host index (``"0"``, ``"1"``, ...), one home directory each."""
 
-    def start(self, host: int, *args: str, run: str = "lan-test") -> subprocess.Popen[Any]:
+    def __init__(self, lan: SimulatedLAN, tmp: Path) -> None:
+        super().__init__(lan, tmp, {"SWARMTRAIN_SECRET": "peer-lan-secret"})
+        (tmp / "peer.toml").write_text(TOML)
+
+    def start_peer(self, host: int, *args: str, run: str = "lan-test") -> subprocess.Popen[Any]:
         home = self.tmp / f"home{host}"
         home.mkdir(exist_ok=True)
-        argv = swarm_cmd("peer", "--config", str(self.tmp / "peer.toml"), "--task", "digits",
-                         "--run", run, "--threads", "1", "--batch-size", "32",
-                         "--status-file", str(self.tmp / f"p{host}.json"), *args)
-        env = {"SWARMTRAIN_SECRET": "peer-lan-secret", "SWARMTRAIN_HOME": str(home)}
-        self.procs[host] = p = self.lan.hosts[host].run(
-            argv, env=env, stdout=open(self.tmp / f"p{host}.log", "ab"), stderr=subprocess.STDOUT)
-        return p
+        return self.start(str(host), host, "peer", "--config", str(self.tmp / "peer.toml"), "--task",
+                          "digits", "--run", run, "--threads", "1", "--batch-size", "32", *args,
+                          env={"SWARMTRAIN_HOME": str(home)})
 
-    def status(self, host: int) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.tmp / f"p{host}.json").read_text())  # type: ignore[no-any-return]
-        except (OSError, ValueError):
-            return None
+    def peer_status(self, host: int) -> dict[str, Any] | None:
+        return self.status(str(host))
 
-    def wait(self, pred: Callable[[dict[int, dict[str, Any]]], bool], timeout: float, what: str,
-             hosts: list[int]) -> dict[int, dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            sts = {h: self.status(h) for h in hosts}
-            if all(s is not None for s in sts.values()) and pred(sts):  # type: ignore[arg-type]
-                return sts  # type: ignore[return-value]
-            time.sleep(0.2)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
-
-    def logs(self) -> str:
-        return "\n".join(f"--- peer {h} ---\n{tail(self.tmp / f'p{h}.log', 30)}" for h in self.procs)
-
-    def join(self, timeout: float) -> None:
-        """Wait for every peer process to exit 0; on a timeout or failure show their logs."""
-        deadline = time.monotonic() + timeout
-        for h, p in self.procs.items():
-            try:
-                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"peer {h} still running after {timeout} s\n{self.logs()}") from None
-            assert rc == 0, f"peer {h} exited {rc}\n{self.logs()}"
-
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        for p in self.procs.values():
-            p.wait(timeout=10)
+    def wait_peers(self, pred: Callable[[dict[int, dict[str, Any]]], bool], timeout: float, what: str,
+                   hosts: list[int]) -> dict[int, dict[str, Any]]:
+        sts = self.wait_all([str(h) for h in hosts], lambda s: pred({int(k): v for k, v in s.items()}),
+                            timeout, what)
+        return {int(k): v for k, v in sts.items()}
 
 
 @pytest.fixture
@@ -91,9 +60,10 @@ def peers(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: ig
 
 def test_four_peers_find_each_other_by_mdns_and_train_together(peers: Peers) -> None:
     for h in range(4):  # no addresses, no ranks, no world size
-        peers.start(h, "--min-peers", "4", "--mode", "step", "--max-rounds", "400", "--eval-every", "100")
+        peers.start_peer(h, "--min-peers", "4", "--mode", "step", "--max-rounds", "400",
+                         "--eval-every", "100")
     peers.join(180)
-    sts = {h: peers.status(h) for h in range(4)}
+    sts = {h: peers.peer_status(h) for h in range(4)}
     assert all(s is not None and s["round"] == 400 and s["world_size"] == 4 for s in sts.values()), sts
     assert len({s["checksum"] for s in sts.values() if s}) == 1  # bit-identical replicas
     acc = max((s["metrics"].get("accuracy", 0) for s in sts.values() if s), default=0)
@@ -103,18 +73,18 @@ def test_four_peers_find_each_other_by_mdns_and_train_together(peers: Peers) -> 
 def test_a_peer_killed_mid_allreduce_the_others_reform_and_go_on(peers: Peers) -> None:
     for h in range(4):
         peers.lan.hosts[h].set_rate(4)  # slow links: most of a round is the all-reduce
-        peers.start(h, "--min-peers", "4", "--mode", "diloco", "--inner-steps", "2", "--wire", "fp32")
-    peers.wait(lambda s: all(x["round"] >= 5 and x["world_size"] == 4 for x in s.values()), 120,
+        peers.start_peer(h, "--min-peers", "4", "--mode", "diloco", "--inner-steps", "2", "--wire", "fp32")
+    peers.wait_peers(lambda s: all(x["round"] >= 5 and x["world_size"] == 4 for x in s.values()), 120,
                "4 peers training", [0, 1, 2, 3])
     victim = 2
-    peers.procs[victim].send_signal(signal.SIGKILL)
+    peers.procs[str(victim)].send_signal(signal.SIGKILL)
     killed = time.monotonic()
     survivors = [0, 1, 3]
-    sts = peers.wait(lambda s: all(x["world_size"] == 3 for x in s.values()), 60,
+    sts = peers.wait_peers(lambda s: all(x["world_size"] == 3 for x in s.values()), 60,
                      "the survivors to agree a 3-member epoch", survivors)
     reformed = time.monotonic() - killed
     at = {h: s["round"] for h, s in sts.items()}
-    sts = peers.wait(lambda s: all(s[h]["round"] >= at[h] + 3 for h in s), 90,
+    sts = peers.wait_peers(lambda s: all(s[h]["round"] >= at[h] + 3 for h in s), 90,
                      "training to go on with 3 peers", survivors)
     assert reformed < 20, reformed  # heartbeat timeout 2 s + proposal 2 s + ring set-up, with slack
     assert len({s["checksum"] for s in sts.values()} | set()) >= 1
@@ -126,11 +96,12 @@ def test_a_late_joiner_loads_the_current_state_before_contributing(peers: Peers)
     for h in range(4):
         peers.lan.hosts[h].set_rate(10)  # about 0.1 s a round, so the joiner arrives mid-run
     for h in range(3):
-        peers.start(h, "--min-peers", "3", *args)
-    peers.wait(lambda s: all(x["round"] >= 10 for x in s.values()), 120, "3 peers at round 10", [0, 1, 2])
-    peers.start(3, *args)
+        peers.start_peer(h, "--min-peers", "3", *args)
+    peers.wait_peers(lambda s: all(x["round"] >= 10 for x in s.values()), 120, "3 peers at round 10",
+                     [0, 1, 2])
+    peers.start_peer(3, *args)
     peers.join(180)
-    sts = {h: peers.status(h) for h in range(4)}
+    sts = {h: peers.peer_status(h) for h in range(4)}
     joiner = sts[3]
     assert joiner is not None
     # alone at first (min-peers 1) it trains by itself; the epoch that merges it into the
@@ -143,10 +114,10 @@ def test_a_late_joiner_loads_the_current_state_before_contributing(peers: Peers)
 
 def test_peers_of_another_run_are_not_joined(peers: Peers) -> None:
     for h in range(2):
-        peers.start(h, "--min-peers", "2", "--mode", "step", "--max-rounds", "100")
-    peers.start(2, "--min-peers", "1", "--mode", "step", "--max-rounds", "100", run="other-run")
+        peers.start_peer(h, "--min-peers", "2", "--mode", "step", "--max-rounds", "100")
+    peers.start_peer(2, "--min-peers", "1", "--mode", "step", "--max-rounds", "100", run="other-run")
     peers.join(180)
-    sts = {h: peers.status(h) for h in range(3)}
+    sts = {h: peers.peer_status(h) for h in range(3)}
     assert [sts[h]["world_size"] for h in range(3)] == [2, 2, 1], sts  # type: ignore[index]
     assert set(sts[0]["members"]) == set(sts[1]["members"])  # type: ignore[index]
     assert sts[2]["peer_id"] not in sts[0]["members"]  # type: ignore[index]

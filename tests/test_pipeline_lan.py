@@ -5,18 +5,15 @@ twice at the stages that stayed up. Every wait polls a status file with a deadli
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from swarmtrain.testing import SimulatedLAN
-from swarmtrain.testing.procs import swarm_cmd, tail
+from swarmtrain.testing.procs import LanProcesses
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -30,18 +27,8 @@ KILL_AFTER = 80
 HELDOUT_LOSS_BELOW = 3.5
 
 
-class Procs:
-    """The processes of one test, each with a log and a status file in ``tmp``."""
-
-    def __init__(self, lan: SimulatedLAN, tmp: Path) -> None:
-        self.lan, self.tmp = lan, tmp
-        self.procs: dict[str, subprocess.Popen[Any]] = {}
-
-    def start(self, name: str, host: int, *args: str) -> subprocess.Popen[Any]:
-        argv = swarm_cmd(*args, "--status-file", str(self.status_path(name)))
-        self.procs[name] = p = self.lan.hosts[host].run(
-            argv, env=ENV, stdout=open(self.tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT)
-        return p
+class Procs(LanProcesses):
+    """The processes of this test, plus how to start a stage server."""
 
     def start_stage(self, name: str, host: int, stage: int, *args: str) -> int:
         """Start a stage server on ``host`` (any free port); its port once it listens."""
@@ -50,42 +37,10 @@ class Procs:
                    "--lr", "3e-3", *args)
         return int(self.wait(name, lambda s: bool(s.get("running")), 60, "the stage to listen")["port"])
 
-    def status_path(self, name: str) -> Path:
-        return self.tmp / f"{name}.json"
-
-    def status(self, name: str) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.status_path(name).read_text())  # type: ignore[no-any-return]
-        except (OSError, ValueError):
-            return None
-
-    def wait(self, name: str, pred: Callable[[dict[str, Any]], bool], timeout: float,
-             what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.status(name)
-            if st is not None and pred(st):
-                return st
-            if self.procs[name].poll() is not None:
-                raise AssertionError(f"{name} exited ({self.procs[name].returncode}) while waiting for "
-                                     f"{what}\n{self.logs()}")
-            time.sleep(0.2)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {n} ---\n{tail(self.tmp / f'{n}.log', 25)}" for n in self.procs)
-
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        for p in self.procs.values():
-            p.wait(timeout=10)
-
 
 @pytest.fixture
 def procs(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path) -> Iterator[Procs]:
-    ps = Procs(lan_factory(4), tmp_path)
+    ps = Procs(lan_factory(4), tmp_path, ENV)
     yield ps
     ps.stop_all()
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["swarm_cmd", "start_coordinator", "wait_exit", "tail"]
+if TYPE_CHECKING:
+    from swarmtrain.testing.lan import SimulatedLAN
+
+__all__ = ["LanProcesses", "swarm_cmd", "start_coordinator", "wait_exit", "tail"]
 
 
 def swarm_cmd(*args: str) -> list[str]:
@@ -51,3 +58,69 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float, log: Path | None = 
         proc.kill()
         proc.wait(timeout=10)
         raise AssertionError(f"process did not exit within {timeout} s:\n{tail(log) if log else ''}") from exc
+
+
+class LanProcesses:
+    """Named swarmtrain processes on the hosts of a :class:`SimulatedLAN`, each with a log
+    ``<name>.log`` and a status file ``<name>.json`` (passed as ``--status-file``) in ``tmp``;
+    waits poll the status files with a deadline and show every log when they fail."""
+
+    def __init__(self, lan: SimulatedLAN, tmp: Path, env: dict[str, str]) -> None:
+        self.lan, self.tmp, self.env = lan, tmp, env
+        self.procs: dict[str, subprocess.Popen[Any]] = {}
+
+    def start(self, name: str, host: int, *args: str, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[Any]:
+        argv = swarm_cmd(*args, "--status-file", str(self.status_path(name)))
+        self.procs[name] = p = self.lan.hosts[host].run(
+            argv, env={**self.env, **(env or {})}, stdout=open(self.tmp / f"{name}.log", "ab"),
+            stderr=subprocess.STDOUT)
+        return p
+
+    def status_path(self, name: str) -> Path:
+        return self.tmp / f"{name}.json"
+
+    def status(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.status_path(name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def wait_all(self, names: list[str], pred: Callable[[dict[str, dict[str, Any]]], bool],
+                 timeout: float, what: str) -> dict[str, dict[str, Any]]:
+        """Poll until every named status exists and ``pred(statuses)`` holds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sts = {n: self.status(n) for n in names}
+            if all(s is not None for s in sts.values()) and pred(sts):  # type: ignore[arg-type]
+                return sts  # type: ignore[return-value]
+            dead = [n for n in names if self.procs[n].poll() is not None]
+            if dead:
+                raise AssertionError(f"{dead[0]} exited ({self.procs[dead[0]].returncode}) while waiting "
+                                     f"for {what}\n{self.logs()}")
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
+
+    def wait(self, name: str, pred: Callable[[dict[str, Any]], bool], timeout: float,
+             what: str) -> dict[str, Any]:
+        return self.wait_all([name], lambda sts: pred(sts[name]), timeout, what)[name]
+
+    def join(self, timeout: float) -> None:
+        """Wait for every process to exit 0; on a timeout or failure show the logs."""
+        deadline = time.monotonic() + timeout
+        for name, p in self.procs.items():
+            try:
+                rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} still running after {timeout} s\n{self.logs()}") from None
+            assert rc == 0, f"{name} exited {rc}\n{self.logs()}"
+
+    def logs(self, lines: int = 30) -> str:
+        return "\n".join(f"--- {n} ---\n{tail(self.tmp / f'{n}.log', lines)}" for n in self.procs)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self.procs.values():
+            p.wait(timeout=10)
