@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from swarmtrain.hardware import tune_allocator
 
-    tune_allocator()  # as `swarmtrain coordinator` does at start-up
+    tune_allocator()  # as every `swarmtrain` command does at start-up
     threads = [int(x) for x in args.threads.split(",") if x]
     rounds = args.rounds or (4 if args.quick else 30)
     warmup = 1 if args.quick else 2

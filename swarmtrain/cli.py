@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from swarmtrain import __version__
+from swarmtrain import __version__, hardware
 from swarmtrain.errors import SwarmError
 
 __all__ = ["main", "build_parser"]
@@ -387,6 +387,7 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    hardware.tune_allocator()  # every role allocates and frees tensor-sized temporaries each step
     try:
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:

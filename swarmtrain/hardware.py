@@ -387,7 +387,7 @@ def tune_allocator(mmap_threshold_mb: int = 32, trim_threshold_mb: int = 128) ->
     subtraction takes 21 ms with fresh pages, 4.5 ms into reused memory). Freed memory above
     ``trim_threshold_mb`` is still returned to the system.
 
-    Process-wide; called by the CLI's roles at start-up. Returns False where there is no glibc
+    Process-wide; called by every `swarmtrain` command at start-up. Returns False where there is no glibc
     (nothing changes then). ``SWARMTRAIN_MALLOC_TUNING=0`` turns it off.
     """
     if os.environ.get("SWARMTRAIN_MALLOC_TUNING", "1") == "0" or platform.system() != "Linux":

@@ -48,8 +48,6 @@ def build_coordinator(cfg: CoordinatorConfig, *, resume: bool = False) -> Coordi
 def build_worker(cfg: WorkerConfig) -> Worker:
     import torch
 
-    from swarmtrain import hardware
-
     if cfg.hardware.num_threads == 0:  # auto: as many threads as the machine's profile suggests
         torch.set_num_threads(hardware.recommend(hardware.detect()).num_threads)
     task = load_task(cfg.training.task)
@@ -76,8 +74,6 @@ def run_coordinator(
     cfg: CoordinatorConfig, *, resume: bool = False, port_file: str | None = None,
     summary_file: str | None = None, status_file: str | None = None,
 ) -> int:
-    hardware.tune_allocator()
-
     async def main() -> dict[str, Any]:
         coord = build_coordinator(cfg, resume=resume)
         await coord.start()
@@ -104,7 +100,6 @@ def run_coordinator(
 
 
 def run_worker(cfg: WorkerConfig) -> int:
-    hardware.tune_allocator()
     worker = build_worker(cfg)
 
     async def main() -> None:
@@ -126,7 +121,6 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
 
     import torch
 
-    from swarmtrain import hardware
     from swarmtrain.config import resolve_secret
     from swarmtrain.errors import ConfigError
     from swarmtrain.peer.backend import PeerBackend, PeerOptions
@@ -176,7 +170,6 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
 
 
 def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
-    hardware.tune_allocator()
     backend, trainer = build_peer(cfg)
     trainer.status_file = status_file or ""
 
