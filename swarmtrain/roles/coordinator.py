@@ -678,11 +678,8 @@ def _flatten_storage(params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     if not ps or any(p.dtype != torch.float32 or p.device.type != "cpu" for p in ps):
         return None
     flat = torch.cat([p.detach().reshape(-1) for p in ps])
-    offset = 0
-    with torch.no_grad():
-        for p in ps:
-            p.data = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+    for p, piece in zip(ps, flat.split([p.numel() for p in ps])):
+        p.data = piece.view_as(p)
     return flat
 
 
