@@ -123,6 +123,12 @@ class Codec(ABC):
         c = self.compress(tensor, generator=generator)
         return c, self.decompress(c)
 
+    def subtract_decoded_(self, target: torch.Tensor, c: Compressed) -> None:
+        """``target -= decompress(c)`` in place, for error feedback on a :class:`Compressed`
+        this codec made. ``target``: contiguous float32 with ``c``'s number of elements.
+        Codecs may override it to touch only what ``c`` carries."""
+        target.view(-1).sub_(self.decompress(c).reshape(-1))
+
 
 def require_float(tensor: torch.Tensor) -> None:
     """Raise :class:`LocalProtocolError` unless ``tensor`` has one of :data:`FLOAT_DTYPES`."""

@@ -98,6 +98,9 @@ class SizeAdaptive(Codec):
     ) -> tuple[Compressed, torch.Tensor]:
         return self.codec_for(tensor.numel()).compress_decoded(tensor, generator=generator)
 
+    def subtract_decoded_(self, target: torch.Tensor, c: Compressed) -> None:
+        (self.small if c.codec == self.small.name else self.large).subtract_decoded_(target, c)
+
     def estimate_wire_bytes(self, numel: int) -> int:
         return self.codec_for(numel).estimate_wire_bytes(numel)
 

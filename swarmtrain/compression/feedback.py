@@ -16,7 +16,6 @@ import torch
 
 from swarmtrain.compression.base import Codec, Compressed, dtype_name, require_float
 from swarmtrain.compression.codecs import LOSSLESS_CODECS
-from swarmtrain.compression.topk import TopKCodec, subtract_topk_
 
 __all__ = ["ErrorFeedback"]
 
@@ -65,21 +64,11 @@ class ErrorFeedback:
         if sent.codec in LOSSLESS_CODECS:
             self._residuals.pop(name, None)
             return sent
-        if sent.codec == TopKCodec.name:
-            # only the kept positions change: subtract them in place (a few small ops
-            # instead of decoding a full-size tensor)
-            if residual is None:  # `target` is the caller's gradient: work on a copy
-                target = target.to(torch.float32).clone(memory_format=torch.contiguous_format)
-            subtract_topk_(target, sent)
-            self._residuals[name] = target
-            return sent
-        decoded = self.codec.decompress(sent)
-        if residual is not None and not _shares_memory(sent, target):
-            # `target` is our own temporary: reuse it rather than allocate another.
-            self._residuals[name] = target.sub_(decoded)
-        else:
-            # Never write into the caller's gradient or into parts that view it.
-            self._residuals[name] = target.to(torch.float32) - decoded
+        if residual is None or _shares_memory(sent, target):
+            # never write into the caller's gradient or into parts that view it
+            target = target.to(torch.float32).clone(memory_format=torch.contiguous_format)
+        self.codec.subtract_decoded_(target, sent)
+        self._residuals[name] = target
         return sent
 
     def residual_norm(self) -> float:

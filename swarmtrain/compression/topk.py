@@ -28,7 +28,7 @@ from swarmtrain.compression.base import (
 )
 from swarmtrain.errors import ConfigError, RemoteProtocolError
 
-__all__ = ["INDEX_BLOCK", "TopKCodec", "subtract_topk_", "topk_count", "topk_warmup_ratio"]
+__all__ = ["INDEX_BLOCK", "TopKCodec", "topk_count", "topk_warmup_ratio"]
 
 INDEX_BLOCK = 1 << 16
 """Width of an index block; each kept index sends its offset in its block as uint16."""
@@ -113,6 +113,14 @@ class TopKCodec(Codec):
     def decompress(self, c: Compressed) -> torch.Tensor:
         return decode_topk(c)
 
+    def subtract_decoded_(self, target: torch.Tensor, c: Compressed) -> None:
+        """Only the kept positions change: a few small ops instead of a full-size decode
+        (``c`` was made here, so it is trusted: nothing is validated)."""
+        k = int(c.meta["k"])
+        if k:
+            idx = _kept_indices(c.parts["index_low"], c.parts["block_counts"], k)
+            target.view(-1).index_add_(0, idx, c.parts["values"].to(torch.float32), alpha=-1.0)
+
     def estimate_wire_bytes(self, numel: int) -> int:
         return 4 * topk_count(numel, self.ratio) + 4 * _num_blocks(numel)
 
@@ -183,14 +191,3 @@ def _kept_indices(index_low: torch.Tensor, counts: torch.Tensor, k: int) -> torc
         indices.add_(torch.repeat_interleave(block_start, counts.to(torch.int64), output_size=k))
     return indices
 
-
-def subtract_topk_(target: torch.Tensor, c: Compressed) -> None:
-    """``target -= decode(c)`` in place, touching only the kept positions.
-
-    For error feedback on a :class:`Compressed` this process made itself (it is trusted:
-    nothing is validated). ``target`` must be a contiguous float32 tensor of ``c``'s size.
-    """
-    k = int(c.meta["k"])
-    if k:
-        idx = _kept_indices(c.parts["index_low"], c.parts["block_counts"], k)
-        target.view(-1).index_add_(0, idx, c.parts["values"].to(torch.float32), alpha=-1.0)
