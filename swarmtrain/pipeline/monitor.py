@@ -105,8 +105,8 @@ class BufferMonitor:
             name: deque(maxlen=self._max_samples) for name in self._buffers
         }
         # Last alert state per buffer, so a warning is logged only when the state changes.
-        self._was_starved = dict.fromkeys(self._buffers, False)
-        self._was_backpressured = dict.fromkeys(self._buffers, False)
+        #: (buffer, "starved" | "overflowing") -> whether the last sample was in that state
+        self._was: dict[tuple[str, str], bool] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -182,22 +182,16 @@ class BufferMonitor:
                 return
 
     def _note_change(self, name: str, s: BufferSample) -> None:
-        if s.starved != self._was_starved[name]:
-            self._was_starved[name] = s.starved
-            if s.starved:
-                log.warning(
-                    "buffer %r is starved: %d/%d packets (%.0f%%)", name, s.size, s.capacity, 100 * s.fill
-                )
+        """Log each transition into (warning) and out of (info) starvation and overflow."""
+        for state, now in (("starved", s.starved), ("overflowing", s.backpressured)):
+            if now == self._was.get((name, state), False):
+                continue
+            self._was[name, state] = now
+            if now:
+                log.warning("buffer %r is %s: %d/%d packets (%.0f%%)", name, state, s.size, s.capacity,
+                            100 * s.fill)
             else:
-                log.info("buffer %r is no longer starved: %d/%d packets", name, s.size, s.capacity)
-        if s.backpressured != self._was_backpressured[name]:
-            self._was_backpressured[name] = s.backpressured
-            if s.backpressured:
-                log.warning(
-                    "buffer %r is overflowing: %d/%d packets (%.0f%%)", name, s.size, s.capacity, 100 * s.fill
-                )
-            else:
-                log.info("buffer %r is no longer overflowing: %d/%d packets", name, s.size, s.capacity)
+                log.info("buffer %r is no longer %s: %d/%d packets", name, state, s.size, s.capacity)
 
 
 def _sample_of(buffer: ActivationBuffer | OutboundBuffer, now: float) -> BufferSample:
