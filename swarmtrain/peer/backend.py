@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -85,6 +85,8 @@ class PeerBackend:
     bytes_sent: int = 0
     bytes_received: int = 0
     _closed_bytes: tuple[int, int] = (0, 0)
+    CLOSE_POLITELY_SEC: ClassVar[float] = 8.0  # goodbyes and closing connections
+    CLOSE_FORCE_SEC: ClassVar[float] = 4.0  # then cancelling whatever is left
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -139,7 +141,7 @@ class PeerBackend:
                 self._ring = None
         if self._loop is not None:
             try:
-                self._call(self._close_async(), timeout=15)
+                self._call(self._close_async(), timeout=self.CLOSE_POLITELY_SEC + self.CLOSE_FORCE_SEC + 5)
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 if self._thread is not None:
@@ -148,15 +150,25 @@ class PeerBackend:
                 self._loop = None
 
     async def _close_async(self) -> None:
-        await self.discovery.stop()
-        await self.control.close()
+        try:
+            async with asyncio.timeout(self.CLOSE_POLITELY_SEC):
+                await self.discovery.stop()
+                await self.control.close()
+        except TimeoutError:
+            log.warning("peer shutdown: saying goodbye took over %.0f s; closing anyway",
+                        self.CLOSE_POLITELY_SEC)
         self.listener.close()
         # connections opened for probes and by peers are still running: end them here, so
-        # the loop closes with nothing pending
-        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
+        # the loop closes with nothing pending. A task that ignores one cancellation gets more.
+        rest = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+        deadline = time.monotonic() + self.CLOSE_FORCE_SEC
+        while rest and time.monotonic() < deadline:
+            for t in rest:
+                t.cancel()
+            _, rest = await asyncio.wait(rest, timeout=0.5)
+        if rest:
+            log.warning("peer shutdown: %d task(s) would not stop: %s", len(rest),
+                        ", ".join(sorted(t.get_name() for t in rest)))
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         assert self._loop is not None, "call start() first"
@@ -322,7 +334,8 @@ class PeerBackend:
                     self._suspects[leader] = time.monotonic() + 30.0
                     continue
             try:
-                await asyncio.wait_for(m.changed.wait(), self.options.propose_timeout * 3)
+                async with asyncio.timeout(self.options.propose_timeout * 3):
+                    await m.changed.wait()
             except TimeoutError:
                 pass
 

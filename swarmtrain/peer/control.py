@@ -117,7 +117,8 @@ class ControlPlane:
         lock = self._locks.setdefault(c.peer_id, asyncio.Lock())
         try:
             async with lock:
-                conn = await asyncio.wait_for(self._conn(c, timeout), timeout)
+                async with asyncio.timeout(timeout):
+                    conn = await self._conn(c, timeout)
                 await conn.send(msg, timeout=timeout)
                 return await conn.recv(timeout=timeout, phase=f"answer to {msg.TYPE.name}")
         except (SwarmError, ConnectionError, OSError, TimeoutError) as exc:

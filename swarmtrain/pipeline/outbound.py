@@ -215,7 +215,8 @@ class OutboundBuffer:
             if remaining <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._progress.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._progress.wait()
             except TimeoutError:
                 return len(self) == 0
 

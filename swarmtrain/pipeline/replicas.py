@@ -72,7 +72,8 @@ class ReplicaSync:
         ok = 0
         for peer in self.peers:
             try:
-                await asyncio.wait_for(self._sync_with(peer), self._round_timeout)
+                async with asyncio.timeout(self._round_timeout):
+                    await self._sync_with(peer)
                 ok += 1
             except (SwarmError, OSError, TimeoutError) as exc:
                 self.failures += 1

@@ -249,7 +249,8 @@ class Router:
             fut: asyncio.Future[Message] = loop.create_future()
             replica.pending[req] = fut
             await conn.send(build(req), timeout=self.config.request_timeout)
-            answer = await asyncio.wait_for(fut, self.config.request_timeout)
+            async with asyncio.timeout(self.config.request_timeout):
+                answer = await fut
         except (TimeoutError, SwarmError, OSError) as exc:
             if isinstance(exc, RefusedError):
                 raise

@@ -210,7 +210,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
                 if opts.status_file:
                     _write_json(opts.status_file, status(port, True))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
         finally:
             await server.close()
             if opts.status_file:

@@ -317,7 +317,8 @@ class Worker:
             await self._apply_ready()  # stay current while paused: answers still arrive
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._changed.wait()
         return not self._stopped
 
     def _raise_if_broken(self) -> None:
@@ -358,7 +359,8 @@ class Worker:
     async def _apply_next(self) -> None:
         limit = self.config.network.heartbeat_timeout_sec * 3
         try:
-            item = await asyncio.wait_for(self._replies.get(), limit)
+            async with asyncio.timeout(limit):
+                item = await self._replies.get()
         except TimeoutError:
             raise SwarmTimeout("update", limit, "no answer to our gradient") from None
         if isinstance(item, BaseException):

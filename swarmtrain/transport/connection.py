@@ -175,7 +175,8 @@ class Connection:
         self._check_open()
         limit = self.timeouts.send if timeout is None else timeout
         try:
-            await asyncio.wait_for(self._outbox.put(msg), limit)
+            async with asyncio.timeout(limit):
+                await self._outbox.put(msg)
         except TimeoutError:
             raise SwarmTimeout("send", limit, f"send queue to {self.peer} stayed full") from None
 
@@ -208,7 +209,8 @@ class Connection:
             SwarmTimeout: nothing arrived within ``timeout`` (named ``phase``).
         """
         try:
-            item = await asyncio.wait_for(self._proto.inbox.get(), timeout)
+            async with asyncio.timeout(timeout):
+                item = await self._proto.inbox.get()
         except TimeoutError:
             raise SwarmTimeout(phase, timeout or 0.0, f"waiting for {self.peer}") from None
         self._proto.resume_if_drained()
@@ -249,7 +251,8 @@ class Connection:
             if self._outbox.qsize() < self._outbox.maxsize:
                 self._outbox.put_nowait(Heartbeat(time=time.time(), step=step_fn() if step_fn else 0))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._proto.closed.wait(), min(interval, limit / 2))
+                async with asyncio.timeout(min(interval, limit / 2)):
+                    await self._proto.closed.wait()
 
     @property
     def last_received(self) -> float:
@@ -282,7 +285,8 @@ class Connection:
                 if error is not None:
                     self._outbox.put_nowait(error)
                 self._outbox.put_nowait(None)
-                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(self._tasks[0])
         self.transport.close()
         self._proto._mark_closed(ConnectionLost("closed locally"))
         await self._cancel_tasks()

@@ -106,7 +106,8 @@ class Server:
         self.server.close()
         await asyncio.gather(*(c.close() for c in list(self.connections)), return_exceptions=True)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.server.wait_closed(), 5)
+            async with asyncio.timeout(5):
+                await self.server.wait_closed()
 
 
 async def start_server(
@@ -181,9 +182,8 @@ async def connect(
     """
     loop = asyncio.get_running_loop()
     try:
-        _, proto = await asyncio.wait_for(
-            loop.create_connection(lambda: FrameProtocol(limits), host, port), timeouts.connect
-        )
+        async with asyncio.timeout(timeouts.connect):
+            _, proto = await loop.create_connection(lambda: FrameProtocol(limits), host, port)
     except TimeoutError:
         raise SwarmTimeout("connect", timeouts.connect, f"{host}:{port} did not answer") from None
     except OSError as exc:
