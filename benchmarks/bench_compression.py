@@ -218,7 +218,8 @@ def run_one(task: str, label: str, keys: dict[str, Any], *, max_steps: int, cap_
                                 str(eval_s), "--checkpoint-interval", "0", "--log-json",
                                 *(["--max-steps", str(max_steps)] if max_steps else []))
             for i in range(1, WORKERS + 1):
-                c.start_worker(i, f"w{i}", "--task", task, "--batch-size", str(batch))
+                c.start_worker(i, f"w{i}", "--task", task, "--batch-size", str(batch),
+                               "--accumulation-steps", "1")
             deadline = time.monotonic() + 180
             while log.start is None:
                 if time.monotonic() > deadline:

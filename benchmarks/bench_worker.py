@@ -138,7 +138,7 @@ def swarm_run(task_name: str, batch: int, inflight: int, warm_s: float, window_s
         port = int(port_file.read_text())
         worker = subprocess.Popen(
             [*py, "worker", "--config", str(wcfg), "--task", task_name, "--host", HOST,
-             "--port", str(port), "--threads", "1", "--batch-size", str(batch),
+             "--port", str(port), "--threads", "1", "--batch-size", str(batch), "--accumulation-steps", "1",
              "--worker-id", "bench", "--log-level", "warning"],
             env=env, stdout=wlog.open("wb"), stderr=subprocess.STDOUT)
         sb, sa = secret.encode(), None

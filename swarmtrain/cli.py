@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", help="the coordinator's address")
     w.add_argument("--port", type=int, help="the coordinator's port (default 7100)")
     w.add_argument("--batch-size", type=int, help="0 = from the hardware profile")
-    w.add_argument("--accumulation-steps", type=int)
+    w.add_argument("--accumulation-steps", type=int, help="micro-batches per gradient (0 = auto)")
+    w.add_argument("--message-compute-ms", type=float,
+                   help="auto accumulation: ms of compute per gradient message (0 = off)")
     w.add_argument("--threads", dest="num_threads", type=int, help="0 = all cores")
     w.add_argument("--shard", dest="shard_index", type=int, help="-1 = assigned by the coordinator")
     w.add_argument("--worker-id")
@@ -231,6 +233,7 @@ _COORD = {
 _WORKER = {
     **_SHARED, "host": "network.coordinator_host", "port": "network.coordinator_port",
     "batch_size": "training.batch_size", "accumulation_steps": "training.accumulation_steps",
+    "message_compute_ms": "training.message_compute_ms",
     "num_threads": "hardware.num_threads", "shard_index": "data.shard_index",
     "worker_id": "training.worker_id", "speed": "training.speed",
     "reconnect_attempts": "network.reconnect_attempts", "reconnect_delay_sec": "network.reconnect_delay_sec",

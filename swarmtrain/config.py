@@ -268,7 +268,13 @@ class WorkerTrainingConfig(_Section):
     SECTION = "training"
     task: str = _opt("digits", "must match the coordinator's task")
     batch_size: int = _opt(0, "samples per step (0 = from the hardware profile)", ge=0)
-    accumulation_steps: int = _opt(0, "micro-batches per gradient sent (0 = auto, 1)", ge=0)
+    accumulation_steps: int = _opt(
+        0, "micro-batches per gradient sent (0 = auto: 1, or enough for message_compute_ms)", ge=0)
+    message_compute_ms: float = _opt(
+        0.0, "with accumulation_steps = 0: accumulate until one gradient message carries this "
+        "much compute (ms); 0 = off. Raises samples/s when messages cost more than steps (tiny "
+        "models, slow links), but each update then has a bigger batch: check time to accuracy",
+        ge=0.0, le=10_000.0)
     worker_id: str = _opt("", 'stable worker name ("" = generated)')
     speed: float = _opt(
         1.0, "fraction of full speed (throttle to rehearse a slow machine)", gt=0.0, le=1.0

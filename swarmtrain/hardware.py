@@ -327,6 +327,24 @@ def check_fits(
         )
 
 
+#: most micro-batches automatic accumulation puts into one gradient message
+MAX_AUTO_ACCUMULATION = 32
+
+
+def auto_accumulation(seconds_per_batch: float, message_seconds: float) -> int:
+    """Micro-batches per gradient message so one message carries ``message_seconds`` of compute.
+
+    Every message costs the same fixed CPU (packing, a syscall or two, the coordinator's
+    optimizer step, the reply) whatever the batch: ~1-3 ms here. A tiny model whose batch takes
+    0.5 ms would spend most of its time on messages; a few micro-batches per message make that
+    cost small. Steps already longer than ``message_seconds`` keep 1. At most
+    :data:`MAX_AUTO_ACCUMULATION`.
+    """
+    if not math.isfinite(seconds_per_batch) or seconds_per_batch <= 0:
+        return 1
+    return max(1, min(MAX_AUTO_ACCUMULATION, math.ceil(message_seconds / seconds_per_batch - 1e-9)))
+
+
 def probe_speed(
     step_fn: Callable[[], int], *, seconds: float = 1.0, max_steps: int = 50
 ) -> float:

@@ -89,3 +89,67 @@ def test_profile_command_prints_detection_recommendation_and_probe() -> None:
     for word in ("Profile", "Memory", "Cores", "Batch size", "Probe", "samples/s"):
         assert word in r.stdout, (word, r.stdout)
     assert hardware.detect().profile.value in r.stdout
+
+
+# --- automatic accumulation and fresh weights ------------------------------------------------
+
+
+def test_auto_accumulation_makes_one_message_carry_the_target_compute() -> None:
+    f = hardware.auto_accumulation
+    assert f(0.005, 0.020) == 4  # 5 ms batches, 20 ms per message
+    assert f(0.0051, 0.020) == 4 and f(0.0049, 0.020) == 5
+    assert f(0.010, 0.020) == 2  # exactly twice: no extra batch from rounding
+    assert f(0.030, 0.020) == 1  # a step already longer than the target is sent alone
+    assert f(0.0001, 0.020) == hardware.MAX_AUTO_ACCUMULATION  # capped
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert f(bad, 0.020) == 1
+
+
+def _solo_run(**over: object) -> tuple[Coordinator, Worker]:
+    async def main() -> tuple[Coordinator, Worker]:
+        c = coordinator(**{"training.min_workers": 1, "training.max_steps": 30})
+        await c.start()
+        w = worker(c.port, **{"training.worker_id": "solo", **over})
+        task = asyncio.create_task(w.run_async())
+        await asyncio.wait_for(c.run(), 120)
+        await asyncio.wait_for(task, 30)
+        return c, w
+
+    return asyncio.run(main())
+
+
+def test_tiny_steps_are_accumulated_automatically_and_the_samples_say_so() -> None:
+    # digits at batch 8 takes well under a millisecond: alone, every message would be overhead
+    c, w = _solo_run(**{"training.batch_size": 8, "training.accumulation_steps": 0,
+                        "training.message_compute_ms": 10.0})
+    accum = w.plan.accumulation_steps
+    assert accum > 1, w.status()
+    rec = c.workers["solo"]
+    assert rec.samples == rec.steps * 8 * accum  # each gradient carries all its micro-batches
+
+
+def test_explicit_accumulation_wins_over_the_automatic_one() -> None:
+    _, w = _solo_run(**{"training.batch_size": 8, "training.accumulation_steps": 3})
+    assert w.plan.accumulation_steps == 3
+
+
+def test_on_a_fast_link_each_gradient_is_computed_on_fresh_weights() -> None:
+    # slow steps (a throttled machine) over loopback: the round trip is a sliver of a step, so
+    # the worker waits for each answer instead of computing on weights one update old
+    c, w = _solo_run(**BIG, **{"training.speed": 0.1})
+    assert w.round_trip_sec is not None and w.compute_sec is not None
+    assert not w.overlaps(), w.status()
+    rec = c.workers["solo"]
+    assert rec.steps >= 30 and rec.staleness_total == 0  # a lone worker is never behind
+
+
+def test_overlap_is_chosen_only_when_the_round_trip_is_a_real_part_of_a_step() -> None:
+    from swarmtrain.roles.worker import OVERLAP_MIN_FRACTION
+
+    w = worker(1)
+    assert not w.overlaps()  # nothing measured yet: wait for the first answer
+    w.compute_sec = 0.100
+    w.round_trip_sec = 0.100 * OVERLAP_MIN_FRACTION * 0.5
+    assert not w.overlaps()
+    w.round_trip_sec = 0.100 * OVERLAP_MIN_FRACTION * 2  # a slow link: hide it behind compute
+    assert w.overlaps()

@@ -1,15 +1,20 @@
 """The parameter-server worker: computes gradients on its shard and pushes them.
 
 The forward/backward pass runs on a dedicated thread while the event loop keeps the
-connection alive, so with ``max_inflight = 1`` the next gradient is computed while the
-previous one travels and its answer comes back. The worker's replica changes only between
-two computations, by exactly what the coordinator sent (a delta or full weights).
+connection alive. With ``max_inflight = 1`` the next gradient may be computed while the
+previous one travels and its answer comes back -- but that gradient is then computed on
+weights one round older, which doubles its staleness. So the worker overlaps only when it pays:
+when the measured round trip is more than :data:`OVERLAP_MIN_FRACTION` of a step's compute
+(a slow link); on a fast one it waits the few milliseconds for fresh weights. The worker's
+replica changes only between two computations, by exactly what the coordinator sent (a delta
+or full weights).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -58,6 +63,10 @@ from swarmtrain.wire import (
 )
 
 __all__ = ["Worker"]
+
+#: overlap the next computation with the answer in flight only when the round trip is at
+#: least this fraction of a step's compute; below it, fresher weights are worth more
+OVERLAP_MIN_FRACTION = 0.1
 
 log = logging.getLogger("swarmtrain.worker")
 
@@ -159,6 +168,9 @@ class Worker:
         self._paused = False
         self._stopped = False
         self._inflight = 0
+        self._sent_at: dict[int, float] = {}
+        self.round_trip_sec: float | None = None  # gradient sent -> its answer arrived (EMA)
+        self.compute_sec: float | None = None  # one message's compute, throttle included (EMA)
         self._registered = False
         self._broken: BaseException | None = None
         self._conn: Connection | None = None
@@ -186,6 +198,17 @@ class Worker:
             self.samples_per_sec = await loop.run_in_executor(self._pool, self.probe)
             log.info("probe: %.0f samples/s at batch %d (profile %s)", self.samples_per_sec,
                      self.plan.batch_size, self.hw.profile.value)
+            t = self.config.training
+            if t.accumulation_steps == 0 and t.message_compute_ms > 0 and self.samples_per_sec > 0:
+                accum = hardware.auto_accumulation(
+                    self.plan.batch_size / self.samples_per_sec,
+                    self.config.training.message_compute_ms / 1000)
+                if accum != self.plan.accumulation_steps:
+                    log.info("accumulating %d micro-batches per gradient (automatic: a batch takes "
+                             "%.1f ms, a message should carry %.0f ms)", accum,
+                             1000 * self.plan.batch_size / self.samples_per_sec,
+                             self.config.training.message_compute_ms)
+                    self.plan = dataclasses.replace(self.plan, accumulation_steps=accum)
         try:
             while not self._stopped:
                 try:
@@ -273,6 +296,7 @@ class Worker:
     def _reset_session(self) -> None:
         self._replies = asyncio.Queue()
         self._inflight = 0
+        self._sent_at.clear()
         self._running = self._paused = False
         self._broken = None
         if self.feedback is not None:
@@ -283,6 +307,8 @@ class Worker:
             while True:
                 msg = await conn.recv()
                 if isinstance(msg, (Update, Weights)):
+                    if isinstance(msg, Update):
+                        self._note_round_trip(msg.msg_id)
                     self._replies.put_nowait(msg)
                 elif isinstance(msg, Assign):
                     self._use_shards(msg.shards, msg.num_shards)
@@ -334,6 +360,7 @@ class Worker:
             base_version = self.version
             compressed, loss, samples, seconds = await loop.run_in_executor(self._pool, self._compute)
             self._record_speed(samples, seconds)
+            self.compute_sec = _ema(self.compute_sec, seconds)
             await self._apply_ready()
             while self._inflight >= max(1, limit):
                 await self._apply_next()
@@ -343,14 +370,28 @@ class Worker:
             self.msg_id += 1
             self.bytes_up += payload_bytes(tensors)
             residual = self.feedback.residual_norm() if self.feedback else 0.0
+            self._sent_at[self.msg_id] = time.monotonic()
             await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
                                       loss=loss, codecs=codecs, residual_norm=residual, tensors=tensors))
             self._inflight += 1
             self.steps += 1
             self.samples += samples
-            if limit == 0:
+            if limit == 0 or not self.overlaps():
                 while self._inflight:
                     await self._apply_next()
+
+    def overlaps(self) -> bool:
+        """Compute the next gradient while this one's answer is in flight? Only when the round
+        trip is a real fraction of the compute (see the module docstring); not before the first
+        round trip has been measured."""
+        if self.round_trip_sec is None or self.compute_sec is None:
+            return False
+        return self.round_trip_sec >= OVERLAP_MIN_FRACTION * self.compute_sec
+
+    def _note_round_trip(self, msg_id: int) -> None:
+        sent = self._sent_at.pop(msg_id, None)
+        if sent is not None:
+            self.round_trip_sec = _ema(self.round_trip_sec, time.monotonic() - sent)
 
     async def _apply_ready(self) -> None:
         while not self._replies.empty():
@@ -485,5 +526,12 @@ class Worker:
             "bytes_up_per_step": self.bytes_up / self.steps if self.steps else 0.0,
             "bytes_down_per_step": self.bytes_down / self.steps if self.steps else 0.0,
             "raw_bytes_per_step": self.raw_bytes_per_step,
+            "batch_size": self.plan.batch_size, "accumulation_steps": self.plan.accumulation_steps,
+            "round_trip_ms": 1000 * self.round_trip_sec if self.round_trip_sec is not None else None,
+            "overlapping": self.overlaps(),
             "loss": math.nan,
         }
+
+
+def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
