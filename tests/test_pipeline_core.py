@@ -11,8 +11,10 @@ every async scenario runs under ``asyncio.wait_for``.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
@@ -301,7 +303,8 @@ def test_repeated_requests_over_the_wire_are_answered_from_caches_never_applied_
 
 class _Gate(nn.Module):
     """A layer that records each call (batch size, grad mode, train mode) and holds the
-    first one until the test opens it, so the stage's inbound buffer fills meanwhile."""
+    training-mode calls until the test opens it, so the stage's training buffer fills
+    meanwhile. The stage's eval-mode copy for inference shares the record and the gate."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -309,23 +312,33 @@ class _Gate(nn.Module):
         self.opened = threading.Event()
         self.calls: list[tuple[int, bool, bool]] = []
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Gate:
+        twin = _Gate()
+        twin.entered, twin.opened, twin.calls = self.entered, self.opened, self.calls
+        return twin
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append((x.shape[0], torch.is_grad_enabled(), self.training))
-        self.entered.set()
-        if not self.opened.wait(20):
-            raise RuntimeError("the test never opened the gate")
+        if self.training:
+            self.entered.set()
+            if not self.opened.wait(20):
+                raise RuntimeError("the test never opened the gate")
         return x
 
 
-def test_inference_is_served_before_queued_training_work() -> None:
+def _gated_server(gate: nn.Module, **config: Any) -> StageServer:
+    return StageServer(nn.Sequential(gate, nn.Linear(4, 4)), stage=1, layer_range=(0, 2), loss_fn=None,
+                       config=StageServerConfig(timeouts=FAST, **config), secret=SECRET, name="gated")
+
+
+def test_inference_does_not_wait_for_training_work_in_progress_or_queued() -> None:
     async def main() -> None:
         gate = _Gate()
-        s = StageServer(nn.Sequential(gate, nn.Linear(4, 4)), stage=1, layer_range=(0, 2), loss_fn=None,
-                        config=StageServerConfig(timeouts=FAST), secret=SECRET, name="gated")
+        s = _gated_server(gate)
         await s.start()
         conn = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
         try:
-            # micro-batch 1 occupies the compute thread; 2..4 and an inference queue up
+            # micro-batch 1 occupies the training thread; 2..4 queue up behind it
             await conn.send(StageForward(req=1, session="t", microbatch=1, tensors={"x": torch.randn(1, 4)}))
             assert await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 10)
             for mb in range(2, 5):
@@ -333,17 +346,20 @@ def test_inference_is_served_before_queued_training_work() -> None:
                                              tensors={"x": torch.randn(mb, 4)}))
             await conn.send(StageInfer(req=9, session="gen", priority=int(Priority.INFERENCE_URGENT),
                                        tensors={"x": torch.randn(9, 4)}))
-            # STATUS is answered at once, after everything sent before it was queued
+            # answered while the gate still holds the training thread
+            first = await conn.recv(timeout=10)
+            assert isinstance(first, StageResult) and first.req == 9 and first.tensors["y"].shape == (9, 4)
             await conn.send(StatusRequest())
             status = await conn.recv(timeout=10)
             assert isinstance(status, Status)
-            queued = status.status["inbound"]["count_by_priority"]
-            assert queued["INFERENCE_URGENT"] == 1 and queued["TRAINING_FORWARD"] == 3
+            st = status.status
+            assert st["inbound"]["count_by_priority"]["TRAINING_FORWARD"] == 3  # still waiting
+            assert st["infer_inbound"]["packets_out"] == 1 and st["inferences"] == 1
             gate.opened.set()
-            order = [(await conn.recv(timeout=10)).req for _ in range(5)]
-            assert order == [1, 9, 2, 3, 4], order
+            order = [(await conn.recv(timeout=10)).req for _ in range(4)]
+            assert order == [1, 2, 3, 4], order
             # training forwards and inference both run without autograd (the backward
-            # recomputes); inference also in eval mode
+            # recomputes); inference in eval mode, on its copy: training stayed in train mode
             assert gate.calls == [(1, False, True), (9, False, False), (2, False, True),
                                   (3, False, True), (4, False, True)]
         finally:
@@ -352,6 +368,88 @@ def test_inference_is_served_before_queued_training_work() -> None:
             await s.close()
 
     _run(main())
+
+
+class _Uncopyable(_Gate):
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Gate:
+        raise TypeError("cannot copy a gate")
+
+
+def test_layers_that_cannot_be_copied_still_serve_inference_after_training_work() -> None:
+    async def main() -> None:
+        gate = _Uncopyable()
+        s = _gated_server(gate)
+        await s.start()
+        conn = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
+        try:
+            await conn.send(StageForward(req=1, session="t", microbatch=1, tensors={"x": torch.randn(1, 4)}))
+            assert await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 10)
+            await conn.send(StageInfer(req=9, session="gen", priority=int(Priority.INFERENCE_URGENT),
+                                       tensors={"x": torch.randn(9, 4)}))
+            gate.opened.set()
+            order = [(await conn.recv(timeout=10)).req for _ in range(2)]
+            assert order == [1, 9], order  # no copy: inference waited for the training forward
+            assert gate.calls == [(1, False, True), (9, False, False)]
+            assert gate.training  # borrowed in eval mode, handed back in train mode
+        finally:
+            gate.opened.set()
+            await conn.close()
+            await s.close()
+
+    _run(main())
+
+
+def test_the_training_thread_runs_at_a_lower_os_priority_than_inference() -> None:
+    # per-thread nice values, as Linux has them (the platform this project runs on)
+    async def main() -> None:
+        s = _gated_server(nn.Identity(), training_nice=7)
+        await s.start()
+        try:
+            assert s._thread is not None and s._infer_thread is not None
+            base = os.getpriority(os.PRIO_PROCESS, 0)
+            deadline = time.monotonic() + 10
+            while os.getpriority(os.PRIO_PROCESS, s._thread.native_id or 0) == base:
+                assert time.monotonic() < deadline, "the training thread kept its priority"
+                await asyncio.sleep(0.01)
+            assert os.getpriority(os.PRIO_PROCESS, s._thread.native_id or 0) == min(19, base + 7)
+            assert os.getpriority(os.PRIO_PROCESS, s._infer_thread.native_id or 0) == base
+        finally:
+            await s.close()
+
+    _run(main())
+
+
+def test_inference_on_the_twin_matches_the_trained_weights_while_training_runs(data: Any) -> None:
+    torch.manual_seed(SEED)
+    layers = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
+    c = StageCompute(layers, is_first=False, loss_fn=None, config=ComputeConfig(learning_rate=1e-2))
+    x = torch.randn(4, 8)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for mb in range(200):
+                c.forward("s", mb, torch.randn(2, 8), None)
+                c.backward("s", mb, torch.randn(2, 8))
+            stop.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            stop.set()
+
+    t = threading.Thread(target=train)
+    t.start()
+    outs = []
+    while not stop.is_set():
+        outs.append(c.infer(x))
+    t.join(30)
+    assert not errors and not t.is_alive() and c.steps == 200
+    assert layers.training  # inference never switched the training module to eval mode
+    assert all(bool(torch.isfinite(o).all()) for o in outs) and len(outs) > 1
+    layers.eval()
+    with torch.no_grad():
+        expected = layers(x)
+    assert torch.equal(c.infer(x), expected)  # dropout off, and the twin sees the new weights
 
 
 async def _raw_exchange(port: int, frame: bytes) -> Any:

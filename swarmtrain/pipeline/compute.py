@@ -1,10 +1,13 @@
 """The arithmetic of one pipeline stage, without a network: forward, backward, optimizer.
 
-:class:`StageCompute` is driven by exactly one thread (the stage server's compute thread).
-It caches each training micro-batch's (input, output) between its forward and its backward,
-remembers which backwards it has applied so none is applied twice, and steps its own AdamW
-every ``accumulate`` applied micro-batches. Caches are bounded: the oldest entry is evicted
-and counted.
+:class:`StageCompute` is driven by one training thread (the stage server's compute thread);
+:meth:`StageCompute.infer` alone may run at the same time on another thread: it uses an
+eval-mode twin of the layers that shares their parameter storage, and a lock keeps it from
+reading weights while the optimizer (or a replica sync) is changing them. It caches each
+training micro-batch's (input, output) between its forward and its backward, remembers which
+backwards it has applied so none is applied twice, and steps its own AdamW every
+``accumulate`` applied micro-batches. Caches are bounded: the oldest entry is evicted and
+counted.
 
 Training forwards run without autograd; the backward recomputes the forward from the cached
 input and then differentiates it (activation recomputation, as Petals servers do). So a
@@ -16,7 +19,9 @@ stage computes loss and backward within the forward, with no staleness.
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +104,10 @@ class _Held:
 
 
 class StageCompute:
-    """Layers, optimizer and micro-batch caches of one stage; single-threaded.
+    """Layers, optimizer and micro-batch caches of one stage.
+
+    Threading: one thread trains (forward, backward, sync); :meth:`infer` may be called from
+    one other thread at the same time.
 
     Args:
         layers: the stage's layers (train mode).
@@ -116,6 +124,8 @@ class StageCompute:
         self.is_first = is_first
         self.loss_fn = loss_fn
         self.config = config
+        self._infer_layers = _eval_twin(layers)  # None: inference borrows the training layers
+        self._weights_lock = threading.Lock()  # held while weights change or inference reads
         self.optimizer = torch.optim.AdamW(
             layers.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
@@ -212,19 +222,23 @@ class StageCompute:
         return self._apply(key, leaf, out, grad.to(out.dtype), y=None)
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward without gradients, in eval mode (dropout off).
+        """Forward without gradients, in eval mode (dropout off), on the current weights.
+        Safe to call from a second thread while training runs (see the class docstring).
 
         Raises:
             BadInput: the layers refused ``x``.
         """
         inp = self._prepare_input(x)
-        was_training = self.layers.training
-        self.layers.eval()
-        try:
-            with torch.no_grad():
-                y = self._run_layers(inp)
-        finally:
-            self.layers.train(was_training)
+        with self._weights_lock, torch.no_grad():
+            if self._infer_layers is not None:
+                y = self._run_layers(inp, self._infer_layers)
+            else:  # no twin: borrow the training layers in eval mode; training waits meanwhile
+                was_training = self.layers.training
+                self.layers.eval()
+                try:
+                    y = self._run_layers(inp, self.layers)
+                finally:
+                    self.layers.train(was_training)
         self.inferences += 1
         return y
 
@@ -243,7 +257,7 @@ class StageCompute:
             other = theirs.get(name)
             if other is None or other.shape != p.shape or not other.is_floating_point():
                 raise BadInput(f"replica sync: parameter {name!r} missing or of another shape/dtype")
-        with torch.no_grad():
+        with self._weights_lock, torch.no_grad():
             for name, p in params.items():
                 p.add_((theirs[name].to(p.dtype) - mine[name]) * 0.5)
 
@@ -259,9 +273,12 @@ class StageCompute:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _run_layers(self, inp: torch.Tensor) -> torch.Tensor:
+    def _run_layers(self, inp: torch.Tensor, layers: nn.Module | None = None) -> torch.Tensor:
+        if layers is None and self._infer_layers is None:  # inference may borrow the layers
+            with self._weights_lock:
+                return self._run_layers(inp, self.layers)
         try:
-            out: torch.Tensor = self.layers(inp)
+            out: torch.Tensor = (layers or self.layers)(inp)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             raise BadInput(f"the stage's layers refused an input of shape {tuple(inp.shape)} "
                            f"and dtype {inp.dtype}: {exc}") from exc
@@ -305,7 +322,8 @@ class StageCompute:
                     p.grad.div_(self._accumulated)  # the mean over the micro-batches
         if self.config.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.layers.parameters(), self.config.grad_clip)
-        self.optimizer.step()
+        with self._weights_lock:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulated = 0
         self.steps += 1
@@ -318,3 +336,26 @@ class StageCompute:
                 self.evictions += 1
             elif cache is self._done:
                 self.answer_evictions += 1
+
+
+def _eval_twin(layers: nn.Module) -> nn.Module | None:
+    """A copy of ``layers`` in eval mode whose parameters and buffers share the originals'
+    storage: it always computes with the current weights, and switching it to eval mode
+    (dropout off) never touches the training module another thread is running. None when
+    the module cannot be copied (it holds a lock, a file, ...): inference then waits for the
+    training work in progress."""
+    try:
+        twin = copy.deepcopy(layers)
+    except (TypeError, RuntimeError, copy.Error) as exc:
+        log.warning("the stage's layers cannot be copied for inference (%s): inference will "
+                    "wait for the training work in progress", exc)
+        return None
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(twin.named_parameters(), layers.named_parameters(), strict=True):
+            mine.data = theirs.data
+        for (_, buf), (_, orig) in zip(twin.named_buffers(), layers.named_buffers(), strict=True):
+            buf.data = orig.data
+    twin.eval()
+    for p in twin.parameters():
+        p.requires_grad_(False)
+    return twin

@@ -2,10 +2,17 @@
 
 Requests arrive over authenticated transport connections (role ``pipeline`` for trainers
 and generation clients, ``stage`` for replicas of the same stage). Each request becomes a
-:class:`WorkPacket` in the inbound :class:`ActivationBuffer`, ordered by priority
-(inference before training forward before backward before replica sync), and ONE compute
-thread takes them one at a time, runs them on a :class:`StageCompute` and hands the answer
-to an :class:`OutboundBuffer` whose send loop writes it to the asking connection.
+:class:`WorkPacket` in an inbound :class:`ActivationBuffer`, ordered by priority.
+
+Training work (forward before backward before replica sync) goes to the training buffer,
+and ONE compute thread takes it a packet at a time, runs it on a :class:`StageCompute` and
+hands the answer to an :class:`OutboundBuffer` whose send loop writes it to the asking
+connection. Inference (urgent before normal) has its own buffer and thread, so a request
+never waits for the training micro-batch in progress, and its answer goes straight to the
+connection, not behind queued training answers. The training thread runs at a lower OS
+priority (``training_nice``), so when a machine's cores are all busy training, inference
+still gets a core at once: on a 2-core box with three busy stages this is what keeps
+generation latency near its idle value.
 
 Replicas: a server given ``sync_peers`` averages its parameters with each of them every
 ``sync_every`` optimizer steps (see :mod:`swarmtrain.pipeline.replicas`); it also serves
@@ -19,6 +26,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,6 +80,10 @@ class StageServerConfig:
         sync_every: optimizer steps between parameter averages with ``sync_peers`` (0 = never).
         sync_timeout: seconds a sync round may take before it counts as failed.
         monitor_interval: seconds between buffer samples (0 = no monitor thread).
+        infer_capacity: inference requests queued at most; more are refused as ``overloaded``.
+        training_nice: how much lower the training thread's OS scheduling priority is than
+            the rest of the stage (Linux per-thread nice value, 0-19; 0 = the same). Raising
+            niceness needs no privileges.
         timeouts: transport timeouts of the server and of its connections to sync peers.
     """
 
@@ -82,6 +95,8 @@ class StageServerConfig:
     sync_every: int = 0
     sync_timeout: float = 30.0
     monitor_interval: float = 0.0
+    infer_capacity: int = 32
+    training_nice: int = 10
     timeouts: Timeouts = Timeouts()
 
 
@@ -140,6 +155,7 @@ class StageServer:
         self.name = name or f"stage{stage}"
         self.compute = StageCompute(layers, is_first=stage == 0, loss_fn=loss_fn, config=compute)
         self.inbound = ActivationBuffer(config.buffer_capacity)
+        self.infer_inbound = ActivationBuffer(config.infer_capacity)
         self.outbound = OutboundBuffer(self._send_reply, capacity=config.outbound_capacity,
                                        max_retries=0, on_failed=self._reply_lost)
         self.monitor: BufferMonitor | None = None
@@ -152,6 +168,7 @@ class StageServer:
         self._server: Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._infer_thread: threading.Thread | None = None
         self._stopping = False
 
     @property
@@ -176,7 +193,10 @@ class StageServer:
         await self.outbound.start()
         self._thread = threading.Thread(target=self._compute_loop, name=f"{self.name}-compute", daemon=True)
         self._thread.start()
+        self._infer_thread = threading.Thread(target=self._infer_loop, name=f"{self.name}-infer", daemon=True)
+        self._infer_thread.start()
         if self.config.monitor_interval > 0:
+            # (not the inference buffer: empty is its normal state, not starvation)
             self.monitor = BufferMonitor({f"{self.name}.in": self.inbound, f"{self.name}.out": self.outbound},
                                          interval=self.config.monitor_interval)
             self.monitor.start()
@@ -198,8 +218,9 @@ class StageServer:
             self._server.server.close()
             for conn in list(self._server.connections):
                 conn.abort(SwarmError(f"{self.name} killed"))
-        self.inbound.close()
-        self.inbound.clear()
+        for buf in (self.inbound, self.infer_inbound):
+            buf.close()
+            buf.clear()
 
     async def kill(self) -> None:
         """Stop as a crash would (:meth:`abort`), then release the threads."""
@@ -216,6 +237,7 @@ class StageServer:
             "sync_failures": self.replicas.failures, "refused": self.refused,
             "failed_handshakes": 0 if self._server is None else self._server.failed_handshakes,
             "inbound": dataclasses.asdict(self.inbound.metrics()),
+            "infer_inbound": dataclasses.asdict(self.infer_inbound.metrics()),
             "outbound": dataclasses.asdict(self.outbound.metrics()),
         }
 
@@ -256,14 +278,16 @@ class StageServer:
         if job is None:
             return StageError(req=req, code="unexpected",
                               message=f"{self.name} does not serve {msg.TYPE.name} messages")
+        buf = self.infer_inbound if job.kind == "infer" else self.inbound
         try:
-            queued = self.inbound.put_nowait(job)
+            queued = buf.put_nowait(job)
         except BufferClosed:
             return StageError(req=req, code="closing", message=f"{self.name} is shutting down")
         if not queued:
             self.refused += 1
+            what = "inference" if buf is self.infer_inbound else "inbound"
             return StageError(req=req, code="overloaded",
-                              message=f"{self.name}: inbound buffer full ({self.inbound.capacity} packets)")
+                              message=f"{self.name}: {what} buffer full ({buf.capacity} packets)")
         return None
 
     def _job_for(self, conn: Connection, msg: Message) -> _Job | None:
@@ -312,10 +336,12 @@ class StageServer:
         self._stopping = True
         if self._server is not None and not abrupt:
             await self._server.close()
-        self.inbound.close()
-        self.inbound.clear()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        for buf in (self.inbound, self.infer_inbound):
+            buf.close()
+            buf.clear()
+        for thread in (self._thread, self._infer_thread):
+            if thread is not None:
+                await asyncio.get_running_loop().run_in_executor(None, thread.join, 30.0)
         await self.replicas.close()
         if self.monitor is not None:
             self.monitor.stop()
@@ -324,10 +350,17 @@ class StageServer:
     # -- compute thread --------------------------------------------------------------------
 
     def _compute_loop(self) -> None:
+        _lower_thread_priority(self.config.training_nice, self.name)
+        self._work_loop(self.inbound, self._answer)
+
+    def _infer_loop(self) -> None:
+        self._work_loop(self.infer_inbound, self._answer_now)
+
+    def _work_loop(self, buffer: ActivationBuffer, answer_with: Any) -> None:
         while True:
-            job = self.inbound.get(timeout=1.0)
+            job = buffer.get(timeout=1.0)
             if job is None:
-                if self.inbound.closed:
+                if buffer.closed:
                     return
                 continue
             assert isinstance(job, _Job)
@@ -344,7 +377,7 @@ class StageServer:
                 answer = self._failure(job, exc)
             if answer is not None and job.conn is not None and not self._stopping:
                 try:
-                    self._answer(job, answer)
+                    answer_with(job, answer)
                 except RuntimeError:  # the event loop is gone: close() was never awaited
                     log.error("%s: event loop closed under a running stage; stopping", self.name)
                     return
@@ -400,9 +433,23 @@ class StageServer:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self.replicas.start_round)
 
+    def _reply(self, job: _Job, answer: Message) -> _Reply:
+        return _Reply(job.priority, job.session_id, job.microbatch_id, job.tensor, job.source,
+                      job.target_layer, "forward", message=answer, conn=job.conn)
+
+    def _answer_now(self, job: _Job, answer: Message) -> None:
+        """Inference answers skip the outbound queue (training answers may be waiting there)."""
+        assert self._loop is not None
+        reply = self._reply(job, answer)
+
+        def done(fut: concurrent.futures.Future[None]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                self._reply_lost(reply)
+
+        asyncio.run_coroutine_threadsafe(self._send_reply(reply), self._loop).add_done_callback(done)
+
     def _answer(self, job: _Job, answer: Message) -> None:
-        reply = _Reply(job.priority, job.session_id, job.microbatch_id, job.tensor, job.source,
-                       job.target_layer, "forward", message=answer, conn=job.conn)
+        reply = self._reply(job, answer)
         try:
             if self.outbound.offer(reply) != "refused":
                 return
@@ -420,3 +467,16 @@ def _tensor(tensors: Any, name: str) -> torch.Tensor:
     if t is None:
         raise BadInput(f"the request lacks the tensor {name!r} (it carries {sorted(tensors)})")
     return t
+
+
+def _lower_thread_priority(nice: int, name: str) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux schedules threads one by one;
+    elsewhere this would renice the whole process, so it is left alone there)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:
+        log.info("%s: could not lower the training thread's priority (%s); inference may wait "
+                 "behind training when the cores are busy", name, exc)
