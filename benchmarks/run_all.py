@@ -5,7 +5,8 @@ and writes ``results/<name>.json`` and ``results/<name>.md``; this script concat
 markdown files of every benchmark (also those not re-run this time with ``--only``), under a
 short header.
 
-Run: ``python benchmarks/run_all.py [--quick] [--only apply,worker]``.
+Run: ``python benchmarks/run_all.py [--quick] [--only apply,worker] [--gather]`` (``--gather``
+runs nothing and only rebuilds RESULTS.md from the per-benchmark files).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
     ap.add_argument("--only", default="", help="comma-separated names, e.g. apply,worker")
+    ap.add_argument("--gather", action="store_true", help="run nothing; rebuild RESULTS.md")
     args = ap.parse_args(argv)
     only = {n for n in args.only.split(",") if n}
     every = sorted(HERE.glob("bench_*.py"))
-    scripts = [s for s in every if not only or s.stem.removeprefix("bench_") in only]
+    scripts = [] if args.gather else [s for s in every if not only or s.stem.removeprefix("bench_") in only]
     failed: list[str] = []
     ran: list[str] = []
     for script in scripts:
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = subprocess.call(cmd, cwd=HERE.parent)
         print(f"== {name}: exit {rc} after {time.perf_counter() - start:.0f} s", flush=True)
         (failed if rc else ran).append(name)
-    flags = (" --quick" if args.quick else "") + (f" --only {args.only}" if only else "")
+    flags = (" --quick" if args.quick else "") + (f" --only {args.only}" if only else "") + (
+        " --gather" if args.gather else "")
     kept = [s.stem.removeprefix("bench_") for s in every if s not in scripts]
     parts = [
         "# swarmtrain benchmark results",
