@@ -11,10 +11,13 @@ import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmtrain import __version__, hardware
 from swarmtrain.errors import SwarmError
+
+if TYPE_CHECKING:
+    from swarmtrain.transport.tls import TLSConfig
 
 __all__ = ["main", "build_parser"]
 
@@ -39,9 +42,17 @@ class _JsonFormatter(logging.Formatter):
                            "logger": record.name, "message": record.getMessage()})
 
 
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (optional; all three or none, made by `swarmtrain keys`)")
+    g.add_argument("--tls-cert", help="this node's certificate (PEM)")
+    g.add_argument("--tls-key", help="this node's private key (PEM)")
+    g.add_argument("--tls-ca", help="the cluster CA certificate (ca.pem)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (CLI flags override it)")
     p.add_argument("--secret-file", help="file holding the cluster secret (or set SWARMTRAIN_SECRET)")
+    _tls_flags(p)
     p.add_argument("--insecure", action="store_true", default=None,
                    help="run an open cluster with no secret (anyone who can reach the port can join)")
     p.add_argument("--task", help="digits, textlm, or package.module:factory")
@@ -119,10 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--host", default="127.0.0.1")
     k.add_argument("--port", type=int, default=7100)
     k.add_argument("--secret-file")
+    _tls_flags(k)
     k.add_argument("--json", action="store_true", help="print the raw status as JSON")
 
     s = sub.add_parser("secret", help="create a new random cluster secret file")
     s.add_argument("--out", required=True, help="file to write (mode 0600)")
+
+    ky = sub.add_parser("keys", help="create a cluster CA and a TLS certificate for each node")
+    ky.add_argument("--out", required=True, help="directory to write the keys to (created if missing)")
+    ky.add_argument("--names", default="coordinator,worker1",
+                    help="comma-separated node names, one certificate each (default: coordinator,worker1)")
 
     _pipeline_parsers(sub)
 
@@ -138,6 +155,7 @@ _ROUTE_HELP = ("the stage servers: HOST:PORT of each replica, ',' between replic
 
 def _pipeline_common(p: argparse.ArgumentParser, *, model: bool = True) -> None:
     p.add_argument("--secret-file", help="file holding the cluster secret (or set SWARMTRAIN_SECRET)")
+    _tls_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="machine-readable JSON log lines")
     if not model:
@@ -223,6 +241,7 @@ _SHARED = {
     "task": "training.task", "data_path": "data.path", "compression": "compression.type",
     "topk_ratio": "compression.topk_ratio", "secret_file": "security.secret_file",
     "insecure": "security.insecure", "log_level": "logging.level",
+    "tls_cert": "security.tls_cert", "tls_key": "security.tls_key", "tls_ca": "security.tls_ca",
 }
 _COORD = {
     **_SHARED, "host": "network.host", "port": "network.port", "min_workers": "training.min_workers",
@@ -261,6 +280,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 _PEER = {
     "task": "training.task", "data_path": "data.path", "secret_file": "security.secret_file",
+    "tls_cert": "security.tls_cert", "tls_key": "security.tls_key", "tls_ca": "security.tls_ca",
     "insecure": "security.insecure", "log_level": "logging.level", "host": "network.host",
     "port": "network.port", "run": "peer.run", "min_peers": "peer.min_peers", "peers": "peer.peers",
     "mode": "training.mode", "inner_steps": "training.inner_steps",
@@ -288,7 +308,7 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     from swarmtrain.ui import print_status
 
     secret = resolve_secret(SecurityConfig(secret_file=args.secret_file or ""))
-    reply = asyncio.run(ctl_request(args.host, args.port, args.action, secret=secret))
+    reply = asyncio.run(ctl_request(args.host, args.port, args.action, secret=secret, tls=_cli_tls(args)))
     data = {k: v for k, v in reply.fields().items()}
     if args.json:
         print(json.dumps(data, default=str, indent=2))
@@ -311,6 +331,24 @@ def cmd_secret(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from swarmtrain.transport.tls import generate_cluster_keys
+
+    names = [n.strip() for n in args.names.split(",") if n.strip()]
+    keys = generate_cluster_keys(args.out, names)
+    print(f"wrote the cluster CA {keys.ca} and its key {keys.ca_key} (mode 0600; keep the CA key "
+          "off the nodes, it is needed only to add nodes later)")
+    for name, (cert, key) in keys.nodes.items():
+        print(f"  {name}: certificate {cert}, key {key} (mode 0600)")
+    print(f"CA fingerprint (SHA-256): {keys.fingerprint}")
+    print("copy to each node its NAME.pem, NAME-key.pem and ca.pem, then add to its config:")
+    for name in keys.nodes:
+        print(f"\n# {name}\n[security]\ntls_cert = \"{name}.pem\"\ntls_key = \"{name}-key.pem\"\n"
+              'tls_ca = "ca.pem"')
+    print("\n(or pass --tls-cert, --tls-key and --tls-ca; the cluster secret is still needed)")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from swarmtrain.ui import print_profile
 
@@ -323,6 +361,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     return run_demo(workers=args.workers, task=args.task, steps=args.steps,
                     compression=args.compression, log_level=args.log_level)
+
+
+def _cli_tls(args: argparse.Namespace) -> TLSConfig | None:
+    from swarmtrain.config import SecurityConfig, resolve_tls
+
+    return resolve_tls(SecurityConfig(tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
+                                      tls_ca=args.tls_ca or ""))
 
 
 def _pipeline_secret(args: argparse.Namespace) -> bytes | None:
@@ -349,7 +394,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         sync_with=tuple(parse_host_port(a, "--sync-with") for a in args.sync_with),
         sync_every=args.sync_every,
         learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file)
-    return run_stage(_pipeline_task(args), opts, secret=_pipeline_secret(args), insecure=args.insecure)
+    return run_stage(_pipeline_task(args), opts, secret=_pipeline_secret(args), insecure=args.insecure,
+                     tls=_cli_tls(args))
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
@@ -361,7 +407,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         microbatches=args.microbatches, batch_size=args.batch_size, max_inflight=args.max_inflight,
         eval_every=args.eval_every, eval_samples=args.eval_samples, seed=args.seed,
         request_timeout=args.request_timeout, status_file=args.status_file, route=parse_route(args.route))
-    return run_pipeline(_pipeline_task(args), opts, secret=_pipeline_secret(args))
+    return run_pipeline(_pipeline_task(args), opts, secret=_pipeline_secret(args), tls=_cli_tls(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -370,7 +416,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level, args.log_json)
     return run_generate(_pipeline_task(args), parse_route(args.route), args.prompt, tokens=args.tokens,
-                        temperature=args.temperature, seed=args.seed, secret=_pipeline_secret(args))
+                        temperature=args.temperature, seed=args.seed, secret=_pipeline_secret(args),
+                        tls=_cli_tls(args))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -378,13 +425,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarmtrain.pipeline.session import run_status
 
     _setup_logging(args.log_level, args.log_json)
-    return run_status(parse_route(args.route), secret=_pipeline_secret(args), as_json=args.json)
+    return run_status(parse_route(args.route), secret=_pipeline_secret(args), tls=_cli_tls(args),
+                      as_json=args.json)
 
 
 _COMMANDS = {
     "stage": cmd_stage, "pipeline": cmd_pipeline, "generate": cmd_generate, "status": cmd_status,
     "coordinator": cmd_coordinator, "worker": cmd_worker, "ctl": cmd_ctl, "secret": cmd_secret,
-    "profile": cmd_profile, "demo": cmd_demo, "peer": cmd_peer,
+    "keys": cmd_keys, "profile": cmd_profile, "demo": cmd_demo, "peer": cmd_peer,
 }
 
 

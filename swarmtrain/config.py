@@ -16,9 +16,13 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from swarmtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from swarmtrain.transport.tls import TLSConfig
 
 __all__ = [
     "SECRET_ENV_VAR",
@@ -41,6 +45,7 @@ __all__ = [
     "PeerConfig",
     "overrides_from_kwargs",
     "resolve_secret",
+    "resolve_tls",
     "to_dict",
     "with_overrides",
 ]
@@ -119,12 +124,27 @@ def _check_value(cls: type[_Section], name: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class SecurityConfig(_Section):
-    """[security]: the cluster secret that authenticates every connection."""
+    """[security]: the cluster secret that authenticates every connection, and optional TLS."""
 
     SECTION = "security"
     secret: str = _opt("", "cluster secret; takes precedence over secret_file and the env var")
     secret_file: str = _opt("", "file holding the cluster secret (whitespace stripped)")
     insecure: bool = _opt(False, "allow running without any secret (trusted networks only)")
+    tls_cert: str = _opt("", 'this node\'s certificate (PEM) from `swarmtrain keys` ("" = TLS off)')
+    tls_key: str = _opt("", 'this node\'s private key (PEM) from `swarmtrain keys` ("" = TLS off)')
+    tls_ca: str = _opt("", 'the cluster CA certificate, ca.pem from `swarmtrain keys` ("" = TLS off)')
+
+    TLS_KEYS: ClassVar[tuple[str, ...]] = ("tls_cert", "tls_key", "tls_ca")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = [k for k in self.TLS_KEYS if getattr(self, k)]
+        if given and len(given) < len(self.TLS_KEYS):
+            missing = [f"security.{k}" for k in self.TLS_KEYS if k not in given]
+            raise ConfigError(
+                f"{', '.join(f'security.{k}' for k in given)} set but {', '.join(missing)} not: "
+                "TLS needs all three (this node's certificate, its key and the cluster CA), or "
+                "none for TLS off; make them with `swarmtrain keys --out DIR`")
 
 
 @dataclass(frozen=True)
@@ -198,6 +218,11 @@ class CoordinatorNetworkConfig(_Section):
     heartbeat_timeout_sec: float = _opt(10.0, "silence after which a peer is dead", gt=0.0)
     handshake_timeout_sec: float = _opt(10.0, "limit on the connection handshake", gt=0.0)
     send_queue_size: int = _opt(64, "messages queued per connection before backpressure", ge=1)
+    max_connections: int = _opt(256, "open connections at most (handshakes included)", ge=1)
+    max_connections_per_address: int = _opt(32, "open connections at most from one IP address", ge=1)
+    max_failed_auth: int = _opt(
+        10, "failed handshakes from one address within a minute before it is refused for a minute",
+        ge=1)
 
 
 @dataclass(frozen=True)
@@ -219,6 +244,15 @@ class CoordinatorTrainingConfig(_Section):
     num_shards: int = _opt(0, "data shards (0 = max(min_workers, 1))", ge=0)
     resync_interval: int = _opt(50, "updates between full weight resyncs to a worker", ge=1)
     seed: int = _opt(0, "seed of the model initialisation", ge=0)
+    max_grad_norm: float = _opt(
+        0.0, "gradients with a larger L2 norm are clipped or rejected (grad_norm_action); 0 = no "
+        "absolute limit", ge=0.0)
+    grad_norm_action: str = _opt("clip", "what max_grad_norm does", choices=("clip", "reject"))
+    outlier_norm_factor: float = _opt(
+        1000.0, "reject a gradient whose norm is this many times the running mean of accepted "
+        "ones (checked after 20 accepted); 0 = off", ge=0.0)
+    max_bad_in_row: int = _opt(
+        5, "disconnect a worker whose gradients were refused this many times in a row", ge=1)
 
 
 @dataclass(frozen=True)
@@ -496,6 +530,23 @@ def resolve_secret(sec: SecurityConfig, env: Mapping[str, str] = os.environ) -> 
         return secret
     from_env = env.get(SECRET_ENV_VAR, "")
     return from_env.encode("utf-8") if from_env else None
+
+
+def resolve_tls(sec: SecurityConfig) -> TLSConfig | None:
+    """The TLS files of ``sec``, or None when TLS is off (``tls_cert``, ``tls_key``, ``tls_ca`` empty).
+
+    Raises:
+        ConfigError: a file named by ``tls_cert``, ``tls_key`` or ``tls_ca`` does not exist.
+    """
+    from swarmtrain.transport.tls import KEYS_HELP, TLSConfig
+
+    if not sec.tls_cert:
+        return None
+    for key in SecurityConfig.TLS_KEYS:
+        path = getattr(sec, key)
+        if not os.path.isfile(path):
+            raise ConfigError(f"security.{key}: {path!r} is not a file; {KEYS_HELP}")
+    return TLSConfig(cert=Path(sec.tls_cert), key=Path(sec.tls_key), ca=Path(sec.tls_ca))
 
 
 def _sections(cls: type) -> dict[str, type[_Section]]:

@@ -121,7 +121,7 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
 
     import torch
 
-    from swarmtrain.config import resolve_secret
+    from swarmtrain.config import resolve_secret, resolve_tls
     from swarmtrain.errors import ConfigError
     from swarmtrain.peer.backend import PeerBackend, PeerOptions
     from swarmtrain.peer.discovery import parse_peer_list
@@ -163,7 +163,7 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
         heartbeat_interval=net.heartbeat_interval_sec, heartbeat_timeout=net.heartbeat_timeout_sec,
         propose_timeout=net.propose_timeout_sec, ring_timeout=net.ring_timeout_sec,
         reform_timeout=net.reform_timeout_sec, wire=t.wire)
-    backend = PeerBackend(options, secret=secret, identity=identity)
+    backend = PeerBackend(options, secret=secret, identity=identity, tls=resolve_tls(cfg.security))
     trainer = PeerTrainer(backend, strategy, max_rounds=t.max_rounds,
                           evaluate=lambda m: task.evaluate(m, data), eval_every=t.eval_every)
     return backend, trainer

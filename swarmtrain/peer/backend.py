@@ -33,6 +33,7 @@ from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.membership import Candidate, Membership, View
 from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
+from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg, Reform
 
 __all__ = ["PeerBackend", "PeerOptions"]
@@ -70,11 +71,14 @@ class PeerBackend:
         options: see :class:`PeerOptions`.
         secret: the cluster secret (authenticates control and ring connections).
         identity: this node's key pair (default: the persistent one in the config directory).
+        tls: mutual TLS for the control connections (None = plain TCP); the ring's bulk
+            connections stay plain TCP, authenticated by the secret only.
     """
 
     options: PeerOptions = field(default_factory=PeerOptions)
     secret: bytes | None = None
     identity: Identity | None = None
+    tls: TLSConfig | None = None
     rounds: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
@@ -108,7 +112,7 @@ class PeerBackend:
             self.options = o = replace(o, profile=hardware.detect().profile.value)
         self.listener = RingListener(o.host, o.ring_port, secret=self.secret)
         self.control = ControlPlane(
-            run=o.run, secret=self.secret,
+            run=o.run, secret=self.secret, tls=self.tls,
             timeouts=Timeouts(handshake=o.propose_timeout, heartbeat_interval=o.heartbeat_interval,
                               heartbeat_timeout=o.heartbeat_timeout),
             info=self._info, status=self.status, on_member_lost=self._member_lost,

@@ -15,6 +15,7 @@ from typing import Any
 from swarmtrain.errors import SwarmError
 from swarmtrain.peer.membership import Candidate, Membership
 from swarmtrain.transport import Connection, Server, Timeouts, connect, start_server
+from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Commit,
     Error,
@@ -41,6 +42,7 @@ class ControlPlane:
         info: returns this node's PEER_INFO answer.
         status: returns this node's status dict.
         on_member_lost: called with a peer id when a watched member's connection dies.
+        tls: mutual TLS for every control connection (None = plain TCP).
     """
 
     run: str
@@ -50,6 +52,7 @@ class ControlPlane:
     status: Callable[[], dict[str, Any]]
     on_member_lost: Callable[[str], None]
     on_reform: Callable[[Reform], None] = lambda msg: None
+    tls: TLSConfig | None = None
     membership: Membership | None = None
     server: Server | None = None
     _pool: dict[str, Connection] = field(default_factory=dict)
@@ -57,7 +60,7 @@ class ControlPlane:
     _watched: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def start(self, host: str, port: int) -> int:
-        self.server = await start_server(host, port, self._serve, secret=self.secret,
+        self.server = await start_server(host, port, self._serve, secret=self.secret, tls=self.tls,
                                          timeouts=self.timeouts)
         return self.server.port
 
@@ -105,7 +108,7 @@ class ControlPlane:
     async def _conn(self, c: Candidate, timeout: float) -> Connection:
         conn = self._pool.get(c.peer_id)
         if conn is None or conn.is_closed:
-            conn = await connect(c.host, c.port, secret=self.secret, role="peer",
+            conn = await connect(c.host, c.port, secret=self.secret, tls=self.tls, role="peer",
                                  timeouts=Timeouts(connect=timeout, handshake=timeout,
                                                    heartbeat_interval=self.timeouts.heartbeat_interval,
                                                    heartbeat_timeout=self.timeouts.heartbeat_timeout))
@@ -131,7 +134,7 @@ class ControlPlane:
     async def probe(self, host: str, port: int, timeout: float = 3.0) -> PeerInfoMsg | None:
         """Ask the node at host:port who it is (for static peer lists)."""
         try:
-            conn = await connect(host, port, secret=self.secret, role="peer",
+            conn = await connect(host, port, secret=self.secret, tls=self.tls, role="peer",
                                  timeouts=Timeouts(connect=timeout, handshake=timeout))
         except (SwarmError, ConnectionError, OSError):
             return None

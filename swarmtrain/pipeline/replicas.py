@@ -24,6 +24,7 @@ from typing import Any
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import StageError, StageSync
 
 __all__ = ["ReplicaSync"]
@@ -45,15 +46,17 @@ class ReplicaSync:
         timeouts: transport timeouts of the connections to peers.
         round_timeout: most seconds one round with one peer may take.
         name: how logs name the server.
+        tls: mutual TLS for the connections to peers (None = plain TCP).
     """
 
     def __init__(self, peers: Sequence[tuple[str, int]], *, on_compute_thread: OnComputeThread,
                  step: Callable[[], int], secret: bytes | None, timeouts: Timeouts,
-                 round_timeout: float, name: str) -> None:
+                 round_timeout: float, name: str, tls: TLSConfig | None = None) -> None:
         self.peers = list(peers)
         self._on_compute_thread = on_compute_thread
         self._step = step
         self._secret = secret
+        self._tls = tls
         self._timeouts = timeouts
         self._round_timeout = round_timeout
         self._name = name
@@ -101,7 +104,8 @@ class ReplicaSync:
     async def _sync_with(self, peer: tuple[str, int]) -> None:
         conn = self._conns.get(peer)
         if conn is None or conn.is_closed:
-            conn = await connect(*peer, secret=self._secret, role="stage", timeouts=self._timeouts)
+            conn = await connect(*peer, secret=self._secret, tls=self._tls, role="stage",
+                                 timeouts=self._timeouts)
             self._conns[peer] = conn
         mine = await self._on_compute_thread("snapshot")
         req = next(self._ids)

@@ -14,6 +14,7 @@ from typing import Any
 
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.transport import Timeouts, connect
+from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import Status, StatusRequest
 
 __all__ = ["Route", "check_route", "fetch_statuses", "parse_host_port", "parse_route"]
@@ -51,8 +52,8 @@ def parse_host_port(text: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def fetch_statuses(route: Route, *, secret: bytes | None,
-                         timeout: float = 10.0) -> list[list[dict[str, Any]]]:
+async def fetch_statuses(route: Route, *, secret: bytes | None, timeout: float = 10.0,
+                         tls: TLSConfig | None = None) -> list[list[dict[str, Any]]]:
     """Each replica's status, by stage; an unreachable replica gives ``{"error": why}``.
 
     Every dict also carries ``"replica": "HOST:PORT"`` and the ``"route_stage"`` it was
@@ -63,7 +64,7 @@ async def fetch_statuses(route: Route, *, secret: bytes | None,
     async def ask(stage: int, host: str, port: int) -> dict[str, Any]:
         where = {"replica": f"{host}:{port}", "route_stage": stage}
         try:
-            conn = await connect(host, port, secret=secret, role="pipeline", timeouts=timeouts)
+            conn = await connect(host, port, secret=secret, tls=tls, role="pipeline", timeouts=timeouts)
             try:
                 await conn.send(StatusRequest(), timeout=timeout)
                 reply = await conn.recv(timeout=timeout, phase="stage status")

@@ -29,6 +29,7 @@ import torch
 from swarmtrain.errors import RefusedError, SwarmError
 from swarmtrain.pipeline.buffers import Priority
 from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Error,
     Message,
@@ -113,6 +114,7 @@ class Router:
         stages: for each stage, in order, the ``(host, port)`` of its replicas.
         secret: the cluster secret.
         config: timeouts, ban lengths, attempts.
+        tls: mutual TLS for the connections to stages (None = plain TCP).
         clock: monotonic clock for bans and answer times (injectable for tests).
 
     Raises:
@@ -121,11 +123,12 @@ class Router:
 
     def __init__(self, stages: Sequence[Sequence[tuple[str, int]]], *, secret: bytes | None,
                  config: RouterConfig = RouterConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tls: TLSConfig | None = None) -> None:
         if not stages or any(not s for s in stages):
             raise ValueError("a router needs at least one stage, and every stage at least one replica")
         self.config = config
         self.secret = secret
+        self.tls = tls
         self._clock = clock
         self.replicas = [[Replica(i, h, p) for h, p in s] for i, s in enumerate(stages)]
         self._ids = itertools.count(1)
@@ -290,7 +293,7 @@ class Router:
     async def _connection(self, replica: Replica) -> Connection:
         async with replica.lock:
             if replica.conn is None or replica.conn.is_closed:
-                replica.conn = await connect(replica.host, replica.port, secret=self.secret,
+                replica.conn = await connect(replica.host, replica.port, secret=self.secret, tls=self.tls,
                                              role="pipeline", timeouts=self.config.timeouts)
                 replica.reader = asyncio.create_task(self._read(replica, replica.conn),
                                                      name=f"router-read-{replica.name}")

@@ -37,6 +37,7 @@ from swarmtrain.pipeline.stage import StageServer, StageServerConfig
 from swarmtrain.pipeline.trainer import PipelineTrainer, TrainerConfig
 from swarmtrain.tasks import Task, TextLMConfig, TextLMTask, load_task
 from swarmtrain.transport import is_loopback_host
+from swarmtrain.transport.tls import TLSConfig
 
 __all__ = [
     "PipelineOptions",
@@ -163,7 +164,8 @@ class StageOptions:
             raise ConfigError(f"--lr must be > 0 (or 0 for the task's default), got {self.learning_rate}")
 
 
-def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure: bool) -> int:
+def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure: bool,
+              tls: TLSConfig | None = None) -> int:
     """Serve one stage until SIGINT or SIGTERM.
 
     Raises:
@@ -186,7 +188,7 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         compute=ComputeConfig(learning_rate=opts.learning_rate or task.default_learning_rate),
         config=StageServerConfig(host=opts.host, port=opts.port,
                                  sync_every=opts.sync_every if opts.sync_with else 0),
-        secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}")
+        secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}", tls=tls)
 
     def status(port: int, running: bool) -> dict[str, Any]:
         return {**server.status(), "address": f"{opts.host}:{port}", "port": port,
@@ -283,7 +285,8 @@ def _trainer_status(trainer: PipelineTrainer, opts: PipelineOptions, evals: list
     }
 
 
-def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None) -> int:
+def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
+                 tls: TLSConfig | None = None) -> int:
     """Train ``opts.microbatches`` micro-batches through the stages of ``opts.route``.
 
     Raises:
@@ -308,8 +311,9 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None) -> 
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, on_signal, sig)
-        check_route(await fetch_statuses(opts.route, secret=secret), _count_layers(task))
-        router = Router(opts.route, secret=secret, config=RouterConfig(request_timeout=opts.request_timeout))
+        check_route(await fetch_statuses(opts.route, secret=secret, tls=tls), _count_layers(task))
+        router = Router(opts.route, secret=secret, tls=tls,
+                        config=RouterConfig(request_timeout=opts.request_timeout))
         started = time.monotonic()
         every = max(1, opts.microbatches // 20)
 
@@ -381,7 +385,7 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None) -> 
 
 
 def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperature: float, seed: int,
-                 secret: bytes | None) -> int:
+                 secret: bytes | None, tls: TLSConfig | None = None) -> int:
     """Print ``prompt`` continued by ``tokens`` bytes generated through the stages.
 
     Raises:
@@ -392,8 +396,8 @@ def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperat
         raise ConfigError("generate needs a text model: use --task textlm")
 
     async def generate() -> bytes:
-        check_route(await fetch_statuses(route, secret=secret), _count_layers(task))
-        router = Router(route, secret=secret)
+        check_route(await fetch_statuses(route, secret=secret, tls=tls), _count_layers(task))
+        router = Router(route, secret=secret, tls=tls)
         try:
             trainer = PipelineTrainer(router, task.load_data().heldout, context=task.config.context)
             return await trainer.generate(prompt.encode("utf-8"), tokens, temperature, seed)
@@ -407,11 +411,11 @@ def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperat
     return 0
 
 
-def run_status(route: Route, *, secret: bytes | None, as_json: bool) -> int:
+def run_status(route: Route, *, secret: bytes | None, as_json: bool, tls: TLSConfig | None = None) -> int:
     """Print every stage replica's status; 1 if some replica did not answer."""
     from swarmtrain.ui import print_pipeline_status
 
-    statuses = asyncio.run(fetch_statuses(route, secret=secret))
+    statuses = asyncio.run(fetch_statuses(route, secret=secret, tls=tls))
     if as_json:
         print(json.dumps(statuses, default=str, indent=2))
     else:

@@ -44,6 +44,7 @@ from swarmtrain.pipeline.outbound import OutboundBuffer
 from swarmtrain.pipeline.partition import LossFn
 from swarmtrain.pipeline.replicas import ReplicaSync
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
+from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Error,
     Message,
@@ -133,6 +134,7 @@ class StageServer:
         secret: the cluster secret (None = open cluster).
         sync_peers: ``(host, port)`` of replicas of the same stage this server averages with.
         name: how logs and the status name this server.
+        tls: mutual TLS for every connection, served and to sync peers (None = plain TCP).
     """
 
     def __init__(
@@ -147,11 +149,13 @@ class StageServer:
         secret: bytes | None,
         sync_peers: Sequence[tuple[str, int]] = (),
         name: str = "",
+        tls: TLSConfig | None = None,
     ) -> None:
         self.stage = stage
         self.layer_range = layer_range
         self.config = config
         self.secret = secret
+        self.tls = tls
         self.name = name or f"stage{stage}"
         self.compute = StageCompute(layers, is_first=stage == 0, loss_fn=loss_fn, config=compute)
         self.inbound = ActivationBuffer(config.buffer_capacity)
@@ -162,7 +166,7 @@ class StageServer:
         self.replicas = ReplicaSync(sync_peers, on_compute_thread=self._on_compute_thread,
                                     step=lambda: self.compute.steps, secret=secret,
                                     timeouts=config.timeouts, round_timeout=config.sync_timeout,
-                                    name=self.name)
+                                    name=self.name, tls=tls)
         self.sync_served = 0
         self.refused = 0
         self._server: Server | None = None
@@ -201,7 +205,8 @@ class StageServer:
                                          interval=self.config.monitor_interval)
             self.monitor.start()
         self._server = await start_server(self.config.host, self.config.port, self._handle,
-                                          secret=self.secret, timeouts=self.config.timeouts)
+                                          secret=self.secret, tls=self.tls,
+                                          timeouts=self.config.timeouts)
         log.info("%s serving layers [%d, %d) on %s:%d", self.name, *self.layer_range,
                  self.config.host, self.port)
 

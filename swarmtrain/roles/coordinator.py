@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from swarmtrain.compression import LOSSLESS_CODECS
-from swarmtrain.config import CoordinatorConfig, load_coordinator_config, resolve_secret
+from swarmtrain.config import CoordinatorConfig, load_coordinator_config, resolve_secret, resolve_tls
 from swarmtrain.errors import (
     ConfigError,
     ModelMismatch,
@@ -44,11 +44,13 @@ from swarmtrain.roles.common import (
 )
 from swarmtrain.roles.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, is_loopback_host, start_server
+from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.wire import (
     Assign,
     CheckpointMsg,
     Error,
     Gradients,
+    Limits,
     Message,
     Pause,
     Register,
@@ -88,6 +90,8 @@ class WorkerRecord:
     samples: int = 0
     stale: int = 0
     rejected: int = 0
+    bad_in_row: int = 0  # refused gradients since the last applied one
+    last_refusal: str = ""  # why the last gradient was refused
     duplicates: int = 0
     last_msg_id: int = 0
     since_resync: int = 0
@@ -129,7 +133,7 @@ class WorkerRecord:
             "share": self.samples / total_samples if total_samples else 0.0,
             "samples_per_sec": self.samples_per_sec if not self.connected or not self.samples_since_join
             else self.samples_since_join / max(connected_for, 1e-9),
-            "stale": self.stale, "rejected": self.rejected,
+            "stale": self.stale, "rejected": self.rejected, "last_refusal": self.last_refusal,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
             "loss": self.loss, "last_seen_sec": time.monotonic() - self.last_seen,
         }
@@ -165,6 +169,7 @@ class Coordinator:
         self.task_name = task_name
         self.evaluate_fn = evaluate
         self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.tls = resolve_tls(cfg.security)
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self._fingerprint = fingerprint(self.params.items())
         self._flat = _flatten_storage(self.params)
@@ -192,6 +197,8 @@ class Coordinator:
         self.metric_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=1000)
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
         self._samples_ema = 0.0
+        self._norm_ema = 0.0  # running mean L2 norm of accepted gradients
+        self._norms_seen = 0
         self._apply_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-apply")
         self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
         self._eval_model: nn.Module | None = None
@@ -224,12 +231,26 @@ class Coordinator:
         timeouts = Timeouts(handshake=net.handshake_timeout_sec,
                             heartbeat_interval=net.heartbeat_interval_sec,
                             heartbeat_timeout=net.heartbeat_timeout_sec)
-        self._server = await start_server(net.host, net.port, self._handle, secret=self.secret,
-                                          timeouts=timeouts, send_queue_size=net.send_queue_size)
+        self._server = await start_server(
+            net.host, net.port, self._handle, secret=self.secret, tls=self.tls, timeouts=timeouts,
+            send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
+            server_limits=ServerLimits(max_connections=net.max_connections,
+                                       max_per_address=net.max_connections_per_address,
+                                       max_failed_auth=net.max_failed_auth))
         self._tasks.append(asyncio.create_task(self._eval_loop()))
         self._event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
                  net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
+
+    def _role_limits(self) -> dict[str, Limits]:
+        """What a frame from each role may carry: a worker's gradient is at most the model's
+        size in fp32 twice over (every codec sends less), a control client sends no tensors."""
+        model_bytes = sum(p.numel() * 4 for p in self.params.values())
+        return {
+            "worker": Limits(max_header_bytes=1 << 20, max_payload_bytes=2 * model_bytes + (1 << 20),
+                             max_tensors=4 * len(self.params) + 64),
+            "ctl": Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 16, max_tensors=16),
+        }
 
     async def run(self) -> None:
         """Serve until stopped (max_steps reached, SHUTDOWN, or :meth:`stop`)."""
@@ -406,6 +427,9 @@ class Coordinator:
                 return  # the run is over; SHUTDOWN is on its way to this worker
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
             await self._send(rec, reply)
+            if status == "rejected" and rec.bad_in_row >= self.config.training.max_bad_in_row:
+                await self._disconnect_bad_sender(rec)
+                return
             if self.config.training.max_steps and self.version >= self.config.training.max_steps:
                 self.request_shutdown(f"reached max_steps={self.config.training.max_steps}")
             elif self.checkpointer is not None and status == "applied":
@@ -476,12 +500,10 @@ class Coordinator:
         try:
             grads = unpack_compressed(msg.codecs, msg.tensors, self.params)
         except RemoteProtocolError as exc:
-            log.warning("rejected gradient %d from %s: %s", msg.msg_id, rec.worker_id, exc)
-            return self._reject(rec, msg)
-        if msg.samples <= 0 or not math.isfinite(msg.loss) or not _all_finite(list(grads.values())):
-            log.warning("rejected gradient %d from %s: NaN/Inf values or no samples",
-                        msg.msg_id, rec.worker_id)
-            return self._reject(rec, msg)
+            return self._reject(rec, msg, str(exc))
+        refusal = self._refusal(msg, grads)
+        if refusal:
+            return self._reject(rec, msg, refusal)
         for name, p in self.params.items():
             p.grad = grads[name]
         rec.weight = self._sample_weight(msg.samples)
@@ -491,6 +513,7 @@ class Coordinator:
             p.grad = None
         self.version += 1
         rec.last_msg_id = msg.msg_id
+        rec.bad_in_row = 0
         if rec.first_applied_pending:
             rec.first_applied_pending = False
             self._event("first_applied", worker=rec.worker_id,
@@ -503,11 +526,49 @@ class Coordinator:
         self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
         return "applied"
 
-    def _reject(self, rec: WorkerRecord, msg: Gradients) -> str:
+    def _refusal(self, msg: Gradients, grads: dict[str, torch.Tensor]) -> str:
+        """Why a decoded gradient must not touch the weights ("" = it may). Clips in place
+        when ``max_grad_norm`` is exceeded and the action is ``clip``."""
+        if msg.samples <= 0 or not math.isfinite(msg.loss):
+            return f"{msg.samples} samples, loss {msg.loss}: a gradient needs samples and a finite loss"
+        for name, g in grads.items():
+            p = self.params[name]
+            if g.dtype != p.dtype:
+                return f"{name!r} arrived as {g.dtype}, the model's is {p.dtype}"
+        if not _all_finite(list(grads.values())):
+            return "NaN or infinite values"
+        norm = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.float()) for g in grads.values()])))
+        t = self.config.training
+        if t.max_grad_norm and norm > t.max_grad_norm:
+            if t.grad_norm_action == "reject":
+                return f"gradient norm {norm:.3g} > max_grad_norm {t.max_grad_norm:g}"
+            torch._foreach_mul_(list(grads.values()), t.max_grad_norm / norm)
+            norm = t.max_grad_norm
+        if (t.outlier_norm_factor and self._norms_seen >= 20
+                and norm > t.outlier_norm_factor * self._norm_ema):
+            return (f"gradient norm {norm:.3g} is over {t.outlier_norm_factor:g}x the running mean "
+                    f"{self._norm_ema:.3g} of accepted gradients (outlier_norm_factor)")
+        self._norms_seen += 1
+        self._norm_ema = norm if self._norms_seen == 1 else 0.95 * self._norm_ema + 0.05 * norm
+        return ""
+
+    def _reject(self, rec: WorkerRecord, msg: Gradients, why: str) -> str:
+        log.warning("refused gradient %d from %s: %s", msg.msg_id, rec.worker_id, why)
         rec.rejected += 1
+        rec.bad_in_row += 1
+        rec.last_refusal = why
         rec.last_msg_id = msg.msg_id
         self.stats["rejected"] += 1
         return "rejected"
+
+    async def _disconnect_bad_sender(self, rec: WorkerRecord) -> None:
+        why = (f"disconnected: {rec.bad_in_row} gradients in a row were refused (last: "
+               f"{rec.last_refusal}); check the worker's model, data and swarmtrain version")
+        log.error("worker %s %s", rec.worker_id, why)
+        self._event("worker_refused", worker=rec.worker_id, reason=why)
+        if rec.conn is not None:
+            await rec.conn.close(Error(code="too_many_bad_gradients", message=why))
 
     def _damping(self, staleness: int) -> float:
         """A gradient ``staleness`` updates behind moves the weights 1/staleness as far."""

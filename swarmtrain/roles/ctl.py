@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from swarmtrain.errors import RefusedError, SwarmError
 from swarmtrain.transport import Timeouts, connect
+from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import CheckpointMsg, Error, Message, Pause, Resume, Shutdown, StatusRequest
 
 __all__ = ["COMMANDS", "ctl_request"]
@@ -18,16 +19,17 @@ COMMANDS: dict[str, type[Message]] = {
 
 
 async def ctl_request(
-    host: str, port: int, command: str, *, secret: bytes | None, timeout: float = 30.0
+    host: str, port: int, command: str, *, secret: bytes | None, timeout: float = 30.0,
+    tls: TLSConfig | None = None,
 ) -> Message:
-    """Send one control command and return the coordinator's answer.
+    """Send one control command and return the coordinator's answer (over TLS with ``tls``).
 
     Raises:
         SwarmError: unknown command, unreachable coordinator, wrong secret, or an ERROR answer.
     """
     if command not in COMMANDS:
         raise SwarmError(f"unknown command {command!r}; choose one of {', '.join(COMMANDS)}")
-    conn = await connect(host, port, secret=secret, role="ctl",
+    conn = await connect(host, port, secret=secret, tls=tls, role="ctl",
                          timeouts=Timeouts(connect=min(timeout, 10.0), handshake=min(timeout, 10.0)))
     try:
         await conn.send(COMMANDS[command]())

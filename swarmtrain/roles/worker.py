@@ -29,7 +29,7 @@ from torch import nn
 
 from swarmtrain import hardware
 from swarmtrain.compression import Compressed, ErrorFeedback
-from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret
+from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret, resolve_tls
 from swarmtrain.errors import (
     AuthError,
     ConnectionLost,
@@ -126,6 +126,7 @@ class Worker:
         self.data = data
         self.task_name = task_name
         self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.tls = resolve_tls(cfg.security)
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         t = cfg.training
         self.worker_id = t.worker_id or f"w-{_secrets.token_hex(4)}"
@@ -188,7 +189,7 @@ class Worker:
 
         Raises:
             RefusedError: the coordinator refused this worker (model or config mismatch).
-            AuthError: the cluster secrets differ.
+            AuthError: the cluster secrets differ, or a TLS certificate is refused.
             SwarmError: the coordinator stayed unreachable for ``reconnect_attempts`` tries.
         """
         net = self.config.network
@@ -213,7 +214,8 @@ class Worker:
             while not self._stopped:
                 try:
                     conn = await connect(
-                        net.coordinator_host, net.coordinator_port, secret=self.secret, role="worker",
+                        net.coordinator_host, net.coordinator_port, secret=self.secret, tls=self.tls,
+                        role="worker",
                         timeouts=Timeouts(connect=net.connect_timeout_sec,
                                           handshake=net.handshake_timeout_sec,
                                           heartbeat_interval=net.heartbeat_interval_sec,

@@ -269,6 +269,10 @@ class Connection:
         """Why the connection closed (None while open)."""
         return self._proto.close_reason
 
+    def set_inbound_limits(self, limits: Limits) -> None:
+        """Bound the frames received from now on (raised once the handshake has succeeded)."""
+        self._proto.decoder.limits = limits
+
     @property
     def is_closed(self) -> bool:
         return self._proto.closed.is_set()

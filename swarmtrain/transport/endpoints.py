@@ -9,6 +9,11 @@ Handshake (client C, server S), each step under ``timeouts.handshake``::
 
 Either side that finds the other's proof wrong sends ERROR ``auth_failed`` saying so and
 closes. The protocol version is checked by every frame's preamble.
+
+Until the handshake has authenticated the other side, a frame may carry at most
+:data:`HANDSHAKE_LIMITS` (a small header, no tensors): a stranger cannot make a node allocate
+more than a few kilobytes. A server also caps its connections (in total and per address)
+and stops accepting an address whose handshakes keep failing (:class:`ServerLimits`).
 """
 
 from __future__ import annotations
@@ -18,20 +23,51 @@ import contextlib
 import logging
 import secrets as _secrets
 import socket
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+import ssl
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
 from swarmtrain import __version__
 from swarmtrain.errors import AuthError, ConnectionLost, ProtocolError, SwarmError, SwarmTimeout
 from swarmtrain.transport import auth
 from swarmtrain.transport.connection import Connection, FrameProtocol, Timeouts
+from swarmtrain.transport.tls import (
+    PendingTLS,
+    TLSConfig,
+    client_tls_error,
+    closed_in_handshake,
+    server_refusal_reason,
+)
 from swarmtrain.wire import Auth, Challenge, Error, Hello, Limits, Message, Welcome
 
-__all__ = ["Server", "start_server", "connect", "is_loopback_host"]
+__all__ = ["HANDSHAKE_LIMITS", "Server", "ServerLimits", "start_server", "connect", "is_loopback_host"]
 
 log = logging.getLogger("swarmtrain.transport")
 
 Handler = Callable[[Connection, str], Awaitable[None]]
+
+#: what one frame may carry before the other side is authenticated
+HANDSHAKE_LIMITS = Limits(max_header_bytes=4096, max_payload_bytes=0, max_tensors=0)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Who may hold connections to a server (against floods and secret guessing).
+
+    Attributes:
+        max_connections: open connections at most, handshakes in progress included.
+        max_per_address: open connections at most from one IP address.
+        max_failed_auth: failed handshakes from one address within ``auth_window_sec``
+            after which that address is refused until the window has passed.
+        auth_window_sec: the window of ``max_failed_auth``.
+    """
+
+    max_connections: int = 256
+    max_per_address: int = 32
+    max_failed_auth: int = 10
+    auth_window_sec: float = 60.0
 
 
 async def _expect(conn: Connection, kind: type[Message], timeout: float) -> Message:
@@ -97,6 +133,44 @@ class Server:
     server: asyncio.base_events.Server
     connections: set[Connection]
     failed_handshakes: int = 0
+    limits: ServerLimits = ServerLimits()
+    #: connections turned away before the handshake, by reason
+    refused: Counter[str] = field(default_factory=Counter)
+    _open_by_address: Counter[str] = field(default_factory=Counter)
+    _tls_pending: Counter[str] = field(default_factory=Counter)  # in the TLS handshake
+    _failures: dict[str, deque[float]] = field(default_factory=dict)
+
+    def admit(self, address: str) -> tuple[str, str] | None:
+        """(code, message) when a new connection from ``address`` must be refused."""
+        lim = self.limits
+        if len(self.connections) + self._tls_pending.total() >= lim.max_connections:
+            return "too_many_connections", (
+                f"the server holds its maximum of {lim.max_connections} connections; try again later")
+        if self._open_by_address[address] + self._tls_pending[address] >= lim.max_per_address:
+            return "too_many_connections", (
+                f"{address} already holds {lim.max_per_address} connections (the most one address "
+                "may); close some first")
+        recent = self._recent_failures(address)
+        if len(recent) >= lim.max_failed_auth:
+            wait = recent[0] + lim.auth_window_sec - time.monotonic()
+            return "auth_rate_limited", (
+                f"{len(recent)} failed handshakes from {address} in {lim.auth_window_sec:.0f} s: "
+                f"refused for {max(wait, 0):.0f} s more; check this node's cluster secret")
+        return None
+
+    def note_failed_handshake(self, address: str) -> None:
+        self.failed_handshakes += 1
+        self._recent_failures(address).append(time.monotonic())
+
+    def _recent_failures(self, address: str) -> deque[float]:
+        recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
+        cutoff = time.monotonic() - self.limits.auth_window_sec
+        while recent and recent[0] < cutoff:
+            recent.popleft()
+        if not recent and len(self._failures) > 4096:  # forget quiet addresses: bounded memory
+            self._failures.pop(address, None)
+            recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
+        return recent
 
     @property
     def port(self) -> int:
@@ -119,39 +193,100 @@ async def start_server(
     timeouts: Timeouts = Timeouts(),
     limits: Limits = Limits(),
     send_queue_size: int = 64,
+    server_limits: ServerLimits = ServerLimits(),
+    role_limits: Mapping[str, Limits] | None = None,
+    tls: TLSConfig | None = None,
 ) -> Server:
     """Listen on host:port; each authenticated connection runs ``handler(conn, role)``.
 
+    ``limits`` bound the frames of an authenticated connection, or ``role_limits[role]`` when
+    given for its role (a worker's gradient cannot be larger than the model); before the
+    handshake every frame is held to :data:`HANDSHAKE_LIMITS`.
+
+    With ``tls``, every connection must first pass a mutual TLS handshake (the client's
+    certificate signed by the cluster CA); one that fails is logged, counted in
+    ``failed_handshakes`` and closed, and the server goes on serving the others.
+
     Raises:
         SwarmError: the address cannot be bound (in use, no such address).
+        ConfigError: ``tls`` names files that cannot be loaded.
     """
     loop = asyncio.get_running_loop()
     state: Server | None = None
 
-    def factory() -> FrameProtocol:
-        proto = FrameProtocol(limits)
+    server_tls = tls.server_context() if tls is not None else None
+
+    def factory() -> asyncio.BaseProtocol:
+        proto = FrameProtocol(HANDSHAKE_LIMITS)
+        if server_tls is not None:
+            return PendingTLS(lambda tcp: loop.create_task(_serve_tls(tcp, proto)))
         loop.create_task(_serve_one(proto))
         return proto
+
+    async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
+        assert state is not None and server_tls is not None
+        peername = tcp.get_extra_info("peername")
+        address = str(peername[0]) if peername else "?"
+        refusal = state.admit(address)  # before paying for a TLS handshake
+        if refusal is not None:
+            state.refused[refusal[0]] += 1
+            log.warning("refused connection from %s: %s", _address(peername), refusal[1])
+            tcp.abort()
+            return
+        transport: asyncio.Transport | None = None
+        why = "it closed the connection before the TLS handshake ended"
+        state._tls_pending[address] += 1
+        try:
+            if not tcp.is_closing():
+                async with asyncio.timeout(timeouts.handshake + 1.0):
+                    transport = await loop.start_tls(tcp, proto, server_tls, server_side=True,
+                                                     ssl_handshake_timeout=timeouts.handshake)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            why = server_refusal_reason(exc, timeouts.handshake)
+        finally:
+            state._tls_pending[address] -= 1
+            if state._tls_pending[address] <= 0:
+                del state._tls_pending[address]
+        if transport is None:
+            state.note_failed_handshake(address)
+            log.warning("refused connection from %s: %s", _address(peername), why)
+            tcp.abort()
+            return
+        proto.connection_made(transport)
+        await _serve_one(proto)
 
     async def _serve_one(proto: FrameProtocol) -> None:
         await asyncio.sleep(0)  # let connection_made run
         assert state is not None
         conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
+        peername = proto.transport.get_extra_info("peername") if proto.transport else None
+        address = str(peername[0]) if peername else "?"
+        refusal = state.admit(address)
+        if refusal is not None:
+            state.refused[refusal[0]] += 1
+            log.warning("refused connection from %s: %s", conn.peer, refusal[1])
+            await conn.close(Error(code=refusal[0], message=refusal[1]), timeout=1.0)
+            return
         state.connections.add(conn)
+        state._open_by_address[address] += 1
         try:
             try:
                 role = await _server_handshake(conn, secret)
             except (SwarmError, ConnectionError) as exc:
-                state.failed_handshakes += 1
+                state.note_failed_handshake(address)
                 log.warning("refused connection from %s: %s", conn.peer, exc)
                 if isinstance(exc, ProtocolError) or isinstance(exc, SwarmTimeout):
                     await conn.close(Error(code=getattr(exc, "code", "handshake_timeout"),
                                            message=str(exc)))
                 return
+            conn.set_inbound_limits((role_limits or {}).get(role, limits))
             conn.start_heartbeats()
             await handler(conn, role)
         finally:
             state.connections.discard(conn)
+            state._open_by_address[address] -= 1
+            if state._open_by_address[address] <= 0:
+                del state._open_by_address[address]
             await conn.close()
 
     try:
@@ -159,7 +294,7 @@ async def start_server(
     except OSError as exc:
         raise SwarmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
                          "is another coordinator running there? choose another --port") from exc
-    state = Server(srv, set())
+    state = Server(srv, set(), limits=server_limits)
     return state
 
 
@@ -172,30 +307,60 @@ async def connect(
     timeouts: Timeouts = Timeouts(),
     limits: Limits = Limits(),
     send_queue_size: int = 64,
+    tls: TLSConfig | None = None,
 ) -> Connection:
     """Connect and authenticate; heartbeats start once the handshake succeeds.
 
+    With ``tls``, a mutual TLS handshake comes first: the server's certificate must be
+    signed by the cluster CA ``tls.ca``, and we present ``tls.cert``. The secret handshake
+    then runs inside TLS.
+
     Raises:
         SwarmTimeout: connecting or the handshake took too long (phase named).
-        ConnectionLost: the address refused or dropped the connection.
-        AuthError: the secrets differ (the message says which side lacks what).
+        ConnectionLost: the address refused or dropped the connection, or one side has TLS
+            on and the other off (the message says which).
+        AuthError: the secrets differ (the message says which side lacks what), or a
+            certificate is refused (the server's is not signed by our CA, or ours not by
+            the CA the server trusts).
+        ConfigError: ``tls`` names files that cannot be loaded.
     """
     loop = asyncio.get_running_loop()
+    where = f"{host}:{port}"
+    client_tls = tls.client_context() if tls is not None else None
+    limit = timeouts.connect + (timeouts.handshake if tls is not None else 0.0)
     try:
-        async with asyncio.timeout(timeouts.connect):
-            _, proto = await loop.create_connection(lambda: FrameProtocol(limits), host, port)
+        async with asyncio.timeout(limit):
+            _, proto = await loop.create_connection(
+                lambda: FrameProtocol(HANDSHAKE_LIMITS), host, port, ssl=client_tls,
+                ssl_handshake_timeout=timeouts.handshake if tls is not None else None)
     except TimeoutError:
-        raise SwarmTimeout("connect", timeouts.connect, f"{host}:{port} did not answer") from None
+        raise SwarmTimeout("connect", limit, f"{where} did not answer") from None
+    except ssl.SSLError as exc:
+        assert tls is not None
+        raise client_tls_error(where, exc, tls) from exc
     except OSError as exc:
-        raise ConnectionLost(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+        raise ConnectionLost(f"cannot connect to {where}: {exc.strerror or exc}") from exc
     conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
     try:
         await _client_handshake(conn, secret, role)
+    except ConnectionLost as exc:
+        await conn.close()
+        err = closed_in_handshake(where, exc, tls, answered=bool(conn.received_by_type))
+        if err is exc:
+            raise
+        raise err from exc
     except BaseException:
         await conn.close()
         raise
+    conn.set_inbound_limits(limits)
     conn.start_heartbeats()
     return conn
+
+
+def _address(peername: object) -> str:
+    if isinstance(peername, tuple) and len(peername) >= 2:
+        return f"{peername[0]}:{peername[1]}"
+    return str(peername)
 
 
 def is_loopback_host(host: str) -> bool:

@@ -165,6 +165,10 @@ class Decoder:
     def _parse_preamble(self) -> None:
         magic, version, mtype, flags, hlen, plen = PREAMBLE.unpack(self._buf)
         if magic != MAGIC:
+            if bytes(magic[:2]) in (b"\x16\x03", b"\x15\x03"):  # a TLS handshake or alert record
+                raise self._fail(RemoteProtocolError(
+                    "bad_magic", "the peer speaks TLS but this node has TLS off: set [security] "
+                    "tls_cert, tls_key and tls_ca here too (see docs/tls.md)"))
             raise self._fail(RemoteProtocolError(
                 "bad_magic", f"frame starts with {bytes(magic)!r}, not {MAGIC!r}: not a swarmtrain peer?"
             ))
