@@ -58,6 +58,7 @@ __all__ = [
     "CheckpointStore",
     "adam_state_from_tensors",
     "adam_state_to_tensors",
+    "load_checkpoint",
 ]
 
 FORMAT_VERSION = 1
@@ -246,6 +247,21 @@ class CheckpointStore:
             if name.startswith(_TMP_PREFIX):
                 log.info("removing unfinished checkpoint %s", self.directory / name)
                 shutil.rmtree(self.directory / name, ignore_errors=True)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Load and verify one checkpoint directory without opening a store (so nothing in its
+    parent directory is touched: safe while a coordinator writes there).
+
+    Raises:
+        CheckpointError: if it is missing, incomplete, corrupt or of an unknown format;
+            the message names the path and the reason.
+    """
+    path = Path(path)
+    try:
+        return _load_verified(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from exc
 
 
 def _serialise_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]]:

@@ -38,8 +38,11 @@ def _setup_logging(level: str, json_logs: bool = False) -> None:
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps({"time": record.created, "level": record.levelname.lower(),
-                           "logger": record.name, "message": record.getMessage()})
+        line = {"time": record.created, "level": record.levelname.lower(),
+                "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
 
 
 def _tls_flags(p: argparse.ArgumentParser) -> None:
@@ -61,6 +64,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-ratio", type=float)
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="machine-readable JSON log lines")
+    p.add_argument("--run-log", dest="run_log", metavar="PATH",
+                   help="JSONL log of metrics and events for `swarmtrain plot` (default auto = "
+                        "runs/<date-time>/<role>.jsonl; none = off)")
+
+
+def _http_flags(p: argparse.ArgumentParser, *, dashboard: bool = True) -> None:
+    pages = "Prometheus /metrics, /api/status (JSON)" + (" and a live dashboard at /" if dashboard else "")
+    p.add_argument("--http-port", type=int,
+                   help=f"serve {pages} on this port (read-only, no secret; default 0 = off)")
+    p.add_argument("--http-host", help="address of the HTTP port (default 127.0.0.1; trusted networks only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port-file", help=argparse.SUPPRESS)
     c.add_argument("--summary-file", help="write the final status as JSON here on exit")
     c.add_argument("--status-file", help="keep the current status as JSON here (rewritten every second)")
+    c.add_argument("--export", metavar="PATH",
+                   help="write the final weights here as safetensors when the run ends (default auto = "
+                        "model.safetensors next to the run log; none = off)")
+    _http_flags(c)
 
     w = sub.add_parser("worker", help="compute gradients for a coordinator")
     _common(w)
@@ -117,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--eval-every", type=int)
     pe.add_argument("--speed", type=float, help="run at this fraction of full speed")
     pe.add_argument("--status-file", help="keep this peer's status as JSON here")
+    _http_flags(pe)
 
     d = sub.add_parser("demo", help="a small local cluster training a real model (digits)")
     d.add_argument("--workers", type=int, default=2)
@@ -142,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated node names, one certificate each (default: coordinator,worker1)")
 
     _pipeline_parsers(sub)
+
+    _run_parsers(sub)
 
     pr = sub.add_parser("profile", help="show detected hardware and recommended settings")
     pr.add_argument("--task", default="digits")
@@ -190,6 +210,7 @@ def _pipeline_parsers(sub: Any) -> None:
                     help="AdamW learning rate (default: the task's)")
     st.add_argument("--threads", type=int, default=0, help="PyTorch threads (default 0 = all cores)")
     st.add_argument("--status-file", default="", help="keep this stage's status as JSON here (every second)")
+    _http_flags(st, dashboard=False)
     st.add_argument("--insecure", action="store_true",
                     help="serve with no secret on a reachable address "
                          "(anyone who can reach the port can use it)")
@@ -213,6 +234,9 @@ def _pipeline_parsers(sub: Any) -> None:
                     help="seconds a stage may take to answer before its replica is banned (default 30)")
     pl.add_argument("--status-file", default="",
                     help="keep the trainer's status (loss history, acknowledgements, resends) as JSON here")
+    pl.add_argument("--run-log", default="auto", metavar="PATH",
+                    help="JSONL log of losses and events for `swarmtrain plot` (default auto = "
+                         "runs/<date-time>/pipeline.jsonl; none = off)")
 
     ge = sub.add_parser("generate", help="generate text through the stages of a pipeline",
                         description="Continue --prompt byte by byte through the stages of --route "
@@ -232,6 +256,38 @@ def _pipeline_parsers(sub: Any) -> None:
     ss.add_argument("--json", action="store_true", help="print the raw statuses as JSON")
 
 
+def _run_parsers(sub: Any) -> None:
+    pt = sub.add_parser("plot", help="PNG charts (loss, held-out metrics, throughput, bytes) of a run log",
+                        description="Read a JSONL run log (runs/<date-time>/coordinator.jsonl, peer-*.jsonl "
+                                    "or pipeline.jsonl) and write one PNG per chart that has data.")
+    pt.add_argument("run_log", metavar="RUN.jsonl", help="the run log")
+    pt.add_argument("--out", help="directory for the PNGs (default: the run log's directory)")
+
+    ex = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file",
+                        description="Export the model of the newest valid checkpoint in CHECKPOINT_DIR "
+                                    "(or of one ckpt-* directory) for loading into the plain PyTorch "
+                                    "model with safetensors.torch.load_file.")
+    ex.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                    help="the coordinator's --checkpoint-dir, or one ckpt-* directory in it")
+    ex.add_argument("--out", default="model.safetensors", help="file to write (default model.safetensors)")
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from swarmtrain.plotting import plot_run_log
+
+    for path in plot_run_log(args.run_log, args.out):
+        print(path)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarmtrain.export import export_checkpoint
+
+    path, ckpt = export_checkpoint(args.checkpoint_dir, args.out)
+    print(f"wrote the model of {ckpt.path} (version {ckpt.step}) to {path}")
+    return 0
+
+
 def _overrides(args: argparse.Namespace, table: dict[str, str]) -> dict[str, Any]:
     return {dotted: getattr(args, attr) for attr, dotted in table.items()
             if getattr(args, attr, None) is not None}
@@ -242,12 +298,14 @@ _SHARED = {
     "topk_ratio": "compression.topk_ratio", "secret_file": "security.secret_file",
     "insecure": "security.insecure", "log_level": "logging.level",
     "tls_cert": "security.tls_cert", "tls_key": "security.tls_key", "tls_ca": "security.tls_ca",
+    "run_log": "logging.run_log",
 }
 _COORD = {
     **_SHARED, "host": "network.host", "port": "network.port", "min_workers": "training.min_workers",
     "max_steps": "training.max_steps", "learning_rate": "training.learning_rate",
     "eval_interval_sec": "training.eval_interval_sec", "checkpoint_dir": "checkpointing.directory",
-    "checkpoint_interval": "checkpointing.interval",
+    "checkpoint_interval": "checkpointing.interval", "export": "checkpointing.export",
+    "http_port": "ops.http_port", "http_host": "ops.http_host",
 }
 _WORKER = {
     **_SHARED, "host": "network.coordinator_host", "port": "network.coordinator_port",
@@ -287,7 +345,8 @@ _PEER = {
     "inner_seconds": "training.inner_seconds", "wire": "training.wire",
     "max_rounds": "training.max_rounds", "batch_size": "training.batch_size",
     "num_threads": "hardware.num_threads", "learning_rate": "training.learning_rate",
-    "eval_every": "training.eval_every", "speed": "training.speed",
+    "eval_every": "training.eval_every", "speed": "training.speed", "run_log": "logging.run_log",
+    "http_port": "ops.http_port", "http_host": "ops.http_host",
 }
 
 
@@ -393,7 +452,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         layers=parse_layer_range(args.layers) if args.layers else None,
         sync_with=tuple(parse_host_port(a, "--sync-with") for a in args.sync_with),
         sync_every=args.sync_every,
-        learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file)
+        learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file,
+        http_port=args.http_port or 0, http_host=args.http_host or "127.0.0.1")
     return run_stage(_pipeline_task(args), opts, secret=_pipeline_secret(args), insecure=args.insecure,
                      tls=_cli_tls(args))
 
@@ -406,7 +466,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     opts = PipelineOptions(
         microbatches=args.microbatches, batch_size=args.batch_size, max_inflight=args.max_inflight,
         eval_every=args.eval_every, eval_samples=args.eval_samples, seed=args.seed,
-        request_timeout=args.request_timeout, status_file=args.status_file, route=parse_route(args.route))
+        request_timeout=args.request_timeout, status_file=args.status_file, route=parse_route(args.route),
+        run_log=args.run_log)
     return run_pipeline(_pipeline_task(args), opts, secret=_pipeline_secret(args), tls=_cli_tls(args))
 
 
@@ -433,6 +494,7 @@ _COMMANDS = {
     "stage": cmd_stage, "pipeline": cmd_pipeline, "generate": cmd_generate, "status": cmd_status,
     "coordinator": cmd_coordinator, "worker": cmd_worker, "ctl": cmd_ctl, "secret": cmd_secret,
     "keys": cmd_keys, "profile": cmd_profile, "demo": cmd_demo, "peer": cmd_peer,
+    "plot": cmd_plot, "export": cmd_export,
 }
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "CoordinatorTrainingConfig",
     "HardwareConfig",
     "LoggingConfig",
+    "OpsConfig",
     "SecurityConfig",
     "WorkerConfig",
     "WorkerDataConfig",
@@ -181,7 +182,10 @@ class LoggingConfig(_Section):
 
     SECTION = "logging"
     level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
-    run_log: str = _opt("", 'path of a JSONL run log ("" = none)')
+    run_log: str = _opt(
+        "auto", 'JSONL log of the run\'s metrics and events, for `swarmtrain plot`: "auto" = '
+        'runs/<date-time>/<role>.jsonl (under $SWARMTRAIN_RUNS_DIR if set), "" or "none" = no '
+        'run log, else the file\'s path')
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,10 @@ class CheckpointingConfig(_Section):
     interval: int = _opt(1000, "updates between checkpoints (0 = off)", ge=0)
     directory: str = _opt("checkpoints", "where checkpoints are written")
     keep: int = _opt(3, "newest checkpoints kept on disk", ge=1)
+    export: str = _opt(
+        "auto", 'where the final weights go (safetensors) when the run ends: "auto" = '
+        'model.safetensors next to the run log (none without one), "" or "none" = no export, '
+        'else the file\'s path')
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,16 @@ class HardwareConfig(_Section):
     SECTION = "hardware"
     num_threads: int = _opt(0, "torch threads (0 = auto)", ge=0)
     max_memory_mb: int = _opt(0, "memory budget for training in MB (0 = auto)", ge=0)
+
+
+@dataclass(frozen=True)
+class OpsConfig(_Section):
+    """[ops]: the read-only HTTP port serving Prometheus metrics and the live dashboard."""
+
+    SECTION = "ops"
+    http_port: int = _opt(0, "port of /metrics, /api/status and the dashboard (0 = off)", ge=0, le=65535)
+    http_host: str = _opt(
+        "127.0.0.1", "address the HTTP port listens on; it has no secret, so keep it on a trusted interface")
 
 
 # ---------------------------------------------------------------- coordinator sections
@@ -274,6 +292,7 @@ class CoordinatorConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     data: CoordinatorDataConfig = field(default_factory=CoordinatorDataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
 
 # ---------------------------------------------------------------- worker sections
@@ -410,6 +429,7 @@ class PeerConfig:
     training: PeerTrainingConfig = field(default_factory=PeerTrainingConfig)
     data: WorkerDataConfig = field(default_factory=WorkerDataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -560,8 +580,31 @@ def _load(
     layers: _Layers = {name: {} for name in _sections(cls)}
     if path is not None:
         _apply_file(cls, layers, os.fspath(path))
+    _apply_env(cls, layers, os.environ)
     _apply_overrides(cls, layers, overrides or {})
     return _build(cls, layers)
+
+
+#: ``SWARMTRAIN_<SECTION>__<KEY>=value`` sets ``[section] key`` (over the file, under flags)
+ENV_PREFIX = "SWARMTRAIN_"
+
+
+def _apply_env(cls: type, layers: _Layers, env: Mapping[str, str]) -> None:
+    """Config keys from environment variables (containers): ``SWARMTRAIN_TRAINING__BATCH_SIZE=4``
+    is ``[training] batch_size = 4``. Only names with a double underscore are config keys
+    (``SWARMTRAIN_SECRET`` and the like are not); an unknown one is an error naming it."""
+    sections = _sections(cls)
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or "__" not in var:
+            continue
+        section, _, key = var[len(ENV_PREFIX):].lower().partition("__")
+        where = f"environment variable {var}"
+        if section not in sections:
+            raise ConfigError(f"{where}: no config section {section!r}; sections are "
+                              f"{', '.join(sections)} (SWARMTRAIN_<SECTION>__<KEY>)")
+        _check_key(sections[section], section, key, where)
+        expected = _field_specs(sections[section])[key][0]
+        layers[section][key] = (_parse_string(value, expected), where)
 
 
 def _apply_file(cls: type, layers: _Layers, path: str) -> None:

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ctl import ctl_request
+from swarmtrain.runlog import resolve_run_log_path
 
 __all__ = ["run_demo", "DEMO_STEPS"]
 
@@ -55,6 +56,7 @@ def run_demo(*, workers: int = 2, task: str = "digits", steps: int = 0, compress
     with tempfile.TemporaryDirectory(prefix="swarmtrain-demo-") as tmp:
         tmpdir = Path(tmp)
         port_file, summary_file = tmpdir / "port", tmpdir / "summary.json"
+        run_log = resolve_run_log_path("auto", "coordinator.jsonl") or Path("coordinator.jsonl")
         try:
             coord_log = tmpdir / "coordinator.log"
             with open(coord_log, "wb") as out:
@@ -63,7 +65,7 @@ def run_demo(*, workers: int = 2, task: str = "digits", steps: int = 0, compress
                      "--min-workers", str(workers), "--max-steps", str(steps), "--eval-interval", "1",
                      "--checkpoint-interval", "0", "--compression", compression,
                      "--log-level", log_level, "--port-file", str(port_file),
-                     "--summary-file", str(summary_file)],
+                     "--summary-file", str(summary_file), "--run-log", str(run_log)],
                     env=env, stdout=out, stderr=subprocess.STDOUT))
             port = int(_wait_for_file(port_file, procs[0], 60, coord_log))
             threads = max(1, (os.cpu_count() or 2) // (workers + 1))
@@ -73,7 +75,7 @@ def run_demo(*, workers: int = 2, task: str = "digits", steps: int = 0, compress
                         [*base, "worker", "--host", "127.0.0.1", "--port", str(port), "--task", task,
                          "--worker-id", f"demo-{i}", "--threads", str(threads),
                          "--compression", compression, "--log-level", log_level,
-                         "--reconnect-attempts", "3", "--reconnect-delay", "1"],
+                         "--reconnect-attempts", "3", "--reconnect-delay", "1", "--run-log", "none"],
                         env=env, stdout=out, stderr=subprocess.STDOUT))
             console.print(f"[bold]swarmtrain demo[/]: task {task}, 1 coordinator + {workers} workers "
                           f"on 127.0.0.1:{port}, {steps} updates")
@@ -97,6 +99,8 @@ def run_demo(*, workers: int = 2, task: str = "digits", steps: int = 0, compress
                     p.kill()
                     p.wait(timeout=10)
     _report(console, summary)
+    console.print(f"run log {run_log} (chart it: swarmtrain plot {run_log}); "
+                  f"trained model {run_log.parent / 'model.safetensors'}")
     return 0
 
 

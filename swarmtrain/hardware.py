@@ -201,6 +201,14 @@ def _cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _cgroup_limit_mb(base: Path) -> int | None:
+    """The cgroup v2 memory limit in MB, or None when there is none ("max") or no cgroup."""
+    text = _read(base / "sys/fs/cgroup/memory.max")
+    if text is None or not text.strip().isdigit():
+        return None
+    return int(text.strip()) // 2**20
+
+
 def detect(
     *,
     root: str = "/",
@@ -212,7 +220,9 @@ def detect(
     Read under ``root``: ``proc/cpuinfo``, ``proc/device-tree/model`` (else
     ``sys/firmware/devicetree/base/model``, else the ``Model`` line of cpuinfo) and, when
     ``root`` is not ``/``, ``proc/meminfo``. Memory otherwise comes from psutil; the keyword
-    overrides beat both. Cores and architecture always describe the running process.
+    overrides beat both. A cgroup v2 memory limit (``sys/fs/cgroup/memory.max``, a container's
+    ``--memory``) lowers total and available memory to what the process may really use.
+    Cores and architecture always describe the running process.
     """
     base = Path(root)
     fields = _cpuinfo_fields(_read(base / "proc/cpuinfo") or "")
@@ -229,6 +239,11 @@ def detect(
     if mem is None:
         vm = psutil.virtual_memory()
         mem = (vm.total // 2**20, vm.available // 2**20)
+    limit = _cgroup_limit_mb(base)
+    if limit is not None and limit < mem[0]:
+        used = _read(base / "sys/fs/cgroup/memory.current")
+        in_use = int(used) // 2**20 if used and used.strip().isdigit() else 0
+        mem = (limit, min(mem[1], max(0, limit - in_use)))
     total = mem[0] if total_memory_mb is None else total_memory_mb
     avail = mem[1] if available_memory_mb is None else available_memory_mb
     avail = max(0, min(avail, total))

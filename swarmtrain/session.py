@@ -13,9 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 from swarmtrain import hardware
 from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, with_overrides
+from swarmtrain.ops.serve import serve_coordinator, serve_peer
 from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.coordinator import Coordinator
+from swarmtrain.roles.runlogging import (
+    CoordinatorSampler,
+    export_final_weights,
+    log_coordinator_forever,
+    log_worker_forever,
+    worker_metrics,
+)
 from swarmtrain.roles.worker import Worker
+from swarmtrain.runlog import open_run_log, safe_file_part
 from swarmtrain.tasks import load_task
 
 __all__ = ["build_coordinator", "build_peer", "build_worker", "run_coordinator", "run_peer",
@@ -76,11 +85,17 @@ def run_coordinator(
 ) -> int:
     async def main() -> dict[str, Any]:
         coord = build_coordinator(cfg, resume=resume)
+        coord.run_log = open_run_log(cfg.logging.run_log, "coordinator.jsonl")
+        sampler = CoordinatorSampler(coord)
         await coord.start()
+        http = (await serve_coordinator(coord, cfg.ops.http_host, cfg.ops.http_port)
+                if cfg.ops.http_port else None)
         if port_file:
             write_atomic(port_file, str(coord.port))
         if status_file:
             coord._tasks.append(asyncio.create_task(_write_status_forever(coord, status_file)))
+        if coord.run_log is not None:
+            coord._tasks.append(asyncio.create_task(log_coordinator_forever(coord, coord.run_log, sampler)))
         loop = asyncio.get_running_loop()
 
         def on_signal(sig: signal.Signals) -> None:
@@ -89,7 +104,16 @@ def run_coordinator(
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, on_signal, sig)
-        await coord.run()
+        try:
+            await coord.run()
+            if coord.run_log is not None:
+                coord.run_log.metrics(force=True, **sampler.sample())
+            export_final_weights(coord, cfg.checkpointing.export)
+        finally:
+            if coord.run_log is not None:
+                coord.run_log.close()
+            if http is not None:
+                await http.close()
         return coord.status()
 
     status = asyncio.run(main())
@@ -101,13 +125,26 @@ def run_coordinator(
 
 def run_worker(cfg: WorkerConfig) -> int:
     worker = build_worker(cfg)
+    run_log = open_run_log(cfg.logging.run_log, f"worker-{safe_file_part(worker.worker_id)}.jsonl")
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, worker.stop)
-        await worker.run_async()
+        if run_log is None:
+            await worker.run_async()
+            return
+        run_log.event("started", worker=worker.worker_id)
+        logger = asyncio.create_task(log_worker_forever(worker, run_log))
+        try:
+            await worker.run_async()
+        finally:
+            logger.cancel()
+            await asyncio.gather(logger, return_exceptions=True)
+            run_log.metrics(force=True, **worker_metrics(worker))
+            run_log.event("finished", worker=worker.worker_id, reason=worker.shutdown_reason or "stopped")
+            run_log.close()
 
     asyncio.run(main())
     log.info("worker %s done: %d steps, %d samples (%s)", worker.worker_id, worker.steps,
@@ -172,6 +209,8 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
 def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
     backend, trainer = build_peer(cfg)
     trainer.status_file = status_file or ""
+    peer_id = backend.identity.peer_id if backend.identity is not None else "peer"
+    trainer.run_log = open_run_log(cfg.logging.run_log, f"peer-{safe_file_part(peer_id[:12])}.jsonl")
 
     def on_signal(signum: int, frame: Any) -> None:
         trainer.stop()
@@ -179,14 +218,21 @@ def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     backend.start()
+    http = serve_peer(trainer, cfg.ops.http_host, cfg.ops.http_port) if cfg.ops.http_port else None
     try:
         if cfg.peer.min_peers > 1:
             log.info("waiting for %d other peer(s) of run %r", cfg.peer.min_peers - 1, cfg.peer.run)
             backend.wait_for_peers(cfg.peer.min_peers - 1, cfg.peer.discovery_timeout_sec)
+        trainer._event("started", run=cfg.peer.run, peer=peer_id, mode=cfg.training.mode)
         trainer.run()
     finally:
+        if http is not None:
+            http.close()
         if status_file:
             trainer._write_status()
         backend.close()
+        if trainer.run_log is not None:
+            trainer.run_log.event("finished", round=trainer.strategy.round, metrics=trainer.metrics)
+            trainer.run_log.close()
     log.info("peer done after %d rounds: %s", trainer.strategy.round, trainer.metrics)
     return 0

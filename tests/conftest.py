@@ -46,3 +46,13 @@ def lan_factory() -> Iterator[Callable[..., SimulatedLAN]]:
             errors.append(str(exc))
     if errors:
         pytest.fail("simulated LAN cleanup failed: " + "; ".join(errors))
+
+
+# --- run logs (swarmtrain/runlog.py) -----------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _runs_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run started by a test (in-process or as a child process) writes its default
+    ("auto") run log and exported model under a temporary directory, not ./runs."""
+    monkeypatch.setenv("SWARMTRAIN_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))

@@ -358,3 +358,25 @@ def test_resolve_secret_default_env_is_process_environment(
     monkeypatch.setenv("SWARMTRAIN_SECRET", "process-env")
     assert os.environ["SWARMTRAIN_SECRET"] == "process-env"
     assert resolve_secret(SecurityConfig()) == b"process-env"
+
+
+def test_environment_variables_set_config_keys_between_the_file_and_the_flags(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from swarmtrain.config import load_worker_config
+
+    cfg_file = tmp_path / "worker.toml"
+    cfg_file.write_text("[training]\nbatch_size = 8\nspeed = 0.5\n")
+    monkeypatch.setenv("SWARMTRAIN_TRAINING__BATCH_SIZE", "4")
+    monkeypatch.setenv("SWARMTRAIN_NETWORK__COORDINATOR_HOST", "coordinator")
+    monkeypatch.setenv("SWARMTRAIN_SECRET", "not-a-config-key")  # no double underscore: ignored
+    cfg = load_worker_config(cfg_file)
+    assert (cfg.training.batch_size, cfg.training.speed) == (4, 0.5)  # env over file
+    assert cfg.network.coordinator_host == "coordinator"
+    assert load_worker_config(cfg_file, {"training.batch_size": 2}).training.batch_size == 2  # flags win
+    monkeypatch.setenv("SWARMTRAIN_TRAINING__BATCH_SIZ", "4")
+    with pytest.raises(ConfigError, match="SWARMTRAIN_TRAINING__BATCH_SIZ"):
+        load_worker_config(cfg_file)
+    monkeypatch.delenv("SWARMTRAIN_TRAINING__BATCH_SIZ")
+    monkeypatch.setenv("SWARMTRAIN_TRAINING__BATCH_SIZE", "many")
+    with pytest.raises(ConfigError, match="SWARMTRAIN_TRAINING__BATCH_SIZE"):
+        load_worker_config(cfg_file)

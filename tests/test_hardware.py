@@ -340,3 +340,16 @@ def test_allocator_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch: py
     assert tune_allocator() is False
     monkeypatch.delenv("SWARMTRAIN_MALLOC_TUNING")
     assert tune_allocator() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+def test_a_container_memory_limit_caps_the_detected_memory(tmp_path: Path) -> None:
+    meminfo = "MemTotal:        33554432 kB\nMemAvailable:    30000000 kB\n"  # a 32 GB host
+    root = _fake_root(tmp_path, X86_CPUINFO, None, meminfo)
+    (tmp_path / "sys/fs/cgroup").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/memory.max").write_text(f"{768 * 2**20}\n")  # docker --memory 768m
+    (tmp_path / "sys/fs/cgroup/memory.current").write_text(f"{256 * 2**20}\n")
+    info = detect(root=root)
+    assert (info.total_memory_mb, info.available_memory_mb) == (768, 512)
+    assert info.profile is Profile.RPI3  # sized for what the container may use, not the host
+    (tmp_path / "sys/fs/cgroup/memory.max").write_text("max\n")  # no limit
+    assert detect(root=root).total_memory_mb == 33554432 // 1024

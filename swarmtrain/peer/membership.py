@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 
 from swarmtrain.errors import SwarmError
-from swarmtrain.peer.identity import Identity, peer_id_of, verify
+from swarmtrain.peer.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
 from swarmtrain.wire import Accept, Commit, Message, Propose
 
 __all__ = ["View", "Membership", "Candidate", "signed_bytes", "check_signature"]
@@ -70,8 +70,10 @@ def signed_bytes(msg: Message) -> bytes:
 
 def check_signature(msg: Propose | Accept | Commit) -> bool:
     who = msg.peer_id if isinstance(msg, Accept) else msg.proposer
-    return (bool(msg.public_key) and peer_id_of(msg.public_key) == who
-            and verify(msg.public_key, signed_bytes(msg), msg.signature))
+    if not isinstance(msg.public_key, bytes) or len(msg.public_key) != PUBLIC_KEY_BYTES:
+        # not a key at all: no signature can be good
+        return False
+    return peer_id_of(msg.public_key) == who and verify(msg.public_key, signed_bytes(msg), msg.signature)
 
 
 def _sign(identity: Identity, msg: Any) -> Any:

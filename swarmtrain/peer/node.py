@@ -19,6 +19,7 @@ from swarmtrain.errors import SwarmTimeout
 from swarmtrain.peer.backend import PeerBackend
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy, flatten, unflatten_into
+from swarmtrain.runlog import RunLog
 
 __all__ = ["PeerTrainer"]
 
@@ -49,6 +50,7 @@ class PeerTrainer:
     events: list[dict[str, Any]] = field(default_factory=list)
     samples: int = 0
     inner_steps: int = 0
+    run_log: RunLog | None = None
     _stop: bool = False
 
     def stop(self) -> None:
@@ -74,7 +76,7 @@ class PeerTrainer:
                 epoch = exc.epoch if exc.epoch is not None else self.backend.epoch
                 log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
                             epoch, exc)
-                self.events.append({"time": time.time(), "event": "ring_broken", "epoch": epoch})
+                self._event("ring_broken", epoch=epoch)
                 resync = True
                 broken += 1
                 if broken > 1:
@@ -101,9 +103,8 @@ class PeerTrainer:
         self.backend.broadcast(flat, root=view.rank(view.donor))
         unflatten_into(flat, state)
         self.strategy.after_state_load()
-        self.events.append({"time": time.time(), "event": "epoch", "epoch": view.epoch,
-                            "members": len(view.members), "round": self.strategy.round,
-                            "donor": view.donor})
+        self._event("epoch", epoch=view.epoch, members=len(view.members), round=self.strategy.round,
+                    donor=view.donor)
         log.info("epoch %d: %d member(s), state of round %d from %s", view.epoch, view.world_size,
                  self.strategy.round, view.donor[:8])
         if pending.round != self.strategy.round:
@@ -120,18 +121,33 @@ class PeerTrainer:
             return None
         return buf[:-1].div_(total)
 
+    def _event(self, kind: str, **data: Any) -> None:
+        self.events.append({"time": time.time(), "event": kind, **data})
+        if self.run_log is not None:
+            self.run_log.event(kind, **data)
+
     def _after_round(self, started: float) -> None:
         r = self.strategy.round
         view = self.backend.view
+        evaluated = False
         if self.evaluate is not None and view is not None and self.backend.rank == 0 \
                 and (r % self.eval_every == 0 or r == self.max_rounds):
             self.metrics = dict(self.evaluate(self.strategy.model))
+            evaluated = True
             log.info("round %d (epoch %d, %d peers): %s", r, self.backend.epoch, self.backend.world_size,
                      ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
         self.history.append({"time": time.time(), "elapsed": time.monotonic() - started, "round": r,
                              "epoch": self.backend.epoch, "world_size": self.backend.world_size,
                              "loss": self.strategy.last_loss, "bytes_sent": self.backend.bytes_sent,
                              **({"metrics": dict(self.metrics)} if self.metrics else {})})
+        if self.run_log is not None:
+            elapsed = time.monotonic() - started
+            self.run_log.metrics(
+                force=evaluated, role="peer", round=r, epoch=self.backend.epoch,
+                world_size=self.backend.world_size, loss=self.strategy.last_loss,
+                samples=self.samples, samples_per_sec=self.samples / elapsed if elapsed > 0 else 0.0,
+                bytes_sent=self.backend.bytes_sent, bytes_received=self.backend.bytes_received,
+                **({"eval": dict(self.metrics)} if evaluated else {}))
         if self.status_file:
             self._write_status()
 

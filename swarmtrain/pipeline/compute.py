@@ -250,13 +250,16 @@ class StageCompute:
         """Add ``(theirs - mine) / 2`` to every parameter: halfway to the other replica.
 
         Raises:
-            BadInput: ``theirs`` lacks a parameter or has a different shape.
+            BadInput: ``theirs`` lacks a parameter, has a different shape, or holds NaN or
+                infinite values (the weights are then left as they were).
         """
         params = dict(self.layers.named_parameters())
         for name, p in params.items():
             other = theirs.get(name)
             if other is None or other.shape != p.shape or not other.is_floating_point():
                 raise BadInput(f"replica sync: parameter {name!r} missing or of another shape/dtype")
+            if not bool(torch.isfinite(other).all()):
+                raise BadInput(f"replica sync: parameter {name!r} holds NaN or infinite values")
         with self._weights_lock, torch.no_grad():
             for name, p in params.items():
                 p.add_((theirs[name].to(p.dtype) - mine[name]) * 0.5)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from swarmtrain.errors import ConfigError, SwarmError
+from swarmtrain.ops.serve import serve_stage
 from swarmtrain.pipeline.compute import ComputeConfig
 from swarmtrain.pipeline.partition import (
     NodeSpec,
@@ -35,6 +36,7 @@ from swarmtrain.pipeline.route import Route, check_route, fetch_statuses
 from swarmtrain.pipeline.router import Router, RouterConfig, StageUnavailable
 from swarmtrain.pipeline.stage import StageServer, StageServerConfig
 from swarmtrain.pipeline.trainer import PipelineTrainer, TrainerConfig
+from swarmtrain.runlog import open_run_log
 from swarmtrain.tasks import Task, TextLMConfig, TextLMTask, load_task
 from swarmtrain.transport import is_loopback_host
 from swarmtrain.transport.tls import TLSConfig
@@ -140,6 +142,8 @@ class StageOptions:
         learning_rate: AdamW learning rate (0 = the task's default).
         threads: PyTorch intra-op threads (0 = PyTorch's default).
         status_file: keep the server's status as JSON here ("" = none).
+        http_port: serve /metrics and /api/status on this port (0 = off; no secret).
+        http_host: address of the HTTP port (keep it on a trusted interface).
     """
 
     stage: int
@@ -153,11 +157,13 @@ class StageOptions:
     learning_rate: float = 0.0
     threads: int = 0
     status_file: str = ""
+    http_port: int = 0
+    http_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.stages < 1 or not 0 <= self.stage < self.stages:
             raise ConfigError(f"--stage {self.stage} --stages {self.stages}: need 0 <= stage < stages")
-        for key in ("sync_every", "threads", "port"):
+        for key in ("sync_every", "threads", "port", "http_port"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
         if self.learning_rate < 0:
@@ -204,6 +210,7 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
             raise SwarmError(f"cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}; is something "
                              "(another stage?) already using that port? Choose another --port") from exc
         port = server.port  # a closed server no longer knows it
+        http = await serve_stage(server, opts.http_host, opts.http_port) if opts.http_port else None
         peers = ", ".join(f"{h}:{p}" for h, p in opts.sync_with)
         log.info("stage %d of %d: layers [%d, %d) of %d, listening on %s:%d%s", opts.stage, opts.stages,
                  *layer_range, n_layers, opts.host, port, f", averaging with {peers}" if peers else "")
@@ -215,6 +222,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
                     async with asyncio.timeout(1.0):
                         await stop.wait()
         finally:
+            if http is not None:
+                await http.close()
             await server.close()
             if opts.status_file:
                 _write_json(opts.status_file, status(port, False))
@@ -250,6 +259,8 @@ class PipelineOptions:
         request_timeout: seconds a stage may take to answer before its replica is banned.
         status_file: keep the trainer's status as JSON here ("" = none).
         route: for each stage, the ``(host, port)`` of its replicas.
+        run_log: the JSONL run log: "auto" = runs/<date-time>/pipeline.jsonl, "" or "none" =
+            none, else its path (see :mod:`swarmtrain.runlog`).
     """
 
     microbatches: int = 200
@@ -261,6 +272,7 @@ class PipelineOptions:
     request_timeout: float = 30.0
     status_file: str = ""
     route: Route = field(default_factory=list)
+    run_log: str = "auto"
 
     def __post_init__(self) -> None:
         for key in ("microbatches", "batch_size", "max_inflight", "eval_samples"):
@@ -298,6 +310,7 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
     context = task.config.context if isinstance(task, TextLMTask) else None
     evals: list[tuple[int, float]] = []
     signals: list[signal.Signals] = []
+    run_log = open_run_log(opts.run_log, "pipeline.jsonl")
 
     async def train() -> PipelineTrainer:
         main = asyncio.current_task()
@@ -324,6 +337,10 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
                 log.info("micro-batch %d/%d  loss %.4f  %.1f micro-batches/s  resends %d", done,
                          opts.microbatches, sum(recent) / len(recent), done / (time.monotonic() - started),
                          trainer.resends)
+            if run_log is not None:
+                run_log.metrics(role="pipeline", microbatch=done, loss=loss, samples=done * opts.batch_size,
+                                samples_per_sec=done * opts.batch_size / (time.monotonic() - started),
+                                resends=trainer.resends)
 
         trainer = PipelineTrainer(router, data.train, TrainerConfig(batch_size=opts.batch_size,
                                   max_inflight=opts.max_inflight, seed=opts.seed),
@@ -337,10 +354,18 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
         async def evaluate() -> None:
             loss = await trainer.evaluate(data.heldout, loss_fn, max_samples=opts.eval_samples)
             evals.append((len(trainer.loss_history), loss))
+            if run_log is not None:  # with the mean training loss since the last evaluation
+                done = len(trainer.loss_history)
+                start = evals[-2][0] if len(evals) > 1 else done
+                recent = [v for _, v in trainer.loss_history[start:]]
+                run_log.metrics(force=True, role="pipeline", microbatch=done, eval={"loss": loss},
+                                **({"loss": sum(recent) / len(recent)} if recent else {}))
             log.info("held-out loss %.4f after %d micro-batches", loss, len(trainer.loss_history))
 
         writer = asyncio.create_task(write_status_forever()) if opts.status_file else None
         state, error = "failed", ""
+        if run_log is not None:
+            run_log.event("started", stages=len(opts.route), microbatches=opts.microbatches)
         try:
             await evaluate()
             chunk = opts.eval_every or opts.microbatches
@@ -363,6 +388,10 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
                 await asyncio.gather(writer, return_exceptions=True)
             if opts.status_file:
                 _write_json(opts.status_file, _trainer_status(trainer, opts, evals, state, error))
+            if run_log is not None:
+                run_log.event(state, microbatches=len(trainer.loss_history), resends=trainer.resends,
+                              **({"error": error} if error else {}))
+                run_log.close()
             await router.close()
         return trainer
 

@@ -266,16 +266,19 @@ class StageServer:
                 msg = await conn.recv()
             except SwarmError:
                 return
-            refusal = self._admit(conn, msg)
+            refusal = self._admit(conn, role, msg)
             if refusal is not None:
                 with contextlib.suppress(SwarmError):
                     await conn.send(refusal, timeout=self.config.reply_timeout)
 
-    def _admit(self, conn: Connection, msg: Message) -> Message | None:
+    def _admit(self, conn: Connection, role: str, msg: Message) -> Message | None:
         """Queue the work ``msg`` asks for; an answer to send at once, or None."""
         req = getattr(msg, "req", 0)
         if isinstance(msg, StatusRequest):
             return Status(status=self.status())
+        if isinstance(msg, StageSync) and role != "stage":  # only replicas move our weights
+            return StageError(req=req, code="unexpected",
+                              message=f"{self.name}: replica sync is for role 'stage', not {role!r}")
         try:
             job = self._job_for(conn, msg)
         except (BadInput, ValueError) as exc:  # WorkPacket refuses negative ids with ValueError

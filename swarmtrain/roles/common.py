@@ -37,7 +37,8 @@ def _fmt(entry: list[Any]) -> str:
 def check_fingerprint(mine: list[list[Any]], theirs: Any) -> None:
     """Raise :class:`ModelMismatch` naming the first difference between two fingerprints."""
     if not isinstance(theirs, list) or not all(
-        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) for e in theirs
+        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
+        and isinstance(e[2], list) and all(isinstance(d, int) for d in e[2]) for e in theirs
     ):
         raise ModelMismatch("the worker sent a malformed model fingerprint")
     for i, (a, b) in enumerate(zip(mine, theirs)):

@@ -14,8 +14,9 @@ import contextlib
 import copy
 import logging
 import math
+import re
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from swarmtrain.roles.common import (
     unpack_compressed,
 )
 from swarmtrain.roles.shards import ShardPlanner
+from swarmtrain.runlog import RunLog
 from swarmtrain.transport import Connection, Server, Timeouts, is_loopback_host, start_server
 from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.wire import (
@@ -67,6 +69,10 @@ from swarmtrain.wire import (
 __all__ = ["Coordinator", "WorkerRecord"]
 
 log = logging.getLogger("swarmtrain.coordinator")
+
+#: worker records kept at most (connected ones are never forgotten)
+MAX_WORKER_RECORDS = 1024
+_WORKER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 Evaluate = Callable[[nn.Module], Mapping[str, float]]
 
@@ -192,6 +198,7 @@ class Coordinator:
         self.running = False
         self.paused = False
         self.stats = {"applied": 0, "stale": 0, "duplicates": 0, "rejected": 0}
+        self.staleness_counts: Counter[int] = Counter()  # applied gradients by staleness
         self.loss_ema = math.nan
         self.metrics: dict[str, float] = {}
         self.metric_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=1000)
@@ -208,6 +215,7 @@ class Coordinator:
         self._started_at = time.monotonic()
         self._tasks: list[asyncio.Task[Any]] = []
         self.checkpointer: Any = None  # a CoordinatorCheckpointer, set by session.build_coordinator
+        self.run_log: RunLog | None = None  # every event is also written here (session sets it)
         self._pending_assign: dict[str, list[int]] = {}
         self._shutdown_task: asyncio.Future[None] | None = None
 
@@ -351,6 +359,7 @@ class Coordinator:
         return "unknown" if reason is None else str(reason)
 
     def _register(self, conn: Connection, msg: Register) -> WorkerRecord:
+        _check_identity(msg)
         if self.task_name and msg.task and msg.task != self.task_name:
             raise ConfigError(f"this cluster trains task {self.task_name!r}, the worker runs {msg.task!r}")
         check_fingerprint(self._fingerprint, msg.fingerprint)
@@ -370,6 +379,7 @@ class Coordinator:
             rec = WorkerRecord(msg.worker_id, conn.peer, msg.hardware, msg.batch_size,
                                msg.samples_per_sec, shard)
             self.workers[msg.worker_id] = rec
+            self._forget_old_workers()
         rec.conn, rec.address, rec.hardware, rec.welcomed = conn, conn.peer, msg.hardware, False
         rec.batch_size, rec.samples_per_sec, rec.shard_index = msg.batch_size, msg.samples_per_sec, shard
         rec.shards = shards
@@ -384,6 +394,18 @@ class Coordinator:
                  rec.worker_id, conn.peer, msg.hardware.get("profile", "?"), msg.batch_size,
                  msg.samples_per_sec, shard, self.num_shards)
         return rec
+
+    def _forget_old_workers(self) -> None:
+        """Keep at most :data:`MAX_WORKER_RECORDS` records: forget the workers gone longest
+        (a worker coming back after that registers as new), so that many short-lived workers,
+        or a stranger registering names in a loop, cannot grow the status without bound."""
+        excess = len(self.workers) - MAX_WORKER_RECORDS
+        if excess <= 0:
+            return
+        gone = sorted((r for r in self.workers.values() if r.conn is None or r.conn.is_closed),
+                      key=lambda r: r.last_seen)
+        for rec in gone[:excess]:
+            del self.workers[rec.worker_id]
 
     async def _send_assignments(self, changed: Mapping[str, list[int]]) -> None:
         """Tell workers whose shard set changed (a worker came or went) what to train on."""
@@ -522,6 +544,7 @@ class Coordinator:
         rec.samples += msg.samples
         rec.samples_since_join += msg.samples
         rec.staleness_total += staleness
+        self.staleness_counts[staleness] += 1
         self.stats["applied"] += 1
         self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
         return "applied"
@@ -537,8 +560,7 @@ class Coordinator:
                 return f"{name!r} arrived as {g.dtype}, the model's is {p.dtype}"
         if not _all_finite(list(grads.values())):
             return "NaN or infinite values"
-        norm = float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g.float()) for g in grads.values()])))
+        norm = _global_norm(list(grads.values()))
         t = self.config.training
         if t.max_grad_norm and norm > t.max_grad_norm:
             if t.grad_norm_action == "reject":
@@ -702,6 +724,8 @@ class Coordinator:
 
     def _event(self, kind: str, **data: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **data})
+        if self.run_log is not None:
+            self.run_log.event(kind, **data)
 
     def status(self) -> dict[str, Any]:
         """Step, loss, version, metrics and a table of workers (msgpack/JSON-able)."""
@@ -716,6 +740,8 @@ class Coordinator:
             "raw_bytes_per_step": self.raw_bytes_per_step,
             "workers": [r.summary(total, self.raw_bytes_per_step) for r in self.workers.values()],
             "events": list(self.events)[-20:],
+            "staleness_counts": {str(k): n for k, n in sorted(dict(self.staleness_counts).items())},
+            "traffic": self._server.traffic() if self._server is not None else {},
         }
 
 
@@ -748,6 +774,21 @@ def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
     if not tensors:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))
+
+
+def _check_identity(msg: Register) -> None:
+    """Refuse worker ids and hardware descriptions no real worker sends (they end up in every
+    status and log line)."""
+    if not _WORKER_ID.fullmatch(msg.worker_id):
+        raise ConfigError(f"worker id {msg.worker_id[:40]!r} is not allowed: use 1-64 letters, digits "
+                          "and . _ - : @ (set --worker-id)")
+    hw = msg.hardware
+    if not isinstance(hw, dict) or len(hw) > 64 or not all(
+            isinstance(k, str) and len(k) <= 64
+            and (isinstance(v, int | float | bool) or v is None or (isinstance(v, str) and len(v) <= 256))
+            for k, v in hw.items()):
+        raise ConfigError("the worker's hardware description is malformed (at most 64 plain "
+                          "entries); is it a swarmtrain worker of the same version?")
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

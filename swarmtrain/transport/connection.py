@@ -58,6 +58,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.last_received = time.monotonic()
         self.protocol_error: RemoteProtocolError | None = None
         self.received_by_type: Counter[str] = Counter()
+        #: bytes of the frames received, by message type (each frame counted once decoded)
+        self.received_bytes_by_type: Counter[str] = Counter()
+        self._bytes_counted = 0  # decoder.bytes_received already attributed to a message
         self.peer_step = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -82,6 +85,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return
         while (msg := self.decoder.next_message()) is not None:
             self.received_by_type[msg.TYPE.name] += 1
+            # get_buffer() hands out at most the rest of one frame, so these bytes are this one's
+            self.received_bytes_by_type[msg.TYPE.name] += self.decoder.bytes_received - self._bytes_counted
+            self._bytes_counted = self.decoder.bytes_received
             if isinstance(msg, Heartbeat):
                 # consumed here, not queued: heartbeats must neither wait for the application
                 # to call recv() nor fill the inbox and pause reading (which would stop
@@ -160,7 +166,9 @@ class Connection:
         self._tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._writer())]
         self.bytes_sent = 0
         self.sent_by_type: Counter[str] = Counter()
+        self.sent_bytes_by_type: Counter[str] = Counter()
         self.received_by_type = protocol.received_by_type  # counted as frames are decoded
+        self.received_bytes_by_type = protocol.received_bytes_by_type
         self.session = ""
 
     # -- sending ---------------------------------------------------------------------------
@@ -189,10 +197,13 @@ class Connection:
                 await self._proto._can_write.wait()
                 if self.transport.is_closing():
                     return
+                size = 0
                 for seg in encode(msg, self.limits):
                     self.transport.write(seg)
-                    self.bytes_sent += len(seg) if isinstance(seg, bytes) else seg.nbytes
+                    size += len(seg) if isinstance(seg, bytes) else seg.nbytes
+                self.bytes_sent += size
                 self.sent_by_type[msg.TYPE.name] += 1
+                self.sent_bytes_by_type[msg.TYPE.name] += size
         except ProtocolError as exc:
             log.error("cannot send to %s: %s", self.peer, exc)
             self.abort(exc)

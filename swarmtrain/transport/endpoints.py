@@ -139,6 +139,8 @@ class Server:
     _open_by_address: Counter[str] = field(default_factory=Counter)
     _tls_pending: Counter[str] = field(default_factory=Counter)  # in the TLS handshake
     _failures: dict[str, deque[float]] = field(default_factory=dict)
+    #: traffic of connections already closed (open ones count on their Connection)
+    _closed_traffic: dict[str, Counter[str]] = field(default_factory=dict)
 
     def admit(self, address: str) -> tuple[str, str] | None:
         """(code, message) when a new connection from ``address`` must be refused."""
@@ -171,6 +173,21 @@ class Server:
             self._failures.pop(address, None)
             recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
         return recent
+
+    def retire(self, conn: Connection) -> None:
+        """Stop tracking a closed connection, keeping its traffic in :meth:`traffic`."""
+        self.connections.discard(conn)
+        for kind, counts in _traffic_of(conn).items():
+            self._closed_traffic.setdefault(kind, Counter()).update(counts)
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Frames and bytes received and sent since the server started, by message type:
+        ``{"messages_in": {...}, "messages_out": {...}, "bytes_in": {...}, "bytes_out": {...}}``."""
+        totals = {kind: Counter(self._closed_traffic.get(kind, {})) for kind in _TRAFFIC_KINDS}
+        for conn in list(self.connections):
+            for kind, counts in _traffic_of(conn).items():
+                totals[kind].update(counts)
+        return {kind: dict(counts) for kind, counts in totals.items()}
 
     @property
     def port(self) -> int:
@@ -283,7 +300,7 @@ async def start_server(
             conn.start_heartbeats()
             await handler(conn, role)
         finally:
-            state.connections.discard(conn)
+            state.retire(conn)
             state._open_by_address[address] -= 1
             if state._open_by_address[address] <= 0:
                 del state._open_by_address[address]
@@ -355,6 +372,14 @@ async def connect(
     conn.set_inbound_limits(limits)
     conn.start_heartbeats()
     return conn
+
+
+_TRAFFIC_KINDS = ("messages_in", "messages_out", "bytes_in", "bytes_out")
+
+
+def _traffic_of(conn: Connection) -> dict[str, Counter[str]]:
+    return {"messages_in": conn.received_by_type, "messages_out": conn.sent_by_type,
+            "bytes_in": conn.received_bytes_by_type, "bytes_out": conn.sent_bytes_by_type}
 
 
 def _address(peername: object) -> str:

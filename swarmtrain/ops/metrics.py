@@ -1,0 +1,224 @@
+"""Prometheus metrics of a coordinator, a peer or a pipeline stage.
+
+Nothing on a hot path is instrumented: each collector reads its node's ``status()`` when
+Prometheus scrapes, and turns it into metric families. Each node gets a registry of its own
+(not the process-wide default), so several nodes in one process never clash.
+
+Every series is prefixed ``swarmtrain_``; the full list is in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+__all__ = ["CONTENT_TYPE", "STALENESS_BUCKETS", "CoordinatorCollector", "PeerCollector",
+           "StageCollector", "StatusCollector", "registry_for", "render"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+"""Upper bounds (versions behind) of the staleness histogram's buckets; +Inf is added."""
+
+Status = Callable[[], Mapping[str, Any]]
+
+
+def _num(value: Any) -> float:
+    """A status value as a float (None, missing or non-numeric -> NaN)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return math.nan
+
+
+def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"swarmtrain_{name}", doc, value=_num(value))
+
+
+def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
+    return CounterMetricFamily(f"swarmtrain_{name}", doc, value=_num(value))
+
+
+class StatusCollector(Collector):
+    """Base of the collectors: reads ``status()`` once per scrape.
+
+    Args:
+        status: the node's status function (called on the scraping thread).
+    """
+
+    def __init__(self, status: Status) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families(self.status())
+
+    def families(self, st: Mapping[str, Any]) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class CoordinatorCollector(StatusCollector):
+    """Series of a parameter-server coordinator (``Coordinator.status``)."""
+
+    def families(self, st: Mapping[str, Any]) -> Iterator[Metric]:
+        yield _gauge("version", "model version: optimizer updates applied so far", st.get("version"))
+        yield _gauge("step", "training step (equals the version for a coordinator)", st.get("step"))
+        yield _gauge("loss", "training loss (moving average over applied gradients)", st.get("loss"))
+        held = GaugeMetricFamily("swarmtrain_heldout_metric", "latest held-out evaluation",
+                                 labels=["metric"])
+        for name, value in sorted(dict(st.get("metrics") or {}).items()):
+            held.add_metric([str(name)], _num(value))
+        yield held
+        yield _gauge("running", "1 while training runs (enough workers joined)", st.get("running"))
+        yield _gauge("paused", "1 while the cluster is paused", st.get("paused"))
+        yield _gauge("workers_connected", "workers connected now", st.get("workers_connected"))
+        yield _gauge("uptime_seconds", "seconds since the coordinator started", st.get("uptime_sec"))
+        stats = dict(st.get("stats") or {})
+        grads = CounterMetricFamily("swarmtrain_gradients", "gradients received, by outcome",
+                                    labels=["outcome"])
+        for outcome, key in (("applied", "applied"), ("stale", "stale"), ("duplicate", "duplicates"),
+                             ("rejected", "rejected")):
+            grads.add_metric([outcome], _num(stats.get(key, 0)))
+        yield grads
+        yield _counter("refused_messages", "gradients refused (non-finite, outlier, malformed...)",
+                       stats.get("rejected", 0))
+        yield from _worker_families(list(st.get("workers") or []))
+        yield _staleness(dict(st.get("staleness_counts") or {}))
+        yield from _traffic(dict(st.get("traffic") or {}))
+
+
+def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    labels = ["worker", "profile"]
+    gauges = {key: GaugeMetricFamily(f"swarmtrain_worker_{name}", doc, labels=labels)
+              for key, name, doc in (
+                  ("samples_per_sec", "samples_per_second", "samples per second applied from the worker"),
+                  ("share", "share", "fraction of all applied samples that came from the worker"),
+                  ("avg_staleness", "avg_staleness", "mean staleness (versions) of its applied gradients"),
+                  ("last_seen_sec", "last_seen_seconds", "seconds since the worker was last heard from"),
+                  ("connected", "connected", "1 while the worker is connected"),
+                  ("loss", "loss", "loss of the worker's last gradient"))}
+    counters = {key: CounterMetricFamily(f"swarmtrain_worker_{name}", doc, labels=labels)
+                for key, name, doc in (
+                    ("steps", "steps", "gradients of the worker applied"),
+                    ("samples", "samples", "samples in the worker's applied gradients"),
+                    ("stale", "stale", "gradients of the worker dropped as too stale"),
+                    ("rejected", "rejected", "gradients of the worker refused"))}
+    for w in workers:
+        values = [str(w.get("id", "?")), str(w.get("profile", "?"))]
+        for key, fam in gauges.items():
+            fam.add_metric(values, _num(w.get(key)))
+        for key, cfam in counters.items():
+            cfam.add_metric(values, _num(w.get(key, 0)))
+    yield from gauges.values()
+    yield from counters.values()
+
+
+def _staleness(counts: Mapping[str, Any]) -> HistogramMetricFamily:
+    """Cumulative buckets over the applied gradients' staleness (versions behind)."""
+    by_value = {int(k): int(v) for k, v in counts.items()}
+    buckets = [(str(bound), float(sum(n for s, n in by_value.items() if s <= bound)))
+               for bound in STALENESS_BUCKETS]
+    total = sum(by_value.values())
+    buckets.append(("+Inf", float(total)))
+    return HistogramMetricFamily(
+        "swarmtrain_gradient_staleness", "staleness (versions behind) of applied gradients",
+        buckets=buckets, sum_value=float(sum(s * n for s, n in by_value.items())))
+
+
+def _traffic(traffic: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+    for key, name, doc in (
+            ("bytes_in", "received_bytes", "bytes of frames received, by message type"),
+            ("bytes_out", "sent_bytes", "bytes of frames sent, by message type"),
+            ("messages_in", "received_messages", "frames received, by message type"),
+            ("messages_out", "sent_messages", "frames sent, by message type")):
+        fam = CounterMetricFamily(f"swarmtrain_{name}", doc, labels=["type"])
+        for mtype, value in sorted(dict(traffic.get(key) or {}).items()):
+            fam.add_metric([str(mtype)], _num(value))
+        yield fam
+
+
+class PeerCollector(StatusCollector):
+    """Series of a peer (``PeerTrainer.status`` or ``PeerBackend.status``)."""
+
+    def families(self, st: Mapping[str, Any]) -> Iterator[Metric]:
+        yield _gauge("epoch", "membership epoch (increases when peers join or leave)", st.get("epoch"))
+        yield _gauge("world_size", "peers in the current epoch", st.get("world_size"))
+        yield _gauge("rank", "this peer's rank in the current epoch (-1 before the first)",
+                     st.get("rank", -1))
+        yield _counter("rounds", "averaging rounds completed", st.get("rounds"))
+        yield _gauge("step", "averaging rounds completed (the peer's step)",
+                     st.get("round", st.get("rounds")))
+        yield _gauge("loss", "training loss of the last round", st.get("loss"))
+        yield _counter("samples", "samples trained on by this peer", st.get("samples", 0))
+        held = GaugeMetricFamily("swarmtrain_heldout_metric", "latest held-out evaluation",
+                                 labels=["metric"])
+        for name, value in sorted(dict(st.get("metrics") or {}).items()):
+            held.add_metric([str(name)], _num(value))
+        yield held
+        yield _counter("collective_sent_bytes", "bytes sent by all-reduce and broadcast",
+                       st.get("bytes_sent"))
+        yield _counter("collective_received_bytes", "bytes received by all-reduce and broadcast",
+                       st.get("bytes_received"))
+
+
+class StageCollector(StatusCollector):
+    """Series of a pipeline stage (``StageServer.status``)."""
+
+    def families(self, st: Mapping[str, Any]) -> Iterator[Metric]:
+        yield _counter("stage_steps", "optimizer steps of the stage", st.get("steps"))
+        yield _gauge("step", "optimizer steps of the stage", st.get("steps"))
+        yield _counter("stage_microbatches", "micro-batches trained (backward passes)",
+                       st.get("microbatches"))
+        yield _counter("stage_forwards", "forward passes", st.get("forwards"))
+        yield _counter("stage_inferences", "inference requests answered", st.get("inferences"))
+        yield _counter("refused_messages", "work refused because the inbound buffer was full",
+                       st.get("refused"))
+        yield _counter("failed_handshakes", "connections that failed the handshake",
+                       st.get("failed_handshakes"))
+        yield _counter("sync_rounds", "parameter averages with replicas", st.get("sync_rounds"))
+        labels = ["buffer"]
+        fill = GaugeMetricFamily("swarmtrain_buffer_fill", "buffer fill (size / capacity)", labels=labels)
+        size = GaugeMetricFamily("swarmtrain_buffer_size", "packets held now", labels=labels)
+        packets_in = CounterMetricFamily("swarmtrain_buffer_packets_in", "packets accepted", labels=labels)
+        packets_out = CounterMetricFamily("swarmtrain_buffer_packets_out", "packets handed on (sent)",
+                                          labels=labels)
+        dropped = CounterMetricFamily("swarmtrain_buffer_dropped", "packets discarded or given up on",
+                                      labels=labels)
+        refused = CounterMetricFamily("swarmtrain_buffer_refused", "packets refused because it was full",
+                                      labels=labels)
+        for name in ("inbound", "infer_inbound"):
+            m = dict(st.get(name) or {})
+            fill.add_metric([name], _num(m.get("fill")))
+            size.add_metric([name], _num(m.get("size")))
+            packets_in.add_metric([name], _num(m.get("packets_in")))
+            packets_out.add_metric([name], _num(m.get("packets_out")))
+            dropped.add_metric([name], _num(m.get("dropped")))
+            refused.add_metric([name], _num(m.get("rejected")))
+        out = dict(st.get("outbound") or {})
+        fill.add_metric(["outbound"], _num(out.get("fill")))
+        size.add_metric(["outbound"], _num(out.get("size")))
+        packets_out.add_metric(["outbound"], _num(out.get("sent")))
+        dropped.add_metric(["outbound"], _num(out.get("failed")))
+        refused.add_metric(["outbound"], _num(out.get("refused")))
+        yield from (fill, size, packets_in, packets_out, dropped, refused)
+
+
+def registry_for(collector: Collector) -> CollectorRegistry:
+    """A registry of its own holding just ``collector``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in the Prometheus text exposition format (version 0.0.4)."""
+    return generate_latest(registry)

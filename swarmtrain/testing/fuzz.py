@@ -1,0 +1,359 @@
+"""Fuzz live swarmtrain nodes over real sockets: a coordinator, a pipeline stage, a peer.
+
+Each ``fuzz_*`` function starts its node in this process on 127.0.0.1 (port 0, the short
+timeouts of :data:`FUZZ_TIMEOUTS`), sends ``count`` inputs (or as many as ``seconds``
+allow) from :func:`~swarmtrain.testing.fuzz_engine.make_input`, then checks the node's
+health, and returns a :class:`FuzzReport`. See ``docs/fuzzing.md``.
+
+What is deliberately not generated, because a well-formed one legitimately changes the
+node: a finite gradient with samples > 0 (it is applied), a STAGE_SYNC carrying the stage's
+own parameter names and shapes (it moves the weights halfway), a backward for a forward
+the fuzzer made, a correctly signed membership proposal naming the node, and any message
+of the coordinator's ``ctl`` role (an operator may pause or stop the cluster). A
+STAGE_SYNC of the stage's own parameters is sent with every value NaN (it must be
+refused, and no mutation can make every value finite). Every
+gradient the fuzzer builds is invalid three ways at once (no samples, NaN loss, a NaN or
+infinite value), so no single mutation can make it valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from swarmtrain.errors import SwarmError
+from swarmtrain.testing.fuzz_engine import (
+    FUZZ_TIMEOUTS,
+    SECRET,
+    FuzzReport,
+    capture_errors,
+    collect_crashes,
+    dead_port,
+    run_campaign,
+)
+from swarmtrain.testing.fuzz_inputs import nan_tensor
+from swarmtrain.transport import connect
+from swarmtrain.wire import (
+    Accept,
+    Assign,
+    Commit,
+    Error,
+    Gradients,
+    Heartbeat,
+    Hello,
+    Message,
+    Pause,
+    PeerHello,
+    PeerInfoMsg,
+    Propose,
+    Reform,
+    Register,
+    RegisterAck,
+    Resume,
+    Shutdown,
+    StageBackward,
+    StageForward,
+    StageInfer,
+    StageResult,
+    StageSync,
+    Start,
+    Status,
+    StatusRequest,
+    Weights,
+    encode_bytes,
+)
+
+__all__ = ["FuzzReport", "fuzz_coordinator", "fuzz_stage", "fuzz_peer", "FUZZ_TIMEOUTS",
+           "TARGETS"]
+
+Progress = Callable[[FuzzReport], None] | None
+
+_CHECK_TIMEOUT = 5.0
+
+
+async def _ask(port: int, role: str, msg: Message) -> Message:
+    """Send ``msg`` as a legitimate client of ``role``; the first answer."""
+    conn = await connect("127.0.0.1", port, secret=SECRET, role=role, timeouts=FUZZ_TIMEOUTS)
+    try:
+        await conn.send(msg, timeout=_CHECK_TIMEOUT)
+        return await conn.recv(timeout=_CHECK_TIMEOUT, phase="health check")
+    finally:
+        await conn.close()
+
+
+async def _live(port: int, role: str, msg: Message, expect: type[Message]) -> str | None:
+    """None if the node answers ``msg`` with an ``expect``, else what went wrong."""
+    try:
+        async with asyncio.timeout(3 * _CHECK_TIMEOUT):
+            answer = await _ask(port, role, msg)
+    except (SwarmError, OSError, TimeoutError) as exc:
+        return f"a legitimate {msg.TYPE.name} failed: {type(exc).__name__}: {exc}"
+    return None if isinstance(answer, expect) else f"{msg.TYPE.name} was answered with {answer}"
+
+
+# --- coordinator ------------------------------------------------------------------------------
+
+
+def _bad_gradient(rng: random.Random, params: dict[str, torch.Tensor]) -> Gradients:
+    """A gradient in one of the codecs' formats that must never be applied."""
+    codec = rng.choice(["none", "fp16", "topk", "qsgd", "fused"])
+    codecs, tensors = {}, {}
+    items = ([("*", torch.zeros(sum(p.numel() for p in params.values())))] if codec == "fused"
+             else list(params.items()))
+    for name, p in items:
+        n = p.numel()
+        spec = {"codec": "none" if codec == "fused" else codec, "shape": list(p.shape),
+                "dtype": "float32", "meta": {}}
+        if codec in ("none", "fused"):
+            parts = {"values": nan_tensor(rng, (n,))}
+        elif codec == "fp16":
+            parts = {"values": nan_tensor(rng, (n,), torch.float16)}
+        elif codec == "topk":
+            k = max(1, n // 10)
+            spec["meta"] = {"k": k}
+            parts = {"values": nan_tensor(rng, (k,), torch.float16),
+                     "index_low": torch.randint(0, min(n, 65536), (k,), dtype=torch.int32).to(torch.uint16),
+                     "block_counts": torch.tensor([k] + [0] * ((n - 1) // 65536), dtype=torch.int32)}
+        else:
+            spec["meta"] = {"bits": 8, "bucket_size": 128}
+            parts = {"norms": nan_tensor(rng, (-(-n // 128),)),
+                     "codes": torch.randint(0, 255, (n,), dtype=torch.uint8)}
+        spec["parts"] = list(parts)
+        codecs[name] = spec
+        tensors.update({f"{name}/{k}": t for k, t in parts.items()})
+    return Gradients(msg_id=rng.choice([1, 2, rng.randrange(1, 10**6), 2**63 - 1]), version=0,
+                     samples=rng.choice([0, -1, -(2**63)]), loss=math.nan, codecs=codecs, tensors=tensors)
+
+
+async def fuzz_coordinator(count: int = 300, *, seconds: float = math.inf, seed: int = 0,
+                           concurrency: int = 16, progress: Progress = None) -> FuzzReport:
+    """Fuzz an in-process coordinator (digits task) as role ``worker``.
+
+    Health: master weights bit-for-bit and version unchanged, nothing applied, a ctl
+    STATUS_REQUEST answered, then a legitimate worker registers and trains 3 steps.
+    """
+    from swarmtrain.config import CompressionConfig, load_coordinator_config, load_worker_config
+    from swarmtrain.roles.common import fingerprint
+    from swarmtrain.roles.coordinator import Coordinator
+    from swarmtrain.roles.worker import Worker
+    from swarmtrain.tasks import DigitsTask
+
+    task = DigitsTask()
+    torch.manual_seed(seed)
+    net = {"network.handshake_timeout_sec": FUZZ_TIMEOUTS.handshake,
+           "network.heartbeat_interval_sec": FUZZ_TIMEOUTS.heartbeat_interval,
+           "network.heartbeat_timeout_sec": FUZZ_TIMEOUTS.heartbeat_timeout}
+    cfg = load_coordinator_config(overrides={
+        **net, "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+        "training.learning_rate": 3e-3, "training.eval_interval_sec": 3600.0, "training.min_workers": 1})
+    coord = Coordinator(task.build_model(), cfg, task_name="digits", secret=SECRET)
+    params = {n: p.detach() for n, p in coord.params.items()}
+    fp = fingerprint(coord.params.items())
+    comp = {k: getattr(cfg.compression, k) for k in CompressionConfig.SHARED_KEYS}
+
+    def register(rng: random.Random) -> Register:
+        return Register(worker_id=f"fuzz-{rng.randrange(10**6)}", task="digits", fingerprint=fp,
+                        hardware={"profile": "fuzz"}, batch_size=32, accumulation_steps=1,
+                        shard_index=-1, compression=comp, samples_per_sec=100.0)
+
+    def seeds(rng: random.Random) -> list[Message]:
+        return [_bad_gradient(rng, params), _bad_gradient(rng, params), register(rng), StatusRequest(),
+                Heartbeat(time=0.0), Shutdown(reason="fuzz"), Hello(role="worker", nonce=b"x" * 32),
+                Error(code="fuzz", message="x", fatal=rng.random() < 0.5)]
+
+    report = FuzzReport("coordinator", seed)
+    with capture_errors() as errors:
+        await coord.start()
+        try:
+            before, version = coord._flat_master().clone(), coord.version
+            skip = (Heartbeat, RegisterAck, Weights, Start, Assign, Pause, Resume)
+            await run_campaign(report, coord.port, "worker", seeds, skip,
+                               lambda: _live(coord.port, "ctl", StatusRequest(), Status),
+                               count=count, seconds=seconds, concurrency=concurrency,
+                               prelude=lambda rng: encode_bytes(register(rng)), progress=progress)
+            if not torch.equal(coord._flat_master(), before):
+                report.health.append("the master weights changed")
+            if coord.version != version or coord.stats["applied"]:
+                report.health.append(f"version moved {version} -> {coord.version}, stats {coord.stats}")
+            if (problem := await _live(coord.port, "ctl", StatusRequest(), Status)) is not None:
+                report.health.append(problem)
+            wcfg = load_worker_config(overrides={
+                "network.coordinator_port": coord.port, "hardware.num_threads": 1, "training.batch_size": 32,
+                "network.reconnect_attempts": 0, "training.probe_seconds": 0.2,
+                "training.accumulation_steps": 1, "training.worker_id": "legit"})
+            legit = asyncio.create_task(Worker(task.build_model(), task.loss, task.load_data().train, wcfg,
+                                               task_name="digits", secret=SECRET).run_async())
+            deadline = time.monotonic() + 60
+            while coord.version < version + 3 and time.monotonic() < deadline and not legit.done():
+                await asyncio.sleep(0.05)
+            if coord.version < version + 3:
+                report.health.append(f"a legitimate worker did not train 3 steps (version {coord.version})")
+            elif torch.equal(coord._flat_master(), before):
+                report.health.append("training steps left the weights unchanged")
+            await asyncio.wait_for(coord.shutdown_cluster("fuzz health check done"), 30)
+            await asyncio.wait_for(legit, 30)
+        except (SwarmError, TimeoutError) as exc:
+            report.health.append(f"health check failed: {type(exc).__name__}: {exc}")
+        finally:
+            collect_crashes(report, errors)
+            await coord.close()
+    return report
+
+
+# --- stage -------------------------------------------------------------------------------------
+
+
+async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int = 0, concurrency: int = 16,
+                     first: bool = True, progress: Progress = None) -> FuzzReport:
+    """Fuzz an in-process stage server as role ``pipeline``: stage 0 (token ids) if ``first``,
+    else a middle stage (float activations).
+
+    Health: parameters bit-for-bit unchanged and no optimizer step, a legitimate STAGE_INFER
+    answered with exactly the output it had before the campaign, and a legitimate forward.
+    """
+    from swarmtrain.pipeline import ComputeConfig, StageServer, StageServerConfig, build_stage
+    from swarmtrain.tasks import TextLMConfig, TextLMTask
+
+    task = TextLMTask(TextLMConfig(context=32, d_model=32, n_heads=2, n_layers=4))
+    start, stop = (0, 2) if first else (2, 4)
+    layers, _ = build_stage(task.build_model, seed, start, stop)
+    server = StageServer(layers, stage=0 if first else 1, layer_range=(start, stop), loss_fn=None,
+                         compute=ComputeConfig(learning_rate=1e-2),
+                         config=StageServerConfig(timeouts=FUZZ_TIMEOUTS), secret=SECRET, name="fuzz-stage")
+    shapes = {n: tuple(t.shape) for n, t in server.compute.parameters_snapshot().items()}
+
+    def x(rng: random.Random) -> torch.Tensor:
+        b, t = rng.randint(1, 4), rng.randint(1, 32)
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        if first:
+            return torch.randint(0, 256, (b, t), generator=gen)
+        return torch.randn((b, t, 32), generator=gen)
+
+    def seeds(rng: random.Random) -> list[Message]:
+        req = rng.randrange(2**31)
+        # sync tensors never carry the stage's parameter names (see the module docstring)
+        sync = {f"fuzz.{i}": nan_tensor(rng, rng.choice(list(shapes.values())))
+                for i in range(rng.randrange(3))}
+        poison = {n: torch.full(shp, math.nan) for n, shp in shapes.items()}
+        return [StageSync(req=req, round=0, step=0, tensors=poison),
+                StageForward(req=req, session=f"F{req}", microbatch=rng.randrange(100),
+                             priority=rng.choice([0, 10, 20]), tensors={"x": x(rng)}),
+                StageInfer(req=req, session="fz", priority=rng.choice([0, 10]), tensors={"x": x(rng)}),
+                StageBackward(req=req, session=f"zz{req}", microbatch=rng.randrange(100),
+                              tensors={"grad": nan_tensor(rng, (2, 8, 32))}),
+                StageSync(req=req, round=rng.randrange(10), step=0, reply=rng.random() < 0.3, tensors=sync),
+                StatusRequest(), Heartbeat(time=0.0), Shutdown(reason="fuzz")]
+
+    ref_x = x(random.Random(seed))
+    report = FuzzReport("stage" if first else "stage-mid", seed)
+    with capture_errors() as errors:
+        await server.start()
+        try:
+            ref = await _ask(server.port, "pipeline", StageInfer(req=1, session="ref", tensors={"x": ref_x}))
+            if not isinstance(ref, StageResult):
+                raise SwarmError(f"the reference inference failed: {ref}")
+            before = server.compute.parameters_snapshot()
+            infer = StageInfer(req=2, session="health", tensors={"x": ref_x})
+            await run_campaign(report, server.port, "pipeline", seeds, (Heartbeat,),
+                               lambda: _live(server.port, "pipeline", infer, StageResult),
+                               count=count, seconds=seconds, concurrency=concurrency, progress=progress)
+            after = server.compute.parameters_snapshot()
+            if not all(bool(torch.isfinite(t).all()) for t in after.values()):
+                report.health.append("the parameters became non-finite")
+            elif any(not torch.equal(before[n], after[n]) for n in before) or server.compute.steps:
+                report.health.append(f"the parameters changed (optimizer steps: {server.compute.steps})")
+            again = await _ask(server.port, "pipeline", infer)
+            if report.health:
+                pass  # with other weights the reference output cannot come back
+            elif not (isinstance(again, StageResult) and torch.equal(again.tensors["y"], ref.tensors["y"])):
+                report.health.append(f"inference no longer gives the reference output: {again}")
+            fwd = await _ask(server.port, "pipeline", StageForward(req=3, session="health", microbatch=0,
+                                                                   tensors={"x": ref_x}))
+            if not (isinstance(fwd, StageResult) and fwd.tensors["y"].shape == ref.tensors["y"].shape):
+                report.health.append(f"a legitimate forward failed: {fwd}")
+        except (SwarmError, OSError, TimeoutError) as exc:
+            report.health.append(f"health check failed: {type(exc).__name__}: {exc}")
+        finally:
+            collect_crashes(report, errors)
+            await server.close()
+    return report
+
+
+# --- peer --------------------------------------------------------------------------------------
+
+
+async def fuzz_peer(count: int = 300, *, seconds: float = math.inf, seed: int = 0, concurrency: int = 16,
+                    progress: Progress = None) -> FuzzReport:
+    """Fuzz a :class:`~swarmtrain.peer.backend.PeerBackend`'s control server as role ``peer``.
+
+    Health: the control port answers a legitimate PEER_HELLO with this peer's PEER_INFO and a
+    STATUS_REQUEST, and the membership epoch did not move.
+    """
+    from swarmtrain.peer.backend import PeerBackend, PeerOptions
+    from swarmtrain.peer.identity import Identity
+    from swarmtrain.peer.membership import signed_bytes
+
+    opts = PeerOptions(run="fuzz", min_peers=1, host="127.0.0.1", port=0, mdns=False,
+                       static_peers=(("127.0.0.1", dead_port()),), profile="fuzz",
+                       heartbeat_interval=FUZZ_TIMEOUTS.heartbeat_interval,
+                       heartbeat_timeout=FUZZ_TIMEOUTS.heartbeat_timeout,
+                       propose_timeout=FUZZ_TIMEOUTS.handshake)
+    backend = PeerBackend(opts, secret=SECRET, identity=Identity.generate())
+    fuzzer = Identity.generate()
+
+    def signed(msg: Propose | Commit | Accept) -> Message:
+        msg = dataclasses.replace(msg, public_key=fuzzer.public_key)
+        return dataclasses.replace(msg, signature=fuzzer.sign(signed_bytes(msg)))
+
+    def seeds(rng: random.Random) -> list[Message]:
+        members = [rng.randbytes(16).hex() for _ in range(rng.randrange(4))] + [fuzzer.peer_id]
+        addresses = {m: ["127.0.0.1", rng.randrange(65536)] for m in members}
+        epoch = rng.choice([1, 2, rng.randrange(10**6), 2**63 - 1])
+        return [PeerHello(run="fuzz"), PeerHello(run="other"), StatusRequest(), Heartbeat(time=0.0),
+                signed(Propose(epoch=epoch, proposer=fuzzer.peer_id, members=members, addresses=addresses)),
+                signed(Commit(epoch=epoch, proposer=fuzzer.peer_id, members=members, addresses=addresses,
+                              donor=members[0])),
+                signed(Accept(epoch=epoch, peer_id=fuzzer.peer_id, ok=True, rounds=0)),
+                Propose(epoch=epoch, proposer=members[0], members=members, addresses=addresses,
+                        public_key=rng.randbytes(32), signature=rng.randbytes(64)),
+                Reform(epoch=epoch, peer_id=members[0])]
+
+    report = FuzzReport("peer", seed)
+    loop = asyncio.get_running_loop()
+    with capture_errors() as errors:
+        await loop.run_in_executor(None, backend.start)
+        try:
+            port, epoch = backend.port, backend.epoch
+            hello = PeerHello(run="fuzz")
+            await run_campaign(report, port, "peer", seeds, (Heartbeat,),
+                               lambda: _live(port, "peer", hello, PeerInfoMsg),
+                               count=count, seconds=seconds, concurrency=concurrency, progress=progress)
+            info = await _ask(port, "peer", hello)
+            if not (isinstance(info, PeerInfoMsg) and backend.identity is not None
+                    and info.peer_id == backend.identity.peer_id):
+                report.health.append(f"PEER_HELLO was answered with {info}")
+            if (problem := await _live(port, "peer", StatusRequest(), Status)) is not None:
+                report.health.append(problem)
+            if backend.epoch != epoch:
+                report.health.append(f"the membership epoch moved {epoch} -> {backend.epoch}")
+        except (SwarmError, OSError, TimeoutError) as exc:
+            report.health.append(f"health check failed: {type(exc).__name__}: {exc}")
+        finally:
+            collect_crashes(report, errors)
+            await loop.run_in_executor(None, backend.close)
+    return report
+
+
+TARGETS: dict[str, Callable[..., Awaitable[FuzzReport]]] = {
+    "coordinator": fuzz_coordinator,
+    "stage": fuzz_stage,
+    "stage-mid": lambda *a, **kw: fuzz_stage(*a, first=False, **kw),
+    "peer": fuzz_peer,
+}
+"""Every fuzz target by name: ``await TARGETS[name](count, seconds=..., seed=..., progress=...)``."""
