@@ -216,11 +216,7 @@ class CheckpointStore:
             CheckpointError: if it is missing, incomplete, corrupt or of an unknown format;
                 the message names the path and the reason.
         """
-        path = Path(path)
-        try:
-            return _load_verified(path)
-        except CheckpointError as exc:
-            raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from exc
+        return load_checkpoint(path)
 
     def _prune(self, saved_step: int) -> None:
         older = [p for p in self.list() if int(p.name[5:]) < saved_step]

@@ -116,10 +116,10 @@ def _follow(console: Console, port: int, secret: bytes, steps: int, coord: subpr
                 time.sleep(0.3)
                 continue
             st: dict[str, Any] = reply.fields().get("status", {})
-            metrics = "  ".join(f"{k} {v:.3f}" for k, v in st.get("metrics", {}).items())
-            loss = st.get("loss")
-            info = f"loss {loss:.3f}  {metrics}  workers {st.get('workers_connected', 0)}" if isinstance(
-                loss, float) and loss == loss else f"workers {st.get('workers_connected', 0)}"
+            metrics = "  ".join(f"held-out {k} {v:.3f}" for k, v in st.get("metrics", {}).items())
+            loss, workers = st.get("loss"), f"workers {st.get('workers_connected', 0)}"
+            info = (f"train loss {loss:.3f}  {metrics}  {workers}"
+                    if isinstance(loss, float) and loss == loss else workers)
             bar.update(tid, completed=min(st.get("step", 0), steps), info=info)
             if st.get("finished"):
                 break

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_peer_backend import free_ports
 from test_ps_inprocess import coordinator, worker  # the in-process cluster helpers
 
 from swarmtrain.ops import (
@@ -228,21 +229,10 @@ def test_stage_metrics_count_the_work_of_a_real_pipeline_run() -> None:
 # --- peer -------------------------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
     task, rounds = DigitsTask(), 15
     data = task.load_data()
-    ports = _free_ports(2)
+    ports = free_ports(2)
     backends, trainers = [], []
     for i, port in enumerate(ports):
         opts = PeerOptions(run="metrics-test", min_peers=2, host="127.0.0.1", port=port, mdns=False,

@@ -71,8 +71,7 @@ class PeerBackend:
         options: see :class:`PeerOptions`.
         secret: the cluster secret (authenticates control and ring connections).
         identity: this node's key pair (default: the persistent one in the config directory).
-        tls: mutual TLS for the control connections (None = plain TCP); the ring's bulk
-            connections stay plain TCP, authenticated by the secret only.
+        tls: mutual TLS for the control and the ring connections (None = plain TCP).
     """
 
     options: PeerOptions = field(default_factory=PeerOptions)
@@ -110,7 +109,7 @@ class PeerBackend:
             from swarmtrain import hardware
 
             self.options = o = replace(o, profile=hardware.detect().profile.value)
-        self.listener = RingListener(o.host, o.ring_port, secret=self.secret)
+        self.listener = RingListener(o.host, o.ring_port, secret=self.secret, tls=self.tls)
         self.control = ControlPlane(
             run=o.run, secret=self.secret, tls=self.tls,
             timeouts=Timeouts(handshake=o.propose_timeout, heartbeat_interval=o.heartbeat_interval,
@@ -365,7 +364,7 @@ class PeerBackend:
         assert self.identity is not None
         return RingGroup(self.listener, v.rank(self.identity.peer_id), v.ring_addresses(),
                          ring_id=self.options.run, epoch=v.epoch, secret=self.secret,
-                         timeout=self.options.ring_timeout)
+                         timeout=self.options.ring_timeout, tls=self.tls)
 
     def recover(self, failed_epoch: int) -> None:
         """After a broken ring: agree a new epoch without the lost peers and rebuild the ring."""

@@ -16,12 +16,17 @@ with the cluster secret, fresh nonces each, as in :mod:`swarmtrain.transport.aut
 
 After that the link carries only ring frames (see :mod:`swarmtrain.peer.wireformat`), from
 the client to the server; the reverse direction is unused.
+
+With TLS on (a :class:`~swarmtrain.transport.tls.TLSConfig` on both sides), each connection
+first runs a mutual TLS handshake against the cluster CA, and the handshake above, then the
+frames, run inside TLS.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -29,6 +34,7 @@ from collections import OrderedDict
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.transport.auth import NONCE_BYTES, client_proof, new_nonce, proofs_equal, server_proof
+from swarmtrain.transport.tls import KEYS_HELP, TLSConfig, client_tls_error, server_refusal_reason
 
 __all__ = ["RingBroken", "RingListener", "dial", "tune_socket"]
 
@@ -49,6 +55,7 @@ _REFUSALS = {
 _REFUSED_AUTH, _REFUSED_STALE, _REFUSED_BUSY, _REFUSED_BAD = 1, 2, 3, 4
 
 SOCKET_BUFFER_BYTES = 4 << 20
+_TLS_HANDSHAKE_RECORD = b"\x16\x03"  # how a TLS client hello starts
 
 
 class RingBroken(SwarmError):
@@ -96,7 +103,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def dial(
     address: tuple[str, int], *, secret: bytes | None, ring_id: str, epoch: int, from_rank: int,
-    peer: int, timeout: float,
+    peer: int, timeout: float, tls: TLSConfig | None = None,
 ) -> socket.socket:
     """Connect to `peer`'s ring listener at `address`, authenticate both ways and announce
     (`ring_id`, `epoch`, `from_rank`).
@@ -104,39 +111,65 @@ def dial(
     Transient failures (refused, unreachable, dropped before the listener answered: the
     peer may still be starting, or its listener momentarily full) are retried until `timeout`.
 
+    Args:
+        tls: mutual TLS (None: plain TCP): the TLS handshake runs first, the secret one inside it.
     Returns:
-        The connected, authenticated socket (blocking, tuned).
+        The connected, authenticated socket (blocking, tuned; an ``ssl.SSLSocket`` with TLS).
     Raises:
         RingBroken: phase ``connect``: unreachable within `timeout`, authentication failed,
-            or refused (stale epoch, busy, malformed).
+            refused (stale epoch, busy, malformed), or a certificate was refused either way.
+        ConfigError: the TLS files cannot be loaded.
     """
     rid = ring_id.encode()
     if len(rid) > MAX_RING_ID_BYTES:
         raise ValueError(f"ring_id is longer than {MAX_RING_ID_BYTES} bytes")
     where = f"{address[0]}:{address[1]}"
+    context = tls.client_context() if tls is not None else None
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
         try:
             sock = socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.001))
         except OSError as exc:
-            last: OSError = exc
+            last = repr(exc)
         else:
             try:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                if context is not None:
+                    # a failed handshake closes the TLS socket; `sock` is detached by then
+                    sock = context.wrap_socket(sock, server_hostname=None)
                 _client_handshake(sock, secret, rid, epoch, from_rank, peer, where)
                 sock.settimeout(None)
                 return sock
             except RingBroken:
                 sock.close()
                 raise
+            except ssl.SSLError as exc:
+                sock.close()
+                if tls is not None and not isinstance(exc, ssl.SSLEOFError):
+                    # a certificate refused either way, or no TLS there: retrying cannot help
+                    raise RingBroken("connect", peer, str(client_tls_error(where, exc, tls))) from exc
+                last = _dropped(where, exc, tls)
             except OSError as exc:
                 sock.close()
-                last = exc
+                last = _dropped(where, exc, tls)
         if time.monotonic() + delay >= deadline:
-            raise RingBroken("connect", peer, f"cannot reach {where} within {timeout:g} s: {last!r}")
+            raise RingBroken("connect", peer, f"cannot reach {where} within {timeout:g} s: {last}")
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+def _dropped(where: str, exc: OSError, tls: TLSConfig | None) -> str:
+    """Why a connection may have failed after it was made (the listener may just have been
+    busy, so the dial is retried; this is the reason given if it never works)."""
+    if not isinstance(exc, ConnectionError | ssl.SSLEOFError):
+        return repr(exc)
+    if tls is None:
+        return (f"{exc!r}; if {where} has TLS on, this node needs it too: set [security] tls_cert, "
+                "tls_key and tls_ca (see docs/tls.md)")
+    return (f"{exc!r}; with TLS on, {where} closing the connection before answering most likely "
+            f"means it does not accept this node's certificate {tls.cert} (signed by another "
+            f"cluster CA?) or has TLS off (its log says why); {KEYS_HELP}")
 
 
 def _client_handshake(
@@ -172,16 +205,23 @@ class RingListener:
         host: address to bind (``0.0.0.0`` for every interface).
         port: port to bind; 0 picks a free one (see :attr:`address`).
         secret: the cluster secret (None: an open cluster, authenticates nothing).
+        tls: mutual TLS (None: plain TCP): each connection must first complete a TLS handshake
+            with a certificate of the cluster CA (else it is logged, counted in
+            ``refused["tls"]`` and closed), and then the secret handshake inside TLS.
         max_parked: connections that may wait to be claimed; more are refused ("busy").
-        handshake_timeout: seconds a connecting side gets to complete the handshake.
+        handshake_timeout: seconds a connecting side gets to complete each handshake.
         park_timeout: seconds an unclaimed connection is kept.
+    Raises:
+        ConfigError: the TLS files cannot be loaded.
     """
 
     def __init__(
         self, host: str, port: int = 0, *, secret: bytes | None, max_parked: int = 64,
         max_handshakes: int = 16, handshake_timeout: float = 5.0, park_timeout: float = 60.0,
+        tls: TLSConfig | None = None,
     ) -> None:
         self._secret = secret
+        self._tls_context = tls.server_context() if tls is not None else None
         self._max_parked = max_parked
         self._handshake_timeout = handshake_timeout
         self._park_timeout = park_timeout
@@ -191,7 +231,7 @@ class RingListener:
         self._parked: dict[tuple[str, int, int], tuple[socket.socket, float]] = {}
         self._newest_epoch: OrderedDict[str, int] = OrderedDict()  # bounded, most recent last
         self._closed = False
-        self.refused: dict[str, int] = {"auth": 0, "stale": 0, "busy": 0, "malformed": 0}
+        self.refused: dict[str, int] = {"auth": 0, "stale": 0, "busy": 0, "malformed": 0, "tls": 0}
         self._sock = socket.create_server((host, port), backlog=128)
         tune_socket(self._sock)  # accepted sockets inherit the buffer sizes
         self._sock.settimeout(0.5)  # the accept loop wakes to expire parked connections
@@ -295,11 +335,22 @@ class RingListener:
                 self._parked.pop(key)[0].close()
 
     def _serve_handshake(self, conn: socket.socket) -> None:
+        parked = False
         try:
+            if self._tls_context is not None:
+                conn.settimeout(self._handshake_timeout)
+                try:
+                    # a failed handshake closes the TLS socket; `conn` is detached by then
+                    conn = self._tls_context.wrap_socket(conn, server_side=True)
+                except OSError as exc:
+                    with self._cond:
+                        self.refused["tls"] += 1
+                    log.warning("ring listener %s: refused a connection: %s", self.address,
+                                server_refusal_reason(exc, self._handshake_timeout))
+                    return
             parked = self._handshake(conn)
         except (OSError, ConnectionError, UnicodeDecodeError) as exc:
             log.debug("ring listener %s: handshake failed: %r", self.address, exc)
-            parked = False
         finally:
             self._handshake_slots.release()
         if not parked:
@@ -321,6 +372,12 @@ class RingListener:
         conn.settimeout(self._handshake_timeout)
         hello = recv_exact(conn, len(MAGIC) + NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
+            if self._tls_context is None and hello[:2] == _TLS_HANDSHAKE_RECORD:
+                with self._cond:
+                    self.refused["tls"] += 1
+                log.warning("ring listener %s: refused a connection: it speaks TLS and this node has "
+                            "TLS off: set [security] tls_cert, tls_key and tls_ca here too, or remove "
+                            "them there", self.address)
             return False
         client_nonce = hello[len(MAGIC) :]
         server_nonce = new_nonce()

@@ -15,12 +15,18 @@ completes (``add_`` on views). With one thread there are no locks, no hand-offs 
 contention, which matters on small machines where the members' processes already fill every
 core. A member that sends nothing and takes nothing for ``timeout`` seconds fails the
 collective with :class:`RingBroken` naming the phase and its rank; a closed link fails it at once.
+
+With TLS the links are ``ssl.SSLSocket`` s, which have no ``sendmsg`` / ``recvmsg_into``: the
+same loop sends the header and the payload view with one ``send`` each and receives with
+``recv_into``, which returns at most one TLS record (16 KB) per call. Encryption costs a copy
+and a pass over every byte on each side; see docs/tls.md for what that does to throughput.
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -45,6 +51,7 @@ from swarmtrain.peer.wireformat import (
     Schedule,
     ScratchBuffers,
 )
+from swarmtrain.transport.tls import TLSConfig
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "RingBroken", "RingGroup", "RingListener"]
 
@@ -81,6 +88,8 @@ class RingGroup:
         ring_id: names the ring (e.g. the run); connections of other rings are not taken.
         epoch: membership epoch; connections for older epochs are refused.
         secret: the cluster secret (None: open cluster).
+        tls: mutual TLS for the link to our successor (None: plain TCP); the link from our
+            predecessor is TLS if `listener` has TLS.
         timeout: seconds forming the ring may take, and that a collective may go without
             any progress on its links before it fails.
         segment_bytes: largest pipelined frame (float32 bytes; a multiple of 4). Chunks are
@@ -88,13 +97,14 @@ class RingGroup:
     Raises:
         ValueError: bad arguments.
         RingBroken: phase ``connect``: a neighbour was unreachable, refused us or failed
-            authentication within `timeout`.
+            authentication (or a certificate) within `timeout`.
+        ConfigError: the TLS files cannot be loaded.
     """
 
     def __init__(
         self, listener: RingListener, rank: int, addresses: list[tuple[str, int]], *,
         ring_id: str, epoch: int, secret: bytes | None, timeout: float = 10.0,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES, tls: TLSConfig | None = None,
     ) -> None:
         if not 0 <= rank < len(addresses):
             raise ValueError(f"rank must be in 0..{len(addresses) - 1}, got {rank}")
@@ -126,7 +136,7 @@ class RingGroup:
         deadline = time.monotonic() + timeout
         try:
             self._out = dial(addresses[self._next], secret=secret, ring_id=ring_id, epoch=epoch,
-                             from_rank=rank, peer=self._next, timeout=timeout)
+                             from_rank=rank, peer=self._next, timeout=timeout, tls=tls)
         except RingBroken as exc:
             exc.epoch = epoch
             raise
@@ -234,7 +244,9 @@ class RingGroup:
             for sock in (self._in, self._out):
                 if sock is not None:
                     try:
-                        sock.shutdown(socket.SHUT_RDWR)  # wakes a poll() on it, tells the neighbour
+                        # wakes a poll() on it, tells the neighbour; the plain socket's method,
+                        # as SSLSocket.shutdown would drop the TLS state under the pumping thread
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
                     except OSError:
                         pass
             if not self._busy:
@@ -306,12 +318,16 @@ class RingGroup:
         """Move `op`'s frames until all are sent and received; the only blocking call is poll.
 
         A socket is only tried again after poll says so once a call came back short (its
-        buffer is drained or full), which keeps the loop at about two calls per frame.
+        buffer is drained or full), which keeps the loop at about two calls per frame. A TLS
+        socket is tried until it raises a want-read / want-write error instead: a short TLS
+        read only means one record was consumed (the kernel may hold more), and a TLS write
+        sends the whole buffer or nothing.
         """
         sock_in, sock_out, poller = self._in, self._out, self._poll
         if sock_in is None or sock_out is None:
             raise RingBroken(op.phase(0), None, "the group has no links")
         in_fd, out_fd = sock_in.fileno(), sock_out.fileno()
+        tls_in, tls_out = isinstance(sock_in, ssl.SSLSocket), isinstance(sock_out, ssl.SSLSocket)
         header = self._header_buf
         header_view = memoryview(header)
         hlen = len(header)
@@ -336,8 +352,13 @@ class RingGroup:
                     self._send_step = frame_out.step
                     frame_out = next(outgoing, None)
                 try:
-                    n = sock_out.sendmsg(sending)
-                except BlockingIOError:
+                    if tls_out:
+                        # after a want-error, the same view again: the record OpenSSL started
+                        # must be retried with the same bytes
+                        n = sock_out.send(sending[0])
+                    else:
+                        n = sock_out.sendmsg(sending)
+                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                     can_write = False
                     break
                 except OSError as exc:
@@ -347,7 +368,7 @@ class RingGroup:
                 send_left -= n
                 if send_left:
                     sending = _consume(sending, n)
-                    can_write = False  # the socket buffer is full
+                    can_write = tls_out  # the socket buffer is full (TLS: the next buffer is due)
                 else:
                     sending = None
             while can_read and frame_in is not None:  # receive what has arrived
@@ -357,8 +378,8 @@ class RingGroup:
                 else:
                     bufs = [frame_in.payload[got - hlen :]]
                 try:
-                    n = sock_in.recvmsg_into(bufs)[0]
-                except BlockingIOError:
+                    n = sock_in.recv_into(bufs[0]) if tls_in else sock_in.recvmsg_into(bufs)[0]
+                except (BlockingIOError, ssl.SSLWantReadError):
                     can_read = False
                     break
                 except OSError as exc:
@@ -372,7 +393,9 @@ class RingGroup:
                     raise self._desync(op, frame_in)
                 got += n
                 if n < want:
-                    can_read = False  # the socket buffer is drained
+                    # plain: the socket buffer is drained; TLS: one record (or the header) is
+                    # in, read on until SSLWantReadError (nothing decrypted is left pending then)
+                    can_read = tls_in
                     continue
                 op.received(frame_in, _SCALE.unpack_from(header, CHECKED_BYTES)[0])
                 received += 1
@@ -391,7 +414,9 @@ class RingGroup:
                 step = frame_in.step if frame_in is not None else 0
                 raise RingBroken(op.phase(step), self._prev,
                                  f"nothing from rank {self._prev} for {self.timeout:g} s")
-            if frame_in is not None:
+            # not with TLS: OpenSSL may already hold part of a record, so the kernel might never
+            # hold `lowat` more bytes and poll would sleep until the timeout
+            if frame_in is not None and not tls_in:
                 lowat = min(hlen + len(frame_in.payload) - got, _RCVLOWAT_MAX)
                 if lowat != self._rcvlowat:
                     sock_in.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
