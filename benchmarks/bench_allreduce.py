@@ -11,6 +11,10 @@ Two settings:
   fp32, fp16 and int8 wire formats; gloo runs inside the namespaces too (its store and
   rendezvous on host 0's address). The bar: ours int8 >= 3x faster than gloo fp32.
 
+Both settings also run our ring with TLS on (``swarmtrain keys`` certificates, mutual TLS on
+every ring link, a second ring in the same processes): what encryption costs on loopback
+(CPU-bound) and whether it still fills a 100 Mbit/s link.
+
 Figures: bus bandwidth = 2 (W-1)/W x tensor bytes / time (the per-member traffic of a ring
 all-reduce of fp32 data, whatever is actually on the wire, so compressed formats can beat
 the link). The limit on the LAN is the link: 100 Mbit/s = 12.5 MB/s of fp32 bus bandwidth
@@ -33,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +58,7 @@ def member(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from swarmtrain.peer.ring import RingGroup, RingListener
+    from swarmtrain.transport.tls import TLSConfig
 
     torch.set_num_threads(1)  # W processes share 2 cores; gloo reduces on one thread too
     host, port = args.store.rsplit(":", 1)
@@ -67,6 +73,18 @@ def member(args: argparse.Namespace) -> None:
         h, p = store.get(f"ring/{r}").decode().rsplit(":", 1)
         addresses.append((h, int(p)))
     group = RingGroup(listener, args.rank, addresses, ring_id="bench", epoch=1, secret=SECRET, timeout=60.0)
+    tls_group = tls_listener = None
+    if args.tls_dir:
+        d = Path(args.tls_dir)
+        tls = TLSConfig(cert=d / f"r{args.rank}.pem", key=d / f"r{args.rank}-key.pem", ca=d / "ca.pem")
+        tls_listener = RingListener(args.bind, 0, secret=SECRET, tls=tls)
+        store.set(f"ringtls/{args.rank}", f"{args.bind}:{tls_listener.address[1]}")
+        tls_addresses = []
+        for r in range(args.world):
+            h, p = store.get(f"ringtls/{r}").decode().rsplit(":", 1)
+            tls_addresses.append((h, int(p)))
+        tls_group = RingGroup(tls_listener, args.rank, tls_addresses, ring_id="bench-tls", epoch=1,
+                              secret=SECRET, timeout=60.0, tls=tls)
     gen = torch.Generator().manual_seed(1234 + args.rank)
     source = torch.randn(args.numel, generator=gen)
     work = torch.empty_like(source)
@@ -77,6 +95,9 @@ def member(args: argparse.Namespace) -> None:
     methods: dict[str, Any] = {"gloo fp32": gloo_fp32}
     for wire in args.wires.split(","):
         methods[f"ours {wire}"] = lambda wire=wire: group.all_reduce(work, wire=wire)
+    if tls_group is not None:
+        for wire in args.tls_wires.split(","):
+            methods[f"ours {wire} TLS"] = lambda wire=wire: tls_group.all_reduce(work, wire=wire)
     samples: dict[str, list[list[float]]] = {name: [] for name in methods}
     order = list(methods.items())
     for r in range(args.warmup + args.rounds):
@@ -90,6 +111,9 @@ def member(args: argparse.Namespace) -> None:
                 samples[name].append([dt, c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime])
     group.close()
     listener.close()
+    if tls_group is not None and tls_listener is not None:
+        tls_group.close()
+        tls_listener.close()
     dist.barrier()
     dist.destroy_process_group()
     print("RESULT " + json.dumps(samples), flush=True)
@@ -105,10 +129,18 @@ def _free_port() -> int:
 
 
 def _member_argv(rank: int, world: int, store: str, bind: str, numel: int, rounds: int, warmup: int,
-                 wires: str) -> list[str]:
+                 wires: str, tls_dir: str, tls_wires: str) -> list[str]:
     return [sys.executable, str(HERE), "--member", "--rank", str(rank), "--world", str(world),
             "--store", store, "--bind", bind, "--numel", str(numel), "--rounds", str(rounds),
-            "--warmup", str(warmup), "--wires", wires]
+            "--warmup", str(warmup), "--wires", wires, "--tls-dir", tls_dir, "--tls-wires", tls_wires]
+
+
+def _cluster_keys(directory: Path, members: int) -> str:
+    """Certificates ``r0`` .. ``r<members-1>`` of one cluster CA, for the TLS rings."""
+    from swarmtrain.transport.tls import generate_cluster_keys
+
+    generate_cluster_keys(directory, [f"r{i}" for i in range(members)])
+    return str(directory)
 
 
 def _collect(procs: list[subprocess.Popen[bytes]], timeout: float) -> dict[str, list[tuple[float, float]]]:
@@ -147,25 +179,27 @@ def _summary(
     return out
 
 
-def run_loopback(worlds: list[int], numel: int, rounds: int, warmup: int) -> dict[int, Any]:
+def run_loopback(worlds: list[int], numel: int, rounds: int, warmup: int, keys: str) -> dict[int, Any]:
     results = {}
     for world in worlds:
         store = f"127.0.0.1:{_free_port()}"
-        procs = [subprocess.Popen(_member_argv(r, world, store, "127.0.0.1", numel, rounds, warmup, "fp32"),
+        procs = [subprocess.Popen(_member_argv(r, world, store, "127.0.0.1", numel, rounds, warmup, "fp32",
+                                               keys, "fp32"),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
-        results[world] = _summary(_collect(procs, 600), world, 4 * numel)
-        g, o = results[world]["gloo fp32"], results[world]["ours fp32"]
+        results[world] = _summary(_collect(procs, 900), world, 4 * numel)
+        g, o, t = (results[world][k] for k in ("gloo fp32", "ours fp32", "ours fp32 TLS"))
         print(f"loopback W={world}: gloo {g['bus_GBps']:.2f} GB/s, ours {o['bus_GBps']:.2f} GB/s, "
-              f"ratio {o['speed_vs_gloo']:.2f}", flush=True)
+              f"ratio {o['speed_vs_gloo']:.2f}; ours with TLS {t['bus_GBps']:.2f} GB/s", flush=True)
     return results
 
 
-def run_lan(hosts: int, numel: int, rounds: int, warmup: int) -> dict[str, Any]:
+def run_lan(hosts: int, numel: int, rounds: int, warmup: int, keys: str) -> dict[str, Any]:
     from swarmtrain.testing import SimulatedLAN
 
     with SimulatedLAN(hosts, rate_mbit=LAN_RATE_MBIT) as lan:
         store = f"{lan.hosts[0].address}:{LAN_STORE_PORT}"
-        procs = [h.run(_member_argv(r, hosts, store, h.address, numel, rounds, warmup, "fp32,fp16,int8"),
+        procs = [h.run(_member_argv(r, hosts, store, h.address, numel, rounds, warmup, "fp32,fp16,int8",
+                                    keys, "fp32,int8"),
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(HERE.parent.parent),
                        env={"GLOO_SOCKET_IFNAME": "eth0"})  # gloo binds the LAN interface
                  for r, h in enumerate(lan.hosts)]
@@ -178,12 +212,13 @@ def run_lan(hosts: int, numel: int, rounds: int, warmup: int) -> dict[str, Any]:
 def _loopback_section(loop: dict[int, Any], numel: int, rounds: int, data: dict[str, Any]) -> list[str]:
     rows, worst = [], float("inf")
     for world, s in loop.items():
-        g, o = s["gloo fp32"], s["ours fp32"]
+        g, o, t = s["gloo fp32"], s["ours fp32"], s["ours fp32 TLS"]
         ratio = o["speed_vs_gloo"]
         worst = min(worst, ratio)
         cells = [[f"{m['median_s'] * 1e3:.0f} ms", f"{m['bus_GBps']:.2f}", f"{m['cpu_s'] * 1e3:.0f} ms"]
                  for m in (g, o)]
-        rows.append([world, *cells[0], *cells[1], f"{ratio:.2f}x"])
+        rows.append([world, *cells[0], *cells[1], f"{ratio:.2f}x", f"{t['bus_GBps']:.2f}",
+                     f"{o['median_s'] / t['median_s']:.2f}x"])
     bar = "PASS" if worst >= 0.8 else "FAIL"
     data["loopback"] = {"numel": numel, "rounds": rounds, "results": loop, "worst_ratio": worst, "bar": bar}
     return [
@@ -193,10 +228,11 @@ def _loopback_section(loop: dict[int, Any], numel: int, rounds: int, data: dict[
         "per all-reduce; ours / gloo = median over rounds of gloo's time / ours in the same round "
         "(paired: load that comes and goes hits both). The limit here is the CPU, not a link: "
         "every byte is copied into and out of the kernel and added, and W processes share the "
-        "cores; gloo on the same tensors is the yardstick.",
+        "cores; gloo on the same tensors is the yardstick. \"ours TLS\": the same ring with every "
+        "link in mutual TLS (TLS / plain = speed relative to ours without it, from the medians).",
         "",
         md_table(["W", "gloo time", "gloo GB/s", "gloo CPU", "ours time", "ours GB/s", "ours CPU",
-                  "ours / gloo"], rows),
+                  "ours / gloo", "ours TLS GB/s", "TLS / plain"], rows),
         "",
         f"Bar ours >= 0.8x gloo at every W: **{bar}** (worst {worst:.2f}x).",
         "",
@@ -207,7 +243,7 @@ def _lan_section(lan: dict[str, Any], hosts: int, numel: int, rounds: int, data:
     link = LAN_RATE_MBIT * 1e6 / 8
     rows = []
     for name, s in lan.items():
-        factor = {"fp16": 2, "int8": 4}.get(name.split()[-1], 1)
+        factor = {"fp16": 2, "int8": 4}.get(name.split()[1], 1) if name.startswith("ours") else 1
         limit = 2 * (hosts - 1) / hosts * 4 * numel / (link * factor)
         rows.append([name, f"{s['median_s']:.2f} s", f"{s['bus_GBps'] * 1e3:.1f}",
                      f"{s['speed_vs_gloo']:.2f}x", f"{limit:.2f} s", f"{limit / s['median_s']:.0%}"])
@@ -239,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
     for name in ("--rank", "--world", "--numel", "--rounds", "--warmup"):
         ap.add_argument(name, type=int, default=0, help=argparse.SUPPRESS)
-    for name in ("--store", "--bind", "--wires"):
+    for name in ("--store", "--bind", "--wires", "--tls-dir", "--tls-wires"):
         ap.add_argument(name, default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.member:
@@ -251,11 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     numel = (25 if args.quick else 100) * 1_000_000 // 4
     rounds, warmup = (4, 1) if args.quick else (12, 2)
     worlds = [int(w) for w in args.worlds.split(",")]
-    loop = {} if args.skip_loopback else run_loopback(worlds, numel, rounds, warmup)
     lan_ok, why = netns_available()
     lan_hosts, lan_numel = (3, 1_000_000) if args.quick else (4, 4_000_000)
     lan_rounds = 2 if args.quick else 3
-    lan = None if args.skip_lan or not lan_ok else run_lan(lan_hosts, lan_numel, lan_rounds, 1)
+    with tempfile.TemporaryDirectory(prefix="bench-allreduce-keys-") as tmp:
+        keys = _cluster_keys(Path(tmp), max([*worlds, lan_hosts]))
+        loop = {} if args.skip_loopback else run_loopback(worlds, numel, rounds, warmup, keys)
+        lan = None if args.skip_lan or not lan_ok else run_lan(lan_hosts, lan_numel, lan_rounds, 1, keys)
 
     md = ["## All-reduce: swarmtrain ring vs torch.distributed gloo (`benchmarks/bench_allreduce.py`)", ""]
     data: dict[str, Any] = {"machine": machine(), "quick": args.quick}

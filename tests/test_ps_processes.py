@@ -24,7 +24,7 @@ def _worker(tmp: Path, port: int, name: str, *args: str, env: dict[str, str] = S
 def test_two_worker_processes_train_digits_above_090(tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     coord, port = start_coordinator(
-        tmp_path, "--task", "digits", "--min-workers", "2", "--max-steps", "600",
+        tmp_path, "--task", "digits", "--min-workers", "2", "--max-steps", "1000",
         "--eval-interval", "1", "--checkpoint-interval", "0", "--summary-file", str(summary),
         env=SECRET)
     workers = [_worker(tmp_path, port, f"w{i}", "--batch-size", "32") for i in range(2)]
@@ -32,7 +32,10 @@ def test_two_worker_processes_train_digits_above_090(tmp_path: Path) -> None:
     for i, w in enumerate(workers):
         assert wait_exit(w, 60, tmp_path / f"w{i}.log") == 0, tail(tmp_path / f"w{i}.log")
     status = json.loads(summary.read_text())
-    assert status["metrics"]["accuracy"] > 0.9, status["metrics"]
+    # 600 updates reach 0.95-0.97 here; 1000 leave room for a loaded CI box (staler gradients
+    # move the weights less). The message carries what would explain a miss.
+    assert status["metrics"]["accuracy"] > 0.9, (status["metrics"], status["stats"], [
+        (w["id"], w["steps"], round(w["avg_staleness"], 2), w["rejected"]) for w in status["workers"]])
     by_id = {w["id"]: w for w in status["workers"]}
     assert set(by_id) == {"w0", "w1"}
     assert all(w["steps"] > 50 for w in by_id.values()), by_id  # both contributed
