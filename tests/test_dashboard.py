@@ -12,10 +12,12 @@ Chromium is the Debian package (`apt-get install -y chromium`). With the environ
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,19 @@ def chromium() -> str:
         if path:
             return path
     raise AssertionError("headless Chromium is needed: apt-get install -y chromium")
+
+
+async def _history_of(url: str, points: int, timeout: float = 90) -> None:
+    """Wait until the node's sampled history (``/api/history``, one point a second) holds
+    ``points`` points."""
+    def count() -> int:
+        with urllib.request.urlopen(url + "api/history", timeout=10) as reply:
+            return len(json.loads(reply.read()))
+
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout):
+        while await loop.run_in_executor(None, count) < points:
+            await asyncio.sleep(0.5)
 
 
 async def run_chromium(url: str, *extra: str, budget_ms: int = 8000, timeout: float = 120) -> str:
@@ -74,7 +89,7 @@ def test_dashboard_shows_the_workers_state_and_a_live_loss_chart() -> None:
                     await asyncio.sleep(0.05)
             dom = await run_chromium(url, "--dump-dom")
             if screenshot:
-                await asyncio.sleep(20)  # let the node's sampled history fill the charts
+                await _history_of(url, points=20)  # charts with a history worth looking at
                 await run_chromium(url, f"--screenshot={ROOT / screenshot}", "--window-size=1280,900",
                                    "--hide-scrollbars", budget_ms=15000)
             await asyncio.wait_for(c.shutdown_cluster("test done"), 30)

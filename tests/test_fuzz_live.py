@@ -75,6 +75,14 @@ def test_fuzz_campaign_against_a_live_peer_control_server() -> None:
 # --- bugs the fuzzer found (regression tests) --------------------------------------
 
 
+async def _drained(connections: set[Any], timeout: float = 10.0) -> None:
+    """Wait until a server holds no connection: every connection task has ended (so an
+    exception escaping one has been raised and logged)."""
+    async with asyncio.timeout(timeout):
+        while connections:
+            await asyncio.sleep(0.01)
+
+
 def _coordinator() -> Any:
     from swarmtrain.config import load_coordinator_config
     from swarmtrain.roles.coordinator import Coordinator
@@ -107,7 +115,8 @@ def test_a_register_with_a_malformed_fingerprint_is_refused_as_a_model_mismatch(
             try:
                 inp = FuzzInput("repro", "auth", encode_bytes(reg), "worker")
                 outcome = await send_input(c.port, inp, skip)
-                await asyncio.sleep(0.2)
+                assert c._server is not None
+                await _drained(c._server.connections)  # the connection's task is over
             finally:
                 collect_crashes(report, errors)
                 await c.close()
@@ -177,7 +186,8 @@ def test_a_proposal_with_a_short_public_key_is_answered_as_a_bad_signature() -> 
             try:
                 inp = FuzzInput("repro", "auth", encode_bytes(msg), "peer")
                 outcome = await send_input(backend.port, inp, (Heartbeat,))
-                await asyncio.sleep(0.2)
+                assert backend.control.server is not None
+                await _drained(backend.control.server.connections)  # the connection's task is over
             finally:
                 collect_crashes(report, errors)
                 await loop.run_in_executor(None, backend.close)
