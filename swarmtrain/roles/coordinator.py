@@ -558,9 +558,11 @@ class Coordinator:
             p = self.params[name]
             if g.dtype != p.dtype:
                 return f"{name!r} arrived as {g.dtype}, the model's is {p.dtype}"
-        if not _all_finite(list(grads.values())):
-            return "NaN or infinite values"
-        norm = _global_norm(list(grads.values()))
+        norm = _global_norm(list(grads.values()))  # one pass: also the screen for NaN/Inf
+        if not math.isfinite(norm):
+            if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+                return "NaN or infinite values"
+            return "gradient norm overflows float32 (finite but enormous values)"
         t = self.config.training
         if t.max_grad_norm and norm > t.max_grad_norm:
             if t.grad_norm_action == "reject":
@@ -789,17 +791,6 @@ def _check_identity(msg: Register) -> None:
             for k, v in hw.items()):
         raise ConfigError("the worker's hardware description is malformed (at most 64 plain "
                           "entries); is it a swarmtrain worker of the same version?")
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True if no tensor holds NaN or Inf. The norms are a cheap screen (NaN/Inf make them
-    non-finite); only a non-finite norm, which huge finite values can also cause, gets the
-    exact element-wise check."""
-    if not tensors:
-        return True
-    if bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _apply_kwargs(cfg: CoordinatorConfig, kwargs: Mapping[str, Any]) -> CoordinatorConfig:
