@@ -11,7 +11,7 @@ import torch
 
 from swarmtrain.transport import auth, connect
 from swarmtrain.transport.endpoints import HANDSHAKE_LIMITS, ServerLimits
-from swarmtrain.wire import PREAMBLE, Auth, Challenge, Error, Hello, Message, Welcome
+from swarmtrain.wire import PREAMBLE, Auth, Challenge, Error, Gradients, Hello, Message, Welcome
 from tests.test_ps_inprocess import SECRET, coordinator
 from tests.test_transport import HOST, RawPeer, echo, eventually, run, serving
 
@@ -139,7 +139,7 @@ def test_a_worker_frame_larger_than_the_model_allows_is_refused_before_allocatio
             model_bytes = sum(p.numel() * 4 for p in c.params.values())
             peer = await RawPeer.open(c.port)
             assert isinstance(await peer.client_handshake(SECRET), Welcome)
-            peer.send(PREAMBLE.pack(b"SWRM", 1, 13, 0, 10, 2 * model_bytes + (2 << 20)))  # GRADIENTS
+            peer.send(PREAMBLE.pack(b"SWRM", 1, int(Gradients.TYPE), 0, 10, 2 * model_bytes + (2 << 20)))
             err = await _first_error(peer)
             assert err.code == "oversize_payload"
             assert c.version == 0 and all(torch.equal(before[n], p) for n, p in c.params.items())
@@ -147,3 +147,24 @@ def test_a_worker_frame_larger_than_the_model_allows_is_refused_before_allocatio
             await c.close()
 
     run(scenario())
+
+
+def test_the_failed_handshake_record_holds_only_addresses_failing_now() -> None:
+    from swarmtrain.transport.endpoints import Server
+
+    srv = Server(None, set(), limits=ServerLimits(max_failed_auth=2, auth_window_sec=0.2))  # type: ignore[arg-type]
+    for i in range(100):  # addresses that connect and never fail leave no trace
+        assert srv.admit(f"10.0.{i}.1") is None
+    assert not srv._failures
+    srv.note_failed_handshake("10.0.0.1")
+    srv.note_failed_handshake("10.0.0.1")
+    refusal = srv.admit("10.0.0.1")
+    assert refusal is not None and refusal[0] == "auth_rate_limited"
+
+    async def aged_out() -> None:
+        async with asyncio.timeout(10):
+            while srv.admit("10.0.0.1") is not None:
+                await asyncio.sleep(0.02)
+
+    asyncio.run(aged_out())
+    assert not srv._failures  # forgotten once its failures aged out of the window

@@ -161,7 +161,7 @@ class Connection:
         self.transport = protocol.transport
         self.timeouts = timeouts
         self.limits = limits or protocol.decoder.limits
-        self.peer = _peer_name(self.transport)
+        self.peer = peer_name(self.transport)
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=send_queue_size)
         self._tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._writer())]
         self.bytes_sent = 0
@@ -322,7 +322,8 @@ class Connection:
         await asyncio.gather(*others, return_exceptions=True)
 
 
-def _peer_name(transport: asyncio.BaseTransport) -> str:
+def peer_name(transport: asyncio.BaseTransport) -> str:
+    """``host:port`` of the other side, for messages."""
     addr = transport.get_extra_info("peername")
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"{addr[0]}:{addr[1]}"

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from swarmtrain import __version__
 from swarmtrain.errors import AuthError, ConnectionLost, ProtocolError, SwarmError, SwarmTimeout
 from swarmtrain.transport import auth
-from swarmtrain.transport.connection import Connection, FrameProtocol, Timeouts
+from swarmtrain.transport.connection import Connection, FrameProtocol, Timeouts, peer_name
 from swarmtrain.transport.tls import (
     PendingTLS,
     TLSConfig,
@@ -136,24 +136,40 @@ class Server:
     limits: ServerLimits = ServerLimits()
     #: connections turned away before the handshake, by reason
     refused: Counter[str] = field(default_factory=Counter)
+    #: connection slots held per address: TLS handshake, secret handshake and serving
     _open_by_address: Counter[str] = field(default_factory=Counter)
-    _tls_pending: Counter[str] = field(default_factory=Counter)  # in the TLS handshake
+    #: recent failed handshakes, only of addresses that have some (pruned as they age out)
     _failures: dict[str, deque[float]] = field(default_factory=dict)
     #: traffic of connections already closed (open ones count on their Connection)
     _closed_traffic: dict[str, Counter[str]] = field(default_factory=dict)
 
+    def reserve(self, address: str) -> tuple[str, str] | None:
+        """Take a connection slot for ``address``; or (code, message) saying why it is refused
+        (counted in :attr:`refused`). A taken slot is given back with :meth:`release`."""
+        refusal = self.admit(address)
+        if refusal is not None:
+            self.refused[refusal[0]] += 1
+        else:
+            self._open_by_address[address] += 1
+        return refusal
+
+    def release(self, address: str) -> None:
+        self._open_by_address[address] -= 1
+        if self._open_by_address[address] <= 0:
+            del self._open_by_address[address]
+
     def admit(self, address: str) -> tuple[str, str] | None:
         """(code, message) when a new connection from ``address`` must be refused."""
         lim = self.limits
-        if len(self.connections) + self._tls_pending.total() >= lim.max_connections:
+        if self._open_by_address.total() >= lim.max_connections:
             return "too_many_connections", (
                 f"the server holds its maximum of {lim.max_connections} connections; try again later")
-        if self._open_by_address[address] + self._tls_pending[address] >= lim.max_per_address:
+        if self._open_by_address[address] >= lim.max_per_address:
             return "too_many_connections", (
                 f"{address} already holds {lim.max_per_address} connections (the most one address "
                 "may); close some first")
         recent = self._recent_failures(address)
-        if len(recent) >= lim.max_failed_auth:
+        if recent and len(recent) >= lim.max_failed_auth:
             wait = recent[0] + lim.auth_window_sec - time.monotonic()
             return "auth_rate_limited", (
                 f"{len(recent)} failed handshakes from {address} in {lim.auth_window_sec:.0f} s: "
@@ -162,16 +178,21 @@ class Server:
 
     def note_failed_handshake(self, address: str) -> None:
         self.failed_handshakes += 1
-        self._recent_failures(address).append(time.monotonic())
-
-    def _recent_failures(self, address: str) -> deque[float]:
         recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
+        recent.append(time.monotonic())
+
+    def _recent_failures(self, address: str) -> deque[float] | None:
+        """The failures of ``address`` within the window; an address whose failures all aged
+        out is forgotten (the record holds only addresses failing now: bounded memory)."""
+        recent = self._failures.get(address)
+        if recent is None:
+            return None
         cutoff = time.monotonic() - self.limits.auth_window_sec
         while recent and recent[0] < cutoff:
             recent.popleft()
-        if not recent and len(self._failures) > 4096:  # forget quiet addresses: bounded memory
-            self._failures.pop(address, None)
-            recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
+        if not recent:
+            del self._failures[address]
+            return None
         return recent
 
     def retire(self, conn: Connection) -> None:
@@ -237,55 +258,57 @@ async def start_server(
         proto = FrameProtocol(HANDSHAKE_LIMITS)
         if server_tls is not None:
             return PendingTLS(lambda tcp: loop.create_task(_serve_tls(tcp, proto)))
-        loop.create_task(_serve_one(proto))
+        loop.create_task(_serve_plain(proto))
         return proto
 
-    async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
-        assert state is not None and server_tls is not None
-        peername = tcp.get_extra_info("peername")
-        address = str(peername[0]) if peername else "?"
-        refusal = state.admit(address)  # before paying for a TLS handshake
-        if refusal is not None:
-            state.refused[refusal[0]] += 1
-            log.warning("refused connection from %s: %s", _address(peername), refusal[1])
-            tcp.abort()
-            return
-        transport: asyncio.Transport | None = None
-        why = "it closed the connection before the TLS handshake ended"
-        state._tls_pending[address] += 1
-        try:
-            if not tcp.is_closing():
-                async with asyncio.timeout(timeouts.handshake + 1.0):
-                    transport = await loop.start_tls(tcp, proto, server_tls, server_side=True,
-                                                     ssl_handshake_timeout=timeouts.handshake)
-        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
-            why = server_refusal_reason(exc, timeouts.handshake)
-        finally:
-            state._tls_pending[address] -= 1
-            if state._tls_pending[address] <= 0:
-                del state._tls_pending[address]
-        if transport is None:
-            state.note_failed_handshake(address)
-            log.warning("refused connection from %s: %s", _address(peername), why)
-            tcp.abort()
-            return
-        proto.connection_made(transport)
-        await _serve_one(proto)
-
-    async def _serve_one(proto: FrameProtocol) -> None:
+    async def _serve_plain(proto: FrameProtocol) -> None:
         await asyncio.sleep(0)  # let connection_made run
-        assert state is not None
+        assert state is not None and proto.transport is not None
         conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
-        peername = proto.transport.get_extra_info("peername") if proto.transport else None
-        address = str(peername[0]) if peername else "?"
-        refusal = state.admit(address)
+        address = _ip(proto.transport)
+        refusal = state.reserve(address)
         if refusal is not None:
-            state.refused[refusal[0]] += 1
             log.warning("refused connection from %s: %s", conn.peer, refusal[1])
             await conn.close(Error(code=refusal[0], message=refusal[1]), timeout=1.0)
             return
+        try:
+            await _serve_one(conn, address)
+        finally:
+            state.release(address)
+
+    async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
+        assert state is not None and server_tls is not None
+        address = _ip(tcp)
+        refusal = state.reserve(address)  # before paying for a TLS handshake
+        if refusal is not None:
+            log.warning("refused connection from %s: %s", peer_name(tcp), refusal[1])
+            tcp.abort()
+            return
+        try:
+            transport: asyncio.Transport | None = None
+            why = "it closed the connection before the TLS handshake ended"
+            try:
+                if not tcp.is_closing():
+                    async with asyncio.timeout(timeouts.handshake + 1.0):
+                        transport = await loop.start_tls(tcp, proto, server_tls, server_side=True,
+                                                         ssl_handshake_timeout=timeouts.handshake)
+            except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+                why = server_refusal_reason(exc, timeouts.handshake)
+            if transport is None:
+                state.note_failed_handshake(address)
+                log.warning("refused connection from %s: %s", peer_name(tcp), why)
+                tcp.abort()
+                return
+            proto.connection_made(transport)
+            await _serve_one(Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits),
+                             address)
+        finally:
+            state.release(address)
+
+    async def _serve_one(conn: Connection, address: str) -> None:
+        """The secret handshake and the handler, on a connection holding a slot."""
+        assert state is not None
         state.connections.add(conn)
-        state._open_by_address[address] += 1
         try:
             try:
                 role = await _server_handshake(conn, secret)
@@ -301,9 +324,6 @@ async def start_server(
             await handler(conn, role)
         finally:
             state.retire(conn)
-            state._open_by_address[address] -= 1
-            if state._open_by_address[address] <= 0:
-                del state._open_by_address[address]
             await conn.close()
 
     try:
@@ -382,10 +402,10 @@ def _traffic_of(conn: Connection) -> dict[str, Counter[str]]:
             "bytes_in": conn.received_bytes_by_type, "bytes_out": conn.sent_bytes_by_type}
 
 
-def _address(peername: object) -> str:
-    if isinstance(peername, tuple) and len(peername) >= 2:
-        return f"{peername[0]}:{peername[1]}"
-    return str(peername)
+def _ip(transport: asyncio.BaseTransport) -> str:
+    """The other side's IP address (what per-address limits count)."""
+    peername = transport.get_extra_info("peername")
+    return str(peername[0]) if isinstance(peername, tuple) and peername else "?"
 
 
 def is_loopback_host(host: str) -> bool:
