@@ -37,6 +37,7 @@ __all__ = [
     "RUNS_DIR_ENV_VAR",
     "RunLog",
     "RunLogError",
+    "json_safe",
     "open_run_log",
     "read_run_log",
     "resolve_run_log_path",
@@ -113,7 +114,7 @@ class RunLog:
                 self._file = None
 
     def _write(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(_finite(record), default=str, separators=(",", ":"))
+        line = json.dumps(json_safe(record), separators=(",", ":"))
         with self._lock:
             if self._file is None:
                 return
@@ -126,15 +127,18 @@ class RunLog:
                 self._file = None
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as None and tuples/sets as lists, so strict JSON
+    (and a browser's ``JSON.parse``) accepts it; other odd types become strings."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
     if isinstance(value, Mapping):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(v) for v in value]
+    return str(value)
 
 
 def resolve_run_log_path(setting: str, file_name: str, *, now: float | None = None) -> Path | None:

@@ -6,7 +6,8 @@ Start them with ``--http-port`` on ``swarmtrain coordinator``, ``peer`` or ``sta
 
 from swarmtrain.ops.http import HttpLimits, HttpServer, ThreadedHttpServer, parse_request_head
 from swarmtrain.ops.metrics import CoordinatorCollector, PeerCollector, StageCollector
-from swarmtrain.ops.serve import json_safe, routes_for, serve_coordinator, serve_peer, serve_stage
+from swarmtrain.ops.serve import routes_for, serve_coordinator, serve_peer, serve_stage
+from swarmtrain.runlog import json_safe
 
 __all__ = ["CoordinatorCollector", "HttpLimits", "HttpServer", "PeerCollector", "StageCollector",
            "ThreadedHttpServer", "json_safe", "parse_request_head", "routes_for", "serve_coordinator",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -27,13 +26,14 @@ from swarmtrain.ops.metrics import (
     registry_for,
     render,
 )
+from swarmtrain.runlog import json_safe
 
 if TYPE_CHECKING:
     from swarmtrain.peer.node import PeerTrainer
     from swarmtrain.pipeline.stage import StageServer
     from swarmtrain.roles.coordinator import Coordinator
 
-__all__ = ["StatusHistory", "dashboard_html", "json_safe", "routes_for", "serve_coordinator", "serve_peer",
+__all__ = ["StatusHistory", "dashboard_html", "routes_for", "serve_coordinator", "serve_peer",
            "serve_stage"]
 
 Status = Callable[[], Mapping[str, Any]]
@@ -69,20 +69,6 @@ class StatusHistory:
         while True:
             self.sample()
             await asyncio.sleep(self.interval)
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with NaN and infinities as None and tuples/sets as lists, so strict JSON
-    (and a browser's ``JSON.parse``) accepts it; other odd types become strings."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (str, int, bool)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [json_safe(v) for v in value]
-    return str(value)
 
 
 def dashboard_html() -> bytes:

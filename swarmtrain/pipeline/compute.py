@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +133,6 @@ class StageCompute:
         self._done: OrderedDict[Key, StageOutcome] = OrderedDict()
         self._applied: OrderedDict[Key, None] = OrderedDict()
         # applied micro-batches in order (for audits), as far back as applied_history
-        self.applied_log: deque[Key] = deque(maxlen=config.applied_history)
         self.steps = 0
         self.microbatches = 0
         self.forwards = 0
@@ -264,6 +263,11 @@ class StageCompute:
             for name, p in params.items():
                 p.add_((theirs[name].to(p.dtype) - mine[name]) * 0.5)
 
+    @property
+    def applied_log(self) -> tuple[Key, ...]:
+        """The micro-batches applied here, oldest first (the last ``applied_history``)."""
+        return tuple(self._applied)
+
     def status(self) -> dict[str, int]:
         """Counters, by name."""
         return {
@@ -311,7 +315,6 @@ class StageCompute:
         outcome = StageOutcome(y=y, grad=in_grad, done=True, cached=False)
         self._remember(self._done, key, outcome, self.config.done_cache_size)
         self._remember(self._applied, key, None, self.config.applied_history)
-        self.applied_log.append(key)
         self.microbatches += 1
         self._accumulated += 1
         if self._accumulated >= self.config.accumulate:

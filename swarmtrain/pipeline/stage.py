@@ -447,14 +447,7 @@ class StageServer:
 
     def _answer_now(self, job: _Job, answer: Message) -> None:
         """Inference answers skip the outbound queue (training answers may be waiting there)."""
-        assert self._loop is not None
-        reply = self._reply(job, answer)
-
-        def done(fut: concurrent.futures.Future[None]) -> None:
-            if not fut.cancelled() and fut.exception() is not None:
-                self._reply_lost(reply)
-
-        asyncio.run_coroutine_threadsafe(self._send_reply(reply), self._loop).add_done_callback(done)
+        self._send_from_thread(self._reply(job, answer), wait=False)
 
     def _answer(self, job: _Job, answer: Message) -> None:
         reply = self._reply(job, answer)
@@ -463,11 +456,23 @@ class StageServer:
                 return
         except BufferClosed:
             return
-        # The send loop is behind: wait for it here (backpressure on compute), never drop.
+        # The send loop is behind: send it from here and wait (backpressure on compute).
+        self._send_from_thread(reply, wait=True)
+
+    def _send_from_thread(self, reply: _Reply, *, wait: bool) -> None:
+        """Send ``reply`` on the event loop from the compute thread, waiting for it or not; an
+        answer that cannot be delivered is reported (:meth:`_reply_lost`), never dropped quietly."""
         assert self._loop is not None
         fut = asyncio.run_coroutine_threadsafe(self._send_reply(reply), self._loop)
-        with contextlib.suppress(Exception):
+        if not wait:
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is None
+                                  else self._reply_lost(reply))
+            return
+        try:
             fut.result(self.config.reply_timeout)
+        except Exception:  # noqa: BLE001 - any failure to deliver is the same to the client
+            fut.cancel()
+            self._reply_lost(reply)
 
 
 def _tensor(tensors: Any, name: str) -> torch.Tensor:
