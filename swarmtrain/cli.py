@@ -362,12 +362,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:
-    from swarmtrain.config import SecurityConfig, resolve_secret
     from swarmtrain.roles.ctl import ctl_request
     from swarmtrain.ui import print_status
 
-    secret = resolve_secret(SecurityConfig(secret_file=args.secret_file or ""))
-    reply = asyncio.run(ctl_request(args.host, args.port, args.action, secret=secret, tls=_cli_tls(args)))
+    reply = asyncio.run(ctl_request(args.host, args.port, args.action, secret=_cli_secret(args),
+                                    tls=_cli_tls(args)))
     data = {k: v for k, v in reply.fields().items()}
     if args.json:
         print(json.dumps(data, default=str, indent=2))
@@ -429,7 +428,8 @@ def _cli_tls(args: argparse.Namespace) -> TLSConfig | None:
                                       tls_ca=args.tls_ca or ""))
 
 
-def _pipeline_secret(args: argparse.Namespace) -> bytes | None:
+def _cli_secret(args: argparse.Namespace) -> bytes | None:
+    """The secret of a command that takes only --secret-file (or SWARMTRAIN_SECRET)."""
     from swarmtrain.config import SecurityConfig, resolve_secret
 
     return resolve_secret(SecurityConfig(secret_file=args.secret_file or ""))
@@ -454,7 +454,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         sync_every=args.sync_every,
         learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file,
         http_port=args.http_port or 0, http_host=args.http_host or "127.0.0.1")
-    return run_stage(_pipeline_task(args), opts, secret=_pipeline_secret(args), insecure=args.insecure,
+    return run_stage(_pipeline_task(args), opts, secret=_cli_secret(args), insecure=args.insecure,
                      tls=_cli_tls(args))
 
 
@@ -468,7 +468,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_samples=args.eval_samples, seed=args.seed,
         request_timeout=args.request_timeout, status_file=args.status_file, route=parse_route(args.route),
         run_log=args.run_log)
-    return run_pipeline(_pipeline_task(args), opts, secret=_pipeline_secret(args), tls=_cli_tls(args))
+    return run_pipeline(_pipeline_task(args), opts, secret=_cli_secret(args), tls=_cli_tls(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -477,7 +477,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level, args.log_json)
     return run_generate(_pipeline_task(args), parse_route(args.route), args.prompt, tokens=args.tokens,
-                        temperature=args.temperature, seed=args.seed, secret=_pipeline_secret(args),
+                        temperature=args.temperature, seed=args.seed, secret=_cli_secret(args),
                         tls=_cli_tls(args))
 
 
@@ -486,7 +486,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarmtrain.pipeline.session import run_status
 
     _setup_logging(args.log_level, args.log_json)
-    return run_status(parse_route(args.route), secret=_pipeline_secret(args), tls=_cli_tls(args),
+    return run_status(parse_route(args.route), secret=_cli_secret(args), tls=_cli_tls(args),
                       as_json=args.json)
 
 

@@ -602,9 +602,7 @@ def _apply_env(cls: type, layers: _Layers, env: Mapping[str, str]) -> None:
         if section not in sections:
             raise ConfigError(f"{where}: no config section {section!r}; sections are "
                               f"{', '.join(sections)} (SWARMTRAIN_<SECTION>__<KEY>)")
-        _check_key(sections[section], section, key, where)
-        expected = _field_specs(sections[section])[key][0]
-        layers[section][key] = (_parse_string(value, expected), where)
+        _set_key(sections, layers, section, key, value, where)
 
 
 def _apply_file(cls: type, layers: _Layers, path: str) -> None:
@@ -642,9 +640,16 @@ def _apply_overrides(cls: type, layers: _Layers, overrides: Mapping[str, Any]) -
             raise ConfigError(
                 f"{where}: expected 'section.key' with section one of: {', '.join(sections)}"
             )
-        _check_key(sections[name], name, key, where)
-        expected = _field_specs(sections[name])[key][0]
-        layers[name][key] = (_parse_string(value, expected), where)
+        _set_key(sections, layers, name, key, value, where)
+
+
+def _set_key(sections: dict[str, type[_Section]], layers: _Layers, section: str, key: str, value: Any,
+             where: str) -> None:
+    """Check that ``section.key`` exists, parse a string ``value`` for its type, and layer it
+    (named ``where`` in any later error)."""
+    _check_key(sections[section], section, key, where)
+    expected = _field_specs(sections[section])[key][0]
+    layers[section][key] = (_parse_string(value, expected), where)
 
 
 def _parse_string(value: Any, expected: type) -> Any:

@@ -142,11 +142,7 @@ def serve_peer(trainer: PeerTrainer, host: str, port: int) -> ThreadedHttpServer
     Raises:
         SwarmError: the address cannot be bound.
     """
-    def status() -> Mapping[str, Any]:
-        st = trainer.status()
-        members, me = st.get("members") or [], st.get("peer_id")
-        return {**st, "rank": members.index(me) if me in members else -1}
-
+    status = trainer.status
     history = StatusHistory(status)
     server = ThreadedHttpServer(routes_for("peer", status, PeerCollector(status), history=history),
                                 background=[history.run])

@@ -432,5 +432,6 @@ class PeerBackend:
         v = self.view
         return {"peer_id": self.identity.peer_id if self.identity else "", "run": self.options.run,
                 "epoch": self.epoch, "members": list(v.members) if v else [],
+                "rank": v.rank(self.identity.peer_id) if v and self.identity else -1,
                 "world_size": self.world_size, "rounds": self.rounds,
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
