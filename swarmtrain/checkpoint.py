@@ -181,33 +181,17 @@ class CheckpointStore:
             The checkpoint, or None if there is no valid one. ``self.last_skipped`` lists
             the ``(path, reason)`` of every checkpoint skipped on the way.
         """
-        self.last_skipped = []
-        for path in reversed(self.list()):
-            try:
-                ckpt = _load_verified(path)
-            except CheckpointError as exc:
-                self.last_skipped.append((path, str(exc)))
-                self._known_bad.add(path)
-                log.warning("checkpoint %s is unusable (%s); trying the previous one", path, exc)
-                continue
-            if self.last_skipped:
-                log.warning("resuming from older checkpoint %s (step %d)", path, ckpt.step)
-            return ckpt
-        if self.last_skipped:
+        ckpt, self.last_skipped = newest_valid_checkpoint(self.directory)
+        self._known_bad.update(path for path, _ in self.last_skipped)
+        if ckpt is not None and self.last_skipped:
+            log.warning("resuming from older checkpoint %s (step %d)", ckpt.path, ckpt.step)
+        elif ckpt is None and self.last_skipped:
             log.warning("no valid checkpoint in %s; starting from scratch", self.directory)
-        return None
+        return ckpt
 
     def list(self) -> builtins.list[Path]:
         """Return the checkpoints present (valid or not), oldest first."""
-        try:
-            names = os.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot list checkpoint directory {self.directory}: {exc}"
-            ) from exc
-        return [self.directory / n for n in sorted(n for n in names if _NAME_RE.fullmatch(n))]
+        return list_checkpoints(self.directory)
 
     def load(self, path: str | os.PathLike[str]) -> Checkpoint:
         """Load and verify one checkpoint directory.
@@ -243,6 +227,35 @@ class CheckpointStore:
             if name.startswith(_TMP_PREFIX):
                 log.info("removing unfinished checkpoint %s", self.directory / name)
                 shutil.rmtree(self.directory / name, ignore_errors=True)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """The checkpoint directories in ``directory`` (valid or not), oldest first.
+
+    Raises:
+        CheckpointError: the directory exists but cannot be listed.
+    """
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoint directory {directory}: {exc}") from exc
+    return [directory / n for n in sorted(n for n in names if _NAME_RE.fullmatch(n))]
+
+
+def newest_valid_checkpoint(directory: Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    """The newest checkpoint in ``directory`` that loads and verifies (None if none does), and
+    the ``(path, reason)`` of every newer one skipped. Reads only: nothing is cleaned up, so it
+    is safe while a coordinator writes there."""
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return _load_verified(path), skipped
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+            log.warning("checkpoint %s is unusable (%s); trying the previous one", path, exc)
+    return None, skipped
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:

@@ -17,9 +17,7 @@ only, so the buffers are the ones ``build_model`` makes.
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,14 +25,10 @@ import torch
 from safetensors.torch import save as serialise_safetensors
 from torch import nn
 
-from swarmtrain.checkpoint import Checkpoint, load_checkpoint
+from swarmtrain.checkpoint import Checkpoint, load_checkpoint, newest_valid_checkpoint
 from swarmtrain.errors import CheckpointError
 
 __all__ = ["MODEL_PREFIX", "export_checkpoint", "export_model", "write_model_file"]
-
-log = logging.getLogger("swarmtrain.export")
-
-_CKPT_NAME = re.compile(r"ckpt-\d{12}")
 
 MODEL_PREFIX = "model/"
 """Checkpoint tensors of the model's parameters are named ``model/<parameter name>``."""
@@ -103,23 +97,14 @@ def export_checkpoint(source: str | os.PathLike[str], out: str | os.PathLike[str
     if (src / "meta.json").exists():
         ckpt = load_checkpoint(src)
     else:
-        ckpt = _newest_valid(src)
+        newest, skipped = newest_valid_checkpoint(src)
+        if newest is None:
+            found = f" ({len(skipped)} unusable: {skipped[0][1]})" if skipped else ""
+            raise CheckpointError(f"no valid checkpoint in {src}{found}; expected ckpt-* directories "
+                                  "written by `swarmtrain coordinator --checkpoint-interval N`")
+        ckpt = newest
     tensors = {name[len(MODEL_PREFIX):]: t for name, t in ckpt.tensors.items()
                if name.startswith(MODEL_PREFIX)}
     if not tensors:
         raise CheckpointError(f"checkpoint {ckpt.path} holds no model/ tensors")
     return write_model_file(out, tensors, task=str(ckpt.meta.get("task", "")), version=ckpt.step), ckpt
-
-
-def _newest_valid(directory: Path) -> Checkpoint:
-    """The newest checkpoint in ``directory`` that loads and verifies."""
-    reasons = []
-    for path in sorted((p for p in directory.iterdir() if _CKPT_NAME.fullmatch(p.name)), reverse=True):
-        try:
-            return load_checkpoint(path)
-        except CheckpointError as exc:
-            log.warning("%s; trying the previous one", exc)
-            reasons.append(str(exc))
-    found = f" ({len(reasons)} unusable: {reasons[0]})" if reasons else ""
-    raise CheckpointError(f"no valid checkpoint in {directory}{found}; expected ckpt-* directories "
-                          "written by `swarmtrain coordinator --checkpoint-interval N`")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from swarmtrain.checkpoint import CheckpointStore, adam_state_from_tensors, adam_state_to_tensors
 from swarmtrain.config import to_dict
 from swarmtrain.errors import CheckpointError
+from swarmtrain.export import MODEL_PREFIX
 from swarmtrain.wire import CheckpointMsg
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class CoordinatorCheckpointer:
     @staticmethod
     def _snapshot(coord: Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
         names = list(coord.params)
-        tensors = {f"model/{n}": p.detach().clone() for n, p in coord.params.items()}
+        tensors = {f"{MODEL_PREFIX}{n}": p.detach().clone() for n, p in coord.params.items()}
         adam_tensors, adam_meta = adam_state_to_tensors(coord.optimizer, names)
         tensors.update({k: v.clone() for k, v in adam_tensors.items()})
         meta = {
@@ -82,7 +83,7 @@ class CoordinatorCheckpointer:
 
         with torch.no_grad():
             for n, p in coord.params.items():
-                key = f"model/{n}"
+                key = f"{MODEL_PREFIX}{n}"
                 if key not in ckpt.tensors or ckpt.tensors[key].shape != p.shape:
                     raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({n!r})")
                 p.copy_(ckpt.tensors[key])
