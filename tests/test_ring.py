@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,7 @@ from swarmtrain.peer.wireformat import (
     segment_bounds,
     segment_size,
 )
+from swarmtrain.transport.tls import TLSConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -226,11 +227,13 @@ def test_broadcast_schedule_in_memory(world: int, root: int) -> None:
 
 def run_ring(
     world: int, body: Callable[[RingGroup, int], Any], *, timeout: float = 10.0, segment_bytes: int = 1 << 20,
-    join: float = 50.0,
+    join: float = 50.0, tls: Sequence[TLSConfig | None] | None = None,
 ) -> list[Any]:
     """Run `body(group, rank)` on every member of a fresh ring (one thread each); return the
-    results, or raise the first member's exception."""
-    listeners = [RingListener("127.0.0.1", secret=SECRET) for _ in range(world)]
+    results, or raise the first member's exception. Member `r` uses TLS config `tls[r]` (for
+    its listener and its dial), when given."""
+    tls = tls or [None] * world
+    listeners = [RingListener("127.0.0.1", secret=SECRET, tls=tls[r]) for r in range(world)]
     addresses = [lst.address for lst in listeners]
     results: list[Any] = [None] * world
     errors: list[BaseException | None] = [None] * world
@@ -238,7 +241,7 @@ def run_ring(
     def member(rank: int) -> None:
         try:
             with RingGroup(listeners[rank], rank, addresses, ring_id="test", epoch=1, secret=SECRET,
-                           timeout=timeout, segment_bytes=segment_bytes) as group:
+                           timeout=timeout, segment_bytes=segment_bytes, tls=tls[rank]) as group:
                 results[rank] = body(group, rank)
         except BaseException as exc:  # noqa: BLE001 - handed to the test's thread (pytest.fail too)
             errors[rank] = exc
@@ -601,20 +604,22 @@ def test_silent_member_fails_the_others_after_timeout() -> None:
     assert any("for 1 s" in str(exc) for exc, _ in survivors), survivors
 
 
+def close_midway(group: RingGroup, rank: int) -> Any:
+    """Ring body: rank 0 closes its own group from another thread while in an all-reduce that
+    rank 1 never joins; how long rank 0's collective took to fail."""
+    if rank == 1:
+        time.sleep(0.5)
+        return None
+    threading.Timer(0.1, group.close).start()
+    start = time.monotonic()
+    with pytest.raises(RingBroken, match="closed during the collective"):
+        group.all_reduce(torch.zeros(1000))
+    return time.monotonic() - start
+
+
 def test_close_from_another_thread_aborts_a_collective_in_progress() -> None:
-    timeout = 30.0  # far longer than the test: only the abort can end the collective
-
-    def body(group: RingGroup, rank: int) -> Any:
-        if rank == 1:
-            time.sleep(0.5)
-            return None
-        threading.Timer(0.1, group.close).start()
-        start = time.monotonic()
-        with pytest.raises(RingBroken, match="closed during the collective"):
-            group.all_reduce(torch.zeros(1000))
-        return time.monotonic() - start
-
-    assert run_ring(2, body, timeout=timeout)[0] < 5.0
+    # 30 s is far longer than the test: only the abort can end the collective
+    assert run_ring(2, close_midway, timeout=30.0)[0] < 5.0
 
 
 def test_desynchronised_members_are_detected() -> None:

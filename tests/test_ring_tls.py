@@ -7,10 +7,8 @@ Certificates are made by the code under test in a temporary directory; every por
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,8 @@ from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.links import RingListener, dial
 from swarmtrain.peer.ring import RingBroken, RingGroup
 from swarmtrain.transport.tls import ClusterKeys, TLSConfig, generate_cluster_keys
+from tests.test_peer_backend import free_ports, in_threads
+from tests.test_ring import close_midway, run_ring
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,48 +49,6 @@ def members(cluster: ClusterKeys, world: int) -> list[TLSConfig | None]:
     return [node(cluster, "abc"[r % 3]) for r in range(world)]
 
 
-def in_threads(fns: list[Callable[[], Any]], join: float = 60) -> list[Any]:
-    """Run each function on its own thread; their results or exceptions, in order."""
-    results: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join)
-    assert not any(t.is_alive() for t in threads), "a ring member hung"
-    return results
-
-
-def run_ring(tls: list[TLSConfig | None], body: Callable[[RingGroup, int], Any], *, timeout: float = 10.0,
-             segment_bytes: int = 1 << 20, ring_id: str = "tls") -> list[Any]:
-    """Run `body(group, rank)` on every member of a fresh ring whose member `r` has TLS
-    config `tls[r]` (listener and dialler); return the results, or raise the first exception."""
-    listeners = [RingListener(HOST, secret=SECRET, tls=t) for t in tls]
-    addresses = [lst.address for lst in listeners]
-
-    def member(rank: int) -> Any:
-        with RingGroup(listeners[rank], rank, addresses, ring_id=ring_id, epoch=1, secret=SECRET,
-                       timeout=timeout, segment_bytes=segment_bytes, tls=tls[rank]) as group:
-            return body(group, rank)
-
-    try:
-        results = in_threads([lambda r=r: member(r) for r in range(len(tls))], join=6 * timeout)
-    finally:
-        for lst in listeners:
-            lst.close()
-    for res in results:
-        if isinstance(res, BaseException):
-            raise res
-    return results
-
-
 def integers(world: int, numel: int) -> list[torch.Tensor]:
     """Integer-valued floats: sums in any order are exact, so results can be compared exactly."""
     gen = torch.Generator().manual_seed(numel)
@@ -116,7 +74,7 @@ def test_all_reduce_broadcast_and_barrier_over_tls_are_exact(cluster: ClusterKey
         group.barrier()
         return {"sum": summed, "mean": mean, "one": one, "bcast": text, "sent": group.bytes_sent}
 
-    for res in run_ring(members(cluster, world), body, segment_bytes=64 << 10):
+    for res in run_ring(world, body, tls=members(cluster, world), segment_bytes=64 << 10):
         assert torch.equal(res["sum"], exact)
         assert torch.equal(res["mean"], exact / world)  # float32 division, as the ring does it
         assert torch.equal(res["one"], exact_one)
@@ -157,10 +115,8 @@ def test_member_from_another_ca_cannot_join_and_the_listener_serves_on(
             assert "certificate" in str(info.value) and "not trust" in str(info.value)
             return time.monotonic() - start
 
-        for res in in_threads([lambda r=r: member(r) for r in range(2)]):
-            if isinstance(res, BaseException):
-                raise res
-            assert res < timeout
+        for seconds in in_threads([lambda r=r: member(r) for r in range(2)]):
+            assert seconds < timeout
         # a certificate of another CA that trusts our CA: our listener refuses the certificate
         with pytest.raises(RingBroken, match="does not accept this node's TLS certificate") as info:
             dial(addresses[0], secret=SECRET, ring_id="ca", epoch=2, from_rank=1, peer=0, timeout=timeout,
@@ -208,19 +164,7 @@ def test_wrong_secret_inside_tls_is_still_refused(cluster: ClusterKeys) -> None:
 
 
 def test_close_from_another_thread_aborts_a_tls_collective_in_progress(cluster: ClusterKeys) -> None:
-    timeout = 30.0  # far longer than the test: only the abort can end the collective
-
-    def body(group: RingGroup, rank: int) -> Any:
-        if rank == 1:
-            time.sleep(0.5)
-            return None
-        threading.Timer(0.1, group.close).start()
-        start = time.monotonic()
-        with pytest.raises(RingBroken, match="closed during the collective"):
-            group.all_reduce(torch.zeros(1000))
-        return time.monotonic() - start
-
-    assert run_ring(members(cluster, 2), body, timeout=timeout)[0] < 5.0
+    assert run_ring(2, close_midway, timeout=30.0, tls=members(cluster, 2))[0] < 5.0
 
 
 def test_member_closing_mid_transfer_fails_the_others_fast(cluster: ClusterKeys) -> None:
@@ -238,22 +182,11 @@ def test_member_closing_mid_transfer_fails_the_others_fast(cluster: ClusterKeys)
         assert info.value.phase in ("reduce_scatter", "all_gather")
         return time.monotonic() - start
 
-    for seconds in run_ring(members(cluster, 3), body, timeout=timeout, segment_bytes=256 << 10)[:2]:
+    for seconds in run_ring(3, body, tls=members(cluster, 3), timeout=timeout, segment_bytes=256 << 10)[:2]:
         assert seconds < 3 * timeout
 
 
 # --- PeerBackend ------------------------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture
@@ -271,9 +204,7 @@ def backends(cluster: ClusterKeys) -> Iterator[list[PeerBackend]]:
             b.start()
         for b in group:
             b.wait_for_peers(2, timeout=20)
-        for res in in_threads([lambda b=b: b.refresh(timeout=30) for b in group]):
-            if isinstance(res, BaseException):
-                raise res
+        in_threads([lambda b=b: b.refresh(timeout=30) for b in group])
         yield sorted(group, key=lambda b: b.rank)
     finally:
         for b in group:
