@@ -159,21 +159,17 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
     import torch
 
     from swarmtrain.config import resolve_secret, resolve_tls
-    from swarmtrain.errors import ConfigError
     from swarmtrain.peer.backend import PeerBackend, PeerOptions
     from swarmtrain.peer.discovery import parse_peer_list
     from swarmtrain.peer.identity import Identity
     from swarmtrain.peer.node import PeerTrainer
     from swarmtrain.peer.training import DiLoCo, StepAveraging
     from swarmtrain.tasks import Shard
-    from swarmtrain.transport import is_loopback_host
+    from swarmtrain.transport.endpoints import require_secret
 
     net, t = cfg.network, cfg.training
     secret = resolve_secret(cfg.security)
-    if secret is None and not cfg.security.insecure and not is_loopback_host(net.host):
-        raise ConfigError(
-            f"refusing to listen on {net.host} without a cluster secret: set SWARMTRAIN_SECRET or "
-            "--secret-file (create one with `swarmtrain secret --out FILE`), or pass --insecure")
+    require_secret(net.host, net.port, secret, cfg.security.insecure, "join the ring and steer the average")
     info = hardware.detect()
     task = load_task(t.task)
     plan = hardware.recommend(info, batch_size=t.batch_size, num_threads=cfg.hardware.num_threads,

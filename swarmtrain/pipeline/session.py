@@ -38,7 +38,7 @@ from swarmtrain.pipeline.stage import StageServer, StageServerConfig
 from swarmtrain.pipeline.trainer import PipelineTrainer, TrainerConfig
 from swarmtrain.runlog import open_run_log
 from swarmtrain.tasks import Task, TextLMConfig, TextLMTask, load_task
-from swarmtrain.transport import is_loopback_host
+from swarmtrain.transport.endpoints import require_secret
 from swarmtrain.transport.tls import TLSConfig
 
 __all__ = [
@@ -100,14 +100,6 @@ def stage_range(task: Task, seed: int, stage: int, stages: int) -> tuple[int, in
     layers = split_layers(task.build_model(seed))
     nodes = [NodeSpec(f"stage{i}", 1.0, _UNBOUNDED_MEMORY) for i in range(stages)]
     return plan_stages(estimate_layer_costs(layers), nodes)[stage]
-
-
-def _require_secret(host: str, port: int, secret: bytes | None, insecure: bool) -> None:
-    if secret is None and not insecure and not is_loopback_host(host):
-        raise ConfigError(
-            f"refusing to listen on {host}:{port} without a cluster secret: anyone on the network "
-            "could send this stage activations or gradients. Set SWARMTRAIN_SECRET or --secret-file "
-            "(create one with `swarmtrain secret --out FILE`), or pass --insecure for an open cluster")
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -178,7 +170,7 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         ConfigError: no secret on a reachable address (without ``insecure``), or a layer
             range that does not fit the model or the stage's place in the pipeline.
     """
-    _require_secret(opts.host, opts.port, secret, insecure)
+    require_secret(opts.host, opts.port, secret, insecure, "send this stage activations or gradients")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     n_layers = len(split_layers(task.build_model(opts.seed)))

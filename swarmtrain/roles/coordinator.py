@@ -45,8 +45,8 @@ from swarmtrain.roles.common import (
 )
 from swarmtrain.roles.shards import ShardPlanner
 from swarmtrain.runlog import RunLog
-from swarmtrain.transport import Connection, Server, Timeouts, is_loopback_host, start_server
-from swarmtrain.transport.endpoints import ServerLimits
+from swarmtrain.transport import Connection, Server, Timeouts, start_server
+from swarmtrain.transport.endpoints import ServerLimits, require_secret
 from swarmtrain.wire import (
     Assign,
     CheckpointMsg,
@@ -230,12 +230,8 @@ class Coordinator:
     async def start(self) -> None:
         """Bind and start serving (returns once listening)."""
         net = self.config.network
-        if self.secret is None and not self.config.security.insecure and not is_loopback_host(net.host):
-            raise ConfigError(
-                f"refusing to listen on {net.host}:{net.port} without a cluster secret: anyone on the "
-                "network could join or send gradients. Set SWARMTRAIN_SECRET or --secret-file "
-                "(create one with `swarmtrain secret --out FILE`), or pass --insecure for an open cluster"
-            )
+        require_secret(net.host, net.port, self.secret, self.config.security.insecure,
+                       "join or send gradients")
         timeouts = Timeouts(handshake=net.handshake_timeout_sec,
                             heartbeat_interval=net.heartbeat_interval_sec,
                             heartbeat_timeout=net.heartbeat_timeout_sec)

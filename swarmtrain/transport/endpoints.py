@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from swarmtrain import __version__
-from swarmtrain.errors import AuthError, ConnectionLost, ProtocolError, SwarmError, SwarmTimeout
+from swarmtrain.errors import AuthError, ConfigError, ConnectionLost, ProtocolError, SwarmError, SwarmTimeout
 from swarmtrain.transport import auth
 from swarmtrain.transport.connection import Connection, FrameProtocol, Timeouts, peer_name
 from swarmtrain.transport.tls import (
@@ -42,7 +42,8 @@ from swarmtrain.transport.tls import (
 )
 from swarmtrain.wire import Auth, Challenge, Error, Hello, Limits, Message, Welcome
 
-__all__ = ["HANDSHAKE_LIMITS", "Server", "ServerLimits", "start_server", "connect", "is_loopback_host"]
+__all__ = ["HANDSHAKE_LIMITS", "Server", "ServerLimits", "start_server", "connect", "is_loopback_host",
+           "require_secret"]
 
 log = logging.getLogger("swarmtrain.transport")
 
@@ -406,6 +407,23 @@ def _ip(transport: asyncio.BaseTransport) -> str:
     """The other side's IP address (what per-address limits count)."""
     peername = transport.get_extra_info("peername")
     return str(peername[0]) if isinstance(peername, tuple) and peername else "?"
+
+
+def require_secret(host: str, port: int, secret: bytes | None, insecure: bool, what: str) -> None:
+    """Refuse to listen beyond loopback without a cluster secret, unless ``insecure`` says an
+    open cluster is meant.
+
+    Args:
+        what: what strangers could then do, for the message ("join or send gradients").
+
+    Raises:
+        ConfigError: no secret, not ``insecure``, and ``host`` is reachable from elsewhere.
+    """
+    if secret is None and not insecure and not is_loopback_host(host):
+        raise ConfigError(
+            f"refusing to listen on {host}:{port} without a cluster secret: anyone on the network "
+            f"could {what}. Set SWARMTRAIN_SECRET or --secret-file (create one with `swarmtrain "
+            "secret --out FILE`), or pass --insecure for an open cluster")
 
 
 def is_loopback_host(host: str) -> bool:
