@@ -122,8 +122,6 @@ class HttpServer:
         self.limits = limits
         self.background = list(background)
         self._background_tasks: list[asyncio.Task[None]] = []
-        self.requests = 0
-        self.bad_requests = 0
         self._server: asyncio.Server | None = None
         self._active: set[asyncio.Task[None]] = set()
 
@@ -195,7 +193,6 @@ class HttpServer:
             return self._refuse(400, "connection closed before the request head ended")
         except BadRequest as exc:
             return self._refuse(exc.status, str(exc))
-        self.requests += 1
         handler = self.routes.get(path)
         if handler is None:
             paths = ", ".join(sorted(self.routes))
@@ -208,7 +205,6 @@ class HttpServer:
         return _render(status, content_type, body, head_only=method == "HEAD")
 
     def _refuse(self, status: int, why: str) -> bytes:
-        self.bad_requests += 1
         return _render(status, "text/plain", (why + "\n").encode())
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
