@@ -15,6 +15,8 @@ Each element is stored as the offset code ``sign(x) * l + s`` in ``[0, 2s]``, wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from swarmtrain.compression.base import (
@@ -30,7 +32,7 @@ from swarmtrain.compression.base import (
 from swarmtrain.compression.bitpack import PACK_BITS, pack_bits, packed_nbytes, unpack_bits
 from swarmtrain.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 
-__all__ = ["MAX_BUCKET_SIZE", "QSGD_BITS", "QSGDCodec", "decode_bucketed_levels"]
+__all__ = ["MAX_BUCKET_SIZE", "QSGD_BITS", "BucketedLevelCodec", "QSGDCodec", "decode_bucketed_levels"]
 
 QSGD_BITS = PACK_BITS
 """Allowed bits per element: 2 (levels -1..1), 4 (-7..7), 8 (-127..127)."""
@@ -56,28 +58,35 @@ def _scale_per_bucket_(values: torch.Tensor, scale: torch.Tensor, bucket_size: i
         values[full * bucket_size :].mul_(scale[full])
 
 
-class QSGDCodec(Codec):
-    """Stochastic ``bits``-bit quantization with one float32 L2 norm per bucket.
+def _per_bucket(flat: torch.Tensor, size: int, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``reduce`` (e.g. an L2 norm, a max magnitude) of each bucket of ``size`` elements of
+    ``flat``: float32, one value per bucket. ``reduce(x, dim=1)`` over the full buckets at
+    once, ``reduce(x)`` over the shorter last one."""
+    numel = flat.numel()
+    full = numel // size
+    out = torch.empty(_num_buckets(numel, size), dtype=torch.float32)
+    if full:
+        out[:full] = reduce(flat[: full * size].view(full, size), dim=1)
+    if numel > full * size:
+        out[full] = reduce(flat[full * size :])
+    return out
 
-    Wire (n = numel, B = ceil(n / bucket_size))::
 
-        norms   float32[B]                      L2 norm of each bucket
-        codes   uint8[ceil(n * bits / 8)]       packed offset codes sign*level + s
-        meta    {"bits": bits, "bucket_size": bucket_size}
+class BucketedLevelCodec(Codec):
+    """What QSGD and the uniform codec share: ``bits``-bit level codes packed on the wire,
+    one float32 scale per bucket of ``bucket_size`` elements, one decoder
+    (:func:`decode_bucketed_levels`, the scale part named :attr:`SCALE_PART`).
+
+    Raises:
+        ConfigError: ``bits`` not in (2, 4, 8) or ``bucket_size`` out of 1 .. 2**24.
     """
 
-    name = "qsgd"
+    SCALE_PART = ""
+    BITS_KEY = "bits"  # the config key named in errors
 
     def __init__(self, bits: int = 8, bucket_size: int = 512) -> None:
-        """Args:
-            bits: 2, 4 or 8 bits per element.
-            bucket_size: elements per bucket, 1 .. 2**24.
-
-        Raises:
-            ConfigError: either parameter is out of range.
-        """
         if isinstance(bits, bool) or bits not in QSGD_BITS:
-            raise ConfigError(f"qsgd_bits must be one of {QSGD_BITS}, got {bits!r}")
+            raise ConfigError(f"{self.BITS_KEY} must be one of {QSGD_BITS}, got {bits!r}")
         if (
             isinstance(bucket_size, bool)
             or not isinstance(bucket_size, int)
@@ -90,7 +99,28 @@ class QSGDCodec(Codec):
         self.bucket_size = bucket_size
 
     def __repr__(self) -> str:
-        return f"QSGDCodec(bits={self.bits}, bucket_size={self.bucket_size})"
+        return f"{type(self).__name__}(bits={self.bits}, bucket_size={self.bucket_size})"
+
+    def decompress(self, c: Compressed) -> torch.Tensor:
+        return decode_bucketed_levels(c, self.name, self.SCALE_PART)
+
+    def estimate_wire_bytes(self, numel: int) -> int:
+        return 4 * _num_buckets(numel, self.bucket_size) + packed_nbytes(numel, self.bits)
+
+
+class QSGDCodec(BucketedLevelCodec):
+    """Stochastic ``bits``-bit quantization with one float32 L2 norm per bucket.
+
+    Wire (n = numel, B = ceil(n / bucket_size))::
+
+        norms   float32[B]                      L2 norm of each bucket
+        codes   uint8[ceil(n * bits / 8)]       packed offset codes sign*level + s
+        meta    {"bits": bits, "bucket_size": bucket_size}
+    """
+
+    name = "qsgd"
+    SCALE_PART = "norms"
+    BITS_KEY = "qsgd_bits"
 
     def compress(
         self, tensor: torch.Tensor, *, generator: torch.Generator | None = None
@@ -99,12 +129,7 @@ class QSGDCodec(Codec):
         numel = flat.numel()
         size = self.bucket_size
         s = _levels(self.bits)
-        full = numel // size
-        norms = torch.empty(_num_buckets(numel, size), dtype=torch.float32)
-        if full:
-            torch.linalg.vector_norm(flat[: full * size].view(full, size), dim=1, out=norms[:full])
-        if numel > full * size:
-            norms[full] = torch.linalg.vector_norm(flat[full * size :])
+        norms = _per_bucket(flat, size, torch.linalg.vector_norm)
         if norms.numel() and not bool(torch.isfinite(norms).all()):
             raise LocalProtocolError(
                 "non_finite", "qsgd: a bucket norm is not finite (NaN/inf in the tensor)"
@@ -122,11 +147,6 @@ class QSGDCodec(Codec):
         meta: dict[str, int | float | str] = {"bits": self.bits, "bucket_size": size}
         return Compressed(self.name, tuple(tensor.shape), dtype_name(tensor), parts, meta)
 
-    def decompress(self, c: Compressed) -> torch.Tensor:
-        return decode_qsgd(c)
-
-    def estimate_wire_bytes(self, numel: int) -> int:
-        return 4 * _num_buckets(numel, self.bucket_size) + packed_nbytes(numel, self.bits)
 
 
 def decode_qsgd(c: Compressed) -> torch.Tensor:

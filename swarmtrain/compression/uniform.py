@@ -23,37 +23,28 @@ from __future__ import annotations
 import torch
 
 from swarmtrain.compression.base import (
-    Codec,
     Compressed,
     dtype_name,
     flat_float32,
 )
-from swarmtrain.compression.bitpack import PACK_BITS, pack_bits, packed_nbytes
+from swarmtrain.compression.bitpack import pack_bits
 from swarmtrain.compression.qsgd import (
-    MAX_BUCKET_SIZE,
+    BucketedLevelCodec,
     _levels,
-    _num_buckets,
+    _per_bucket,
     _scale_per_bucket_,
     decode_bucketed_levels,
 )
-from swarmtrain.errors import ConfigError, LocalProtocolError
+from swarmtrain.errors import LocalProtocolError
 
 __all__ = ["UniformCodec", "decode_uniform"]
 
 
-def _bucket_max(flat: torch.Tensor, size: int) -> torch.Tensor:
-    """The largest magnitude of each bucket of ``size`` elements (float32, one per bucket)."""
-    numel = flat.numel()
-    full = numel // size
-    out = torch.empty(_num_buckets(numel, size), dtype=torch.float32)
-    if full:
-        torch.amax(flat[: full * size].view(full, size).abs(), dim=1, out=out[:full])
-    if numel > full * size:
-        out[full] = flat[full * size :].abs().max()
-    return out
+def _max_magnitude(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return x.abs().amax() if dim is None else x.abs().amax(dim=dim)
 
 
-class UniformCodec(Codec):
+class UniformCodec(BucketedLevelCodec):
     """Deterministic ``bits``-bit quantization with one max-magnitude scale per bucket.
 
     Args:
@@ -65,18 +56,11 @@ class UniformCodec(Codec):
     """
 
     name = "uniform"
+    SCALE_PART = "scales"
+    BITS_KEY = "uniform bits"
 
     def __init__(self, bits: int = 4, bucket_size: int = 512) -> None:
-        if isinstance(bits, bool) or bits not in PACK_BITS:
-            raise ConfigError(f"uniform bits must be one of {PACK_BITS}, got {bits!r}")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) \
-                or not 1 <= bucket_size <= MAX_BUCKET_SIZE:
-            raise ConfigError(f"bucket_size must be an int in 1..{MAX_BUCKET_SIZE}, got {bucket_size!r}")
-        self.bits = bits
-        self.bucket_size = bucket_size
-
-    def __repr__(self) -> str:
-        return f"UniformCodec(bits={self.bits}, bucket_size={self.bucket_size})"
+        super().__init__(bits, bucket_size)
 
     def compress(
         self, tensor: torch.Tensor, *, generator: torch.Generator | None = None
@@ -89,7 +73,7 @@ class UniformCodec(Codec):
         flat = flat_float32(tensor)
         size = self.bucket_size
         s = _levels(self.bits)
-        scales = _bucket_max(flat, size)
+        scales = _per_bucket(flat, size, _max_magnitude)
         if scales.numel() and not bool(torch.isfinite(scales).all()):
             raise LocalProtocolError(
                 "non_finite", "uniform: a bucket holds NaN or inf; fix the tensor before sending it"
@@ -106,11 +90,6 @@ class UniformCodec(Codec):
         c = Compressed(self.name, tuple(tensor.shape), dtype_name(tensor), parts, meta)
         return c, level.view(tensor.shape)
 
-    def decompress(self, c: Compressed) -> torch.Tensor:
-        return decode_uniform(c)
-
-    def estimate_wire_bytes(self, numel: int) -> int:
-        return 4 * _num_buckets(numel, self.bucket_size) + packed_nbytes(numel, self.bits)
 
 
 def decode_uniform(c: Compressed) -> torch.Tensor:
