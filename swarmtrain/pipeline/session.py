@@ -16,10 +16,12 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.ops.serve import serve_stage
@@ -91,13 +93,18 @@ def parse_layer_range(text: str) -> tuple[int, int]:
     return int(start), int(stop)
 
 
-def stage_range(task: Task, seed: int, stage: int, stages: int) -> tuple[int, int]:
-    """The layers of ``stage`` of ``stages`` when every stage runs on an equal node.
+def _already_built(model: nn.Module) -> Callable[[int], nn.Module]:
+    """A model factory for :func:`build_stage` that hands over a model built with its seed."""
+    return lambda _seed: model
+
+
+def stage_range(layers: list[nn.Module], stage: int, stages: int) -> tuple[int, int]:
+    """The layers of ``stage`` of ``stages`` (out of the model's ``layers``) when every stage
+    runs on an equal node.
 
     Raises:
         ConfigError: the model has fewer layers than stages.
     """
-    layers = split_layers(task.build_model(seed))
     nodes = [NodeSpec(f"stage{i}", 1.0, _UNBOUNDED_MEMORY) for i in range(stages)]
     return plan_stages(estimate_layer_costs(layers), nodes)[stage]
 
@@ -173,14 +180,17 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
     require_secret(opts.host, opts.port, secret, insecure, "send this stage activations or gradients")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    n_layers = len(split_layers(task.build_model(opts.seed)))
-    layer_range = opts.layers or stage_range(task, opts.seed, opts.stage, opts.stages)
+    model = task.build_model(opts.seed)  # built once: planned, then cut down to this stage
+    all_layers = split_layers(model)
+    n_layers = len(all_layers)
+    layer_range = opts.layers or stage_range(all_layers, opts.stage, opts.stages)
     last = opts.stage == opts.stages - 1
     if (layer_range[0] == 0) != (opts.stage == 0) or (layer_range[1] == n_layers) != last:
         raise ConfigError(f"stage {opts.stage} of {opts.stages} cannot hold layers [{layer_range[0]}, "
                           f"{layer_range[1]}) of {n_layers}: only stage 0 starts at layer 0 and only the "
                           "last stage ends at the last layer; fix --layers or drop it")
-    layers, loss_fn = build_stage(task.build_model, opts.seed, *layer_range)
+    layers, loss_fn = build_stage(_already_built(model), opts.seed, *layer_range)
+    del model, all_layers  # the stage keeps only its own layers
     server = StageServer(
         layers, stage=opts.stage, layer_range=layer_range, loss_fn=loss_fn if last else None,
         compute=ComputeConfig(learning_rate=opts.learning_rate or task.default_learning_rate),
