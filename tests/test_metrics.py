@@ -222,6 +222,10 @@ def test_stage_metrics_count_the_work_of_a_real_pipeline_run() -> None:
         assert value(samples, "swarmtrain_buffer_dropped_total", buffer=buf) == 0
         assert value(samples, "swarmtrain_buffer_refused_total", buffer=buf) == 0
     assert value(samples, "swarmtrain_refused_messages_total") == 0
+    # frames by message type: every micro-batch's forward arrived at this stage
+    assert value(samples, "swarmtrain_received_messages_total", type="STAGE_FORWARD") >= microbatches
+    assert value(samples, "swarmtrain_received_bytes_total", type="STAGE_FORWARD") > 0
+    assert value(samples, "swarmtrain_sent_bytes_total", type="STAGE_RESULT") > 0
     assert status["node"] == "stage" and status["microbatches"] == microbatches
     assert dashboard_code == 404  # a stage serves metrics and status, no dashboard
 
@@ -285,6 +289,9 @@ def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
     assert value(after, "swarmtrain_collective_sent_bytes_total") > 0
     assert value(after, "swarmtrain_collective_received_bytes_total") > 0
     assert value(after, "swarmtrain_samples_total") == 32 * rounds
+    # the control port's frames by message type: the other peer asked who we are
+    assert value(after, "swarmtrain_received_messages_total", type="PEER_HELLO") >= 1
+    assert value(after, "swarmtrain_sent_bytes_total", type="PEER_INFO") > 0
     assert math.isfinite(value(after, "swarmtrain_loss"))
     assert status["node"] == "peer" and len(status["members"]) == 2 and status["round"] == rounds
     assert page[0] == 200 and page[1].startswith("text/html") and b"chart-loss" in page[2]

@@ -168,6 +168,7 @@ class PeerCollector(StatusCollector):
                        st.get("bytes_sent"))
         yield _counter("collective_received_bytes", "bytes received by all-reduce and broadcast",
                        st.get("bytes_received"))
+        yield from _traffic(dict(st.get("traffic") or {}))
 
 
 class StageCollector(StatusCollector):
@@ -210,6 +211,7 @@ class StageCollector(StatusCollector):
         dropped.add_metric(["outbound"], _num(out.get("failed")))
         refused.add_metric(["outbound"], _num(out.get("refused")))
         yield from (fill, size, packets_in, packets_out, dropped, refused)
+        yield from _traffic(dict(st.get("traffic") or {}))
 
 
 def registry_for(collector: Collector) -> CollectorRegistry:

@@ -434,4 +434,6 @@ class PeerBackend:
                 "epoch": self.epoch, "members": list(v.members) if v else [],
                 "rank": v.rank(self.identity.peer_id) if v and self.identity else -1,
                 "world_size": self.world_size, "rounds": self.rounds,
+                # frames served on the control port, by message type
+                "traffic": self.control.server.traffic() if self.control.server is not None else {},
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}

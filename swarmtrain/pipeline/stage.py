@@ -241,6 +241,7 @@ class StageServer:
             "sync_rounds": self.replicas.rounds, "sync_served": self.sync_served,
             "sync_failures": self.replicas.failures, "refused": self.refused,
             "failed_handshakes": 0 if self._server is None else self._server.failed_handshakes,
+            "traffic": self._server.traffic() if self._server is not None else {},
             "inbound": dataclasses.asdict(self.inbound.metrics()),
             "infer_inbound": dataclasses.asdict(self.infer_inbound.metrics()),
             "outbound": dataclasses.asdict(self.outbound.metrics()),
