@@ -52,16 +52,24 @@ from swarmtrain.testing.cluster import COORDINATOR_TOML, WORKER_TOML, LanCluster
 # - textlm, batch 16 (the task's default): plain Adam reaches a held-out loss of 3.0 nats/byte
 #   (4.33 bits/byte; a unigram byte model of the corpus scores 3.29, a bigram one 2.44) after
 #   ~50 steps. On the LAN, `none` alone manages 0.5 updates/s (3.5 MB each way per step) and
-#   was at 3.54 after 120 updates / 240 s, so it is not expected to reach 3.0 within the cap:
-#   its row then says so and the ratios against it are lower bounds. The target stays 3.0 (a
-#   loss above the unigram figure would only show that byte frequencies were learned); for a
-#   measured ratio the report adds the time every codec took to reach the best loss `none`
-#   reached within the cap. The cap keeps the whole benchmark near 15-20 minutes.
+#   was at 3.54 after 120 updates / 240 s. The target stays 3.0 (a loss above the unigram
+#   figure would only show that byte frequencies were learned). In the run published on
+#   2026-11-29 the cap was 200 s and `none` missed the target (only 4-bit QSGD reached it, after
+#   466 updates); the cap is now 1500 s so that `none` reaches the target and the ratio is a
+#   measured one (~1000 s for `none` at 0.5 updates/s; a full run takes ~50 minutes). Where
+#   `none` still misses it, the report keeps the same-loss column (time to the best loss
+#   `none` reached within the cap).
 # - TOPK_WARMUP was 50 in the first published run (top-k 1 % then needed ~1100 updates to
 #   0.95 against ~650 for none). Changed to 200 after that run, from a single-process
 #   simulation of 3 workers at staleness 5 (updates to 0.95: warm-up 50 -> 1020, 100 -> 980,
 #   150 -> 900, 200 -> 750, 300 -> 710; none 760): Deep Gradient Compression's recipe warms
 #   up over the first epochs, and 200 steps per worker is ~4 epochs of a worker's shard here.
+# - TOPK_WARMUP for textlm was the same 200 steps in the 2026-11-29 run: more steps than a
+#   worker takes to the target (4-bit QSGD got there after ~155 steps per worker), so top-k
+#   spent the whole run warming up, sending near-dense gradients with indices (its uplink
+#   averaged 5.2:1). textlm's epochs are thousands of steps, so "a few epochs" gives no length;
+#   the warm-up is set to ~1/8 of the steps per worker the fastest codec needed in that run
+#   (155 / 8 ~ 20), fixed before any top-k textlm run with it.
 RATE_MBIT = 10.0
 LINK_BYTES_PER_S = RATE_MBIT * 1e6 / 8  # 1.25 MB/s each way per worker link
 TBF_BURST = max(int(LINK_BYTES_PER_S / 100), 16 * 1024)  # as swarmtrain.testing.lan._tbf_args
@@ -72,22 +80,31 @@ DIGITS_CAP_S = 150.0  # wall-clock cap of one digits run (from the start of trai
 DIGITS_EVAL_S = 0.25  # coordinator --eval-interval (an evaluation costs ~1 ms)
 DIGITS_BATCH = 32
 TEXTLM_TARGET = 3.0  # held-out loss, nats per byte
-TEXTLM_CAP_S = 200.0  # wall-clock cap of one textlm run
+TEXTLM_CAP_S = 1500.0  # wall-clock cap of one textlm run (none needs ~1000 s to the target)
 TEXTLM_EVAL_S = 4.0  # an evaluation costs ~1 core-second here; every 4 s is ~20 % of a core
 TEXTLM_BATCH = 16
-TOPK_WARMUP = 200  # [compression] warmup_steps for the topk rows (per worker, dense -> ratio)
+#: [compression] warmup_steps for the topk rows (per worker, dense -> ratio), per task
+TOPK_WARMUP = {"digits": 200, "textlm": 20}
 
 #: label -> [compression] keys (written to both the coordinator's and the workers' TOML)
 CODECS: dict[str, dict[str, Any]] = {
     "none": {"type": "none"},
     "fp16": {"type": "fp16"},
-    "topk 1%": {"type": "topk", "topk_ratio": 0.01, "warmup_steps": TOPK_WARMUP},
-    "topk 10%": {"type": "topk", "topk_ratio": 0.1, "warmup_steps": TOPK_WARMUP},
+    "topk 1%": {"type": "topk", "topk_ratio": 0.01},
+    "topk 10%": {"type": "topk", "topk_ratio": 0.1},
     "qsgd 8-bit": {"type": "qsgd", "qsgd_bits": 8},
     "qsgd 4-bit": {"type": "qsgd", "qsgd_bits": 4},
 }
 QUICK_CODECS = ("none", "topk 1%")
 QUICK = {"digits_steps": 400, "digits_cap": 60.0, "textlm_cap": 60.0}
+
+
+def codec_keys(label: str, task: str) -> dict[str, Any]:
+    """The [compression] keys of one row for one task (top-k rows get the task's warm-up)."""
+    keys = dict(CODECS[label])
+    if keys["type"] == "topk":
+        keys["warmup_steps"] = TOPK_WARMUP[task]
+    return keys
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 POLL_S = 0.2
@@ -488,6 +505,12 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+def _warmup(constants: dict[str, Any], task: str) -> int:
+    """The top-k warm-up of a saved run (one number for every task before 2026-11-30)."""
+    w = constants["topk_warmup_steps"]
+    return int(w[task] if isinstance(w, dict) else w)
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The report: bar check, tables, plot reference and how it was measured."""
     results, checks, k = data["results"], data["bar"], data["constants"]
@@ -510,14 +533,16 @@ def markdown(data: dict[str, Any]) -> str:
     if "digits" in results:
         md += [f"### digits (MLP, {results['digits'][0]['raw_bytes_per_step'] / 4:.0f} parameters, "
                f"{fmt_bytes(results['digits'][0]['raw_bytes_per_step'])} per dense fp32 step), "
-               f"batch {DIGITS_BATCH}, to {digits_steps} updates", "",
+               f"batch {DIGITS_BATCH}, to {digits_steps} updates; top-k warm-up "
+               f"{_warmup(k, 'digits')} steps per worker", "",
                digits_table(results["digits"]), "", bytes_table(results["digits"]), ""]
     if "textlm" in results:
         table, equal = textlm_table(results["textlm"])
         md += [f"### textlm (default byte-level transformer, "
                f"{results['textlm'][0]['raw_bytes_per_step'] / 4:.0f} parameters, "
                f"{fmt_bytes(results['textlm'][0]['raw_bytes_per_step'])} per dense fp32 step), batch "
-               f"{TEXTLM_BATCH}, until held-out loss ≤ {TEXTLM_TARGET} nats/byte or {textlm_cap:.0f} s",
+               f"{TEXTLM_BATCH}, until held-out loss ≤ {TEXTLM_TARGET} nats/byte or {textlm_cap:.0f} s; "
+               f"top-k warm-up {_warmup(k, 'textlm')} steps per worker",
                "", table, "", bytes_table(results["textlm"]), ""]
     md += ["![held-out metric against wall time and against updates, per codec](compression.png)", "",
            "**How measured.** Time zero is the coordinator's log line saying all 3 workers are "
@@ -590,7 +615,7 @@ def main() -> int:
                 tmp = Path(tmpdir) / f"{task}-{label.replace(' ', '_').replace('%', 'pct')}"
                 tmp.mkdir()
                 print(f"{task} / {label} ...", flush=True)
-                r = run_one(task, label, CODECS[label],
+                r = run_one(task, label, codec_keys(label, task),
                             max_steps=digits_steps if task == "digits" else 0,
                             cap_s=digits_cap if task == "digits" else textlm_cap,
                             stop_at_target=task != "digits", tmp=tmp)
