@@ -10,7 +10,20 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION}"
+    probe=$(mktemp -d)
+    if .venv/bin/python -m pip download --quiet --no-index --no-deps -d "$probe" "torch==${TORCH_VERSION}" \
+            >/dev/null 2>&1; then
+        # a local wheel (pip's find-links, e.g. a CPU build kept on disk): use it
+        .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION}"
+    elif [ "$(uname -s)" = Linux ]; then
+        # PyPI's Linux wheels pull several GB of CUDA libraries; PyTorch's CPU index does not
+        .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION}" \
+            --index-url "${SWARMTRAIN_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
+            --extra-index-url https://pypi.org/simple
+    else
+        .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION}"  # macOS: CPU wheels
+    fi
+    rm -rf "$probe"
 fi
 .venv/bin/python -m pip install --quiet -e ".[test]"
 # The dashboard test renders the page in headless Chromium (Debian's package). Installed here
