@@ -17,6 +17,7 @@ __all__ = [
     "AuthError",
     "SwarmTimeout",
     "ConnectionLost",
+    "TruncatedFrame",
     "RefusedError",
     "ModelMismatch",
     "CheckpointError",
@@ -97,3 +98,11 @@ class CheckpointError(SwarmError):
 
 class TaskError(SwarmError):
     """A task could not be found, loaded or built."""
+
+
+class TruncatedFrame(RemoteProtocolError, ConnectionLost):
+    """The connection ended inside a frame (code ``truncated_frame``): a protocol error of the
+    sender's, and a lost connection to whoever was waiting on it."""
+
+    def __init__(self, message: str) -> None:
+        RemoteProtocolError.__init__(self, "truncated_frame", message)

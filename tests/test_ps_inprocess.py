@@ -4,6 +4,7 @@ coordinator but not separate processes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from typing import Any
 
@@ -170,7 +171,10 @@ MALFORMED = {
 }
 
 
-def test_malformed_frames_get_their_own_error_and_others_keep_training() -> None:
+def test_malformed_frames_get_their_own_error_and_others_keep_training(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="swarmtrain.transport")
+
     async def main() -> None:
         c = coordinator(**{"training.min_workers": 1})
         await c.start()
@@ -208,6 +212,9 @@ def test_malformed_frames_get_their_own_error_and_others_keep_training() -> None
                 await asyncio.sleep(0.05)
             assert c.version > before + 5
             assert c.workers["good"].rejected == 0
+            # the cut frame was named as such (its own code), not as a plain disconnect
+            assert any("closed mid-frame" in r.getMessage() and "GRADIENTS frame" in r.getMessage()
+                       for r in caplog.records), [r.getMessage() for r in caplog.records]
         finally:
             good.stop()
             await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)

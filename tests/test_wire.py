@@ -21,7 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmtrain import wire
-from swarmtrain.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from swarmtrain.errors import (
+    ConnectionLost,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    TruncatedFrame,
+)
 from swarmtrain.wire import (
     ALIGN,
     DTYPES,
@@ -551,6 +557,22 @@ def test_truncated_frame_yields_nothing_and_reports_mid_frame() -> None:
         dec.feed(data[cut:])
         assert not dec.mid_frame
         assert dec.next_message() is not None
+
+
+def test_a_stream_ending_inside_a_frame_is_a_truncated_frame_error() -> None:
+    data = encode_bytes(SAMPLES[MsgType.WEIGHTS])
+    whole = Decoder()
+    whole.feed(data)
+    assert whole.end_of_stream() is None  # ended between frames: nothing wrong
+    for cut, part in ((3, "preamble"), (PREAMBLE.size + 2, "header"), (len(data) - 1, "payload")):
+        dec = Decoder()
+        dec.feed(data[:cut])
+        err = dec.end_of_stream()
+        assert isinstance(err, TruncatedFrame) and isinstance(err, ConnectionLost), cut
+        assert err.code == "truncated_frame"
+        assert part in str(err), (part, str(err))
+        with pytest.raises(TruncatedFrame):  # the decoder stays broken, as after any error
+            dec.feed(b"x")
 
 
 def test_error_codes_are_distinct_per_kind() -> None:

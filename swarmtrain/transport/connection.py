@@ -125,7 +125,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._can_write.set()
-        self._mark_closed(exc or ConnectionLost("connection closed by peer"))
+        truncated = None
+        if self.protocol_error is None and not self.closed.is_set():  # not closed by us
+            truncated = self.decoder.end_of_stream()
+        if truncated is not None:
+            log.warning("connection closed mid-frame: %s", truncated)
+            self.protocol_error = truncated
+        self._mark_closed(truncated or exc or ConnectionLost("connection closed by peer"))
 
     def _mark_closed(self, exc: BaseException) -> None:
         if not self.closed.is_set():

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from swarmtrain.errors import LocalProtocolError, RemoteProtocolError
+from swarmtrain.errors import LocalProtocolError, RemoteProtocolError, TruncatedFrame
 from swarmtrain.wire.messages import Message, MsgType, message_from_fields
 from swarmtrain.wire.tensors import layout_tensors, rebuild_tensors
 
@@ -240,3 +240,18 @@ class Decoder:
     def mid_frame(self) -> bool:
         """True if some bytes of an unfinished frame have been received."""
         return self._state != _PRE or self._filled > 0
+
+    def end_of_stream(self) -> TruncatedFrame | None:
+        """The stream has ended: the ``truncated_frame`` error if it ended inside a frame
+        (saying how far in), else None. Messages already complete stay available."""
+        if self._error is not None or not self.mid_frame:
+            return None
+        if self._state == _PRE:
+            where = f"{self._filled} of the {PREAMBLE.size} preamble bytes"
+        elif self._state == _HEAD:
+            where = f"{self._filled} of the {self._header_len} header bytes of a {self._mtype.name} frame"
+        else:
+            where = f"{self._filled} of the {self._payload_len} payload bytes of a {self._mtype.name} frame"
+        err = TruncatedFrame(f"the stream ended inside a frame, after {where}")
+        self._fail(err)
+        return err
