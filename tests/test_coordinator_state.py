@@ -5,6 +5,7 @@ and control commands (pause, resume, checkpoint, status, shutdown)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -170,5 +171,70 @@ def test_ctl_pause_resume_checkpoint_status_shutdown(tmp_path: Path) -> None:
         assert w.shutdown_reason  # the worker was told and stopped cleanly
         assert len(list(tmp_path.glob("ckpt-*"))) == 2  # SHUTDOWN checkpointed again
         await c.close()
+
+    asyncio.run(main())
+
+
+def test_a_gradient_older_than_max_staleness_is_dropped_counted_and_moves_nothing() -> None:
+    c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0, "training.max_staleness": 2})
+    rec = record(c)
+    old = gradient(c, 1)  # computed on version 0
+    for i in range(2, 5):  # three updates from elsewhere: version 3
+        assert c._apply_gradient(rec, gradient(c, i))[0] == "applied"
+    before = {n: p.detach().clone() for n, p in c.params.items()}
+    old = dataclasses.replace(old, msg_id=5)
+    status, _ = c._apply_gradient(rec, old)  # staleness 3 > max_staleness 2
+    assert status == "stale" and c.stats["stale"] == 1 and rec.stale == 1 and c.version == 3
+    assert all(torch.equal(before[n], p) for n, p in c.params.items())
+    ok = dataclasses.replace(gradient(c, 6), version=1)  # staleness 2: still applied
+    assert c._apply_gradient(rec, ok)[0] == "applied" and c.version == 4
+    assert c.staleness_counts[2] == 1
+
+
+@pytest.mark.parametrize("damping", [True, False])
+def test_a_stale_gradient_moves_the_weights_one_over_staleness_as_far(damping: bool) -> None:
+    """Adam's first step moves every weight by ~lr whatever the gradient's scale, so the step of
+    a gradient 4 versions behind shows the damping directly: lr/4 (or lr without damping)."""
+    moves = {}
+    for staleness in (1, 4):
+        c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0,
+                                                      "training.staleness_damping": damping})
+        c.version = staleness  # as if `staleness` updates from others had been applied
+        rec = record(c)
+        before = {n: p.detach().clone() for n, p in c.params.items()}
+        g = dataclasses.replace(gradient(c, 1), version=0)
+        assert c._apply_gradient(rec, g)[0] == "applied"
+        moves[staleness] = max(float((p.detach() - before[n]).abs().max()) for n, p in c.params.items())
+    expected = 0.25 if damping else 1.0
+    assert moves[4] / moves[1] == pytest.approx(expected, rel=1e-3), moves
+
+
+def test_training_starts_only_when_min_workers_have_joined() -> None:
+    async def main() -> None:
+        c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0,
+                                                      "training.min_workers": 2})
+        await c.start()
+        first = worker(c.port, **{"training.worker_id": "first"})
+        second = worker(c.port, **{"training.worker_id": "second"})
+        tasks = [asyncio.create_task(first.run_async())]
+        try:
+            async with asyncio.timeout(30):
+                while "first" not in c.workers or not c.workers["first"].welcomed:
+                    await asyncio.sleep(0.05)
+            # one of two: connected and holding the weights, but not told to start
+            for _ in range(20):
+                await asyncio.sleep(0.05)
+                assert not c.running and c.version == 0 and first.steps == 0
+            tasks.append(asyncio.create_task(second.run_async()))
+            async with asyncio.timeout(30):
+                while not (first.steps > 3 and second.steps > 3):
+                    await asyncio.sleep(0.05)
+            assert c.running and any(e["event"] == "start" for e in c.events)
+        finally:
+            first.stop()
+            second.stop()
+            async with asyncio.timeout(30):
+                await asyncio.gather(*tasks, return_exceptions=True)
+            await c.close()
 
     asyncio.run(main())
