@@ -523,6 +523,9 @@ def markdown(data: dict[str, Any]) -> str:
           f"LAN of network namespaces). One fresh cluster per codec and task; downlink = the default "
           f"`auto`. Machine: {data['machine']['cpu']}, {data['machine']['cores']} cores for all four "
           f"processes (1-minute load average{load}).", ""]
+    for task, date in data.get("kept", {}).items():
+        md += [f"**{task}** rows: from the run of {date} (kept with `--keep`; this run measured "
+               f"the other task only).", ""]
     if data["quick"]:
         md += ["**--quick run** (fewer codecs, shorter runs): not the figures to quote.", ""]
     md += ["**The bar** (topk 1 % reaches the target ≥ 5× sooner than none, final accuracy within 1 "
@@ -584,6 +587,8 @@ def main() -> int:
     parser.add_argument("--textlm-cap", type=float, default=None,
                         help=f"seconds per textlm run (default {TEXTLM_CAP_S:g}, "
                              f"--quick {QUICK['textlm_cap']:g})")
+    parser.add_argument("--keep", metavar="JSON", help="take the tasks this run does not measure "
+                        "from a saved compression.json (the report says which run they come from)")
     parser.add_argument("--render", metavar="JSON", help="only redraw the markdown and plot from a saved "
                         "compression.json (no runs)")
     args = parser.parse_args()
@@ -626,6 +631,13 @@ def main() -> int:
                       f"{r['link_busy_down']:.0%}" + (f", final {r['metric']} {r['final_metric']:.4f}"
                                                        if r.get("final_metric") is not None else ""),
                       flush=True)
+    kept: dict[str, str] = {}
+    if args.keep:
+        saved = json.loads(Path(args.keep).read_text())
+        for task, rows in saved["results"].items():
+            if task not in results:
+                results[task] = rows
+                kept[task] = saved.get("kept", {}).get(task) or saved["machine"]["date"]
     checks = bar_check(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(results, RESULTS / "compression.png")
@@ -638,7 +650,7 @@ def main() -> int:
                           "textlm_target": TEXTLM_TARGET, "textlm_cap_s": textlm_cap,
                           "textlm_eval_s": TEXTLM_EVAL_S, "textlm_batch": TEXTLM_BATCH,
                           "topk_warmup_steps": TOPK_WARMUP},
-            "codecs": example, "bar": checks, "results": results}
+            "codecs": example, "bar": checks, "results": results, "kept": kept}
     md = markdown(data)
     write_results("compression", data, md)
     print(md)
