@@ -188,6 +188,48 @@ def _pipeline_common(p: argparse.ArgumentParser, *, model: bool = True) -> None:
     g.add_argument("--n-layers", type=int, help="transformer blocks (default 4)")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+#: `swarmtrain stage` flags that set StageServerConfig fields of the same names (None = its default)
+_STAGE_LIMIT_KEYS = ("max_request_mb", "max_connections", "max_connections_per_address",
+                     "max_failed_auth", "max_bad_in_row")
+
+
+def _stage_limit_flags(st: argparse.ArgumentParser) -> None:
+    g = st.add_argument_group("limits (against floods and misbehaving clients)")
+    g.add_argument("--max-request-mb", type=_positive_float,
+                   help="MiB one request of a trainer or generation client may carry (default 256); a "
+                        "micro-batch x context x width x 4 bytes over it closes the connection")
+    g.add_argument("--max-connections", type=_positive_int,
+                   help="open connections at most, handshakes included (default 256)")
+    g.add_argument("--max-connections-per-address", type=_positive_int,
+                   help="open connections at most from one IP address (default 32)")
+    g.add_argument("--max-failed-auth", type=_positive_int,
+                   help="failed handshakes from one address within a minute before it is refused "
+                        "for a minute (default 10)")
+    g.add_argument("--max-bad-in-row", type=_positive_int,
+                   help="close a connection whose requests were refused this many times in a row for "
+                        "what they carried (default 5)")
+
+
+def stage_server_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~swarmtrain.pipeline.StageServerConfig` fields the `swarmtrain stage` limit
+    flags set (flags not given are left out: the config's defaults hold)."""
+    return {key: getattr(args, key) for key in _STAGE_LIMIT_KEYS if getattr(args, key) is not None}
+
+
 def _pipeline_parsers(sub: Any) -> None:
     st = sub.add_parser(
         "stage", help="serve one stage of a pipeline (a range of the model's layers)",
@@ -214,6 +256,7 @@ def _pipeline_parsers(sub: Any) -> None:
     st.add_argument("--insecure", action="store_true",
                     help="serve with no secret on a reachable address "
                          "(anyone who can reach the port can use it)")
+    _stage_limit_flags(st)
 
     pl = sub.add_parser(
         "pipeline", help="train a model whose layers are served by `swarmtrain stage` processes",
@@ -453,7 +496,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         sync_with=tuple(parse_host_port(a, "--sync-with") for a in args.sync_with),
         sync_every=args.sync_every,
         learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file,
-        http_port=args.http_port or 0, http_host=args.http_host or "127.0.0.1")
+        http_port=args.http_port or 0, http_host=args.http_host or "127.0.0.1",
+        server_limits=stage_server_settings(args))
     return run_stage(_pipeline_task(args), opts, secret=_cli_secret(args), insecure=args.insecure,
                      tls=_cli_tls(args))
 

@@ -193,11 +193,11 @@ def test_stage_compute_applies_each_backward_once(data: Any) -> None:
 
 def _server(start: int, stop: int, stage: int, *, last: bool = False, seed: int = SEED,
             sync_peers: list[tuple[str, int]] | None = None, name: str = "", lr: float = 3e-3,
-            sync_every: int = 0) -> StageServer:
+            sync_every: int = 0, **config: Any) -> StageServer:
     layers, loss_fn = build_stage(TASK.build_model, seed, start, stop)
     return StageServer(layers, stage=stage, layer_range=(start, stop), loss_fn=loss_fn if last else None,
                        compute=ComputeConfig(learning_rate=lr),
-                       config=StageServerConfig(timeouts=FAST, sync_every=sync_every),
+                       config=StageServerConfig(timeouts=FAST, sync_every=sync_every, **config),
                        secret=SECRET, sync_peers=sync_peers or [], name=name)
 
 
@@ -466,7 +466,9 @@ async def _raw_exchange(port: int, frame: bytes) -> Any:
 
 def test_malformed_and_unauthenticated_input_is_refused_and_others_keep_being_served() -> None:
     async def main() -> None:
-        s = _server(0, 2, 0, name="s0")
+        # eight refusals on one connection: above the disconnect bound (tested on its own in
+        # test_stage_hardening.py), so that every kind of refusal is seen here
+        s = _server(0, 2, 0, name="s0", max_bad_in_row=20)
         await s.start()
         router = Router([[s.address]], secret=SECRET, config=RouterConfig(timeouts=FAST))
         try:

@@ -151,8 +151,8 @@ class StageCompute:
         already applied here is answered with its input gradient (``done``).
 
         Raises:
-            BadInput: ``x``/``targets`` are unusable (the layers refused them, or the last
-                stage got no targets).
+            BadInput: ``x``/``targets`` are unusable (NaN or infinite values, the layers
+                refused them, or the last stage got no targets).
         """
         key = (session, microbatch)
         if key in self._done:
@@ -174,6 +174,8 @@ class StageCompute:
             return StageOutcome(y=y, grad=None, done=False, cached=False)
         if targets is None:
             raise BadInput("the last stage needs the targets tensor with every training forward")
+        if targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
+            raise BadInput("targets hold NaN or infinite values")  # the loss would poison the weights
         leaf = self._leaf(inp)
         with torch.enable_grad():
             y = self._run_layers(leaf)
@@ -225,7 +227,7 @@ class StageCompute:
         Safe to call from a second thread while training runs (see the class docstring).
 
         Raises:
-            BadInput: the layers refused ``x``.
+            BadInput: ``x`` holds NaN or infinite values, or the layers refused it.
         """
         inp = self._prepare_input(x)
         with self._weights_lock, torch.no_grad():

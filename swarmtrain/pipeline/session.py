@@ -143,6 +143,9 @@ class StageOptions:
         status_file: keep the server's status as JSON here ("" = none).
         http_port: serve /metrics and /api/status on this port (0 = off; no secret).
         http_host: address of the HTTP port (keep it on a trusted interface).
+        server_limits: :class:`StageServerConfig` fields set by the limit flags
+            (``max_request_mb``, ``max_connections``, ``max_connections_per_address``,
+            ``max_failed_auth``, ``max_bad_in_row``).
     """
 
     stage: int
@@ -158,6 +161,7 @@ class StageOptions:
     status_file: str = ""
     http_port: int = 0
     http_host: str = "127.0.0.1"
+    server_limits: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.stages < 1 or not 0 <= self.stage < self.stages:
@@ -195,7 +199,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         layers, stage=opts.stage, layer_range=layer_range, loss_fn=loss_fn if last else None,
         compute=ComputeConfig(learning_rate=opts.learning_rate or task.default_learning_rate),
         config=StageServerConfig(host=opts.host, port=opts.port,
-                                 sync_every=opts.sync_every if opts.sync_with else 0),
+                                 sync_every=opts.sync_every if opts.sync_with else 0,
+                                 **opts.server_limits),
         secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}", tls=tls)
 
     def status(port: int, running: bool) -> dict[str, Any]:

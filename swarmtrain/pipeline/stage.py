@@ -17,6 +17,11 @@ generation latency near its idle value.
 Replicas: a server given ``sync_peers`` averages its parameters with each of them every
 ``sync_every`` optimizer steps (see :mod:`swarmtrain.pipeline.replicas`); it also serves
 the other side of such rounds (STAGE_SYNC, at gradient-sync priority).
+
+Hardening (as on the coordinator): a frame from a replica may carry at most the stage's
+parameters twice over, one from a trainer at most ``max_request_mb``; connections are capped
+in total and per address; and a connection whose requests are refused ``max_bad_in_row``
+times in a row for what it sent is closed with ERROR ``too_many_bad``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import os
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmtrain.errors import SwarmError
+from swarmtrain.errors import RemoteProtocolError, SwarmError
 from swarmtrain.pipeline.buffers import ActivationBuffer, BufferClosed, Priority, WorkPacket
 from swarmtrain.pipeline.compute import BadInput, ComputeConfig, StageCompute, UnknownMicrobatch
 from swarmtrain.pipeline.monitor import BufferMonitor
@@ -44,9 +50,11 @@ from swarmtrain.pipeline.outbound import OutboundBuffer
 from swarmtrain.pipeline.partition import LossFn
 from swarmtrain.pipeline.replicas import ReplicaSync
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
+from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Error,
+    Limits,
     Message,
     StageBackward,
     StageError,
@@ -66,6 +74,17 @@ log = logging.getLogger("swarmtrain.pipeline")
 _FORWARD_PRIORITIES = {Priority.INFERENCE_URGENT, Priority.INFERENCE_NORMAL, Priority.TRAINING_FORWARD}
 _INFER_PRIORITIES = {Priority.INFERENCE_URGENT, Priority.INFERENCE_NORMAL}
 _ROLES = ("pipeline", "stage")
+#: header bytes any stage frame may carry, beyond its tensors' names (a StageForward's is ~200)
+_HEADER_BYTES = 1 << 16
+#: header bytes per tensor descriptor besides its name (measured ~24: dtype, shape, offsets)
+_HEADER_BYTES_PER_TENSOR = 64
+#: refusals a sender earned with what it sent (``overloaded``, ``closing``, ``internal`` and
+#: ``unknown_microbatch``, an evicted forward, are the stage's doing and never count)
+_SENDERS_FAULT = frozenset({"bad_input", "unexpected"})
+#: addresses the per-sender refusal record keeps (the oldest is forgotten first)
+_MAX_SENDER_RECORDS = 1024
+#: characters of a refusal kept in the record (a message may quote a client's session id)
+_MAX_REFUSAL_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -86,6 +105,19 @@ class StageServerConfig:
             the rest of the stage (Linux per-thread nice value, 0-19; 0 = the same). Raising
             niceness needs no privileges.
         timeouts: transport timeouts of the server and of its connections to sync peers.
+        max_request_mb: MiB one frame from a trainer or generation client (role
+            ``pipeline``) may carry: an activation, its gradient, token ids and targets. A
+            frame's activation is micro-batch x context x width x 4 bytes; the default fits
+            64 x 1024 x 1024 in fp32 (256 MiB), 256 times the default textlm's. A bigger
+            micro-batch, context or width needs a bigger value, or the stage closes the
+            connection with ``oversize_payload``.
+        max_connections: open connections at most (handshakes included).
+        max_connections_per_address: open connections at most from one IP address.
+        max_failed_auth: failed handshakes from one address within a minute after which it
+            is refused for the rest of that minute.
+        max_bad_in_row: requests of one connection refused in a row for what it sent
+            (``bad_input``, ``unexpected``) after which it is closed with ERROR
+            ``too_many_bad``; an answered request starts the count again.
     """
 
     host: str = "127.0.0.1"
@@ -99,6 +131,29 @@ class StageServerConfig:
     infer_capacity: int = 32
     training_nice: int = 10
     timeouts: Timeouts = Timeouts()
+    max_request_mb: float = 256.0
+    max_connections: int = 256
+    max_connections_per_address: int = 32
+    max_failed_auth: int = 10
+    max_bad_in_row: int = 5
+
+    def __post_init__(self) -> None:
+        for key in ("max_connections", "max_connections_per_address", "max_failed_auth",
+                    "max_bad_in_row"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"StageServerConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.max_request_mb > 0:
+            raise ValueError(f"StageServerConfig.max_request_mb must be > 0, got {self.max_request_mb}")
+
+
+@dataclass
+class _Sender:
+    """Refusals of one connection's requests (its ``bad_in_row`` decides a disconnect)."""
+
+    address: str
+    bad_in_row: int = 0
+    last_refusal: str = ""
+    disconnecting: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,6 +224,11 @@ class StageServer:
                                     name=self.name, tls=tls)
         self.sync_served = 0
         self.refused = 0
+        self.bad_input = 0  # requests refused for what they carried, all senders
+        self.sender_disconnects = 0
+        self._senders: dict[Connection, _Sender] = {}  # open connections being served
+        self._sender_log: OrderedDict[str, dict[str, Any]] = OrderedDict()  # by address, bounded
+        self._senders_lock = threading.Lock()  # the compute threads count refusals too
         self._server: Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -204,11 +264,31 @@ class StageServer:
             self.monitor = BufferMonitor({f"{self.name}.in": self.inbound, f"{self.name}.out": self.outbound},
                                          interval=self.config.monitor_interval)
             self.monitor.start()
-        self._server = await start_server(self.config.host, self.config.port, self._handle,
-                                          secret=self.secret, tls=self.tls,
-                                          timeouts=self.config.timeouts)
+        cfg = self.config
+        self._server = await start_server(
+            cfg.host, cfg.port, self._handle, secret=self.secret, tls=self.tls, timeouts=cfg.timeouts,
+            role_limits=self.role_limits(),
+            server_limits=ServerLimits(max_connections=cfg.max_connections,
+                                       max_per_address=cfg.max_connections_per_address,
+                                       max_failed_auth=cfg.max_failed_auth))
         log.info("%s serving layers [%d, %d) on %s:%d", self.name, *self.layer_range,
                  self.config.host, self.port)
+
+    def role_limits(self) -> dict[str, Limits]:
+        """What one frame from each role may carry. A replica's STAGE_SYNC holds this stage's
+        parameters: at most twice their bytes (plus 1 MiB) and a few tensors more than there
+        are parameters. A trainer's or generation client's request holds at most an
+        activation (or its gradient) and targets: ``max_request_mb`` and 4 tensors. Headers
+        hold tensor names and a few fields: 64 KiB plus what the parameters' names need."""
+        params = dict(self.compute.layers.named_parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        names = sum(len(n.encode()) + _HEADER_BYTES_PER_TENSOR for n in params)
+        return {
+            "stage": Limits(max_header_bytes=_HEADER_BYTES + names,
+                            max_payload_bytes=2 * param_bytes + (1 << 20), max_tensors=len(params) + 8),
+            "pipeline": Limits(max_header_bytes=_HEADER_BYTES,
+                               max_payload_bytes=int(self.config.max_request_mb * (1 << 20)), max_tensors=4),
+        }
 
     async def close(self) -> None:
         """Stop serving: close connections, drop queued work, stop the compute thread."""
@@ -234,12 +314,17 @@ class StageServer:
 
     def status(self) -> dict[str, Any]:
         """Layers held, optimizer steps, micro-batches, cache and sync counters, refusals
-        (full buffer, failed handshakes) and the metrics of both buffers."""
+        (full buffer, failed handshakes, bad input; ``senders``: the last
+        1024 addresses refused for their input, by address) and the metrics of both buffers."""
+        with self._senders_lock:
+            senders = {addr: dict(rec) for addr, rec in self._sender_log.items()}
         return {
             "name": self.name, "stage": self.stage, "layers": list(self.layer_range),
             **self.compute.status(),
             "sync_rounds": self.replicas.rounds, "sync_served": self.sync_served,
             "sync_failures": self.replicas.failures, "refused": self.refused,
+            "bad_input": self.bad_input, "sender_disconnects": self.sender_disconnects,
+            "senders": senders,
             "failed_handshakes": 0 if self._server is None else self._server.failed_handshakes,
             "traffic": self._server.traffic() if self._server is not None else {},
             "inbound": dataclasses.asdict(self.inbound.metrics()),
@@ -262,15 +347,85 @@ class StageServer:
             await conn.close(Error(code="bad_role", message=f"a stage server serves roles {_ROLES}, "
                                    f"not {role!r}"))
             return
-        while True:
-            try:
-                msg = await conn.recv()
-            except SwarmError:
-                return
-            refusal = self._admit(conn, role, msg)
-            if refusal is not None:
+        with self._senders_lock:
+            self._senders[conn] = _Sender(conn.peer.rsplit(":", 1)[0])  # its IP address
+        try:
+            while True:
+                try:
+                    msg = await conn.recv()
+                except RemoteProtocolError as exc:
+                    self._log_bad_frame(conn, role, exc)
+                    return
+                except SwarmError:
+                    return
+                refusal = self._admit(conn, role, msg)
+                if refusal is None:
+                    continue
+                if self._count_answer(conn, refusal):
+                    await self._disconnect(conn, refusal)
+                    return
                 with contextlib.suppress(SwarmError):
                     await conn.send(refusal, timeout=self.config.reply_timeout)
+        finally:
+            with self._senders_lock:
+                del self._senders[conn]
+
+    def _log_bad_frame(self, conn: Connection, role: str, exc: RemoteProtocolError) -> None:
+        """The transport has told the sender what was wrong with its frame, logged it and
+        dropped the connection; for a frame over this stage's limits, say what to do."""
+        if exc.code != "oversize_payload":
+            return
+        if role == "pipeline":
+            hint = (f"a request carries micro-batch x context x width x 4 bytes: a bigger one needs a "
+                    f"bigger max_request_mb (--max-request-mb, now {self.config.max_request_mb:g})")
+        else:
+            hint = "a replica's sync carries this stage's parameters: is it the same model and stage?"
+        log.warning("%s: dropped the connection of the %s at %s (%s); %s", self.name, role, conn.peer,
+                    exc, hint)
+
+    def _count_answer(self, conn: Connection, answer: Message) -> bool:
+        """Count a refusal that ``conn``'s input earned (an answered request starts the count
+        again); True once it has ``max_bad_in_row`` in a row, when the caller must
+        :meth:`_disconnect` it (True once per connection). Any thread."""
+        refused = isinstance(answer, StageError) and answer.code in _SENDERS_FAULT
+        if not refused and not isinstance(answer, StageResult | StageGrad | StageSync):
+            return False
+        with self._senders_lock:
+            sender = self._senders.get(conn)
+            if sender is None or sender.disconnecting:
+                return False
+            if not refused:
+                sender.bad_in_row = 0
+                return False
+            assert isinstance(answer, StageError)
+            why = answer.message[:_MAX_REFUSAL_CHARS]
+            sender.bad_in_row += 1
+            sender.last_refusal = why
+            self.bad_input += 1
+            rec = self._sender_log.pop(sender.address, None) or {"refused": 0, "disconnected": 0}
+            rec["refused"] += 1
+            rec["last_refusal"] = f"{answer.code}: {why}"
+            if sender.bad_in_row >= self.config.max_bad_in_row:
+                sender.disconnecting = True
+                rec["disconnected"] += 1
+                self.sender_disconnects += 1
+            self._sender_log[sender.address] = rec  # now the newest
+            if len(self._sender_log) > _MAX_SENDER_RECORDS:
+                self._sender_log.popitem(last=False)
+            return sender.disconnecting
+
+    async def _disconnect(self, conn: Connection, refusal: Message) -> None:
+        """Answer ``refusal``, then close ``conn`` with ERROR ``too_many_bad`` (event loop)."""
+        with self._senders_lock:
+            sender = self._senders.get(conn)
+            last = sender.last_refusal if sender is not None else ""
+        why = (f"{self.name}: disconnected: {self.config.max_bad_in_row} requests in a row were refused "
+               f"for what they carried (last: {last}); check that the client runs the same --task, "
+               "model flags and swarmtrain version as the stages, and sends finite values")
+        log.warning("%s: closing the connection of %s: %s", self.name, conn.peer, why)
+        with contextlib.suppress(SwarmError):
+            await conn.send(refusal, timeout=self.config.reply_timeout)
+        await conn.close(Error(code="too_many_bad", message=why))
 
     def _admit(self, conn: Connection, role: str, msg: Message) -> Message | None:
         """Queue the work ``msg`` asks for; an answer to send at once, or None."""
@@ -386,7 +541,11 @@ class StageServer:
                 answer = self._failure(job, exc)
             if answer is not None and job.conn is not None and not self._stopping:
                 try:
-                    answer_with(job, answer)
+                    if self._count_answer(job.conn, answer):
+                        assert self._loop is not None
+                        asyncio.run_coroutine_threadsafe(self._disconnect(job.conn, answer), self._loop)
+                    else:
+                        answer_with(job, answer)
                 except RuntimeError:  # the event loop is gone: close() was never awaited
                     log.error("%s: event loop closed under a running stage; stopping", self.name)
                     return
