@@ -252,6 +252,15 @@ def test_nan_and_infinite_inputs_are_refused_before_they_reach_the_weights() -> 
         compute.forward("r", 0, torch.ones(4, 3), torch.full((4, 1), math.nan))
     assert all(torch.equal(weights[n], t) for n, t in compute.parameters_snapshot().items())
 
+    # and a micro-batch whose every target is ignored (cross-entropy's -100): its loss is NaN
+    classify = StageCompute(nn.Linear(3, 5), is_first=False, loss_fn=nn.functional.cross_entropy,
+                            config=ComputeConfig())
+    weights = classify.parameters_snapshot()
+    with pytest.raises(BadInput, match="targets ignored"):
+        classify.forward("r", 0, torch.ones(4, 3), torch.full((4,), -100))
+    assert classify.steps == 0
+    assert all(torch.equal(weights[n], t) for n, t in classify.parameters_snapshot().items())
+
 
 def test_the_sender_record_keeps_the_newest_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stage_module, "_MAX_SENDER_RECORDS", 3)

@@ -185,6 +185,9 @@ class StageCompute:
             except (RuntimeError, ValueError, IndexError, TypeError) as exc:
                 raise BadInput(f"loss of output {tuple(y.shape)} against targets of shape "
                                f"{tuple(targets.shape)} and dtype {targets.dtype} failed: {exc}") from exc
+        if not bool(torch.isfinite(loss.detach()).all()):
+            raise BadInput(f"the loss of this micro-batch is {float(loss.detach().reshape(-1)[0])} "
+                           "(are all its targets ignored, e.g. -100?): nothing was applied")
         return self._apply(key, leaf, loss, None, y=loss.detach().reshape(()).float())
 
     def backward(self, session: str, microbatch: int, grad: torch.Tensor) -> StageOutcome:
