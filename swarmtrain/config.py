@@ -367,7 +367,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class PeerNetworkConfig(_Section):
-    """[network] of a peer: where it listens, and the time limits of each phase."""
+    """[network] of a peer: where it listens, the time limits of each phase, and what its control
+    server and its ring listener admit."""
 
     SECTION = "network"
     LESS_THAN = (("heartbeat_interval_sec", "heartbeat_timeout_sec"),)
@@ -381,6 +382,13 @@ class PeerNetworkConfig(_Section):
     ring_timeout_sec: float = _opt(
         120.0, "longest wait for a ring neighbour's data (slow peers arrive late)", gt=0.0)
     reform_timeout_sec: float = _opt(60.0, "longest wait for a new epoch after a failure", gt=0.0)
+    max_connections: int = _opt(
+        256, "open connections at most to the control server, and to the ring listener", ge=1)
+    max_connections_per_address: int = _opt(
+        32, "open connections at most from one IP address (to each of the two)", ge=1)
+    max_failed_auth: int = _opt(
+        10, "failed handshakes from one address within a minute before it is refused for a minute",
+        ge=1)
 
 
 @dataclass(frozen=True)

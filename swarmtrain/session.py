@@ -195,7 +195,8 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
         if cfg.peer.peers else (), profile=info.profile.value,
         heartbeat_interval=net.heartbeat_interval_sec, heartbeat_timeout=net.heartbeat_timeout_sec,
         propose_timeout=net.propose_timeout_sec, ring_timeout=net.ring_timeout_sec,
-        reform_timeout=net.reform_timeout_sec, wire=t.wire)
+        reform_timeout=net.reform_timeout_sec, wire=t.wire, max_connections=net.max_connections,
+        max_connections_per_address=net.max_connections_per_address, max_failed_auth=net.max_failed_auth)
     backend = PeerBackend(options, secret=secret, identity=identity, tls=resolve_tls(cfg.security))
     trainer = PeerTrainer(backend, strategy, max_rounds=t.max_rounds,
                           evaluate=lambda m: task.evaluate(m, data), eval_every=t.eval_every)

@@ -150,9 +150,9 @@ def test_a_worker_frame_larger_than_the_model_allows_is_refused_before_allocatio
 
 
 def test_the_failed_handshake_record_holds_only_addresses_failing_now() -> None:
-    from swarmtrain.transport.endpoints import Server
+    from swarmtrain.transport.endpoints import Admission
 
-    srv = Server(None, set(), limits=ServerLimits(max_failed_auth=2, auth_window_sec=0.2))  # type: ignore[arg-type]
+    srv = Admission(ServerLimits(max_failed_auth=2, auth_window_sec=0.2))  # a server's bookkeeping
     for i in range(100):  # addresses that connect and never fail leave no trace
         assert srv.admit(f"10.0.{i}.1") is None
     assert not srv._failures

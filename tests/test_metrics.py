@@ -214,6 +214,8 @@ def test_stage_metrics_count_the_work_of_a_real_pipeline_run() -> None:
     assert value(samples, "swarmtrain_stage_forwards_total") >= microbatches
     assert value(samples, "swarmtrain_stage_steps_total") >= 1
     assert value(samples, "swarmtrain_stage_inferences_total") == 0
+    assert value(samples, "swarmtrain_bad_input_total") == 0
+    assert value(samples, "swarmtrain_sender_disconnects_total") == 0
     assert value(samples, "swarmtrain_buffer_packets_in_total", buffer="inbound") >= microbatches
     assert value(samples, "swarmtrain_buffer_packets_out_total", buffer="inbound") >= microbatches
     assert value(samples, "swarmtrain_buffer_packets_out_total", buffer="outbound") >= microbatches
@@ -257,6 +259,8 @@ def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
             b.start()
         http = serve_peer(trainers[0], "127.0.0.1", 0)
         before = parse(get(http.port, "/metrics")[2])
+        with socket.create_connection(backends[0].listener.address[:2], timeout=5) as junk:
+            junk.sendall(b"not a ring handshake".ljust(40, b"!"))  # a failed ring handshake
         errors: list[BaseException] = []
 
         def run(t: PeerTrainer) -> None:
@@ -293,6 +297,10 @@ def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
     assert value(after, "swarmtrain_received_messages_total", type="PEER_HELLO") >= 1
     assert value(after, "swarmtrain_sent_bytes_total", type="PEER_INFO") > 0
     assert math.isfinite(value(after, "swarmtrain_loss"))
+    assert value(after, "swarmtrain_listener_failed_handshakes_total", listener="ring") >= 1
+    assert value(after, "swarmtrain_listener_failed_handshakes_total", listener="control") == 0
+    assert value(after, "swarmtrain_rounds_refused_total") == 0
+    assert value(after, "swarmtrain_nonfinite_local_total") == 0
     assert status["node"] == "peer" and len(status["members"]) == 2 and status["round"] == rounds
     assert page[0] == 200 and page[1].startswith("text/html") and b"chart-loss" in page[2]
 

@@ -169,6 +169,21 @@ class PeerCollector(StatusCollector):
         yield _counter("collective_received_bytes", "bytes received by all-reduce and broadcast",
                        st.get("bytes_received"))
         yield from _traffic(dict(st.get("traffic") or {}))
+        yield _counter("nonfinite_local", "rounds whose own contribution was NaN/Inf (sent as zero weight)",
+                       st.get("nonfinite_local", 0))
+        yield _counter("rounds_refused", "rounds whose average was NaN/Inf and was not applied",
+                       st.get("rounds_refused", 0))
+        refused = CounterMetricFamily("swarmtrain_refused_connections",
+                                      "connections turned away, by listener and reason",
+                                      labels=["listener", "reason"])
+        failed = CounterMetricFamily("swarmtrain_listener_failed_handshakes",
+                                     "failed handshakes, by listener", labels=["listener"])
+        for listener in ("control", "ring"):
+            for reason, n in sorted(dict(st.get(f"{listener}_refused") or {}).items()):
+                refused.add_metric([listener, str(reason)], _num(n))
+            failed.add_metric([listener], _num(st.get(f"{listener}_failed_handshakes", 0)))
+        yield refused
+        yield failed
 
 
 class StageCollector(StatusCollector):
@@ -186,6 +201,10 @@ class StageCollector(StatusCollector):
         yield _counter("failed_handshakes", "connections that failed the handshake",
                        st.get("failed_handshakes"))
         yield _counter("sync_rounds", "parameter averages with replicas", st.get("sync_rounds"))
+        yield _counter("bad_input", "requests refused for what they carried (all senders)",
+                       st.get("bad_input", 0))
+        yield _counter("sender_disconnects", "connections closed after max_bad_in_row refusals in a row",
+                       st.get("sender_disconnects", 0))
         labels = ["buffer"]
         fill = GaugeMetricFamily("swarmtrain_buffer_fill", "buffer fill (size / capacity)", labels=labels)
         size = GaugeMetricFamily("swarmtrain_buffer_size", "packets held now", labels=labels)

@@ -33,6 +33,7 @@ from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.membership import Candidate, Membership, View
 from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
+from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg, Reform
 
@@ -44,7 +45,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class PeerOptions:
-    """How a peer finds others and how long each phase may take (seconds)."""
+    """How a peer finds others, how long each phase may take (seconds), and what its control
+    server and its ring listener each admit (``max_connections``, per address, and the failed
+    handshakes after which an address is refused for a minute: :class:`ServerLimits`)."""
 
     run: str = "default"
     min_peers: int = 1
@@ -61,6 +64,15 @@ class PeerOptions:
     ring_timeout: float = 120.0
     reform_timeout: float = 60.0
     wire: str = "fp32"
+    max_connections: int = 256
+    max_connections_per_address: int = 32
+    max_failed_auth: int = 10
+
+    @property
+    def server_limits(self) -> ServerLimits:
+        return ServerLimits(max_connections=self.max_connections,
+                            max_per_address=self.max_connections_per_address,
+                            max_failed_auth=self.max_failed_auth)
 
 
 @dataclass
@@ -109,13 +121,14 @@ class PeerBackend:
             from swarmtrain import hardware
 
             self.options = o = replace(o, profile=hardware.detect().profile.value)
-        self.listener = RingListener(o.host, o.ring_port, secret=self.secret, tls=self.tls)
+        self.listener = RingListener(o.host, o.ring_port, secret=self.secret, tls=self.tls,
+                                     limits=o.server_limits)
         self.control = ControlPlane(
             run=o.run, secret=self.secret, tls=self.tls,
             timeouts=Timeouts(handshake=o.propose_timeout, heartbeat_interval=o.heartbeat_interval,
                               heartbeat_timeout=o.heartbeat_timeout),
             info=self._info, status=self.status, on_member_lost=self._member_lost,
-            on_reform=self._reform_requested)
+            on_reform=self._reform_requested, server_limits=o.server_limits)
         self.port = await self.control.start(o.host, o.port)
         advertise = o.advertise_host or ("" if o.host in ("0.0.0.0", "::") else o.host)
         self.ring_address = (advertise or "127.0.0.1", self.listener.address[1])
@@ -430,10 +443,16 @@ class PeerBackend:
 
     def status(self) -> dict[str, Any]:
         v = self.view
+        server = self.control.server
         return {"peer_id": self.identity.peer_id if self.identity else "", "run": self.options.run,
                 "epoch": self.epoch, "members": list(v.members) if v else [],
                 "rank": v.rank(self.identity.peer_id) if v and self.identity else -1,
                 "world_size": self.world_size, "rounds": self.rounds,
                 # frames served on the control port, by message type
                 "traffic": self.control.server.traffic() if self.control.server is not None else {},
+                # connections turned away (by reason) and failed handshakes, per listener
+                "control_refused": server.admission.refusals() if server is not None else {},
+                "control_failed_handshakes": server.failed_handshakes if server is not None else 0,
+                "ring_refused": self.listener.admission.refusals(),
+                "ring_failed_handshakes": self.listener.admission.failed_handshakes,
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}

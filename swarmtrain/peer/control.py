@@ -1,7 +1,14 @@
 """The control plane of a peer: an authenticated asyncio server that answers who-are-you,
 PROPOSE, COMMIT and status requests, a pool of client connections for asking others, and
 liveness watches on the current members (heartbeats of the transport: a member that dies
-or goes silent is reported within the heartbeat timeout, whatever the ring is doing)."""
+or goes silent is reported within the heartbeat timeout, whatever the ring is doing).
+
+Nothing on the control port carries a tensor: peers send PEER_HELLO, PROPOSE, COMMIT and
+REFORM, ``swarmtrain ctl`` sends its commands, and the answers are PEER_INFO, ACCEPT, STATUS
+or ERROR (the joiner's state travels over the ring, by broadcast). So every frame, either
+way, is held to a msgpack header (:data:`PEER_FRAME_LIMITS`: 1 MiB, room for a proposal of
+thousands of members; :data:`CTL_FRAME_LIMITS` from ``ctl``: 64 KiB) and no payload.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +22,12 @@ from typing import Any
 from swarmtrain.errors import SwarmError
 from swarmtrain.peer.membership import Candidate, Membership
 from swarmtrain.transport import Connection, Server, Timeouts, connect, start_server
+from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Commit,
     Error,
+    Limits,
     Message,
     PeerHello,
     PeerInfoMsg,
@@ -28,9 +37,14 @@ from swarmtrain.wire import (
     StatusRequest,
 )
 
-__all__ = ["ControlPlane"]
+__all__ = ["CTL_FRAME_LIMITS", "ControlPlane", "PEER_FRAME_LIMITS"]
 
 log = logging.getLogger("swarmtrain.peer.control")
+
+#: what a frame between peers' control planes may carry (both ways): membership messages only
+PEER_FRAME_LIMITS = Limits(max_header_bytes=1 << 20, max_payload_bytes=0, max_tensors=0)
+#: what a frame from ``swarmtrain ctl`` may carry: a command
+CTL_FRAME_LIMITS = Limits(max_header_bytes=64 << 10, max_payload_bytes=0, max_tensors=0)
 
 
 @dataclass
@@ -43,6 +57,8 @@ class ControlPlane:
         status: returns this node's status dict.
         on_member_lost: called with a peer id when a watched member's connection dies.
         tls: mutual TLS for every control connection (None = plain TCP).
+        server_limits: connections the control server holds at most, in total and per
+            address, and the failed-handshake lockout.
     """
 
     run: str
@@ -53,6 +69,7 @@ class ControlPlane:
     on_member_lost: Callable[[str], None]
     on_reform: Callable[[Reform], None] = lambda msg: None
     tls: TLSConfig | None = None
+    server_limits: ServerLimits = ServerLimits()
     membership: Membership | None = None
     server: Server | None = None
     _pool: dict[str, Connection] = field(default_factory=dict)
@@ -60,8 +77,10 @@ class ControlPlane:
     _watched: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def start(self, host: str, port: int) -> int:
-        self.server = await start_server(host, port, self._serve, secret=self.secret, tls=self.tls,
-                                         timeouts=self.timeouts)
+        self.server = await start_server(
+            host, port, self._serve, secret=self.secret, tls=self.tls, timeouts=self.timeouts,
+            limits=PEER_FRAME_LIMITS, role_limits={"peer": PEER_FRAME_LIMITS, "ctl": CTL_FRAME_LIMITS},
+            server_limits=self.server_limits)
         return self.server.port
 
     async def close(self) -> None:
@@ -108,10 +127,11 @@ class ControlPlane:
     async def _conn(self, c: Candidate, timeout: float) -> Connection:
         conn = self._pool.get(c.peer_id)
         if conn is None or conn.is_closed:
+            timeouts = Timeouts(connect=timeout, handshake=timeout,
+                                heartbeat_interval=self.timeouts.heartbeat_interval,
+                                heartbeat_timeout=self.timeouts.heartbeat_timeout)
             conn = await connect(c.host, c.port, secret=self.secret, tls=self.tls, role="peer",
-                                 timeouts=Timeouts(connect=timeout, handshake=timeout,
-                                                   heartbeat_interval=self.timeouts.heartbeat_interval,
-                                                   heartbeat_timeout=self.timeouts.heartbeat_timeout))
+                                 limits=PEER_FRAME_LIMITS, timeouts=timeouts)
             self._pool[c.peer_id] = conn
         return conn
 
@@ -135,6 +155,7 @@ class ControlPlane:
         """Ask the node at host:port who it is (for static peer lists)."""
         try:
             conn = await connect(host, port, secret=self.secret, tls=self.tls, role="peer",
+                                 limits=PEER_FRAME_LIMITS,
                                  timeouts=Timeouts(connect=timeout, handshake=timeout))
         except (SwarmError, ConnectionError, OSError):
             return None

@@ -30,10 +30,11 @@ import ssl
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.transport.auth import NONCE_BYTES, client_proof, new_nonce, proofs_equal, server_proof
+from swarmtrain.transport.endpoints import Admission, ServerLimits
 from swarmtrain.transport.tls import KEYS_HELP, TLSConfig, client_tls_error, server_refusal_reason
 
 __all__ = ["RingBroken", "RingListener", "dial", "tune_socket"]
@@ -192,6 +193,43 @@ def _client_handshake(
         raise RingBroken("connect", peer, f"refused by {where}: " + _REFUSALS.get(status, f"status {status}"))
 
 
+class _Deadline:
+    """Shuts a socket down when its handshake outlives `seconds` in all: per-call socket
+    timeouts alone would let a client that drips a byte at a time hold a handshake slot
+    forever, without knowing the secret."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self._lock = threading.Lock()
+        self._sock = sock
+        self._stopped = False
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def follow(self, sock: socket.socket) -> None:
+        """Watch `sock` instead (the TLS socket that replaced the plain one)."""
+        with self._lock:
+            self._sock = sock
+
+    def stop(self) -> bool:
+        """Stop the clock; False if it had run out already (and shut the socket down)."""
+        with self._lock:
+            self._stopped = True
+            self._timer.cancel()
+            return not self.expired
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self.expired = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the handshake thread's recv
+            except OSError:
+                pass
+
+
 class RingListener:
     """One long-lived TCP listener per node for ring connections of any epoch.
 
@@ -200,6 +238,13 @@ class RingListener:
     connections are parked until a :class:`~swarmtrain.peer.ring.RingGroup` claims them.
     Parked connections of an epoch older than the newest one opened for their ring, and
     those left unclaimed for `park_timeout` seconds, are closed.
+
+    Like a control server, the listener holds `limits` (:class:`ServerLimits`, kept by its
+    :attr:`admission`): a connection counts against them from its accept until it is claimed
+    or closed, and one over the total or per-address cap, or from an address with
+    ``max_failed_auth`` failed handshakes (a wrong secret proof, a malformed announcement, a
+    failed TLS handshake, garbage or a handshake cut short) within ``auth_window_sec``, is
+    closed unanswered. Every refusal is counted in :attr:`refused` by reason.
 
     Args:
         host: address to bind (``0.0.0.0`` for every interface).
@@ -211,6 +256,7 @@ class RingListener:
         max_parked: connections that may wait to be claimed; more are refused ("busy").
         handshake_timeout: seconds a connecting side gets to complete each handshake.
         park_timeout: seconds an unclaimed connection is kept.
+        limits: connections at most, in total and per address, and the failed-handshake lockout.
     Raises:
         ConfigError: the TLS files cannot be loaded.
     """
@@ -218,20 +264,20 @@ class RingListener:
     def __init__(
         self, host: str, port: int = 0, *, secret: bytes | None, max_parked: int = 64,
         max_handshakes: int = 16, handshake_timeout: float = 5.0, park_timeout: float = 60.0,
-        tls: TLSConfig | None = None,
+        tls: TLSConfig | None = None, limits: ServerLimits = ServerLimits(),
     ) -> None:
         self._secret = secret
+        self.admission = Admission(limits)
         self._tls_context = tls.server_context() if tls is not None else None
         self._max_parked = max_parked
         self._handshake_timeout = handshake_timeout
         self._park_timeout = park_timeout
         self._handshake_slots = threading.BoundedSemaphore(max_handshakes)
         self._cond = threading.Condition()
-        # (ring_id, epoch, from_rank) -> (socket, time parked)
-        self._parked: dict[tuple[str, int, int], tuple[socket.socket, float]] = {}
+        # (ring_id, epoch, from_rank) -> (socket, time parked, the address holding its slot)
+        self._parked: dict[tuple[str, int, int], tuple[socket.socket, float, str]] = {}
         self._newest_epoch: OrderedDict[str, int] = OrderedDict()  # bounded, most recent last
         self._closed = False
-        self.refused: dict[str, int] = {"auth": 0, "stale": 0, "busy": 0, "malformed": 0, "tls": 0}
         self._sock = socket.create_server((host, port), backlog=128)
         tune_socket(self._sock)  # accepted sockets inherit the buffer sizes
         self._sock.settimeout(0.5)  # the accept loop wakes to expire parked connections
@@ -240,6 +286,14 @@ class RingListener:
         self._thread = threading.Thread(target=self._accept_loop, name=f"ring-listener-{self.address[1]}",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def refused(self) -> Counter[str]:
+        """Connections turned away, by reason: ``auth``, ``malformed``, ``tls`` (failed
+        handshakes), ``stale``, ``busy`` (authenticated, not parked), ``too_many_connections``
+        ``auth_rate_limited`` (see :class:`ServerLimits`) and ``too_many_handshakes`` (closed at
+        once, unanswered)."""
+        return self.admission.refused
 
     # --- the group side -----------------------------------------------------------------
 
@@ -260,7 +314,7 @@ class RingListener:
             while len(self._newest_epoch) > self._max_parked:
                 self._newest_epoch.popitem(last=False)
             for key in [k for k in self._parked if k[0] == ring_id and k[1] < epoch]:
-                self._parked.pop(key)[0].close()
+                self._unpark(key).close()
 
     def claim(self, ring_id: str, epoch: int, from_rank: int, timeout: float) -> socket.socket:
         """Take the connection `from_rank` opened to us for (`ring_id`, `epoch`), waiting for it.
@@ -280,7 +334,7 @@ class RingListener:
                     raise RingBroken("connect", from_rank,
                                      f"rank {from_rank} did not connect to us within {timeout:g} s")
                 self._cond.wait(remaining)
-            sock, _ = self._parked.pop(key)
+            sock = self._unpark(key)
         sock.settimeout(None)
         return sock
 
@@ -290,9 +344,8 @@ class RingListener:
             if self._closed:
                 return
             self._closed = True
-            for sock, _ in self._parked.values():
-                sock.close()
-            self._parked.clear()
+            for key in list(self._parked):
+                self._unpark(key).close()
             self._cond.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
@@ -309,10 +362,16 @@ class RingListener:
 
     # --- the accepting side -------------------------------------------------------------
 
+    def _unpark(self, key: tuple[str, int, int]) -> socket.socket:
+        """Take a parked connection out (under ``_cond``), giving back its slot."""
+        sock, _, address = self._parked.pop(key)
+        self.admission.release(address)
+        return sock
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except TimeoutError:
                 self._expire_parked()
                 continue
@@ -322,59 +381,79 @@ class RingListener:
                 log.warning("ring listener %s: accept failed: %s", self.address, exc)
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
-            if not self._handshake_slots.acquire(blocking=False):
+            address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            refusal = self.admission.reserve(address)
+            if refusal is not None:
+                log.warning("ring listener %s: refused a connection from %s: %s", self.address, address,
+                            refusal[1])
                 conn.close()
                 continue
-            threading.Thread(target=self._serve_handshake, args=(conn,), daemon=True,
+            if not self._handshake_slots.acquire(blocking=False):
+                self.admission.release(address)
+                self.admission.note_refused("too_many_handshakes")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_handshake, args=(conn, address), daemon=True,
                              name="ring-handshake").start()
 
     def _expire_parked(self) -> None:
         limit = time.monotonic() - self._park_timeout
         with self._cond:
-            for key in [k for k, (_, t) in self._parked.items() if t < limit]:
-                self._parked.pop(key)[0].close()
+            for key in [k for k, (_, t, _) in self._parked.items() if t < limit]:
+                self._unpark(key).close()
 
-    def _serve_handshake(self, conn: socket.socket) -> None:
+    def _serve_handshake(self, conn: socket.socket, address: str) -> None:
+        """Authenticate and park `conn`, which holds a slot of `address` (given back unless parked)."""
         parked = False
+        deadline = _Deadline(conn, self._handshake_timeout)
         try:
             if self._tls_context is not None:
                 conn.settimeout(self._handshake_timeout)
                 try:
                     # a failed handshake closes the TLS socket; `conn` is detached by then
                     conn = self._tls_context.wrap_socket(conn, server_side=True)
+                    deadline.follow(conn)
                 except OSError as exc:
-                    with self._cond:
-                        self.refused["tls"] += 1
-                    log.warning("ring listener %s: refused a connection: %s", self.address,
+                    self.admission.note_refused("tls")
+                    self.admission.note_failed_handshake(address)
+                    log.warning("ring listener %s: refused a connection from %s: %s", self.address, address,
                                 server_refusal_reason(exc, self._handshake_timeout))
                     return
-            parked = self._handshake(conn)
-        except (OSError, ConnectionError, UnicodeDecodeError) as exc:
-            log.debug("ring listener %s: handshake failed: %r", self.address, exc)
+            parked = self._handshake(conn, address, deadline)
+        except (OSError, ConnectionError) as exc:  # cut short, timed out: a failed handshake too
+            self.admission.note_failed_handshake(address)
+            log.debug("ring listener %s: handshake with %s failed%s: %r", self.address, address,
+                      " (past the handshake timeout)" if deadline.expired else "", exc)
         finally:
+            deadline.stop()
             self._handshake_slots.release()
+            if not parked:
+                self.admission.release(address)
         if not parked:
             conn.close()
 
-    def _refuse(self, conn: socket.socket, code: int, counter: str) -> bool:
-        with self._cond:
-            self.refused[counter] += 1
-        log.warning("ring listener %s: refused a connection: %s", self.address, _REFUSALS[code])
+    def _refuse(self, conn: socket.socket, code: int, counter: str, address: str, *, failed: bool) -> bool:
+        """Count, log and answer a refusal; `failed`: it counts as a failed handshake of `address`."""
+        self.admission.note_refused(counter)
+        if failed:
+            self.admission.note_failed_handshake(address)
+        log.warning("ring listener %s: refused a connection from %s: %s", self.address, address,
+                    _REFUSALS[code])
         try:
             conn.sendall(bytes([code]))
         except OSError:
             pass
         return False
 
-    def _handshake(self, conn: socket.socket) -> bool:
+    def _handshake(self, conn: socket.socket, address: str, deadline: _Deadline) -> bool:
         """Authenticate and park `conn`; True if it was parked (else the caller closes it)."""
         tune_socket(conn)
         conn.settimeout(self._handshake_timeout)
         hello = recv_exact(conn, len(MAGIC) + NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
+            self.admission.note_failed_handshake(address)
             if self._tls_context is None and hello[:2] == _TLS_HANDSHAKE_RECORD:
-                with self._cond:
-                    self.refused["tls"] += 1
+                self.admission.note_refused("tls")
                 log.warning("ring listener %s: refused a connection: it speaks TLS and this node has "
                             "TLS off: set [security] tls_cert, tls_key and tls_ca here too, or remove "
                             "them there", self.address)
@@ -385,19 +464,25 @@ class RingListener:
         head = recv_exact(conn, _PROOF_BYTES + _ANNOUNCE.size)
         epoch, from_rank, rid_len = _ANNOUNCE.unpack(head[_PROOF_BYTES:])
         if rid_len > MAX_RING_ID_BYTES:
-            return self._refuse(conn, _REFUSED_BAD, "malformed")
-        ring_id = recv_exact(conn, rid_len).decode()
+            return self._refuse(conn, _REFUSED_BAD, "malformed", address, failed=True)
+        rid = recv_exact(conn, rid_len)
         if not proofs_equal(head[:_PROOF_BYTES], client_proof(self._secret, client_nonce, server_nonce)):
-            return self._refuse(conn, _REFUSED_AUTH, "auth")
+            return self._refuse(conn, _REFUSED_AUTH, "auth", address, failed=True)
+        try:
+            ring_id = rid.decode()
+        except UnicodeDecodeError:
+            return self._refuse(conn, _REFUSED_BAD, "malformed", address, failed=True)
         key = (ring_id, epoch, from_rank)
         with self._cond:
             newest = self._newest_epoch.get(ring_id)
             if self._closed:
                 return False
             if newest is not None and epoch < newest:
-                return self._refuse(conn, _REFUSED_STALE, "stale")
+                return self._refuse(conn, _REFUSED_STALE, "stale", address, failed=False)
             if len(self._parked) >= self._max_parked and key not in self._parked:
-                return self._refuse(conn, _REFUSED_BUSY, "busy")
+                return self._refuse(conn, _REFUSED_BUSY, "busy", address, failed=False)
+        if not deadline.stop():
+            return False  # it took longer than the handshake timeout: the socket is shut already
         conn.sendall(bytes([ACCEPTED]))
         with self._cond:
             newest = self._newest_epoch.get(ring_id)
@@ -405,9 +490,8 @@ class RingListener:
                 len(self._parked) >= self._max_parked and key not in self._parked
             ):
                 return False  # things changed meanwhile: the dialler will see EOF
-            old = self._parked.pop(key, None)
-            if old is not None:
-                old[0].close()  # a retry of the same link: the newest attempt wins
-            self._parked[key] = (conn, time.monotonic())
+            if key in self._parked:
+                self._unpark(key).close()  # a retry of the same link: the newest attempt wins
+            self._parked[key] = (conn, time.monotonic(), address)
             self._cond.notify_all()
         return True

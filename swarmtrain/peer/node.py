@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmtrain.errors import SwarmTimeout
+from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.peer.backend import PeerBackend
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy, flatten, unflatten_into
@@ -28,6 +28,10 @@ log = logging.getLogger("swarmtrain.peer")
 Evaluate = Callable[[nn.Module], Mapping[str, float]]
 
 
+class _NonFiniteAverage(SwarmError):
+    """The reduced sum of a round holds NaN or Inf: some member contributed a non-finite value."""
+
+
 @dataclass
 class PeerTrainer:
     """Runs rounds until ``max_rounds`` (0 = until stopped).
@@ -37,6 +41,10 @@ class PeerTrainer:
         strategy: :class:`StepAveraging` or :class:`DiLoCo`.
         evaluate: held-out evaluation, run every ``eval_every`` rounds by rank 0.
         status_file: rewritten with this peer's status after every round.
+
+    Attributes:
+        nonfinite_local: rounds whose own contribution was NaN/Inf (sent as zero, weight 0).
+        rounds_refused: rounds whose average was NaN/Inf and was not applied.
     """
 
     backend: PeerBackend
@@ -50,6 +58,8 @@ class PeerTrainer:
     events: list[dict[str, Any]] = field(default_factory=list)
     samples: int = 0
     inner_steps: int = 0
+    nonfinite_local: int = 0
+    rounds_refused: int = 0
     run_log: RunLog | None = None
     _stop: bool = False
 
@@ -64,12 +74,20 @@ class PeerTrainer:
         while not self._stop and not (self.max_rounds and self.strategy.round >= self.max_rounds):
             if pending is None:
                 self.backend.propose_if_needed()
-                pending = self.strategy.local_work()
+                pending = self._screen(self.strategy.local_work())
             try:
                 if self.backend.refresh() or resync:
                     pending = self._sync_state(pending)
                     resync = False
                 mean = self._reduce(pending)
+            except _NonFiniteAverage as exc:
+                self.rounds_refused += 1
+                log.warning("round %d (epoch %d): %s; not applied, the weights stay as they were",
+                            self.strategy.round, self.backend.epoch, exc)
+                self._event("round_refused", round=self.strategy.round, epoch=self.backend.epoch)
+                self.strategy.skip_round()
+                mean = None  # and its samples never reached the weights:
+                pending = Contribution(pending.flat, 0.0, pending.round, 0, 0)
             except RingBroken as exc:
                 # the epoch of the ring that broke: a newer view may already be installed (its
                 # arrival is what closed our ring), and then there is nothing to agree
@@ -111,11 +129,31 @@ class PeerTrainer:
             return Contribution(torch.zeros_like(pending.flat), 0.0, self.strategy.round, 0, 0)
         return pending
 
+    def _screen(self, work: Contribution) -> Contribution:
+        """``work``, or zeros with weight zero if it holds NaN or Inf: sent, it would spoil the
+        average of every member. The others' mean is then applied here too."""
+        if math.isfinite(work.weight) and bool(torch.isfinite(work.flat).all()):
+            return work
+        self.nonfinite_local += 1
+        log.warning("round %d: this peer's own contribution holds NaN or Inf (diverged, or bad "
+                    "data?); contributing nothing this round", work.round)
+        self._event("nonfinite_local", round=work.round)
+        self.strategy.discard_local_work()
+        return Contribution(torch.zeros_like(work.flat), 0.0, work.round, 0, 0)
+
     def _reduce(self, pending: Contribution) -> torch.Tensor | None:
-        """The weighted mean of everyone's contribution, or None if nobody contributed."""
+        """The weighted mean of everyone's contribution, or None if nobody contributed.
+
+        Raises:
+            _NonFiniteAverage: the reduced sum (one pass over it, before anything is applied)
+                holds NaN or Inf; every member then holds the same bits and refuses alike.
+        """
         buf = torch.cat([pending.flat * pending.weight, torch.tensor([pending.weight])])
         # no retry inside the backend: a new epoch must start with the state sync (run())
         self.backend.all_reduce(buf, op="sum", retries=0)
+        if not bool(torch.isfinite(buf).all()):
+            raise _NonFiniteAverage("the averaged contributions hold NaN or Inf (a member sent a "
+                                    "non-finite contribution)")
         total = float(buf[-1])
         if total <= 0:
             return None
@@ -158,6 +196,7 @@ class PeerTrainer:
     def status(self) -> dict[str, Any]:
         return {**self.backend.status(), "round": self.strategy.round, "samples": self.samples,
                 "inner_steps": self.inner_steps, "metrics": self.metrics,
+                "nonfinite_local": self.nonfinite_local, "rounds_refused": self.rounds_refused,
                 "loss": self.strategy.last_loss if math.isfinite(self.strategy.last_loss) else None,
                 "checksum": self.checksum(), "events": self.events[-50:],
                 "history": self.history[-2000:]}

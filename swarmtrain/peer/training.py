@@ -15,6 +15,11 @@ round number it belongs to. The loop per round is:
 
 So every member ends every round with bit-identical weights, a joiner loads the current
 state before it contributes, and a failed round is redone rather than lost.
+
+NaN and Inf never reach the weights: a member whose own contribution is not finite sends
+zeros with weight zero instead (the others' mean is applied everywhere), and a mean that
+is not finite anyway (a member that skipped that check) is applied nowhere: every member
+holds the same reduced bits, so all of them skip that round alike (:meth:`Strategy.skip_round`).
 """
 
 from __future__ import annotations
@@ -118,6 +123,16 @@ class Strategy(ABC):
     def apply(self, mean: torch.Tensor) -> None:
         """Apply the averaged contribution and move to the next round."""
 
+    def discard_local_work(self) -> None:  # noqa: B027 - an optional hook
+        """Called when this round's local work came out non-finite and is not contributed:
+        forget whatever local state it left behind."""
+
+    def skip_round(self) -> None:
+        """Move to the next round applying nothing (its average was refused): the boundary
+        state stays exactly as it was."""
+        self.after_state_load()
+        self.round_tensor += 1
+
     def _gradient_step(self) -> int:
         start = time.perf_counter()
         batch = self.next_batch()
@@ -179,6 +194,12 @@ class DiLoCo(Strategy):
         with torch.no_grad():
             for p, g in zip(self.params, self.global_params):
                 p.copy_(g)
+
+    def discard_local_work(self) -> None:
+        """A non-finite change most likely left NaN in AdamW's moments too, which would spoil
+        every later round: the inner optimizer starts afresh, from the global weights."""
+        self.inner.state.clear()
+        self.after_state_load()
 
     def local_work(self) -> Contribution:
         with torch.no_grad():

@@ -13,7 +13,8 @@ closes. The protocol version is checked by every frame's preamble.
 Until the handshake has authenticated the other side, a frame may carry at most
 :data:`HANDSHAKE_LIMITS` (a small header, no tensors): a stranger cannot make a node allocate
 more than a few kilobytes. A server also caps its connections (in total and per address)
-and stops accepting an address whose handshakes keep failing (:class:`ServerLimits`).
+and stops accepting an address whose handshakes keep failing (:class:`ServerLimits`, kept by
+:class:`Admission`, which the peers' ring listener uses too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import secrets as _secrets
 import socket
 import ssl
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -42,8 +44,8 @@ from swarmtrain.transport.tls import (
 )
 from swarmtrain.wire import Auth, Challenge, Error, Hello, Limits, Message, Welcome
 
-__all__ = ["HANDSHAKE_LIMITS", "Server", "ServerLimits", "start_server", "connect", "is_loopback_host",
-           "require_secret"]
+__all__ = ["HANDSHAKE_LIMITS", "Admission", "Server", "ServerLimits", "start_server", "connect",
+           "is_loopback_host", "require_secret"]
 
 log = logging.getLogger("swarmtrain.transport")
 
@@ -127,40 +129,74 @@ async def _client_handshake(conn: Connection, secret: bytes | None, role: str) -
     conn.session = welcome.session
 
 
-@dataclass
-class Server:
-    """A listening server; ``close()`` stops accepting and closes open connections."""
+class Admission:
+    """Who may take a connection slot, under :class:`ServerLimits`: open connections in total
+    and per address, and addresses locked out after failed handshakes. Thread-safe (one lock,
+    never held while calling out), so the asyncio :class:`Server` and the threads of the ring
+    listener (:class:`~swarmtrain.peer.links.RingListener`) share the same bookkeeping.
 
-    server: asyncio.base_events.Server
-    connections: set[Connection]
-    failed_handshakes: int = 0
-    limits: ServerLimits = ServerLimits()
-    #: connections turned away before the handshake, by reason
-    refused: Counter[str] = field(default_factory=Counter)
-    #: connection slots held per address: TLS handshake, secret handshake and serving
-    _open_by_address: Counter[str] = field(default_factory=Counter)
-    #: recent failed handshakes, only of addresses that have some (pruned as they age out)
-    _failures: dict[str, deque[float]] = field(default_factory=dict)
-    #: traffic of connections already closed (open ones count on their Connection)
-    _closed_traffic: dict[str, Counter[str]] = field(default_factory=dict)
+    Args:
+        limits: the caps to enforce.
+    """
+
+    def __init__(self, limits: ServerLimits = ServerLimits()) -> None:
+        self.limits = limits
+        #: connections turned away, by reason (``too_many_connections``, ``auth_rate_limited``,
+        #: or whatever the owner counts with :meth:`note_refused`)
+        self.refused: Counter[str] = Counter()
+        self.failed_handshakes = 0
+        self._lock = threading.Lock()
+        #: connection slots held per address
+        self._open_by_address: Counter[str] = Counter()
+        #: recent failed handshakes, only of addresses that have some (pruned as they age out)
+        self._failures: dict[str, deque[float]] = {}
 
     def reserve(self, address: str) -> tuple[str, str] | None:
         """Take a connection slot for ``address``; or (code, message) saying why it is refused
         (counted in :attr:`refused`). A taken slot is given back with :meth:`release`."""
-        refusal = self.admit(address)
-        if refusal is not None:
-            self.refused[refusal[0]] += 1
-        else:
-            self._open_by_address[address] += 1
-        return refusal
+        with self._lock:
+            refusal = self._refusal(address)
+            if refusal is not None:
+                self.refused[refusal[0]] += 1
+            else:
+                self._open_by_address[address] += 1
+            return refusal
 
     def release(self, address: str) -> None:
-        self._open_by_address[address] -= 1
-        if self._open_by_address[address] <= 0:
-            del self._open_by_address[address]
+        """Give back a slot taken with :meth:`reserve`."""
+        with self._lock:
+            self._open_by_address[address] -= 1
+            if self._open_by_address[address] <= 0:
+                del self._open_by_address[address]
 
     def admit(self, address: str) -> tuple[str, str] | None:
-        """(code, message) when a new connection from ``address`` must be refused."""
+        """(code, message) when a new connection from ``address`` must be refused (takes nothing)."""
+        with self._lock:
+            return self._refusal(address)
+
+    def note_failed_handshake(self, address: str) -> None:
+        """Record a failed handshake of ``address`` (wrong secret, garbage, a refused certificate...)."""
+        with self._lock:
+            self.failed_handshakes += 1
+            recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
+            recent.append(time.monotonic())
+
+    def note_refused(self, reason: str) -> None:
+        """Count a refusal the owner decided itself (e.g. the ring listener's ``stale``)."""
+        with self._lock:
+            self.refused[reason] += 1
+
+    def refusals(self) -> dict[str, int]:
+        """A snapshot of :attr:`refused` (safe while other threads count)."""
+        with self._lock:
+            return dict(self.refused)
+
+    def open_connections(self, address: str | None = None) -> int:
+        """Slots held now, by ``address`` or in total."""
+        with self._lock:
+            return self._open_by_address.total() if address is None else self._open_by_address[address]
+
+    def _refusal(self, address: str) -> tuple[str, str] | None:
         lim = self.limits
         if self._open_by_address.total() >= lim.max_connections:
             return "too_many_connections", (
@@ -177,11 +213,6 @@ class Server:
                 f"refused for {max(wait, 0):.0f} s more; check this node's cluster secret")
         return None
 
-    def note_failed_handshake(self, address: str) -> None:
-        self.failed_handshakes += 1
-        recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
-        recent.append(time.monotonic())
-
     def _recent_failures(self, address: str) -> deque[float] | None:
         """The failures of ``address`` within the window; an address whose failures all aged
         out is forgotten (the record holds only addresses failing now: bounded memory)."""
@@ -195,6 +226,31 @@ class Server:
             del self._failures[address]
             return None
         return recent
+
+
+@dataclass
+class Server:
+    """A listening server; ``close()`` stops accepting and closes open connections."""
+
+    server: asyncio.base_events.Server
+    connections: set[Connection]
+    #: connection slots (TLS handshake, secret handshake and serving) and refusals
+    admission: Admission = field(default_factory=Admission)
+    #: traffic of connections already closed (open ones count on their Connection)
+    _closed_traffic: dict[str, Counter[str]] = field(default_factory=dict)
+
+    @property
+    def limits(self) -> ServerLimits:
+        return self.admission.limits
+
+    @property
+    def refused(self) -> Counter[str]:
+        """Connections turned away before the handshake, by reason."""
+        return self.admission.refused
+
+    @property
+    def failed_handshakes(self) -> int:
+        return self.admission.failed_handshakes
 
     def retire(self, conn: Connection) -> None:
         """Stop tracking a closed connection, keeping its traffic in :meth:`traffic`."""
@@ -267,7 +323,7 @@ async def start_server(
         assert state is not None and proto.transport is not None
         conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
         address = _ip(proto.transport)
-        refusal = state.reserve(address)
+        refusal = state.admission.reserve(address)
         if refusal is not None:
             log.warning("refused connection from %s: %s", conn.peer, refusal[1])
             await conn.close(Error(code=refusal[0], message=refusal[1]), timeout=1.0)
@@ -275,12 +331,12 @@ async def start_server(
         try:
             await _serve_one(conn, address)
         finally:
-            state.release(address)
+            state.admission.release(address)
 
     async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
         assert state is not None and server_tls is not None
         address = _ip(tcp)
-        refusal = state.reserve(address)  # before paying for a TLS handshake
+        refusal = state.admission.reserve(address)  # before paying for a TLS handshake
         if refusal is not None:
             log.warning("refused connection from %s: %s", peer_name(tcp), refusal[1])
             tcp.abort()
@@ -296,7 +352,7 @@ async def start_server(
             except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
                 why = server_refusal_reason(exc, timeouts.handshake)
             if transport is None:
-                state.note_failed_handshake(address)
+                state.admission.note_failed_handshake(address)
                 log.warning("refused connection from %s: %s", peer_name(tcp), why)
                 tcp.abort()
                 return
@@ -304,7 +360,7 @@ async def start_server(
             await _serve_one(Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits),
                              address)
         finally:
-            state.release(address)
+            state.admission.release(address)
 
     async def _serve_one(conn: Connection, address: str) -> None:
         """The secret handshake and the handler, on a connection holding a slot."""
@@ -314,7 +370,7 @@ async def start_server(
             try:
                 role = await _server_handshake(conn, secret)
             except (SwarmError, ConnectionError) as exc:
-                state.note_failed_handshake(address)
+                state.admission.note_failed_handshake(address)
                 log.warning("refused connection from %s: %s", conn.peer, exc)
                 if isinstance(exc, ProtocolError) or isinstance(exc, SwarmTimeout):
                     await conn.close(Error(code=getattr(exc, "code", "handshake_timeout"),
@@ -332,7 +388,7 @@ async def start_server(
     except OSError as exc:
         raise SwarmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
                          "is another coordinator running there? choose another --port") from exc
-    state = Server(srv, set(), limits=server_limits)
+    state = Server(srv, set(), Admission(server_limits))
     return state
 
 
