@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from swarmtrain.testing.fuzz import FuzzReport, fuzz_coordinator, fuzz_peer, fuzz_stage
+from swarmtrain.testing.fuzz import TARGETS, FuzzReport, fuzz_coordinator, fuzz_ctl, fuzz_peer, fuzz_stage
 from swarmtrain.testing.fuzz_engine import (
     FUZZ_TIMEOUTS,
     SECRET,
@@ -28,29 +28,35 @@ from swarmtrain.testing.fuzz_engine import (
     collect_crashes,
     send_input,
 )
-from swarmtrain.testing.fuzz_inputs import FuzzInput
+from swarmtrain.testing.fuzz_inputs import FuzzInput, delivers, make_input
+from swarmtrain.testing.fuzz_ring import fuzz_ring, make_ring_input
 from swarmtrain.wire import (
     Assign,
     Heartbeat,
     Message,
+    Pause,
     Propose,
     Register,
     RegisterAck,
+    Resume,
+    Shutdown,
     StageSync,
     Start,
+    StatusRequest,
     Weights,
     encode_bytes,
 )
 
 pytestmark = pytest.mark.timeout(90)
 
-INPUTS = 400  # per target; about 60-70 inputs/s on a 2-core machine
+INPUTS = 400  # per target; about 60-90 inputs/s on a 2-core machine
+SMALL = 250  # for the targets added later, to keep this file near 60 s
 
 
-def _campaign(fuzz: Callable[..., Awaitable[FuzzReport]], seed: int) -> FuzzReport:
-    report = asyncio.run(asyncio.wait_for(fuzz(INPUTS, seed=seed), 80))
+def _campaign(fuzz: Callable[..., Awaitable[FuzzReport]], seed: int, inputs: int = INPUTS) -> FuzzReport:
+    report = asyncio.run(asyncio.wait_for(fuzz(inputs, seed=seed), 80))
     print("\n" + report.summary())
-    assert report.total == INPUTS
+    assert report.total == inputs
     assert not report.crashes, report.summary()
     assert not report.hangs, report.summary()
     assert not report.health, report.summary()
@@ -70,6 +76,52 @@ def test_fuzz_campaign_against_a_live_stage_server() -> None:
 def test_fuzz_campaign_against_a_live_peer_control_server() -> None:
     report = _campaign(fuzz_peer, seed=8403)
     assert report.outcomes["answer:PEER_INFO"] > 0
+
+
+def test_fuzz_campaign_against_the_coordinator_ctl_role() -> None:
+    report = _campaign(fuzz_ctl, seed=8404, inputs=SMALL)
+    assert report.outcomes["answer:STATUS"] > 0  # mutated ctl requests got through
+    assert report.outcomes["answer:CHECKPOINT"] > 0
+
+
+def test_fuzz_campaign_against_the_last_stage() -> None:
+    report = _campaign(TARGETS["stage-last"], seed=8405, inputs=SMALL)
+    assert report.outcomes["answer:STAGE_RESULT"] > 0  # forwards with targets computed a loss
+    assert report.outcomes["error:bad_input"] > 0  # hostile targets were refused
+
+
+def test_fuzz_campaign_against_a_stage_as_a_replica() -> None:
+    report = _campaign(TARGETS["stage-replica"], seed=8406, inputs=SMALL)
+    assert report.inputs["post:stage_sync"] > SMALL // 3
+    assert report.outcomes["error:bad_input"] > 0  # syncs got past the framing and were refused
+
+
+def test_fuzz_campaign_against_a_live_ring_listener() -> None:
+    report = _campaign(fuzz_ring, seed=8407)
+    assert report.outcomes["status:0/reduced"] > 0  # member collectives completed (valid frames)
+    assert report.outcomes["status:0/broken:reduce_scatter"] > 0  # and broke cleanly on bad ones
+    assert report.outcomes["status:4"] > 0  # malformed announcements were refused
+
+
+def test_ctl_inputs_never_deliver_a_valid_pause_or_shutdown() -> None:
+    """The ctl campaign must not stop the cluster legitimately: inputs that would deliver a
+    well-formed PAUSE or SHUTDOWN are drawn again (and the others stay as they were)."""
+    def seeds(rng: Any) -> list[Message]:
+        return [Pause(), Shutdown(reason="x"), Resume(), StatusRequest()]
+
+    forbidden = (Pause, Shutdown)
+    redrawn = 0
+    for i in range(600):
+        inp = make_input(5, i, "ctl", seeds, forbid=forbidden)
+        assert not (inp.phase == "auth" and delivers(inp.data, forbidden)), (i, inp.kind)
+        redrawn += inp != make_input(5, i, "ctl", seeds)
+    assert redrawn > 0  # the filter had something to do
+
+
+def test_ring_inputs_are_a_function_of_seed_and_index() -> None:
+    assert make_ring_input(3, 17) == make_ring_input(3, 17)
+    kinds = {make_ring_input(3, i).where for i in range(200)}
+    assert kinds == {"pre", "hello", "announce", "ring"}
 
 
 # --- bugs the fuzzer found (regression tests) --------------------------------------
@@ -199,11 +251,13 @@ def test_a_proposal_with_a_short_public_key_is_answered_as_a_bad_signature() -> 
 
 
 @pytest.mark.parametrize(("role", "expected"),
-                         [("pipeline", "error:unexpected"), ("stage", "error:bad_input")])
-def test_a_stage_sync_with_nan_parameters_is_refused(role: str, expected: str) -> None:
+                         [("pipeline", {"error:unexpected", "error:too_many_tensors"}),
+                          ("stage", {"error:bad_input"})])
+def test_a_stage_sync_with_nan_parameters_is_refused(role: str, expected: set[str]) -> None:
     """Found by the fuzzer: a STAGE_SYNC with the stage's own parameter names and shapes
     but NaN values, from any authenticated client, was applied: every parameter became NaN.
-    Now only replicas (role ``stage``) may sync, and non-finite values are refused."""
+    Now only replicas (role ``stage``) may sync, and non-finite values are refused (a
+    ``pipeline`` client's frame limits may refuse so many tensors even before that)."""
     from swarmtrain.pipeline import StageServer, StageServerConfig, build_stage
     from swarmtrain.tasks import TextLMConfig, TextLMTask
 
@@ -227,4 +281,35 @@ def test_a_stage_sync_with_nan_parameters_is_refused(role: str, expected: str) -
 
     outcome, same = asyncio.run(asyncio.wait_for(main(), 60))
     assert same, f"the refused sync changed the stage's parameters (its answer: {outcome})"
-    assert outcome == expected, outcome
+    assert outcome in expected, outcome  # a pipeline client may be stopped by its frame limits
+
+
+def test_a_ring_handshake_dripped_byte_by_byte_is_cut_at_the_handshake_timeout() -> None:
+    """Found while fuzzing the ring port (NOT FIXED: this test fails until it is): the
+    listener's ``handshake_timeout`` bounds each ``recv`` of the handshake, not the handshake.
+    A client sending one byte every 0.6 timeouts keeps a handshake thread (one of
+    ``max_handshakes``) for as long as it likes, without knowing the secret; that many such
+    clients make the listener close every new connection unanswered."""
+    import select
+    import socket
+    import time
+
+    from swarmtrain.peer.links import MAGIC, RingListener
+
+    timeout = 0.5
+    with RingListener("127.0.0.1", 0, secret=SECRET, handshake_timeout=timeout) as listener:
+        opening = MAGIC + bytes(32)
+        with socket.create_connection(listener.address, timeout=5.0) as sock:
+            start = time.monotonic()
+            closed_after = None
+            for i in range(len(opening) - 1):  # never complete the opening
+                sock.sendall(opening[i:i + 1])
+                readable, _, _ = select.select([sock], [], [], 0.6 * timeout)  # the drip's pace
+                if readable and not sock.recv(1):
+                    closed_after = time.monotonic() - start
+                    break
+                if time.monotonic() - start > 8 * timeout:
+                    break
+    assert closed_after is not None and closed_after < 3 * timeout, (
+        f"a dripped handshake was still open after {time.monotonic() - start:.1f} s "
+        f"(handshake_timeout {timeout} s)")

@@ -1,25 +1,31 @@
-"""Fuzz live swarmtrain nodes over real sockets: a coordinator, a pipeline stage, a peer.
+"""Fuzz live swarmtrain nodes over real sockets: a coordinator (as a worker and as the
+operator's ctl), pipeline stages (first, middle, last; as a trainer and as a replica), a
+peer's control port, and (in :mod:`swarmtrain.testing.fuzz_ring`) a peer's ring listener.
 
 Each ``fuzz_*`` function starts its node in this process on 127.0.0.1 (port 0, the short
 timeouts of :data:`FUZZ_TIMEOUTS`), sends ``count`` inputs (or as many as ``seconds``
-allow) from :func:`~swarmtrain.testing.fuzz_engine.make_input`, then checks the node's
+allow) from :func:`~swarmtrain.testing.fuzz_inputs.make_input`, then checks the node's
 health, and returns a :class:`FuzzReport`. See ``docs/fuzzing.md``.
 
 What is deliberately not generated, because a well-formed one legitimately changes the
-node: a finite gradient with samples > 0 (it is applied), a STAGE_SYNC carrying the stage's
-own parameter names and shapes (it moves the weights halfway), a backward for a forward
-the fuzzer made, a correctly signed membership proposal naming the node, and any message
-of the coordinator's ``ctl`` role (an operator may pause or stop the cluster). A
-STAGE_SYNC of the stage's own parameters is sent with every value NaN (it must be
-refused, and no mutation can make every value finite). Every
-gradient the fuzzer builds is invalid three ways at once (no samples, NaN loss, a NaN or
-infinite value), so no single mutation can make it valid.
+node: a finite gradient with samples > 0 (it is applied), a STAGE_SYNC carrying finite
+values for every parameter of the stage (it moves the weights halfway), a backward for a
+forward the fuzzer made, a correctly signed membership proposal naming the node, and a
+well-formed PAUSE or SHUTDOWN of the coordinator's ``ctl`` role (an operator may pause or
+stop the cluster; inputs that would deliver one are drawn again). A STAGE_SYNC of the
+stage's own parameters carries non-finite values in every other element of every tensor
+(or a wrong shape, an integer dtype, a missing parameter), so no mutation of a few bytes
+can make it valid. Every gradient the fuzzer builds is invalid three ways at once (no
+samples, NaN loss, a NaN or infinite value), so no single mutation can make it valid. On
+the last stage a forward with valid targets legitimately steps the optimizer; there the
+health check asks for finite weights instead of unchanged ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -38,10 +44,12 @@ from swarmtrain.testing.fuzz_engine import (
     run_campaign,
 )
 from swarmtrain.testing.fuzz_inputs import nan_tensor
+from swarmtrain.testing.fuzz_ring import fuzz_ring
 from swarmtrain.transport import connect
 from swarmtrain.wire import (
     Accept,
     Assign,
+    CheckpointMsg,
     Commit,
     Error,
     Gradients,
@@ -69,8 +77,8 @@ from swarmtrain.wire import (
     encode_bytes,
 )
 
-__all__ = ["FuzzReport", "fuzz_coordinator", "fuzz_stage", "fuzz_peer", "FUZZ_TIMEOUTS",
-           "TARGETS"]
+__all__ = ["FuzzReport", "fuzz_coordinator", "fuzz_ctl", "fuzz_stage", "fuzz_peer", "fuzz_ring",
+           "FUZZ_TIMEOUTS", "TARGETS"]
 
 Progress = Callable[[FuzzReport], None] | None
 
@@ -206,52 +214,198 @@ async def fuzz_coordinator(count: int = 300, *, seconds: float = math.inf, seed:
     return report
 
 
+async def fuzz_ctl(count: int = 300, *, seconds: float = math.inf, seed: int = 0, concurrency: int = 16,
+                   progress: Progress = None) -> FuzzReport:
+    """Fuzz an in-process coordinator (digits task) as role ``ctl`` (the operator's tool).
+
+    A well-formed PAUSE or SHUTDOWN from an authenticated ctl is legitimate (it pauses or
+    stops the cluster), so no input delivers one: an input that would is drawn again.
+    Mutated ones, and every other message, are sent. Health: not paused, not shutting
+    down, master weights bit-for-bit and version unchanged; then a legitimate ctl is
+    served: STATUS_REQUEST, PAUSE (the coordinator pauses), RESUME (it resumes), CHECKPOINT
+    (answered; checkpointing is off here) and SHUTDOWN (it shuts the cluster down).
+    """
+    from swarmtrain.config import CompressionConfig, load_coordinator_config
+    from swarmtrain.roles.common import fingerprint
+    from swarmtrain.roles.coordinator import Coordinator
+    from swarmtrain.tasks import DigitsTask
+
+    task = DigitsTask()
+    torch.manual_seed(seed)
+    cfg = load_coordinator_config(overrides={
+        "network.handshake_timeout_sec": FUZZ_TIMEOUTS.handshake,
+        "network.heartbeat_interval_sec": FUZZ_TIMEOUTS.heartbeat_interval,
+        "network.heartbeat_timeout_sec": FUZZ_TIMEOUTS.heartbeat_timeout,
+        "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+        "training.learning_rate": 3e-3, "training.eval_interval_sec": 3600.0, "training.min_workers": 1})
+    coord = Coordinator(task.build_model(), cfg, task_name="digits", secret=SECRET)
+    params = {n: p.detach() for n, p in coord.params.items()}
+    fp = fingerprint(coord.params.items())
+    comp = {k: getattr(cfg.compression, k) for k in CompressionConfig.SHARED_KEYS}
+
+    def seeds(rng: random.Random) -> list[Message]:
+        reason = rng.choice(["", "fuzz", "x" * 600])
+        return [StatusRequest(), StatusRequest(), Resume(), Resume(), CheckpointMsg(),
+                CheckpointMsg(path=rng.choice(["", "/etc/passwd", "../../x", "\x00"]),
+                              step=rng.randrange(-5, 5), ok=rng.random() < 0.5, message="fuzz"),
+                Pause(), Shutdown(reason=reason),  # only ever sent mutated (forbidden as they are)
+                Status(status={"version": rng.randrange(10)}), Heartbeat(time=0.0),
+                Register(worker_id="ctl", task="digits", fingerprint=fp, hardware={}, batch_size=1,
+                         accumulation_steps=1, shard_index=-1, compression=comp, samples_per_sec=1.0),
+                _bad_gradient(rng, params), Error(code="fuzz", message="x", fatal=rng.random() < 0.5)]
+
+    async def ctl(msg: Message) -> Message:
+        async with asyncio.timeout(3 * _CHECK_TIMEOUT):
+            return await _ask(coord.port, "ctl", msg)
+
+    report = FuzzReport("ctl", seed)
+    with capture_errors() as errors:
+        await coord.start()
+        try:
+            before, version = coord._flat_master().clone(), coord.version
+            await run_campaign(report, coord.port, "ctl", seeds, (Heartbeat,),
+                               lambda: _live(coord.port, "ctl", StatusRequest(), Status),
+                               count=count, seconds=seconds, concurrency=concurrency, progress=progress,
+                               forbid=(Pause, Shutdown))
+            if coord.paused or coord._finished:
+                report.health.append(f"the cluster was paused ({coord.paused}) or shut down "
+                                     f"({coord._finished}) by inputs that carried no valid PAUSE/SHUTDOWN")
+            if not torch.equal(coord._flat_master(), before) or coord.version != version:
+                report.health.append(f"the master weights or version changed ({version} -> {coord.version})")
+            for msg, expect, paused in ((StatusRequest(), Status, False), (Pause(), Status, True),
+                                        (Resume(), Status, False), (CheckpointMsg(), CheckpointMsg, False)):
+                answer = await ctl(msg)
+                if not isinstance(answer, expect) or coord.paused != paused:
+                    report.health.append(f"a legitimate {msg.TYPE.name} was answered with {answer} "
+                                         f"(paused: {coord.paused})")
+            if not isinstance(answer := await ctl(Shutdown(reason="fuzz health check")), Status):
+                report.health.append(f"a legitimate SHUTDOWN was answered with {answer}")
+            deadline = time.monotonic() + 30
+            while not coord._finished and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if not coord._finished:
+                report.health.append("a legitimate SHUTDOWN did not shut the cluster down")
+        except (SwarmError, OSError, TimeoutError) as exc:
+            report.health.append(f"health check failed: {type(exc).__name__}: {exc}")
+        finally:
+            collect_crashes(report, errors)
+            await coord.close()
+    return report
+
+
 # --- stage -------------------------------------------------------------------------------------
 
 
-async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int = 0, concurrency: int = 16,
-                     first: bool = True, progress: Progress = None) -> FuzzReport:
-    """Fuzz an in-process stage server as role ``pipeline``: stage 0 (token ids) if ``first``,
-    else a middle stage (float activations).
+_STAGE_POSITIONS = {"first": (0, (0, 2)), "middle": (1, (2, 4)), "last": (2, (4, 6))}
+_STAGE_NAMES = {("first", "pipeline"): "stage", ("middle", "pipeline"): "stage-mid",
+                ("last", "pipeline"): "stage-last", ("middle", "stage"): "stage-replica"}
 
-    Health: parameters bit-for-bit unchanged and no optimizer step, a legitimate STAGE_INFER
-    answered with exactly the output it had before the campaign, and a legitimate forward.
+
+def _bad_syncs(rng: random.Random, shapes: dict[str, tuple[int, ...]]) -> list[dict[str, torch.Tensor]]:
+    """Replica syncs that must all be refused: the stage's own names with too many
+    non-finite values for a few bit flips to repair, a wrong shape or an integer dtype (and
+    non-finite values too), a missing parameter, unknown names, a huge tensor, nothing."""
+    def nonfinite(shape: tuple[int, ...]) -> torch.Tensor:
+        t = torch.randn(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        t.view(-1)[::2] = rng.choice([math.nan, math.inf, -math.inf])  # >= 16 per tensor here
+        return t
+
+    names = sorted(shapes)
+    odd, dropped = rng.choice(names), rng.choice(names)
+    own = {n: nonfinite(s) for n, s in shapes.items()}
+    return [own,
+            {**own, odd: nonfinite(tuple(d + 1 for d in shapes[odd]))},
+            {**own, odd: torch.zeros(shapes[odd], dtype=rng.choice([torch.int32, torch.int64, torch.bool]))},
+            {n: torch.randn(s) for n, s in shapes.items() if n != dropped},
+            {**own, "fuzz.extra": torch.randn(rng.choice(list(shapes.values())))},
+            {f"fuzz.{i}": nan_tensor(rng, rng.choice(list(shapes.values())))
+             for i in range(rng.randrange(3))},
+            {"fuzz.huge": torch.zeros(rng.choice([1 << 16, 1 << 20]))},
+            {}]
+
+
+def _hostile_targets(rng: random.Random, b: int, t: int) -> torch.Tensor:
+    """Targets for the last stage: valid byte ids, or ids the loss must refuse or ignore."""
+    choice = rng.randrange(8)
+    if choice < 3:
+        return torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    if choice == 3:  # every position ignored (cross_entropy's ignore_index): a mean over nothing
+        return torch.full((b, t), -100, dtype=torch.int64)
+    if choice == 4:
+        return torch.full((b, t), rng.choice([-1, 256, 2**31 - 1, -(2**63)]), dtype=torch.int64)
+    if choice == 5:
+        return torch.zeros((b, t + rng.choice([-1, 1])), dtype=torch.int64)
+    if choice == 6:
+        return nan_tensor(rng, (b, t))
+    return torch.zeros(rng.choice([(0,), (b,), (b, t, 256)]), dtype=rng.choice([torch.int64, torch.uint8]))
+
+
+async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int = 0, concurrency: int = 16,
+                     position: str = "first", role: str = "pipeline",
+                     progress: Progress = None) -> FuzzReport:
+    """Fuzz an in-process stage server of a 6-layer text model: stage 0 (token ids, layers
+    0-1) if ``position`` is ``first``, a middle stage (float activations, layers 2-3), or the
+    ``last`` stage (layers 4-5, which computes the loss from targets and steps its optimizer),
+    as role ``pipeline`` (trainers) or ``stage`` (replicas: syncs must be refused).
+
+    Health: no replica sync was applied; every parameter is finite; unless training is
+    legitimate here (the last stage as ``pipeline``: a forward with valid targets steps the
+    optimizer), the parameters are bit-for-bit unchanged, no optimizer step was taken and a
+    legitimate STAGE_INFER returns exactly the output it returned before the campaign; a
+    legitimate forward is answered (on the last stage: with a finite loss).
+
+    Raises:
+        ValueError: an unknown ``position``/``role`` pair.
     """
     from swarmtrain.pipeline import ComputeConfig, StageServer, StageServerConfig, build_stage
     from swarmtrain.tasks import TextLMConfig, TextLMTask
 
+    if (position, role) not in _STAGE_NAMES:
+        raise ValueError(f"no stage target for position {position!r} and role {role!r}; "
+                         f"choose one of {sorted(_STAGE_NAMES)}")
     task = TextLMTask(TextLMConfig(context=32, d_model=32, n_heads=2, n_layers=4))
-    start, stop = (0, 2) if first else (2, 4)
-    layers, _ = build_stage(task.build_model, seed, start, stop)
-    server = StageServer(layers, stage=0 if first else 1, layer_range=(start, stop), loss_fn=None,
+    index, (start, stop) = _STAGE_POSITIONS[position]
+    first, last = position == "first", position == "last"
+    layers, loss_fn = build_stage(task.build_model, seed, start, stop)
+    server = StageServer(layers, stage=index, layer_range=(start, stop), loss_fn=loss_fn if last else None,
                          compute=ComputeConfig(learning_rate=1e-2),
                          config=StageServerConfig(timeouts=FUZZ_TIMEOUTS), secret=SECRET, name="fuzz-stage")
     shapes = {n: tuple(t.shape) for n, t in server.compute.parameters_snapshot().items()}
+    training = last and role == "pipeline"  # valid forwards with targets legitimately step
 
-    def x(rng: random.Random) -> torch.Tensor:
-        b, t = rng.randint(1, 4), rng.randint(1, 32)
+    def x(rng: random.Random, b: int | None = None, t: int | None = None) -> torch.Tensor:
+        b, t = b or rng.randint(1, 4), t or rng.randint(1, 32)
         gen = torch.Generator().manual_seed(rng.randrange(2**31))
         if first:
             return torch.randint(0, 256, (b, t), generator=gen)
         return torch.randn((b, t, 32), generator=gen)
 
+    def forward(rng: random.Random, req: int) -> StageForward:
+        b, t = rng.randint(1, 4), rng.randint(1, 32)
+        tensors = {"x": x(rng, b, t)}
+        if last:
+            tensors["targets"] = _hostile_targets(rng, b, t)
+        return StageForward(req=req, session=f"F{req}", microbatch=rng.randrange(100),
+                            priority=rng.choice([0, 10, 20]), tensors=tensors)
+
     def seeds(rng: random.Random) -> list[Message]:
         req = rng.randrange(2**31)
-        # sync tensors never carry the stage's parameter names (see the module docstring)
-        sync = {f"fuzz.{i}": nan_tensor(rng, rng.choice(list(shapes.values())))
-                for i in range(rng.randrange(3))}
-        poison = {n: torch.full(shp, math.nan) for n, shp in shapes.items()}
-        return [StageSync(req=req, round=0, step=0, tensors=poison),
-                StageForward(req=req, session=f"F{req}", microbatch=rng.randrange(100),
-                             priority=rng.choice([0, 10, 20]), tensors={"x": x(rng)}),
-                StageInfer(req=req, session="fz", priority=rng.choice([0, 10]), tensors={"x": x(rng)}),
-                StageBackward(req=req, session=f"zz{req}", microbatch=rng.randrange(100),
-                              tensors={"grad": nan_tensor(rng, (2, 8, 32))}),
-                StageSync(req=req, round=rng.randrange(10), step=0, reply=rng.random() < 0.3, tensors=sync),
-                StatusRequest(), Heartbeat(time=0.0), Shutdown(reason="fuzz")]
+        common: list[Message] = [
+            forward(rng, req),
+            StageInfer(req=req, session="fz", priority=rng.choice([0, 10]), tensors={"x": x(rng)}),
+            StageBackward(req=req, session=f"zz{req}", microbatch=rng.randrange(100),
+                          tensors={"grad": nan_tensor(rng, (2, 8, 32))}),
+            StatusRequest(), Heartbeat(time=0.0), Shutdown(reason="fuzz")]
+        syncs = _bad_syncs(rng, shapes)
+        if role == "stage":  # replica syncs are what this role is for: most inputs are syncs
+            return common[:3] + [StageSync(req=req, round=rng.randrange(10), step=rng.randrange(10),
+                                           reply=rng.random() < 0.2, tensors=s) for s in syncs]
+        return common + [StageSync(req=req, round=rng.randrange(10), step=0, reply=rng.random() < 0.3,
+                                   tensors=rng.choice(syncs))]
 
-    ref_x = x(random.Random(seed))
-    report = FuzzReport("stage" if first else "stage-mid", seed)
+    ref_x = x(random.Random(seed), 2, 16)
+    ref_targets = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+    report = FuzzReport(_STAGE_NAMES[(position, role)], seed)
     with capture_errors() as errors:
         await server.start()
         try:
@@ -260,23 +414,35 @@ async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int =
                 raise SwarmError(f"the reference inference failed: {ref}")
             before = server.compute.parameters_snapshot()
             infer = StageInfer(req=2, session="health", tensors={"x": ref_x})
-            await run_campaign(report, server.port, "pipeline", seeds, (Heartbeat,),
+            await run_campaign(report, server.port, role, seeds, (Heartbeat,),
                                lambda: _live(server.port, "pipeline", infer, StageResult),
                                count=count, seconds=seconds, concurrency=concurrency, progress=progress)
             after = server.compute.parameters_snapshot()
+            report.notes.append(f"optimizer steps {server.compute.steps}, syncs applied {server.sync_served}")
+            if server.sync_served:
+                report.health.append(f"{server.sync_served} replica sync(s) the fuzzer made invalid "
+                                     "were applied")
             if not all(bool(torch.isfinite(t).all()) for t in after.values()):
-                report.health.append("the parameters became non-finite")
-            elif any(not torch.equal(before[n], after[n]) for n in before) or server.compute.steps:
+                bad = sorted(n for n, t in after.items() if not bool(torch.isfinite(t).all()))
+                report.health.append(f"parameters became non-finite: {bad[:5]} "
+                                     f"(optimizer steps: {server.compute.steps})")
+            elif not training and (any(not torch.equal(before[n], after[n]) for n in before)
+                                   or server.compute.steps):
                 report.health.append(f"the parameters changed (optimizer steps: {server.compute.steps})")
             again = await _ask(server.port, "pipeline", infer)
-            if report.health:
+            if report.health or training:
                 pass  # with other weights the reference output cannot come back
             elif not (isinstance(again, StageResult) and torch.equal(again.tensors["y"], ref.tensors["y"])):
                 report.health.append(f"inference no longer gives the reference output: {again}")
+            tensors = {"x": ref_x, "targets": ref_targets} if last else {"x": ref_x}
             fwd = await _ask(server.port, "pipeline", StageForward(req=3, session="health", microbatch=0,
-                                                                   tensors={"x": ref_x}))
-            if not (isinstance(fwd, StageResult) and fwd.tensors["y"].shape == ref.tensors["y"].shape):
+                                                                   tensors=tensors))
+            if not isinstance(fwd, StageResult):
                 report.health.append(f"a legitimate forward failed: {fwd}")
+            elif last and not (fwd.tensors["y"].numel() == 1 and math.isfinite(float(fwd.tensors["y"]))):
+                report.health.append(f"a legitimate forward gave the loss {fwd.tensors['y']}")
+            elif not last and fwd.tensors["y"].shape != ref.tensors["y"].shape:
+                report.health.append(f"a legitimate forward gave an output of shape {fwd.tensors['y'].shape}")
         except (SwarmError, OSError, TimeoutError) as exc:
             report.health.append(f"health check failed: {type(exc).__name__}: {exc}")
         finally:
@@ -352,8 +518,12 @@ async def fuzz_peer(count: int = 300, *, seconds: float = math.inf, seed: int = 
 
 TARGETS: dict[str, Callable[..., Awaitable[FuzzReport]]] = {
     "coordinator": fuzz_coordinator,
+    "ctl": fuzz_ctl,
     "stage": fuzz_stage,
-    "stage-mid": lambda *a, **kw: fuzz_stage(*a, first=False, **kw),
+    "stage-mid": functools.partial(fuzz_stage, position="middle"),
+    "stage-last": functools.partial(fuzz_stage, position="last"),
+    "stage-replica": functools.partial(fuzz_stage, position="middle", role="stage"),
     "peer": fuzz_peer,
+    "ring": fuzz_ring,
 }
 """Every fuzz target by name: ``await TARGETS[name](count, seconds=..., seed=..., progress=...)``."""

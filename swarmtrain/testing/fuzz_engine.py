@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from swarmtrain.errors import ProtocolError
 from swarmtrain.testing.fuzz_inputs import FuzzInput, Prelude, Seeds, make_input
@@ -47,8 +48,8 @@ from swarmtrain.wire import (
     encode_bytes,
 )
 
-__all__ = ["FUZZ_TIMEOUTS", "INPUT_TIMEOUT", "SECRET", "FuzzReport", "send_input", "run_campaign",
-           "source_address", "capture_errors", "collect_crashes", "dead_port"]
+__all__ = ["FUZZ_TIMEOUTS", "INPUT_TIMEOUT", "SECRET", "FuzzReport", "NodeFault", "send_input",
+           "run_campaign", "run_inputs", "source_address", "capture_errors", "collect_crashes", "dead_port"]
 
 FUZZ_TIMEOUTS = Timeouts(connect=5.0, handshake=1.0, heartbeat_interval=0.2, heartbeat_timeout=2.0, send=5.0)
 """Transport timeouts of the fuzzed nodes: a silent connection is closed within ~2 s."""
@@ -70,6 +71,7 @@ class FuzzReport:
     health: list[str] = field(default_factory=list)  # failed health checks (empty = healthy)
     logged_errors: Counter[str] = field(default_factory=Counter)  # ERROR records that are no crash
     mutations: Counter[str] = field(default_factory=Counter)  # inputs by mutation
+    notes: list[str] = field(default_factory=list)  # what else the target counted
     elapsed: float = 0.0
 
     @property
@@ -91,6 +93,7 @@ class FuzzReport:
                  "  inputs:   " + ", ".join(f"{k} {v}" for k, v in sorted(self.inputs.items())),
                  "  mutations: " + ", ".join(f"{k} {v}" for k, v in self.mutations.most_common()),
                  "  outcomes: " + ", ".join(f"{k} {v}" for k, v in self.outcomes.most_common(12))]
+        lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  logged {n}x at ERROR (not a crash): {m}" for m, n in self.logged_errors.items()]
         lines += [f"  CRASH  {c}" for c in self.crashes[:20]]
         lines += [f"  HANG   {h}" for h in self.hangs[:20]]
@@ -102,7 +105,7 @@ class FuzzReport:
 # --- driving one connection -----------------------------------------------------------------
 
 
-class _NodeFault(Exception):
+class NodeFault(Exception):
     """The node misbehaved on a legitimate step (handshake) or sent an undecodable frame."""
 
 
@@ -115,7 +118,7 @@ async def _next_msg(reader: asyncio.StreamReader, dec: Decoder, skip: tuple[type
                 if not isinstance(msg, skip):
                     return msg
         except ProtocolError as exc:
-            raise _NodeFault(f"the node sent an undecodable frame: {exc}") from None
+            raise NodeFault(f"the node sent an undecodable frame: {exc}") from None
         async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
             try:
                 chunk = await reader.read(65536)
@@ -126,7 +129,7 @@ async def _next_msg(reader: asyncio.StreamReader, dec: Decoder, skip: tuple[type
         try:
             dec.feed(chunk)
         except ProtocolError as exc:
-            raise _NodeFault(f"the node sent an undecodable frame: {exc}") from None
+            raise NodeFault(f"the node sent an undecodable frame: {exc}") from None
 
 
 def source_address(index: int) -> str:
@@ -142,7 +145,7 @@ async def send_input(port: int, inp: FuzzInput, skip: tuple[type[Message], ...],
     error:<code> / answer:<TYPE>[:<detail>] / no_answer).
 
     Raises:
-        _NodeFault: the node failed a legitimate handshake step or sent garbage.
+        NodeFault: the node failed a legitimate handshake step or sent garbage.
     """
     deadline = time.monotonic() + timeout
     async with asyncio.timeout(timeout):
@@ -154,11 +157,11 @@ async def send_input(port: int, inp: FuzzInput, skip: tuple[type[Message], ...],
             writer.write(encode_bytes(Hello(role=inp.role, nonce=nc)))
             ch = await _next_msg(reader, dec, (Heartbeat,), deadline)
             if not isinstance(ch, Challenge):
-                raise _NodeFault(f"expected CHALLENGE, got {ch}")
+                raise NodeFault(f"expected CHALLENGE, got {ch}")
             if inp.phase == "auth":
                 writer.write(encode_bytes(Auth(proof=auth.client_proof(SECRET, nc, ch.nonce))))
                 if not isinstance(welcome := await _next_msg(reader, dec, (Heartbeat,), deadline), Message):
-                    raise _NodeFault(f"expected WELCOME, got {welcome}")
+                    raise NodeFault(f"expected WELCOME, got {welcome}")
         writer.write(inp.prelude + inp.data)
         try:
             msg = await _next_msg(reader, dec, skip, deadline)
@@ -171,7 +174,7 @@ async def send_input(port: int, inp: FuzzInput, skip: tuple[type[Message], ...],
         detail = f":{msg.status}" if isinstance(msg, Update) else ""
         return f"answer:{msg.TYPE.name}{detail}"
     except TimeoutError:
-        raise _NodeFault("the node did not complete a legitimate handshake step in time") from None
+        raise NodeFault("the node did not complete a legitimate handshake step in time") from None
     finally:
         writer.close()
         try:
@@ -228,11 +231,24 @@ def capture_errors() -> Iterator[_ErrorLog]:
             lg.setLevel(level)
 
 
-async def run_campaign(report: FuzzReport, port: int, role: str, seeds: Seeds,
-                       skip: tuple[type[Message], ...], live: Callable[[], Awaitable[str | None]], *,
-                       count: int, seconds: float, concurrency: int, prelude: Prelude | None = None,
-                       progress: Callable[[FuzzReport], None] | None = None) -> None:
-    """Run ``count`` inputs (or until ``seconds`` pass), ``concurrency`` connections at a time."""
+class _HasKind(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+
+InputT = TypeVar("InputT", bound=_HasKind)
+
+
+async def run_inputs(report: FuzzReport, make: Callable[[int], InputT],
+                     send: Callable[[InputT, int], Awaitable[str]],
+                     live: Callable[[], Awaitable[str | None]], *, count: int, seconds: float,
+                     concurrency: int, progress: Callable[[FuzzReport], None] | None = None) -> None:
+    """Run ``count`` inputs (or until ``seconds`` pass), ``concurrency`` at a time.
+
+    ``make(i)`` builds input ``i`` (its ``kind`` is ``<where>:<mutation>``), ``send(input, i)``
+    delivers it and returns the node's reaction; ``live()`` is a legitimate request (None if
+    it was served), run after a suspicious reaction and every 50 inputs.
+    """
     start = time.monotonic()
     next_index = 0
 
@@ -240,13 +256,13 @@ async def run_campaign(report: FuzzReport, port: int, role: str, seeds: Seeds,
         nonlocal next_index
         while next_index < count and time.monotonic() - start < seconds:
             i, next_index = next_index, next_index + 1
-            inp = make_input(report.seed, i, role, seeds, prelude)
+            inp = make(i)
             where, mutation = inp.kind.rsplit(":", 1)
             report.inputs[where] += 1
             report.mutations[mutation] += 1
             try:
-                outcome = await send_input(port, inp, skip, source=source_address(i))
-            except _NodeFault as exc:
+                outcome = await send(inp, i)
+            except NodeFault as exc:
                 outcome = "node_fault"
                 report.crashes.append(f"input {i} ({inp.kind}): {exc}")
             except (ConnectionError, OSError) as exc:
@@ -264,6 +280,19 @@ async def run_campaign(report: FuzzReport, port: int, role: str, seeds: Seeds,
 
     await asyncio.gather(*(one_worker() for _ in range(concurrency)))
     report.elapsed = time.monotonic() - start
+
+
+async def run_campaign(report: FuzzReport, port: int, role: str, seeds: Seeds,
+                       skip: tuple[type[Message], ...], live: Callable[[], Awaitable[str | None]], *,
+                       count: int, seconds: float, concurrency: int, prelude: Prelude | None = None,
+                       progress: Callable[[FuzzReport], None] | None = None,
+                       forbid: tuple[type[Message], ...] = ()) -> None:
+    """Run ``count`` transport-level inputs (or until ``seconds`` pass), ``concurrency``
+    connections at a time, each from its own :func:`source_address`. Inputs that would
+    deliver a well-formed message of a ``forbid`` type are replaced (see :func:`make_input`)."""
+    await run_inputs(report, lambda i: make_input(report.seed, i, role, seeds, prelude, forbid),
+                     lambda inp, i: send_input(port, inp, skip, source=source_address(i)), live,
+                     count=count, seconds=seconds, concurrency=concurrency, progress=progress)
 
 
 def collect_crashes(report: FuzzReport, errors: _ErrorLog) -> None:

@@ -19,9 +19,10 @@ from typing import Any
 import msgpack
 import torch
 
-from swarmtrain.wire import PREAMBLE, Auth, Hello, Message, encode_bytes
+from swarmtrain.errors import ProtocolError
+from swarmtrain.wire import PREAMBLE, Auth, Decoder, Hello, Limits, Message, encode_bytes
 
-__all__ = ["FuzzInput", "Mutator", "Seeds", "Prelude", "make_input", "nan_tensor"]
+__all__ = ["FuzzInput", "Mutator", "Seeds", "Prelude", "delivers", "make_input", "nan_tensor"]
 
 _EXTREME_INTS = [0, -1, 1, 2**31 - 1, -(2**31), 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1]
 _DTYPE_NAMES = ["float32", "float16", "bfloat16", "float64", "int8", "uint8", "uint16", "int16",
@@ -224,9 +225,36 @@ Prelude = Callable[[random.Random], bytes]
 """Valid frames sent after authentication and before the input (e.g. a REGISTER)."""
 
 
-def make_input(seed: int, index: int, role: str, seeds: Seeds, prelude: Prelude | None = None) -> FuzzInput:
-    """Input ``index`` of campaign ``seed``: a function of those two numbers alone."""
-    rng = random.Random(f"{seed}:{index}")
+def make_input(seed: int, index: int, role: str, seeds: Seeds, prelude: Prelude | None = None,
+               forbid: tuple[type[Message], ...] = ()) -> FuzzInput:
+    """Input ``index`` of campaign ``seed``: a function of those two numbers alone.
+
+    An input after authentication that would deliver a well-formed message of a ``forbid``
+    type (an operator's legitimate SHUTDOWN, say) is drawn again from the next sub-seed.
+    """
+    for attempt in itertools.count():
+        inp = _draw_input(random.Random(f"{seed}:{index}" + (f":{attempt}" if attempt else "")),
+                          role, seeds, prelude)
+        if not (forbid and inp.phase == "auth" and delivers(inp.prelude + inp.data, forbid)):
+            return inp
+    raise AssertionError("unreachable")
+
+
+def delivers(data: bytes, types: tuple[type[Message], ...]) -> bool:
+    """Whether a node decoding ``data`` (leniently: any frame a stricter node decodes, this
+    decodes too) gets a message of one of ``types`` before the stream goes bad."""
+    dec = Decoder(Limits(max_header_bytes=1 << 30, max_payload_bytes=1 << 30, max_tensors=1 << 20))
+    try:
+        dec.feed(data)
+        while (msg := dec.next_message()) is not None:
+            if isinstance(msg, types):
+                return True
+    except ProtocolError:
+        pass
+    return False
+
+
+def _draw_input(rng: random.Random, role: str, seeds: Seeds, prelude: Prelude | None) -> FuzzInput:
     m = Mutator(rng)
     where = rng.random()
     if where < 0.2:  # before authentication: garbage or a mutated HELLO / AUTH
