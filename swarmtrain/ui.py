@@ -9,6 +9,7 @@ from typing import Any
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 __all__ = ["print_status", "print_pipeline_status", "print_profile", "format_metrics"]
 
@@ -23,9 +24,30 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return "  ".join(f"{k} {_num(v)}" for k, v in metrics.items())
 
 
+_ESSENTIAL = ("id", "address", "profile", "steps", "last seen")
+"""Worker columns always shown and never cut: long values fold onto a second line instead."""
+_OPTIONAL = ("samples/s", "share", "staleness", "shards", "batch", "weight", "probe", "up x", "down x")
+"""The other worker columns, most useful first: on a narrow console they are dropped from the end."""
+_ORDER = ("id", "address", "profile", "shards", "batch", "steps", "share", "samples/s", "probe",
+          "weight", "staleness", "up x", "down x", "last seen")
+_LEFT = ("id", "address", "profile", "last seen")
+_WIDE = 160
+"""Console width when the output is not a terminal (a pipe or a file): room for every column."""
+
+
 def print_status(status: dict[str, Any], console: Console | None = None) -> None:
-    """Print a coordinator's status: step, loss, metrics, and the workers table."""
-    console = console or Console()
+    """Print a coordinator's status: step, loss, metrics, and the workers table.
+
+    The id, address, profile, steps and last-seen columns are never cut. Other columns are
+    left out, least useful first, until the table fits the console; a caption names them. If
+    even the five essential columns do not fit, each worker gets a line of its own.
+
+    Args:
+        status: a coordinator's ``status()`` dict (as ``swarmtrain ctl status`` receives it).
+        console: where to print; by default the terminal, or a wide console when the output
+            is not a terminal, so that a pipe or a file gets every column.
+    """
+    console = console or _default_console()
     state = "finished" if status.get("finished") else "paused" if status.get("paused") else (
         "running" if status.get("running") else "waiting for workers")
     console.print(
@@ -38,23 +60,69 @@ def print_status(status: dict[str, Any], console: Console | None = None) -> None
                   f"duplicates {stats.get('duplicates', 0)}  rejected {stats.get('rejected', 0)}  "
                   f"workers {status.get('workers_connected', 0)} connected / "
                   f"min {status.get('min_workers')}")
-    table = Table(title="workers")
-    for col in ("id", "address", "profile", "shards", "batch", "steps", "share", "samples/s",
-                "probe", "weight", "staleness", "up x", "down x", "last seen"):
-        table.add_column(col, justify="right" if col not in ("id", "address", "profile") else "left")
-    for w in status.get("workers", []):
-        seen = "connected" if w.get("connected") else f"{w.get('last_seen_sec', 0):.0f} s ago"
-        if w.get("connected"):
-            seen = f"{w.get('last_seen_sec', 0):.1f} s ago"
-        table.add_row(
-            str(w.get("id")), str(w.get("address")), str(w.get("profile")),
-            ",".join(str(s) for s in w.get("shards", [])), str(w.get("batch_size")), str(w.get("steps")),
-            f"{100 * w.get('share', 0):.0f}%", _num(w.get("samples_per_sec"), ".0f"),
-            _num(w.get("probe_samples_per_sec"), ".0f"), _num(w.get("weight"), ".2f"),
-            _num(w.get("avg_staleness"), ".1f"), _num(w.get("up_ratio"), ".1f"),
-            _num(w.get("down_ratio"), ".1f"), seen + ("" if w.get("connected") else " (gone)"),
-        )
+    rows = [_worker_cells(w) for w in status.get("workers", [])]
+    if not rows:
+        console.print("no workers have joined yet")
+        return
+    shown = list(_ESSENTIAL)
+    if not _fits(console, _worker_table(shown, rows)):
+        console.print("[bold]workers[/] (use a wider terminal or --json for the other columns)")
+        for c in rows:
+            console.print(Text(f"{c['id']}  {c['address']}", overflow="fold"))
+            console.print(Text(f"    {c['profile']}  steps {c['steps']}  last seen {c['last seen']}",
+                               overflow="fold"))
+        return
+    for col in _OPTIONAL:
+        if not _fits(console, _worker_table([*shown, col], rows)):
+            break
+        shown.append(col)
+    table = _worker_table(shown, rows)
+    hidden = [c for c in _ORDER if c not in shown]
+    if hidden:
+        table.caption = f"not shown at this width: {', '.join(hidden)} (widen the terminal or use --json)"
     console.print(table)
+
+
+def _default_console() -> Console:
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, _WIDE))
+
+
+def _worker_cells(w: dict[str, Any]) -> dict[str, str]:
+    connected = bool(w.get("connected"))
+    seen = w.get("last_seen_sec", 0)
+    return {
+        "id": str(w.get("id")), "address": str(w.get("address") or "-"),
+        "profile": str(w.get("profile")), "steps": str(w.get("steps")),
+        "last seen": f"{seen:.1f} s ago" if connected else f"{seen:.0f} s ago (gone)",
+        "shards": ",".join(str(s) for s in w.get("shards", [])) or "-",
+        "batch": str(w.get("batch_size")), "share": f"{100 * w.get('share', 0):.0f}%",
+        "samples/s": _num(w.get("samples_per_sec"), ".0f"),
+        "probe": _num(w.get("probe_samples_per_sec"), ".0f"), "weight": _num(w.get("weight"), ".2f"),
+        "staleness": _num(w.get("avg_staleness"), ".1f"), "up x": _num(w.get("up_ratio"), ".1f"),
+        "down x": _num(w.get("down_ratio"), ".1f"),
+    }
+
+
+def _worker_table(columns: list[str], rows: list[dict[str, str]]) -> Table:
+    table = Table(title="workers", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  collapse_padding=True)
+    shown = [c for c in _ORDER if c in columns]
+    for col in shown:
+        longest = max(len(col), *(len(r[col]) for r in rows))
+        if col in _ESSENTIAL:  # folded rather than cut if it ever has to be narrower
+            table.add_column(col, justify="left" if col in _LEFT else "right", min_width=longest,
+                             overflow="fold")
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(*(r[c] for c in shown))
+    return table
+
+
+def _fits(console: Console, table: Table) -> bool:
+    natural = console.measure(table, options=console.options.update_width(10_000)).maximum
+    return natural <= console.width
 
 
 def print_pipeline_status(statuses: list[list[dict[str, Any]]], console: Console | None = None) -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +134,90 @@ def test_unwritable_checkpoint_directory_reports_and_training_goes_on(tmp_path: 
     assert not reply.ok and "ckpt" in reply.message and "point [checkpointing] directory" in reply.message
     assert c.checkpointer.failures == 1
     assert c._apply_gradient(rec, gradient(c, 6))[0] == "applied"  # training goes on
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (room for a few checkpoints of the digits model), unmounted afterwards.
+    A full disk stops root too, where chmod would not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                            check=False, capture_output=True, text=True, timeout=10)
+    if result.returncode != 0:  # as the namespace tests: skipped without root, unless CI requires it
+        reason = f"cannot mount a tmpfs for the full-disk test (needs root): {result.stderr.strip()}"
+        if os.environ.get("SWARMTRAIN_REQUIRE_NETNS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True, timeout=10)
+
+
+def _fill(disk: Path) -> Path:
+    """Write a file until the disk has no block left; delete it to make room again."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            try:
+                os.write(fd, bytes(4096))
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                return filler
+    finally:
+        os.close(fd)
+
+
+def test_full_checkpoint_disk_costs_one_attempt_per_interval_and_recovers_by_itself(
+        small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    c = make_coordinator(small_disk, **{"checkpointing.interval": 5})
+    rec = record(c)
+    failed = lambda: [e for e in c.events if e["event"] == "checkpoint_failed"]  # noqa: E731
+    written = lambda: [e["step"] for e in c.events if e["event"] == "checkpoint"]  # noqa: E731
+
+    async def updates(first: int, last: int) -> None:
+        for i in range(first, last + 1):  # as the coordinator does after each applied gradient
+            assert c._apply_gradient(rec, gradient(c, i))[0] == "applied"
+            await c._maybe_checkpoint()
+
+    asyncio.run(updates(1, 5))
+    good = CheckpointStore(small_disk).latest()
+    assert good is not None and good.step == 5 and written() == [5]
+    good_tensors = {k: v.clone() for k, v in good.tensors.items()}
+    assert all(torch.equal(good_tensors[f"model/{n}"], p) for n, p in c.params.items())
+
+    filler = _fill(small_disk)
+    with caplog.at_level(logging.INFO, logger="swarmtrain.checkpoint"):
+        asyncio.run(updates(6, 27))  # four intervals: attempts at 10, 15, 20 and 25 only
+    assert c.version == 27  # training went on
+    assert [(e["step"], e["failures_in_a_row"]) for e in failed()] == [(10, 1), (15, 2), (20, 3), (25, 4)]
+    assert c.checkpointer.failures == 4 and written() == [5]
+    assert all("No space left on device" in e["error"] for e in failed())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "No space left on device" in errors[0].getMessage()  # loud once
+    repeats = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(repeats) == 3 and "still failing (4 attempts in a row" in repeats[-1], repeats
+    assert "last good checkpoint: version 5" in repeats[-1]
+
+    # The earlier checkpoint is untouched and nothing half-written is left beside it.
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt-000000000005", "filler"]
+    still = CheckpointStore(small_disk).latest()
+    assert still is not None and still.step == 5 and still.tensors.keys() == good_tensors.keys()
+    for k, v in good_tensors.items():  # bit for bit, weights and Adam state
+        assert v.dtype == still.tensors[k].dtype, k
+        assert v.reshape(-1).view(torch.uint8).equal(still.tensors[k].reshape(-1).view(torch.uint8)), k
+
+    filler.unlink()  # room again: the next interval (version 30) writes, with no restart
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="swarmtrain.checkpoint"):
+        asyncio.run(updates(28, 30))
+    assert written() == [5, 30] and len(failed()) == 4 and c.checkpointer.failures_in_a_row == 0
+    assert "written again after 4 failed attempt(s)" in caplog.text
+    resumed = make_coordinator(small_disk)
+    assert resumed.checkpointer.restore(resumed) and resumed.version == 30
+    assert all(torch.equal(resumed.params[n], p) for n, p in c.params.items())
 
 
 def test_ctl_pause_resume_checkpoint_status_shutdown(tmp_path: Path) -> None:

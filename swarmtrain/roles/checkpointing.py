@@ -29,11 +29,17 @@ class CoordinatorCheckpointer:
         self.store = CheckpointStore(directory, keep=keep)
         self.interval = interval
         self.last_saved_version = -1
+        # The next interval counts from the newest attempt, written or not, so a directory that
+        # cannot be written costs one snapshot and write attempt per interval, not per update.
+        self.last_attempted_version = -1
         self.failures = 0
+        self.failures_in_a_row = 0
         self._lock = asyncio.Lock()
 
     async def maybe_save(self, coord: Coordinator) -> None:
-        if self.interval and coord.version - max(self.last_saved_version, 0) >= self.interval:
+        """Save if ``interval`` updates have been applied since the last attempt."""
+        since = max(self.last_saved_version, self.last_attempted_version, 0)
+        if self.interval and coord.version - since >= self.interval:
             await self.save_now(coord)
 
     async def save_now(self, coord: Coordinator) -> CheckpointMsg:
@@ -42,18 +48,38 @@ class CoordinatorCheckpointer:
             if coord.version == self.last_saved_version:
                 return CheckpointMsg(ok=True, step=coord.version, message="already saved")
             tensors, meta = await coord._run_apply(self._snapshot, coord)
+            version = meta["version"]
+            self.last_attempted_version = version
             loop = asyncio.get_running_loop()
             try:
-                path = await loop.run_in_executor(None, self.store.save, meta["version"], tensors, meta)
+                path = await loop.run_in_executor(None, self.store.save, version, tensors, meta)
             except CheckpointError as exc:
-                self.failures += 1
-                log.error("checkpoint failed, training goes on with the last good one: %s", exc)
-                coord._event("checkpoint_failed", error=str(exc))
-                return CheckpointMsg(ok=False, step=meta["version"], message=str(exc))
-            self.last_saved_version = meta["version"]
-            coord._event("checkpoint", step=meta["version"], path=str(path))
-            log.info("checkpoint at version %d: %s", meta["version"], path)
-            return CheckpointMsg(ok=True, step=meta["version"], path=str(path))
+                self._report_failure(coord, version, exc)
+                return CheckpointMsg(ok=False, step=version, message=str(exc))
+            if self.failures_in_a_row:
+                log.info("checkpoints are written again after %d failed attempt(s)",
+                            self.failures_in_a_row)
+            self.failures_in_a_row = 0
+            self.last_saved_version = version
+            coord._event("checkpoint", step=version, path=str(path))
+            log.info("checkpoint at version %d: %s", version, path)
+            return CheckpointMsg(ok=True, step=version, path=str(path))
+
+    def _report_failure(self, coord: Coordinator, version: int, exc: CheckpointError) -> None:
+        """The first failure of a streak is an ERROR with the full reason; later ones (one per
+        interval at most) say it is still failing, how many times, and since which good one."""
+        self.failures += 1
+        self.failures_in_a_row += 1
+        n = self.failures_in_a_row
+        coord._event("checkpoint_failed", step=version, failures_in_a_row=n, error=str(exc))
+        if n == 1:
+            retry = f"; next attempt in {self.interval} updates" if self.interval else ""
+            log.error("checkpoint failed, training goes on with the last good one%s: %s", retry, exc)
+            return
+        last_good = (f"version {self.last_saved_version}" if self.last_saved_version >= 0
+                     else "none yet")
+        log.warning("checkpoint still failing (%d attempts in a row, last good checkpoint: %s): %s",
+                    n, last_good, exc)
 
     @staticmethod
     def _snapshot(coord: Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
