@@ -9,7 +9,7 @@ import pytest
 
 from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.membership import Candidate, Membership, check_signature
-from swarmtrain.wire import Commit, Message, Propose, Status
+from swarmtrain.wire import Commit, Message, Propose, Reform, Status
 
 
 def make_nodes(n: int) -> tuple[list[Membership], dict[str, Membership], set[str]]:
@@ -134,3 +134,13 @@ def test_renew_commits_the_same_members_under_a_new_epoch() -> None:
     renewed = asyncio.run(leader.propose(cands(nodes, leader), known_epoch=first.epoch, renew=True))
     assert renewed.epoch > first.epoch and renewed.members == first.members
     assert all(n.view == renewed for n in nodes)
+
+
+def test_reform_requests_are_signed_by_the_member_they_name() -> None:
+    nodes, _, _ = make_nodes(2)
+    a, b = nodes
+    real = a.reform_request(4)
+    assert real.peer_id == a.me and check_signature(real)
+    assert not check_signature(dataclasses.replace(real, epoch=5))  # tampered
+    assert not check_signature(Reform(epoch=4, peer_id=a.me))  # unsigned
+    assert not check_signature(dataclasses.replace(b.reform_request(4), peer_id=a.me))  # b posing as a

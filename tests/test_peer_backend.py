@@ -1,20 +1,27 @@
 """`PeerBackend` in one process over loopback (static peer lists, no mDNS): agreeing the first
-epoch, collectives, and re-forming after a ring breaks while every member is still alive —
-the case that once span forever because the proposer re-committed the spent epoch."""
+epoch, collectives, re-forming after a ring breaks while every member is still alive (the
+case that once span forever because the proposer re-committed the spent epoch), a joiner
+taken in by the documented user loop, named timeouts, and signed REFORM requests."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.errors import SwarmTimeout
+from swarmtrain.peer.backend import NonFiniteResult, PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
+from swarmtrain.peer.membership import Candidate, Membership
 from swarmtrain.peer.ring import RingBroken
+from swarmtrain.wire import Reform
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = b"backend-test-secret"
@@ -103,3 +110,126 @@ def test_a_broken_ring_names_its_epoch(group: list[PeerBackend]) -> None:
     with pytest.raises(RingBroken) as info:
         group[1].broadcast(torch.zeros(4))
     assert info.value.epoch == ring.epoch  # what recover() is given: the spent epoch, not the newest
+
+
+def start_peer(port: int, ports: list[int], identity: Identity, **overrides: Any) -> PeerBackend:
+    others = tuple(("127.0.0.1", p) for p in ports if p != port)
+    opts = PeerOptions(**{**dict(run="backend-test", min_peers=2, host="127.0.0.1", port=port, mdns=False,
+                                 static_peers=others, heartbeat_interval=0.3, heartbeat_timeout=3.0,
+                                 propose_timeout=1.0, ring_timeout=10.0, reform_timeout=15.0),
+                          **overrides})
+    backend = PeerBackend(opts, secret=SECRET, identity=identity)
+    backend.start()
+    return backend
+
+
+def user_loop(b: PeerBackend, w: torch.Tensor, steps: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+              stop_after: int = 0) -> None:
+    """The loop docs/peer-mode.md documents: sync_state at the top of each step, one all-reduce.
+    The last element of the reduced buffer is a stop vote, so every member stops after the same
+    step; the joiner (``stop_after`` > 0) votes once it has done that many steps with 3 members."""
+    while b.rounds < 200_000:
+        b.sync_state([w])
+        start = w.clone()  # the state this step's contribution is computed from
+        vote = float(stop_after > 0 and sum(1 for s in steps if s[1] == 3) >= stop_after)
+        out = b.all_reduce(torch.cat([torch.ones(8), torch.tensor([vote])]), "sum")
+        steps.append((b.rounds - 1, int(out[0]), start, out.clone()))
+        w += out[:8]
+        if out[8] > 0:
+            return
+
+
+def test_a_joiner_is_taken_in_by_the_user_loop_and_loads_the_state_first() -> None:
+    ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)  # the joiner's is highest
+    ports = free_ports(3)
+    backends: list[PeerBackend] = []
+    try:
+        backends += [start_peer(ports[i], ports, ids[i]) for i in range(2)]
+        weights = [torch.zeros(8), torch.full((8,), 123.0), torch.full((8,), -1.0)]  # 2nd is overwritten
+        steps: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = [[], [], []]
+        threads = [threading.Thread(target=user_loop, args=(backends[i], weights[i], steps[i]), daemon=True)
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(steps[0]) < 5:  # the two run their loop before the joiner starts
+            assert time.monotonic() < deadline and threads[0].is_alive(), "the 2-peer loop does not run"
+            time.sleep(0.01)
+        joiner = start_peer(ports[2], ports, ids[2])
+        backends.append(joiner)
+        joiner.wait_for_peers(2, timeout=20)
+        in_threads([lambda: user_loop(joiner, weights[2], steps[2], stop_after=5)], timeout=60)
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "an old member did not stop with the joiner"
+    finally:
+        for b in backends:
+            b.close()
+    assert {b.world_size for b in backends} == {3}
+    # before its first contribution, the joiner held exactly what the others held at that step
+    first_round, world, start, _ = steps[2][0]
+    assert world == 3
+    group_state = {r: s for r, _, s, _ in steps[0]}
+    assert torch.equal(start, group_state[first_round]) and not torch.equal(start, torch.full((8,), -1.0))
+    # every sum counts each member once: 2 until the joiner is in, then 3, never anything else
+    for member in steps:
+        worlds = [w for _, w, _, _ in member]
+        assert set(worlds) <= {2, 3} and worlds == sorted(worlds)
+        assert all(torch.equal(out[:8], torch.full((8,), float(w))) for _, w, _, out in member)
+    assert all(w == 3 for _, w, _, _ in steps[2])
+    assert torch.equal(weights[0], weights[1]) and torch.equal(weights[0], weights[2])
+    assert backends[0].rounds == backends[1].rounds == backends[2].rounds
+
+
+def test_a_timeout_inside_the_control_loop_keeps_its_phase_and_limit() -> None:
+    port, nobody = free_ports(2)  # nobody listens on the second: no other peer, nobody proposes us in
+    b = start_peer(port, [port, nobody], Identity.generate(), reform_timeout=1.0)
+    try:
+        with pytest.raises(SwarmTimeout) as info:
+            b.refresh()
+        assert info.value.phase == "reform" and info.value.seconds == 1.0
+        with pytest.raises(SwarmTimeout) as outer:
+            b._call(asyncio.sleep(5), timeout=0.2)
+        assert outer.value.phase == "peer control" and outer.value.seconds == 0.2
+    finally:
+        b.close()
+
+
+def test_a_forged_reform_is_ignored_and_a_signed_one_reforms(group: list[PeerBackend]) -> None:
+    proposer, member, sender = group
+    before = proposer.epoch
+    to_proposer = Candidate(proposer.membership.me, "127.0.0.1", proposer.port, 0)
+
+    def send(msg: Reform) -> None:
+        assert sender._call(sender.control.ask(to_proposer, msg, 5.0), 10) is not None
+
+    send(Reform(epoch=before, peer_id=member.membership.me))  # unsigned
+    impostor = Membership(Identity.generate(), ring_address=("127.0.0.1", 1), send=sender.control.ask)
+    forged = impostor.reform_request(before)
+    send(dataclasses.replace(forged, peer_id=member.membership.me))  # signed by a key not the member's
+    assert proposer.forged_reforms == 2
+    outs = in_threads([lambda b=b: b.all_reduce(torch.ones(16), "sum", retries=0) for b in group])
+    assert all(torch.equal(o, torch.full((16,), 3.0)) for o in outs)  # the ring was left alone
+    assert {b.epoch for b in group} == {before}
+
+    send(member.membership.reform_request(before))  # genuine: the proposer aborts its ring
+    outs = in_threads([lambda b=b: b.all_reduce(torch.ones(16), "sum") for b in group])
+    assert all(torch.equal(o, torch.full((16,), 3.0)) for o in outs)
+    assert proposer.forged_reforms == 2 and len({b.epoch for b in group}) == 1 and proposer.epoch > before
+
+
+def test_check_finite_makes_every_member_refuse_a_non_finite_result(group: list[PeerBackend]) -> None:
+    def reduce(b: PeerBackend, value: float, check: bool) -> Any:
+        try:
+            return b.all_reduce(torch.full((64,), value), "sum", check_finite=check)
+        except NonFiniteResult as exc:
+            return str(exc)  # (an exception returned would be re-raised by in_threads)
+
+    plain = in_threads([lambda r=r, b=b: reduce(b, float("nan") if r == 1 else 1.0, False)
+                        for r, b in enumerate(group)])
+    assert all(isinstance(o, torch.Tensor) and bool(torch.isnan(o).all()) for o in plain)  # returned as is
+    checked = in_threads([lambda r=r, b=b: reduce(b, float("inf") if r == 2 else 1.0, True)
+                          for r, b in enumerate(group)])
+    assert all(isinstance(o, str) and "NaN or Inf" in o for o in checked), checked
+    outs = in_threads([lambda b=b: reduce(b, 1.0, True) for b in group])  # and the group goes on
+    assert all(torch.equal(o, torch.full((64,), 3.0)) for o in outs)

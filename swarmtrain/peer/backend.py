@@ -7,10 +7,17 @@ epoch. When a member dies or goes silent, its heartbeats stop, the ring is abort
 collective in progress fails fast instead of hanging), the survivors agree a new epoch,
 and :meth:`all_reduce` is retried on the new ring with the caller's original input.
 
-    backend = PeerBackend(run="myrun")
+Every collective begins at a round boundary: the proposer takes in joiners and drops
+leavers there, and every member moves to the newest epoch. State registered with
+:meth:`PeerBackend.sync_state` is loaded from the epoch's donor on the first collective of
+every new epoch, on every member, so a joiner holds the group's state before it contributes.
+
+    backend = PeerBackend(PeerOptions(run="myrun"), secret=b"...")
     backend.start()
     backend.wait_for_peers(2, timeout=60)
-    grads = backend.all_reduce(grads, op="mean")
+    for batch in loader:
+        backend.sync_state(list(model.parameters()))
+        grads = backend.all_reduce(grads, op="mean")
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
@@ -30,17 +37,23 @@ from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.peer.control import ControlPlane
 from swarmtrain.peer.discovery import Discovery, MdnsDiscovery, PeerInfo, StaticDiscovery
 from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.membership import Candidate, Membership, View
+from swarmtrain.peer.membership import Candidate, Membership, View, check_signature
 from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
 from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg, Reform
 
-__all__ = ["PeerBackend", "PeerOptions"]
+__all__ = ["NonFiniteResult", "PeerBackend", "PeerOptions"]
 
 log = logging.getLogger("swarmtrain.peer")
 T = TypeVar("T")
+
+
+class NonFiniteResult(SwarmError):
+    """An all-reduce result holds NaN or Inf (asked for with ``check_finite=True``): some
+    member contributed a non-finite value. Every member holds the same reduced bits, so every
+    member raises alike and can skip the step alike."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,14 @@ class PeerBackend:
     secret: bytes | None = None
     identity: Identity | None = None
     tls: TLSConfig | None = None
+    #: all-reduces completed by the group, carried with the state: the member with the most
+    #: is the donor of a new epoch (the CLI's trainer sets it to its round instead)
     rounds: int = 0
+    #: REFORM requests refused: unsigned, or not signed by the member they name
+    forged_reforms: int = 0
+    _state: list[torch.Tensor] | None = None
+    _synced_epoch: int = 0
+    _ring_view: View | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _ring: RingGroup | None = None
@@ -191,7 +211,11 @@ class PeerBackend:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout)
+        except SwarmTimeout:
+            raise  # a named phase inside the call (reform, discovery...): its own name and limit
         except concurrent.futures.TimeoutError:
+            if fut.done():  # finished meanwhile, or failed with a timeout of its own: its outcome
+                return fut.result(0)
             fut.cancel()
             raise SwarmTimeout("peer control", timeout) from None
 
@@ -249,6 +273,11 @@ class PeerBackend:
     def _reform_requested(self, msg: Reform) -> None:
         """A member's ring broke: abort ours too (our collective cannot finish either), so our
         training loop recovers and, as proposer, agrees the next epoch."""
+        if not check_signature(msg):
+            self.forged_reforms += 1
+            log.warning("ignoring a REFORM that %s did not sign (unsigned or forged; %d so far)",
+                        msg.peer_id[:8], self.forged_reforms)
+            return
         v = self.view
         if v is not None and msg.peer_id in v.members and msg.epoch >= v.epoch:
             log.info("member %s reports epoch %d broke", msg.peer_id[:8], msg.epoch)
@@ -298,15 +327,20 @@ class PeerBackend:
         return False
 
     def refresh(self, timeout: float | None = None) -> bool:
-        """Before a collective: wait for the first epoch if there is none yet, and rebuild the
-        ring if the epoch changed. True if it changed."""
+        """At a round boundary, before a collective: wait for the first epoch if there is none
+        yet; as proposer, agree a new epoch if peers came or went (:meth:`propose_if_needed`);
+        rebuild the ring if the epoch changed. True if it changed.
+
+        Raises:
+            SwarmTimeout: phase ``reform`` if no first epoch is agreed within
+                ``reform_timeout`` (nobody proposed us in), ``peer control`` after ``timeout``.
+        """
         return self._call(self._refresh_async(), timeout or self.options.reform_timeout + 10)
 
     async def _refresh_async(self) -> bool:
         self.membership.ready = True
-        if self.membership.view is None:
-            if not await self._propose_async():
-                await self._await_view(0)
+        if not await self._propose_async() and self.membership.view is None:
+            await self._await_view(0)
         return await self._ensure_ring()
 
     def _learn_own_address(self, cands: dict[str, Candidate]) -> None:
@@ -343,7 +377,7 @@ class PeerBackend:
                 continue
             m.changed.clear()
             if above and leader in cands:  # tell the proposer our ring broke; it is gone if silent
-                answer = await self.control.ask(cands[leader], Reform(epoch=above, peer_id=m.me),
+                answer = await self.control.ask(cands[leader], m.reform_request(above),
                                                 self.options.propose_timeout)
                 if answer is None:
                     log.info("proposer %s does not answer: treating it as gone", leader[:8])
@@ -367,7 +401,7 @@ class PeerBackend:
         loop = asyncio.get_running_loop()
         ring = await loop.run_in_executor(None, self._build_ring, v)
         with self._ring_lock:
-            old, self._ring = self._ring, ring
+            old, self._ring, self._ring_view = self._ring, ring, v
         if old is not None:
             self._account(old, closing=True)
             old.close()
@@ -399,6 +433,34 @@ class PeerBackend:
 
     # -- collectives -----------------------------------------------------------------------
 
+    def sync_state(self, tensors: Sequence[torch.Tensor], *, retries: int = 5) -> bool:
+        """At the top of every step, on every member: the round boundary, and the state that
+        a new epoch starts from.
+
+        Runs :meth:`refresh` (as proposer, takes in joiners and drops leavers; moves to the
+        newest epoch) and registers ``tensors`` (weights, optimizer state: any dtype, any
+        shape) as this run's state. On the first collective of every new epoch, this call's
+        or a later one's (an epoch can change inside :meth:`all_reduce` too), every member
+        loads the state of the epoch's *donor* (the member with the most :attr:`rounds`)
+        into its tensors, in place. So a joiner holds the group's current state before it
+        contributes, and the first epoch starts everyone from the same state.
+
+        Args:
+            tensors: the state, in the same order and shapes on every member.
+            retries: times to re-form and try again if the ring breaks while loading.
+
+        Returns:
+            True if the state was loaded (or sent, on the donor) by this call.
+
+        Raises:
+            SwarmTimeout: as for :meth:`refresh`. RingBroken: after ``retries`` failures.
+        """
+        self._state = list(tensors)
+        self.refresh()
+        before = self._synced_epoch
+        self._ready_ring(retries)
+        return self._synced_epoch != before
+
     def _current_ring(self) -> RingGroup:
         with self._ring_lock:
             ring = self._ring
@@ -406,30 +468,109 @@ class PeerBackend:
             raise SwarmError("no ring yet: call refresh() (or wait_for_peers) first")
         return ring
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean", *, weight: float | None = None,
-                   wire: str | None = None, retries: int = 5) -> torch.Tensor:
-        """All-reduce ``tensor`` in place over the current members; on a broken ring, agree a
-        new epoch and retry with the original input (at most ``retries`` times)."""
-        original = tensor.clone()
+    def _ready_ring(self, retries: int) -> RingGroup:
+        """The current ring, once the registered state has been loaded on it if it belongs to
+        an epoch not synced yet: that broadcast is the first collective of every epoch on
+        every member, whichever call moved it there."""
         for attempt in range(retries + 1):
             ring = self._current_ring()
+            if self._state is None or ring.epoch == self._synced_epoch:
+                return ring
+            try:
+                self._load_donor_state(ring)
+                return ring
+            except RingBroken as exc:
+                if attempt == retries:
+                    raise
+                log.warning("epoch %d ring broke while loading the state (%s); re-forming",
+                            ring.epoch, exc)
+                self.recover(ring.epoch)
+        raise AssertionError("unreachable")
+
+    def _load_donor_state(self, ring: RingGroup) -> None:
+        """Broadcast the registered state (and the rounds counter) from the donor of the
+        ring's epoch. Received into a buffer first: a broken broadcast changes nothing."""
+        view = self._ring_view
+        assert view is not None and view.epoch == ring.epoch and self._state is not None
+        parts = [torch.tensor([self.rounds], dtype=torch.int64), *self._state]
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in parts])
+        ring.broadcast(flat, root=view.rank(view.donor))
+        offset = 0
+        with torch.no_grad():
+            for t in parts:
+                n = t.numel() * t.element_size()
+                t.copy_(flat[offset:offset + n].clone().view(t.dtype).view_as(t))
+                offset += n
+        self.rounds = int(parts[0])
+        self._synced_epoch = ring.epoch
+        log.info("epoch %d: state of %d collective(s) loaded from donor %s", ring.epoch,
+                 self.rounds, view.donor[:8])
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean", *, weight: float | None = None,
+                   wire: str | None = None, retries: int = 5, boundary: bool = True,
+                   check_finite: bool = False) -> torch.Tensor:
+        """All-reduce ``tensor`` in place over the current members; on a broken ring, agree a
+        new epoch and retry with the original input (at most ``retries`` times).
+
+        Args:
+            op: ``sum`` or ``mean``; with ``weight``, the result is Σ wᵢxᵢ / Σ wᵢ.
+            wire: ``fp32``, ``fp16`` or ``int8`` (default: the options').
+            boundary: first run the round boundary (:meth:`refresh`: joiners are taken in and
+                leavers dropped). The CLI's trainer passes False: it runs its own boundary.
+            check_finite: raise :class:`NonFiniteResult` if the result holds NaN or Inf
+                (otherwise it is returned as it is; every member gets the same bits).
+
+        Raises:
+            RingBroken: after ``retries`` failures. NonFiniteResult: see ``check_finite``.
+        """
+        if boundary:
+            self.refresh()
+        original = tensor.clone()
+        for attempt in range(retries + 1):
+            ring = self._ready_ring(retries)
             try:
                 out = ring.all_reduce(tensor, op, weight=weight, wire=wire or self.options.wire)
                 self._account(ring)
-                return out
+                break
             except RingBroken as exc:
                 if attempt == retries:
                     raise
                 log.warning("epoch %d ring broke in %s (%s); re-forming", ring.epoch, exc.phase, exc)
                 tensor.copy_(original)
                 self.recover(ring.epoch)
-        raise AssertionError("unreachable")
+        self.rounds += 1
+        if check_finite and not bool(torch.isfinite(out).all()):
+            raise NonFiniteResult(f"the all-reduce result of epoch {ring.epoch} holds NaN or Inf: a "
+                                  "member contributed a non-finite value; skip this step everywhere")
+        return out
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        return self._current_ring().broadcast(tensor, root)
+        """Copy rank ``root``'s ``tensor`` into every member's, in place (no retry: a rank
+        names another member in another epoch).
 
-    def barrier(self) -> None:
-        self._current_ring().barrier()
+        Raises:
+            RingBroken: a member died or the epoch changed; call :meth:`refresh` and decide again.
+        """
+        return self._ready_ring(0).broadcast(tensor, root)
+
+    def barrier(self, *, retries: int = 5) -> None:
+        """Return once every member has entered the barrier (a round boundary: see
+        :meth:`refresh`); on a broken ring, agree a new epoch and wait again.
+
+        Raises:
+            RingBroken: after ``retries`` failures.
+        """
+        self.refresh()
+        for attempt in range(retries + 1):
+            ring = self._ready_ring(retries)
+            try:
+                ring.barrier()
+                return
+            except RingBroken as exc:
+                if attempt == retries:
+                    raise
+                log.warning("epoch %d ring broke in the barrier (%s); re-forming", ring.epoch, exc)
+                self.recover(ring.epoch)
 
     def _account(self, ring: RingGroup, *, closing: bool = False) -> None:
         """Bytes moved by collectives: those of closed rings plus the current one's."""
@@ -455,4 +596,5 @@ class PeerBackend:
                 "control_failed_handshakes": server.failed_handshakes if server is not None else 0,
                 "ring_refused": self.listener.admission.refusals(),
                 "ring_failed_handshakes": self.listener.admission.failed_handshakes,
+                "forged_reforms": self.forged_reforms,
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}

@@ -7,8 +7,9 @@ rounds) whose state everyone loads before the first round of the epoch. A member
 proposal only for an epoch above any it has seen, and between two proposals for the same
 epoch prefers the lower proposer id, so two would-be proposers cannot both win.
 
-Every PROPOSE/ACCEPT/COMMIT is signed with its sender's Ed25519 key and carries that public
-key; the sender's peer id must be the hash of the key, so no node can speak for another id.
+Every PROPOSE/ACCEPT/COMMIT, and REFORM (a member's "my ring broke"), is signed with its
+sender's Ed25519 key and carries that public key; the sender's peer id must be the hash of
+the key, so no node can speak for another id.
 The network is injected (``send``), so this module runs and is tested without sockets.
 """
 
@@ -25,7 +26,7 @@ import msgpack
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.peer.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
-from swarmtrain.wire import Accept, Commit, Message, Propose
+from swarmtrain.wire import Accept, Commit, Message, Propose, Reform
 
 __all__ = ["View", "Membership", "Candidate", "signed_bytes", "check_signature"]
 
@@ -68,8 +69,9 @@ def signed_bytes(msg: Message) -> bytes:
     return msgpack.packb([msg.TYPE.name, sorted(fields.items())], use_bin_type=True)
 
 
-def check_signature(msg: Propose | Accept | Commit) -> bool:
-    who = msg.peer_id if isinstance(msg, Accept) else msg.proposer
+def check_signature(msg: Propose | Accept | Commit | Reform) -> bool:
+    """True if ``msg`` is signed by the key whose hash is its sender's peer id."""
+    who = msg.peer_id if isinstance(msg, (Accept, Reform)) else msg.proposer
     if not isinstance(msg.public_key, bytes) or len(msg.public_key) != PUBLIC_KEY_BYTES:
         # not a key at all: no signature can be good
         return False
@@ -241,6 +243,10 @@ class Membership:
             assert self.view is not None
             return self.view
         raise SwarmError(f"could not agree on epoch {epoch}: other proposers keep winning")
+
+    def reform_request(self, epoch: int) -> Reform:
+        """A signed REFORM: this node's ring of ``epoch`` broke (sent to the proposer)."""
+        return _sign(self.identity, Reform(epoch=epoch, peer_id=self.me))
 
     def epoch_donor(self) -> str:
         return self.view.donor if self.view else ""

@@ -94,7 +94,7 @@ class PeerTrainer:
                 epoch = exc.epoch if exc.epoch is not None else self.backend.epoch
                 log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
                             epoch, exc)
-                self._event("ring_broken", epoch=epoch)
+                self._event("ring_broken", epoch=epoch, phase=exc.phase, round=self.strategy.round)
                 resync = True
                 broken += 1
                 if broken > 1:
@@ -150,7 +150,7 @@ class PeerTrainer:
         """
         buf = torch.cat([pending.flat * pending.weight, torch.tensor([pending.weight])])
         # no retry inside the backend: a new epoch must start with the state sync (run())
-        self.backend.all_reduce(buf, op="sum", retries=0)
+        self.backend.all_reduce(buf, op="sum", retries=0, boundary=False)
         if not bool(torch.isfinite(buf).all()):
             raise _NonFiniteAverage("the averaged contributions hold NaN or Inf (a member sent a "
                                     "non-finite contribution)")
@@ -177,6 +177,7 @@ class PeerTrainer:
         self.history.append({"time": time.time(), "elapsed": time.monotonic() - started, "round": r,
                              "epoch": self.backend.epoch, "world_size": self.backend.world_size,
                              "loss": self.strategy.last_loss, "bytes_sent": self.backend.bytes_sent,
+                             "checksum": self.checksum(),  # equal on every member after round r
                              **({"metrics": dict(self.metrics)} if self.metrics else {})})
         if self.run_log is not None:
             elapsed = time.monotonic() - started

@@ -375,11 +375,14 @@ class Commit(Message):
 
 @dataclass(frozen=True)
 class Reform(Message):
-    """Member → proposer: my ring of ``epoch`` broke; abort yours and agree a new epoch."""
+    """Member → proposer: my ring of ``epoch`` broke; abort yours and agree a new epoch.
+    Signed like PROPOSE, by ``peer_id``'s key: an unsigned or forged one is ignored."""
 
     TYPE = MsgType.REFORM
     epoch: int
     peer_id: str
+    public_key: bytes = b""
+    signature: bytes = b""
 
 
 # --- pipeline mode: stage servers -------------------------------------------------------
