@@ -6,6 +6,7 @@ taken in by the documented user loop, named timeouts, and signed REFORM requests
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -60,26 +61,36 @@ def in_threads(fns: list[Callable[[], Any]], timeout: float = 60) -> list[Any]:
     return results
 
 
-@pytest.fixture
-def group() -> Iterator[list[PeerBackend]]:
-    ports = free_ports(3)
+@contextlib.contextmanager
+def started_group(run: str, n: int = 3, *, secret: bytes = SECRET,
+                  **options: Any) -> Iterator[list[PeerBackend]]:
+    """``n`` started peers on loopback (static peers, no mDNS) that agreed an epoch, by rank;
+    ``options`` override :class:`PeerOptions` fields. Closed afterwards."""
+    ports = free_ports(n)
     backends = []
     for port in ports:
         others = tuple(("127.0.0.1", p) for p in ports if p != port)
-        opts = PeerOptions(run="backend-test", min_peers=3, host="127.0.0.1", port=port, mdns=False,
-                           static_peers=others, heartbeat_interval=0.3, heartbeat_timeout=3.0,
-                           propose_timeout=1.0, ring_timeout=10.0, reform_timeout=15.0)
-        backends.append(PeerBackend(opts, secret=SECRET, identity=Identity.generate()))
+        opts = PeerOptions(**{"run": run, "min_peers": n, "host": "127.0.0.1", "port": port, "mdns": False,
+                              "static_peers": others, "heartbeat_interval": 0.3, "heartbeat_timeout": 3.0,
+                              "propose_timeout": 1.0, "ring_timeout": 10.0, "reform_timeout": 15.0,
+                              **options})
+        backends.append(PeerBackend(opts, secret=secret, identity=Identity.generate()))
     try:
         for b in backends:
             b.start()
         for b in backends:
-            b.wait_for_peers(2, timeout=20)
+            b.wait_for_peers(n - 1, timeout=20)
         in_threads([lambda b=b: b.refresh(timeout=30) for b in backends])
         yield sorted(backends, key=lambda b: b.rank)
     finally:
         for b in backends:
             b.close()
+
+
+@pytest.fixture
+def group() -> Iterator[list[PeerBackend]]:
+    with started_group("backend-test") as backends:
+        yield backends
 
 
 def test_three_peers_agree_an_epoch_and_all_reduce(group: list[PeerBackend]) -> None:

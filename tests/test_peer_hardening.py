@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 from swarmtrain.peer import links
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.peer.backend import PeerBackend
 from swarmtrain.peer.control import CTL_FRAME_LIMITS, ControlPlane
-from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.links import RingListener, dial
 from swarmtrain.peer.node import PeerTrainer
 from swarmtrain.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
@@ -42,7 +41,7 @@ from swarmtrain.wire import (
     Welcome,
 )
 from tests.test_limits import _first_error
-from tests.test_peer_backend import free_ports, in_threads
+from tests.test_peer_backend import in_threads, started_group
 from tests.test_ring_tls import node
 from tests.test_transport import HOST, RawPeer, eventually, run
 
@@ -205,25 +204,10 @@ def test_control_frames_over_the_role_limit_close_only_that_connection() -> None
 @pytest.fixture
 def trio() -> Iterator[list[PeerBackend]]:
     """Three started peers on loopback that agreed an epoch, with their own connection limits."""
-    ports = free_ports(3)
-    backends = []
-    for port in ports:
-        others = tuple((HOST, p) for p in ports if p != port)
-        opts = PeerOptions(run="hardening", min_peers=3, host=HOST, port=port, mdns=False,
-                           static_peers=others, heartbeat_interval=0.3, heartbeat_timeout=5.0,
-                           propose_timeout=1.0, ring_timeout=20.0, reform_timeout=20.0,
-                           max_connections=100, max_connections_per_address=50, max_failed_auth=7)
-        backends.append(PeerBackend(opts, secret=SECRET, identity=Identity.generate()))
-    try:
-        for b in backends:
-            b.start()
-        for b in backends:
-            b.wait_for_peers(2, timeout=20)
-        in_threads([lambda b=b: b.refresh(timeout=30) for b in backends])
-        yield sorted(backends, key=lambda b: b.rank)
-    finally:
-        for b in backends:
-            b.close()
+    with started_group("hardening", secret=SECRET, heartbeat_timeout=5.0, ring_timeout=20.0,
+                       reform_timeout=20.0, max_connections=100, max_connections_per_address=50,
+                       max_failed_auth=7) as backends:
+        yield backends
 
 
 def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
