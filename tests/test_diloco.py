@@ -3,7 +3,6 @@ wall time, where a fast peer does more inner steps than a slow one and counts fo
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any
 
@@ -15,6 +14,7 @@ from swarmtrain.peer.backend import PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.node import PeerTrainer
 from swarmtrain.peer.training import Contribution, DiLoCo, flatten
+from tests.test_peer_backend import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,20 +77,9 @@ class _Recorded(DiLoCo):
         super().apply(mean)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_by_wall_time_a_fast_peer_does_more_inner_steps_and_weighs_more() -> None:
     rounds, speeds = 3, (1.0, 0.1)
-    ports = _free_ports(2)
+    ports = free_ports(2)
     options = [PeerOptions(run="diloco-test", min_peers=2, host="127.0.0.1", port=port, mdns=False,
                            static_peers=tuple(("127.0.0.1", p) for p in ports if p != port),
                            heartbeat_interval=0.3, heartbeat_timeout=3.0, propose_timeout=1.0,
