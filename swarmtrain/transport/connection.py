@@ -40,6 +40,8 @@ class _Closed:
 
 
 _CLOSED = _Closed()
+#: frame segments smaller than this are gathered into one write (one system call)
+_GATHER_BYTES = 64 * 1024
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -203,16 +205,37 @@ class Connection:
                 await self._proto._can_write.wait()
                 if self.transport.is_closing():
                     return
-                size = 0
-                for seg in encode(msg, self.limits):
-                    self.transport.write(seg)
-                    size += len(seg) if isinstance(seg, bytes) else seg.nbytes
+                size = self._write_frame(encode(msg, self.limits))
                 self.bytes_sent += size
                 self.sent_by_type[msg.TYPE.name] += 1
                 self.sent_bytes_by_type[msg.TYPE.name] += size
         except ProtocolError as exc:
             log.error("cannot send to %s: %s", self.peer, exc)
             self.abort(exc)
+
+    def _write_frame(self, segments: list[bytes | memoryview]) -> int:
+        """Hand a frame's segments to the transport; returns its size. Small segments (the
+        preamble, the header, small tensors) are gathered into one write: a frame of a small
+        model has a dozen of them, and each write is a system call. Large tensors are
+        written from their own memory, without a copy."""
+        size = 0
+        pending = bytearray()
+        for seg in segments:
+            n = len(seg) if isinstance(seg, bytes) else seg.nbytes
+            size += n
+            if n >= _GATHER_BYTES:
+                if pending:
+                    self.transport.write(pending)
+                    pending = bytearray()
+                self.transport.write(seg)
+            else:
+                pending += seg
+                if len(pending) >= _GATHER_BYTES:
+                    self.transport.write(pending)
+                    pending = bytearray()
+        if pending:
+            self.transport.write(pending)
+        return size
 
     # -- receiving -------------------------------------------------------------------------
 
