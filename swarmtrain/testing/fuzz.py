@@ -30,6 +30,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 
@@ -139,6 +140,28 @@ def _bad_gradient(rng: random.Random, params: dict[str, torch.Tensor]) -> Gradie
                      samples=rng.choice([0, -1, -(2**63)]), loss=math.nan, codecs=codecs, tensors=tensors)
 
 
+def _fuzz_coordinator(seed: int) -> tuple[Any, Any, dict[str, torch.Tensor], Any, dict[str, Any]]:
+    """An in-process digits coordinator on loopback with the fuzz timeouts and secret:
+    ``(task, coordinator, its parameters, model fingerprint, compression keys)``."""
+    from swarmtrain.config import CompressionConfig, load_coordinator_config
+    from swarmtrain.roles.common import fingerprint
+    from swarmtrain.roles.coordinator import Coordinator
+    from swarmtrain.tasks import DigitsTask
+
+    task = DigitsTask()
+    torch.manual_seed(seed)
+    cfg = load_coordinator_config(overrides={
+        "network.handshake_timeout_sec": FUZZ_TIMEOUTS.handshake,
+        "network.heartbeat_interval_sec": FUZZ_TIMEOUTS.heartbeat_interval,
+        "network.heartbeat_timeout_sec": FUZZ_TIMEOUTS.heartbeat_timeout,
+        "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+        "training.learning_rate": 3e-3, "training.eval_interval_sec": 3600.0, "training.min_workers": 1})
+    coord = Coordinator(task.build_model(), cfg, task_name="digits", secret=SECRET)
+    params = {n: p.detach() for n, p in coord.params.items()}
+    comp = {k: getattr(cfg.compression, k) for k in CompressionConfig.SHARED_KEYS}
+    return task, coord, params, fingerprint(coord.params.items()), comp
+
+
 async def fuzz_coordinator(count: int = 300, *, seconds: float = math.inf, seed: int = 0,
                            concurrency: int = 16, progress: Progress = None) -> FuzzReport:
     """Fuzz an in-process coordinator (digits task) as role ``worker``.
@@ -146,24 +169,10 @@ async def fuzz_coordinator(count: int = 300, *, seconds: float = math.inf, seed:
     Health: master weights bit-for-bit and version unchanged, nothing applied, a ctl
     STATUS_REQUEST answered, then a legitimate worker registers and trains 3 steps.
     """
-    from swarmtrain.config import CompressionConfig, load_coordinator_config, load_worker_config
-    from swarmtrain.roles.common import fingerprint
-    from swarmtrain.roles.coordinator import Coordinator
+    from swarmtrain.config import load_worker_config
     from swarmtrain.roles.worker import Worker
-    from swarmtrain.tasks import DigitsTask
 
-    task = DigitsTask()
-    torch.manual_seed(seed)
-    net = {"network.handshake_timeout_sec": FUZZ_TIMEOUTS.handshake,
-           "network.heartbeat_interval_sec": FUZZ_TIMEOUTS.heartbeat_interval,
-           "network.heartbeat_timeout_sec": FUZZ_TIMEOUTS.heartbeat_timeout}
-    cfg = load_coordinator_config(overrides={
-        **net, "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
-        "training.learning_rate": 3e-3, "training.eval_interval_sec": 3600.0, "training.min_workers": 1})
-    coord = Coordinator(task.build_model(), cfg, task_name="digits", secret=SECRET)
-    params = {n: p.detach() for n, p in coord.params.items()}
-    fp = fingerprint(coord.params.items())
-    comp = {k: getattr(cfg.compression, k) for k in CompressionConfig.SHARED_KEYS}
+    task, coord, params, fp, comp = _fuzz_coordinator(seed)
 
     def register(rng: random.Random) -> Register:
         return Register(worker_id=f"fuzz-{rng.randrange(10**6)}", task="digits", fingerprint=fp,
@@ -206,7 +215,7 @@ async def fuzz_coordinator(count: int = 300, *, seconds: float = math.inf, seed:
                 report.health.append("training steps left the weights unchanged")
             await asyncio.wait_for(coord.shutdown_cluster("fuzz health check done"), 30)
             await asyncio.wait_for(legit, 30)
-        except (SwarmError, TimeoutError) as exc:
+        except (SwarmError, OSError, TimeoutError) as exc:
             report.health.append(f"health check failed: {type(exc).__name__}: {exc}")
         finally:
             collect_crashes(report, errors)
@@ -225,23 +234,7 @@ async def fuzz_ctl(count: int = 300, *, seconds: float = math.inf, seed: int = 0
     served: STATUS_REQUEST, PAUSE (the coordinator pauses), RESUME (it resumes), CHECKPOINT
     (answered; checkpointing is off here) and SHUTDOWN (it shuts the cluster down).
     """
-    from swarmtrain.config import CompressionConfig, load_coordinator_config
-    from swarmtrain.roles.common import fingerprint
-    from swarmtrain.roles.coordinator import Coordinator
-    from swarmtrain.tasks import DigitsTask
-
-    task = DigitsTask()
-    torch.manual_seed(seed)
-    cfg = load_coordinator_config(overrides={
-        "network.handshake_timeout_sec": FUZZ_TIMEOUTS.handshake,
-        "network.heartbeat_interval_sec": FUZZ_TIMEOUTS.heartbeat_interval,
-        "network.heartbeat_timeout_sec": FUZZ_TIMEOUTS.heartbeat_timeout,
-        "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
-        "training.learning_rate": 3e-3, "training.eval_interval_sec": 3600.0, "training.min_workers": 1})
-    coord = Coordinator(task.build_model(), cfg, task_name="digits", secret=SECRET)
-    params = {n: p.detach() for n, p in coord.params.items()}
-    fp = fingerprint(coord.params.items())
-    comp = {k: getattr(cfg.compression, k) for k in CompressionConfig.SHARED_KEYS}
+    task, coord, params, fp, comp = _fuzz_coordinator(seed)
 
     def seeds(rng: random.Random) -> list[Message]:
         reason = rng.choice(["", "fuzz", "x" * 600])

@@ -45,6 +45,7 @@ from swarmtrain.wire import (
     Message,
     StageError,
     Update,
+    Welcome,
     encode_bytes,
 )
 
@@ -57,6 +58,8 @@ INPUT_TIMEOUT = 4.0
 """Seconds an input may go unanswered; above every node timeout of :data:`FUZZ_TIMEOUTS`."""
 SECRET = b"fuzz-cluster-secret"
 _READ_LIMITS = Limits(max_payload_bytes=1 << 28)
+
+
 @dataclass
 class FuzzReport:
     """What a campaign against one target did and found."""
@@ -101,7 +104,6 @@ class FuzzReport:
         return "\n".join(lines)
 
 
-# --- input generation (pure) -----------------------------------------------------------------
 # --- driving one connection -----------------------------------------------------------------
 
 
@@ -160,7 +162,7 @@ async def send_input(port: int, inp: FuzzInput, skip: tuple[type[Message], ...],
                 raise NodeFault(f"expected CHALLENGE, got {ch}")
             if inp.phase == "auth":
                 writer.write(encode_bytes(Auth(proof=auth.client_proof(SECRET, nc, ch.nonce))))
-                if not isinstance(welcome := await _next_msg(reader, dec, (Heartbeat,), deadline), Message):
+                if not isinstance(welcome := await _next_msg(reader, dec, (Heartbeat,), deadline), Welcome):
                     raise NodeFault(f"expected WELCOME, got {welcome}")
         writer.write(inp.prelude + inp.data)
         try:

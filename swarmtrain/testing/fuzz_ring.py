@@ -46,7 +46,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swarmtrain.peer.links import MAGIC, MAX_RING_ID_BYTES, RingBroken, RingListener, dial
+from swarmtrain.peer.links import (
+    ACCEPTED,
+    MAGIC,
+    MAX_RING_ID_BYTES,
+    RingBroken,
+    RingListener,
+    dial,
+    recv_exact,
+)
 from swarmtrain.peer.ring import RingGroup
 from swarmtrain.peer.wireformat import (
     HEADER,
@@ -81,7 +89,6 @@ ELEMENTS = 1000
 _ANNOUNCE = struct.Struct("<QIH")  # epoch, from_rank, len(ring_id): the documented handshake
 _PROOF_BYTES = 32
 _SERVER_HELLO = len(MAGIC) + NONCE_BYTES + _PROOF_BYTES
-_HUGE = [0, 1, 2**16 - 1, 2**31 - 1, 2**32 - 1]
 
 Progress = Callable[[FuzzReport], None] | None
 
@@ -263,18 +270,8 @@ def make_ring_input(seed: int, index: int) -> RingInput:
 # --- driving one input -----------------------------------------------------------------------
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None if the listener closed first (a timeout raises TimeoutError)."""
-    buf = b""
-    while len(buf) < n:
-        try:
-            chunk = sock.recv(n - len(buf))
-        except ConnectionError:
-            return None
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
+#: what :func:`_reaction` says when the listener accepted (parked) the connection
+_PARKED = f"status:{ACCEPTED}"
 
 
 def _reaction(sock: socket.socket) -> str:
@@ -329,8 +326,7 @@ class _Member:
 class _RingTarget:
     """The listeners under fuzz and the blocking client side of every input."""
 
-    def __init__(self, report: FuzzReport) -> None:
-        self.report = report
+    def __init__(self) -> None:
         # L is fuzzed; F is rank 0's listener in member inputs (only ever dialled properly)
         self.listener = RingListener("127.0.0.1", 0, secret=SECRET, max_parked=256,
                                      handshake_timeout=LISTENER_HANDSHAKE_TIMEOUT, park_timeout=PARK_TIMEOUT)
@@ -378,7 +374,9 @@ class _RingTarget:
         if inp.where == "pre":
             return self._finish(sock, inp.tail, inp.half_close)
         try:
-            reply = _recv_exact(sock, _SERVER_HELLO)
+            reply: bytes | None = recv_exact(sock, _SERVER_HELLO)
+        except ConnectionError:
+            reply = None
         except TimeoutError:
             raise NodeFault("the listener did not answer a valid opening in time") from None
         if reply is None or reply[:len(MAGIC)] != MAGIC:
@@ -392,19 +390,19 @@ class _RingTarget:
         sock.sendall(_proof(inp.proof, client_nonce, server_nonce, theirs) + inp.announce)
         if inp.where == "announce":
             outcome = self._finish(sock, b"", inp.half_close)
-            if outcome == "status:0":  # parked: take it back, so that junk does not pile up
+            if outcome == _PARKED:  # parked: take it back, so that junk does not pile up
                 epoch, rank, n = _ANNOUNCE.unpack_from(inp.announce)
                 rid = inp.announce[_ANNOUNCE.size:_ANNOUNCE.size + n].decode()
                 self._claim(self.listener, rid, epoch, rank)
             return outcome
         status = _reaction(sock)
-        if status != "status:0":
+        if status != _PARKED:
             return status
         try:
             sock.sendall(inp.frames)
             sock.shutdown(socket.SHUT_WR)
         except OSError:
-            return "status:0/reset"
+            return f"{_PARKED}/reset"
         if not inp.announce.endswith(inp.ring_id.encode()) or _ANNOUNCE.unpack_from(inp.announce)[:2] != (
                 inp.epoch, 0):
             epoch, rank, _ = _ANNOUNCE.unpack_from(inp.announce)
@@ -520,7 +518,7 @@ async def fuzz_ring(count: int = 300, *, seconds: float = math.inf, seed: int = 
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="fuzz-ring-client")
     with capture_errors() as errors, _thread_crashes() as thread_crashes:
-        target = _RingTarget(report)
+        target = _RingTarget()
         try:
             async def live() -> str | None:
                 return await loop.run_in_executor(pool, target.probe)
