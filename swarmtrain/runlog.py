@@ -48,6 +48,11 @@ log = logging.getLogger("swarmtrain.runlog")
 
 RUNS_DIR_ENV_VAR = "SWARMTRAIN_RUNS_DIR"
 _DISABLED = ("", "none")
+
+
+def is_disabled(setting: str) -> bool:
+    """True for the settings that turn a file output off: ``""`` and ``"none"``."""
+    return setting.strip().lower() in _DISABLED
 _MAX_LINE_BYTES = 1 << 20  # a line longer than this is not a run log line (reading)
 
 
@@ -154,7 +159,7 @@ def resolve_run_log_path(setting: str, file_name: str, *, now: float | None = No
         ``<runs dir>/<YYYYmmdd-HHMMSS>/<file_name>`` (``-2``, ``-3``... added to the file
         name if it exists), the runs dir being ``$SWARMTRAIN_RUNS_DIR`` or ``./runs``.
     """
-    if setting.strip().lower() in _DISABLED:
+    if is_disabled(setting):
         return None
     if setting != "auto":
         return Path(setting)

@@ -50,7 +50,7 @@ from swarmtrain.pipeline.outbound import OutboundBuffer
 from swarmtrain.pipeline.partition import LossFn
 from swarmtrain.pipeline.replicas import ReplicaSync
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
-from swarmtrain.transport.endpoints import ServerLimits
+from swarmtrain.transport.endpoints import ServerLimits, payload_limit, peer_ip
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Error,
@@ -152,7 +152,6 @@ class _Sender:
 
     address: str
     bad_in_row: int = 0
-    last_refusal: str = ""
     disconnecting: bool = False
 
 
@@ -281,11 +280,10 @@ class StageServer:
         activation (or its gradient) and targets: ``max_request_mb`` and 4 tensors. Headers
         hold tensor names and a few fields: 64 KiB plus what the parameters' names need."""
         params = dict(self.compute.layers.named_parameters())
-        param_bytes = sum(p.numel() * p.element_size() for p in params.values())
         names = sum(len(n.encode()) + _HEADER_BYTES_PER_TENSOR for n in params)
         return {
             "stage": Limits(max_header_bytes=_HEADER_BYTES + names,
-                            max_payload_bytes=2 * param_bytes + (1 << 20), max_tensors=len(params) + 8),
+                            max_payload_bytes=payload_limit(params.values()), max_tensors=len(params) + 8),
             "pipeline": Limits(max_header_bytes=_HEADER_BYTES,
                                max_payload_bytes=int(self.config.max_request_mb * (1 << 20)), max_tensors=4),
         }
@@ -348,7 +346,7 @@ class StageServer:
                                    f"not {role!r}"))
             return
         with self._senders_lock:
-            self._senders[conn] = _Sender(conn.peer.rsplit(":", 1)[0])  # its IP address
+            self._senders[conn] = _Sender(peer_ip(conn.transport))  # as the connection limits count it
         try:
             while True:
                 try:
@@ -400,7 +398,6 @@ class StageServer:
             assert isinstance(answer, StageError)
             why = answer.message[:_MAX_REFUSAL_CHARS]
             sender.bad_in_row += 1
-            sender.last_refusal = why
             self.bad_input += 1
             rec = self._sender_log.pop(sender.address, None) or {"refused": 0, "disconnected": 0}
             rec["refused"] += 1
@@ -416,9 +413,7 @@ class StageServer:
 
     async def _disconnect(self, conn: Connection, refusal: Message) -> None:
         """Answer ``refusal``, then close ``conn`` with ERROR ``too_many_bad`` (event loop)."""
-        with self._senders_lock:
-            sender = self._senders.get(conn)
-            last = sender.last_refusal if sender is not None else ""
+        last = refusal.message[:_MAX_REFUSAL_CHARS] if isinstance(refusal, StageError) else ""
         why = (f"{self.name}: disconnected: {self.config.max_bad_in_row} requests in a row were refused "
                f"for what they carried (last: {last}); check that the client runs the same --task, "
                "model flags and swarmtrain version as the stages, and sends finite values")

@@ -46,7 +46,7 @@ from swarmtrain.roles.common import (
 from swarmtrain.roles.shards import ShardPlanner
 from swarmtrain.runlog import RunLog
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
-from swarmtrain.transport.endpoints import ServerLimits, require_secret
+from swarmtrain.transport.endpoints import ServerLimits, payload_limit, require_secret
 from swarmtrain.wire import (
     Assign,
     CheckpointMsg,
@@ -248,10 +248,9 @@ class Coordinator:
 
     def _role_limits(self) -> dict[str, Limits]:
         """What a frame from each role may carry: a worker's gradient is at most the model's
-        size in fp32 twice over (every codec sends less), a control client sends no tensors."""
-        model_bytes = sum(p.numel() * 4 for p in self.params.values())
+        size twice over (:func:`payload_limit`), a control client sends no tensors."""
         return {
-            "worker": Limits(max_header_bytes=1 << 20, max_payload_bytes=2 * model_bytes + (1 << 20),
+            "worker": Limits(max_header_bytes=1 << 20, max_payload_bytes=payload_limit(self.params.values()),
                              max_tensors=4 * len(self.params) + 64),
             "ctl": Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 16, max_tensors=16),
         }

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarmtrain.runlog import RunLog
+from swarmtrain.runlog import RunLog, is_disabled
 
 if TYPE_CHECKING:
     from swarmtrain.roles.coordinator import Coordinator
@@ -103,7 +103,7 @@ def resolve_export_path(setting: str, run_log: RunLog | None) -> Path | None:
     """Where the final weights go for the ``[checkpointing] export`` setting: ``"auto"`` =
     ``model.safetensors`` next to the run log (None without one), ``""``/``"none"`` = None,
     else the path given."""
-    if setting.strip().lower() in ("", "none"):
+    if is_disabled(setting):
         return None
     if setting == "auto":
         return run_log.path.parent / "model.safetensors" if run_log is not None else None

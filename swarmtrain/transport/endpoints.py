@@ -28,8 +28,12 @@ import ssl
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from swarmtrain import __version__
 from swarmtrain.errors import AuthError, ConfigError, ConnectionLost, ProtocolError, SwarmError, SwarmTimeout
@@ -45,7 +49,7 @@ from swarmtrain.transport.tls import (
 from swarmtrain.wire import Auth, Challenge, Error, Hello, Limits, Message, Welcome
 
 __all__ = ["HANDSHAKE_LIMITS", "Admission", "Server", "ServerLimits", "start_server", "connect",
-           "is_loopback_host", "require_secret"]
+           "is_loopback_host", "require_secret", "peer_ip", "payload_limit"]
 
 log = logging.getLogger("swarmtrain.transport")
 
@@ -322,7 +326,7 @@ async def start_server(
         await asyncio.sleep(0)  # let connection_made run
         assert state is not None and proto.transport is not None
         conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
-        address = _ip(proto.transport)
+        address = peer_ip(proto.transport)
         refusal = state.admission.reserve(address)
         if refusal is not None:
             log.warning("refused connection from %s: %s", conn.peer, refusal[1])
@@ -335,7 +339,7 @@ async def start_server(
 
     async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
         assert state is not None and server_tls is not None
-        address = _ip(tcp)
+        address = peer_ip(tcp)
         refusal = state.admission.reserve(address)  # before paying for a TLS handshake
         if refusal is not None:
             log.warning("refused connection from %s: %s", peer_name(tcp), refusal[1])
@@ -459,7 +463,7 @@ def _traffic_of(conn: Connection) -> dict[str, Counter[str]]:
             "bytes_in": conn.received_bytes_by_type, "bytes_out": conn.sent_bytes_by_type}
 
 
-def _ip(transport: asyncio.BaseTransport) -> str:
+def peer_ip(transport: asyncio.BaseTransport) -> str:
     """The other side's IP address (what per-address limits count)."""
     peername = transport.get_extra_info("peername")
     return str(peername[0]) if isinstance(peername, tuple) and peername else "?"
@@ -493,3 +497,9 @@ def is_loopback_host(host: str) -> bool:
     import ipaddress
 
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def payload_limit(params: Iterable[torch.Tensor]) -> int:
+    """The most payload a frame carrying these parameters (or their gradients) may hold: twice
+    their bytes (every codec sends less than the plain tensors) plus 1 MiB of slack."""
+    return 2 * sum(p.numel() * p.element_size() for p in params) + (1 << 20)
