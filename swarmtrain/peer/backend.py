@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
@@ -526,18 +526,13 @@ class PeerBackend:
         if boundary:
             self.refresh()
         original = tensor.clone()
-        for attempt in range(retries + 1):
-            ring = self._ready_ring(retries)
-            try:
-                out = ring.all_reduce(tensor, op, weight=weight, wire=wire or self.options.wire)
-                self._account(ring)
-                break
-            except RingBroken as exc:
-                if attempt == retries:
-                    raise
-                log.warning("epoch %d ring broke in %s (%s); re-forming", ring.epoch, exc.phase, exc)
-                tensor.copy_(original)
-                self.recover(ring.epoch)
+
+        def reduce(ring: RingGroup) -> torch.Tensor:
+            out = ring.all_reduce(tensor, op, weight=weight, wire=wire or self.options.wire)
+            self._account(ring)
+            return out
+
+        out, ring = self._retrying("the all-reduce", reduce, retries, lambda: tensor.copy_(original))
         self.rounds += 1
         if check_finite and not bool(torch.isfinite(out).all()):
             raise NonFiniteResult(f"the all-reduce result of epoch {ring.epoch} holds NaN or Inf: a "
@@ -561,16 +556,25 @@ class PeerBackend:
             RingBroken: after ``retries`` failures.
         """
         self.refresh()
+        self._retrying("the barrier", lambda ring: ring.barrier(), retries)
+
+    def _retrying(self, what: str, run: Callable[[RingGroup], T], retries: int,
+                  before_retry: Callable[[], object] = lambda: None) -> tuple[T, RingGroup]:
+        """``run`` on the current ring (its epoch's state loaded first); on a broken ring,
+        agree a new epoch and run again, at most ``retries`` more times. One retry loop: the
+        state load and the collective share it."""
         for attempt in range(retries + 1):
-            ring = self._ready_ring(retries)
             try:
-                ring.barrier()
-                return
+                ring = self._ready_ring(0)
+                return run(ring), ring
             except RingBroken as exc:
                 if attempt == retries:
                     raise
-                log.warning("epoch %d ring broke in the barrier (%s); re-forming", ring.epoch, exc)
-                self.recover(ring.epoch)
+                epoch = exc.epoch if exc.epoch is not None else self.epoch
+                log.warning("epoch %d ring broke in %s (%s); re-forming", epoch, what, exc)
+                before_retry()
+                self.recover(epoch)
+        raise AssertionError("unreachable")
 
     def _account(self, ring: RingGroup, *, closing: bool = False) -> None:
         """Bytes moved by collectives: those of closed rings plus the current one's."""

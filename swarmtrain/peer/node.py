@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmtrain.errors import SwarmError, SwarmTimeout
-from swarmtrain.peer.backend import PeerBackend
+from swarmtrain.errors import SwarmTimeout
+from swarmtrain.peer.backend import NonFiniteResult, PeerBackend
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy, flatten, unflatten_into
 from swarmtrain.runlog import RunLog
@@ -26,10 +26,6 @@ __all__ = ["PeerTrainer"]
 log = logging.getLogger("swarmtrain.peer")
 
 Evaluate = Callable[[nn.Module], Mapping[str, float]]
-
-
-class _NonFiniteAverage(SwarmError):
-    """The reduced sum of a round holds NaN or Inf: some member contributed a non-finite value."""
 
 
 @dataclass
@@ -80,7 +76,7 @@ class PeerTrainer:
                     pending = self._sync_state(pending)
                     resync = False
                 mean = self._reduce(pending)
-            except _NonFiniteAverage as exc:
+            except NonFiniteResult as exc:
                 self.rounds_refused += 1
                 log.warning("round %d (epoch %d): %s; not applied, the weights stay as they were",
                             self.strategy.round, self.backend.epoch, exc)
@@ -145,15 +141,12 @@ class PeerTrainer:
         """The weighted mean of everyone's contribution, or None if nobody contributed.
 
         Raises:
-            _NonFiniteAverage: the reduced sum (one pass over it, before anything is applied)
+            NonFiniteResult: the reduced sum (one pass over it, before anything is applied)
                 holds NaN or Inf; every member then holds the same bits and refuses alike.
         """
         buf = torch.cat([pending.flat * pending.weight, torch.tensor([pending.weight])])
         # no retry inside the backend: a new epoch must start with the state sync (run())
-        self.backend.all_reduce(buf, op="sum", retries=0, boundary=False)
-        if not bool(torch.isfinite(buf).all()):
-            raise _NonFiniteAverage("the averaged contributions hold NaN or Inf (a member sent a "
-                                    "non-finite contribution)")
+        self.backend.all_reduce(buf, op="sum", retries=0, boundary=False, check_finite=True)
         total = float(buf[-1])
         if total <= 0:
             return None
