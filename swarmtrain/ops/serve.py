@@ -40,29 +40,27 @@ Status = Callable[[], Mapping[str, Any]]
 
 
 class StatusHistory:
-    """Loss, held-out metrics and samples trained, sampled from ``status()`` every
-    ``interval`` seconds and kept for the last ``size`` samples, so a dashboard opened
-    mid-run starts with the run's recent past.
+    """Loss, held-out metrics and samples trained, sampled every ``interval`` seconds and
+    kept for the last ``size`` samples, so a dashboard opened mid-run starts with the run's
+    recent past.
 
     Args:
-        status: the node's status function.
+        progress: returns ``{"loss": ..., "metrics": {...}, "samples": ...}`` now (cheap:
+            it runs every second, on the coordinator's event loop for a coordinator).
         interval: seconds between samples.
         size: samples kept (the oldest are dropped).
     """
 
-    def __init__(self, status: Status, interval: float = 1.0, size: int = 900) -> None:
-        self.status = status
+    def __init__(self, progress: Status, interval: float = 1.0, size: int = 900) -> None:
+        self.progress = progress
         self.interval = interval
         self.points: deque[dict[str, Any]] = deque(maxlen=size)
 
     def sample(self) -> None:
         """Record the node's state now."""
-        st = self.status()
-        workers = st.get("workers")
-        samples = (sum(int(w.get("samples", 0)) for w in workers) if isinstance(workers, list)
-                   else st.get("samples"))
-        self.points.append({"time": time.time(), "loss": st.get("loss"),
-                            "metrics": dict(st.get("metrics") or {}), "samples": samples})
+        now = self.progress()
+        self.points.append({"time": time.time(), "loss": now.get("loss"),
+                            "metrics": dict(now.get("metrics") or {}), "samples": now.get("samples")})
 
     async def run(self) -> None:
         """Sample every ``interval`` seconds until cancelled."""
@@ -118,7 +116,9 @@ async def serve_coordinator(coord: Coordinator, host: str, port: int) -> HttpSer
     Raises:
         SwarmError: the address cannot be bound.
     """
-    history = StatusHistory(coord.status)
+    # not coord.status(): that summarises every worker, the events and the traffic each time
+    history = StatusHistory(lambda: {"loss": coord.loss_ema, "metrics": coord.metrics,
+                                     "samples": sum(r.samples for r in coord.workers.values())})
     server = HttpServer(routes_for("coordinator", coord.status, CoordinatorCollector(coord.status),
                                    history=history), background=[history.run])
     await server.start(host, port)
