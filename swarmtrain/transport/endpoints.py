@@ -322,49 +322,58 @@ async def start_server(
         loop.create_task(_serve_plain(proto))
         return proto
 
-    async def _serve_plain(proto: FrameProtocol) -> None:
-        await asyncio.sleep(0)  # let connection_made run
-        assert state is not None and proto.transport is not None
-        conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
-        address = peer_ip(proto.transport)
+    async def _in_slot(address: str, who: str, refuse: Callable[[str, str], Awaitable[None]],
+                       serve: Callable[[], Awaitable[None]]) -> None:
+        """Take a connection slot of ``address`` and ``serve``, giving the slot back after;
+        or, over a limit, ``refuse(code, message)``."""
+        assert state is not None
         refusal = state.admission.reserve(address)
         if refusal is not None:
-            log.warning("refused connection from %s: %s", conn.peer, refusal[1])
-            await conn.close(Error(code=refusal[0], message=refusal[1]), timeout=1.0)
+            log.warning("refused connection from %s: %s", who, refusal[1])
+            await refuse(*refusal)
             return
         try:
-            await _serve_one(conn, address)
+            await serve()
         finally:
             state.admission.release(address)
 
+    async def _serve_plain(proto: FrameProtocol) -> None:
+        await asyncio.sleep(0)  # let connection_made run
+        assert proto.transport is not None
+        conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
+        address = peer_ip(proto.transport)
+
+        async def refuse(code: str, message: str) -> None:
+            await conn.close(Error(code=code, message=message), timeout=1.0)
+
+        await _in_slot(address, conn.peer, refuse, lambda: _serve_one(conn, address))
+
     async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
-        assert state is not None and server_tls is not None
         address = peer_ip(tcp)
-        refusal = state.admission.reserve(address)  # before paying for a TLS handshake
-        if refusal is not None:
-            log.warning("refused connection from %s: %s", peer_name(tcp), refusal[1])
+
+        async def refuse(code: str, message: str) -> None:
+            tcp.abort()  # before paying for a TLS handshake; nothing can be said in plain text
+
+        await _in_slot(address, peer_name(tcp), refuse, lambda: _tls_then_serve(tcp, proto, address))
+
+    async def _tls_then_serve(tcp: asyncio.Transport, proto: FrameProtocol, address: str) -> None:
+        assert state is not None and server_tls is not None
+        transport: asyncio.Transport | None = None
+        why = "it closed the connection before the TLS handshake ended"
+        try:
+            if not tcp.is_closing():
+                async with asyncio.timeout(timeouts.handshake + 1.0):
+                    transport = await loop.start_tls(tcp, proto, server_tls, server_side=True,
+                                                     ssl_handshake_timeout=timeouts.handshake)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            why = server_refusal_reason(exc, timeouts.handshake)
+        if transport is None:
+            state.admission.note_failed_handshake(address)
+            log.warning("refused connection from %s: %s", peer_name(tcp), why)
             tcp.abort()
             return
-        try:
-            transport: asyncio.Transport | None = None
-            why = "it closed the connection before the TLS handshake ended"
-            try:
-                if not tcp.is_closing():
-                    async with asyncio.timeout(timeouts.handshake + 1.0):
-                        transport = await loop.start_tls(tcp, proto, server_tls, server_side=True,
-                                                         ssl_handshake_timeout=timeouts.handshake)
-            except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
-                why = server_refusal_reason(exc, timeouts.handshake)
-            if transport is None:
-                state.admission.note_failed_handshake(address)
-                log.warning("refused connection from %s: %s", peer_name(tcp), why)
-                tcp.abort()
-                return
-            proto.connection_made(transport)
-            await _serve_one(Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits),
-                             address)
-        finally:
-            state.admission.release(address)
+        proto.connection_made(transport)
+        await _serve_one(Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits), address)
 
     async def _serve_one(conn: Connection, address: str) -> None:
         """The secret handshake and the handler, on a connection holding a slot."""
