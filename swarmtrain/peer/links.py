@@ -35,7 +35,14 @@ from collections import Counter, OrderedDict
 from swarmtrain.errors import SwarmError
 from swarmtrain.transport.auth import NONCE_BYTES, client_proof, new_nonce, proofs_equal, server_proof
 from swarmtrain.transport.endpoints import Admission, ServerLimits
-from swarmtrain.transport.tls import KEYS_HELP, TLSConfig, client_tls_error, server_refusal_reason
+from swarmtrain.transport.tls import (
+    KEYS_HELP,
+    TLS_NEEDED_HERE,
+    TLSConfig,
+    client_tls_error,
+    server_refusal_reason,
+)
+from swarmtrain.wire.frame import looks_like_tls
 
 __all__ = ["RingBroken", "RingListener", "dial", "tune_socket"]
 
@@ -56,7 +63,6 @@ _REFUSALS = {
 _REFUSED_AUTH, _REFUSED_STALE, _REFUSED_BUSY, _REFUSED_BAD = 1, 2, 3, 4
 
 SOCKET_BUFFER_BYTES = 4 << 20
-_TLS_HANDSHAKE_RECORD = b"\x16\x03"  # how a TLS client hello starts
 
 
 class RingBroken(SwarmError):
@@ -166,8 +172,7 @@ def _dropped(where: str, exc: OSError, tls: TLSConfig | None) -> str:
     if not isinstance(exc, ConnectionError | ssl.SSLEOFError):
         return repr(exc)
     if tls is None:
-        return (f"{exc!r}; if {where} has TLS on, this node needs it too: set [security] tls_cert, "
-                "tls_key and tls_ca (see docs/tls.md)")
+        return f"{exc!r}; if {where} has TLS on, {TLS_NEEDED_HERE}"
     return (f"{exc!r}; with TLS on, {where} closing the connection before answering most likely "
             f"means it does not accept this node's certificate {tls.cert} (signed by another "
             f"cluster CA?) or has TLS off (its log says why); {KEYS_HELP}")
@@ -452,7 +457,7 @@ class RingListener:
         hello = recv_exact(conn, len(MAGIC) + NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
             self.admission.note_failed_handshake(address)
-            if self._tls_context is None and hello[:2] == _TLS_HANDSHAKE_RECORD:
+            if self._tls_context is None and looks_like_tls(hello):
                 self.admission.note_refused("tls")
                 log.warning("ring listener %s: refused a connection: it speaks TLS and this node has "
                             "TLS off: set [security] tls_cert, tls_key and tls_ca here too, or remove "

@@ -294,13 +294,15 @@ def client_tls_error(where: str, exc: ssl.SSLError, tls: TLSConfig) -> SwarmErro
     return ConnectionLost(f"TLS handshake with {where} failed: {reason}")
 
 
+#: the fix when the other side has TLS on and this node has it off
+TLS_NEEDED_HERE = "this node needs it too: set [security] tls_cert, tls_key and tls_ca (see docs/tls.md)"
+
+
 def closed_in_handshake(where: str, exc: ConnectionLost, tls: TLSConfig | None,
                          answered: bool) -> SwarmError:
     """The error for a server that closed the connection during the secret handshake."""
     if tls is None:
-        return ConnectionLost(
-            f"{exc}; if {where} has TLS on, this node needs it too: set [security] tls_cert, "
-            "tls_key and tls_ca (see docs/tls.md)")
+        return ConnectionLost(f"{exc}; if {where} has TLS on, {TLS_NEEDED_HERE}")
     if answered:
         return exc
     # with TLS 1.3 the server checks our certificate after our side of the TLS handshake has

@@ -39,6 +39,7 @@ __all__ = [
     "encode",
     "encode_bytes",
     "Decoder",
+    "looks_like_tls",
 ]
 
 MAGIC = b"SWRM"
@@ -95,6 +96,12 @@ def encode_bytes(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
 
 
 _PRE, _HEAD, _BODY = 0, 1, 2
+
+
+def looks_like_tls(prefix: bytes) -> bool:
+    """True if a stream starting with ``prefix`` is TLS (a handshake or alert record), i.e.
+    the other side has TLS on and this one has it off."""
+    return prefix[:2] in (b"\x16\x03", b"\x15\x03")
 
 
 class Decoder:
@@ -165,7 +172,7 @@ class Decoder:
     def _parse_preamble(self) -> None:
         magic, version, mtype, flags, hlen, plen = PREAMBLE.unpack(self._buf)
         if magic != MAGIC:
-            if bytes(magic[:2]) in (b"\x16\x03", b"\x15\x03"):  # a TLS handshake or alert record
+            if looks_like_tls(bytes(magic)):
                 raise self._fail(RemoteProtocolError(
                     "bad_magic", "the peer speaks TLS but this node has TLS off: set [security] "
                     "tls_cert, tls_key and tls_ca here too (see docs/tls.md)"))
