@@ -3,7 +3,6 @@ wall time, where a fast peer does more inner steps than a slow one and counts fo
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ from swarmtrain.peer.backend import PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.node import PeerTrainer
 from swarmtrain.peer.training import Contribution, DiLoCo, flatten
-from tests.test_peer_backend import free_ports
+from tests.test_peer_backend import free_ports, in_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,29 +92,15 @@ def test_by_wall_time_a_fast_peer_does_more_inner_steps_and_weighs_more() -> Non
         strat = _Recorded(model, _loss, _batches(10 + i, 64), lr=0.01, weight_decay=0.0, inner_seconds=0.4,
                           speed=speeds[i])
         trainers.append(PeerTrainer(b, strat, max_rounds=rounds))
-    errors: list[BaseException] = []
-
-    def run(t: PeerTrainer) -> None:
-        try:
-            t.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            errors.append(exc)
-
     try:
         for b in backends:
             b.start()
         for b in backends:
             b.wait_for_peers(1, timeout=20)
-        threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in trainers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-            assert not t.is_alive(), "a trainer did not finish its rounds"
+        in_threads([t.run for t in trainers], timeout=60)  # re-raises a trainer's error
     finally:
         for b in backends:
             b.close()
-    assert not errors, errors
     fast, slow = (t.strategy for t in trainers)
     assert isinstance(fast, _Recorded) and isinstance(slow, _Recorded)
     for r in range(rounds):

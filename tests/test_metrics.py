@@ -11,7 +11,6 @@ import asyncio
 import json
 import math
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_peer_backend import free_ports
+from test_peer_backend import free_ports, in_threads
 from test_ps_inprocess import coordinator, worker  # the in-process cluster helpers
 
 from swarmtrain.ops import (
@@ -261,22 +260,12 @@ def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
         before = parse(get(http.port, "/metrics")[2])
         with socket.create_connection(backends[0].listener.address[:2], timeout=5) as junk:
             junk.sendall(b"not a ring handshake".ljust(40, b"!"))  # a failed ring handshake
-        errors: list[BaseException] = []
 
         def run(t: PeerTrainer) -> None:
-            try:
-                t.backend.wait_for_peers(1, timeout=30)
-                t.run()
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                errors.append(exc)
+            t.backend.wait_for_peers(1, timeout=30)
+            t.run()
 
-        threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in trainers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-            assert not t.is_alive(), "a peer is still training after 90 s"
-        assert not errors, errors
+        in_threads([lambda t=t: run(t) for t in trainers], timeout=90)  # re-raises a peer's error
         after = parse(get(http.port, "/metrics")[2])
         status = json.loads(get(http.port, "/api/status")[2])
         page = get(http.port, "/")

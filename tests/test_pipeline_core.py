@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -46,6 +45,7 @@ from swarmtrain.pipeline import (
     split_layers,
 )
 from swarmtrain.tasks import DigitsTask, TextLMConfig, TextLMTask
+from swarmtrain.testing.fuzz_engine import dead_port
 from swarmtrain.transport import Timeouts, connect
 from swarmtrain.wire import (
     PREAMBLE,
@@ -193,12 +193,12 @@ def test_stage_compute_applies_each_backward_once(data: Any) -> None:
 
 def _server(start: int, stop: int, stage: int, *, last: bool = False, seed: int = SEED,
             sync_peers: list[tuple[str, int]] | None = None, name: str = "", lr: float = 3e-3,
-            sync_every: int = 0, **config: Any) -> StageServer:
+            sync_every: int = 0, secret: bytes = SECRET, **config: Any) -> StageServer:
     layers, loss_fn = build_stage(TASK.build_model, seed, start, stop)
     return StageServer(layers, stage=stage, layer_range=(start, stop), loss_fn=loss_fn if last else None,
                        compute=ComputeConfig(learning_rate=lr),
                        config=StageServerConfig(timeouts=FAST, sync_every=sync_every, **config),
-                       secret=SECRET, sync_peers=sync_peers or [], name=name)
+                       secret=secret, sync_peers=sync_peers or [], name=name)
 
 
 def test_replica_sync_averages_two_replicas_to_identical_weights() -> None:
@@ -225,19 +225,13 @@ def test_replica_sync_averages_two_replicas_to_identical_weights() -> None:
     _run(main())
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_router_bans_a_dead_replica_for_growing_times_and_fails_over() -> None:
     now = [1000.0]
 
     async def main() -> None:
         live = _server(0, 2, 0, name="live")
         await live.start()
-        dead = ("127.0.0.1", _dead_port())
+        dead = ("127.0.0.1", dead_port())
         cfg = RouterConfig(request_timeout=5.0, ban_base=2.0, ban_cap=5.0, wait_for_replica=0.0,
                            timeouts=FAST)
         router = Router([[dead, live.address]], secret=SECRET, config=cfg, clock=lambda: now[0])

@@ -5,7 +5,6 @@ refusals with a disconnect of the repeat offender, non-finite inputs refused, an
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from swarmtrain.pipeline import (
     StageCompute,
     StageServer,
     StageServerConfig,
-    build_stage,
 )
 from swarmtrain.testing.fuzz_engine import SECRET as FUZZ_SECRET
 from swarmtrain.testing.fuzz_engine import send_input
@@ -40,21 +38,13 @@ from swarmtrain.wire import (
     StageSync,
     encode_bytes,
 )
-from tests.test_pipeline_core import FAST, SECRET, SEED, TASK, _raw_exchange, _run
+from tests.test_pipeline_core import FAST, SECRET, _raw_exchange, _run, _server
 from tests.test_transport import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
 TOKENS = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
 HIDDEN = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))  # a middle stage's input
-
-
-def _stage(start: int, stop: int, index: int, *, secret: bytes = SECRET, name: str = "s",
-           sync_peers: list[tuple[str, int]] | None = None, **config: Any) -> StageServer:
-    layers, _ = build_stage(TASK.build_model, SEED, start, stop)
-    return StageServer(layers, stage=index, layer_range=(start, stop), loss_fn=None,
-                       config=StageServerConfig(timeouts=FAST, **config), secret=secret,
-                       sync_peers=sync_peers or [], name=name)
 
 
 async def _ask(conn: Connection, msg: Message) -> Message:
@@ -69,7 +59,7 @@ def _same_parameters(before: dict[str, torch.Tensor], server: StageServer) -> bo
 
 def test_an_oversize_pipeline_frame_closes_only_that_connection(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        s = _stage(0, 2, 0)
+        s = _server(0, 2, 0)
         await s.start()
         try:
             good = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
@@ -95,7 +85,7 @@ def test_an_oversize_pipeline_frame_closes_only_that_connection(caplog: pytest.L
 
 def test_a_smaller_max_request_mb_is_the_pipeline_limit() -> None:
     async def main() -> None:
-        s = _stage(0, 2, 0, max_request_mb=0.5)
+        s = _server(0, 2, 0, max_request_mb=0.5)
         await s.start()
         try:
             assert s.role_limits()["pipeline"].max_payload_bytes == 1 << 19
@@ -112,9 +102,9 @@ def test_a_smaller_max_request_mb_is_the_pipeline_limit() -> None:
 
 def test_an_oversize_stage_sync_closes_only_that_connection_and_replicas_still_sync() -> None:
     async def main() -> None:
-        s = _stage(2, 4, 1, name="b")
+        s = _server(2, 4, 1, name="b")
         await s.start()
-        a = _stage(2, 4, 1, name="a", sync_peers=[s.address])
+        a = _server(2, 4, 1, name="a", sync_peers=[s.address])
         await a.start()
         try:
             params = s.compute.parameters_snapshot()
@@ -142,7 +132,7 @@ def test_an_oversize_stage_sync_closes_only_that_connection_and_replicas_still_s
 
 def test_a_sender_refused_five_times_in_a_row_is_disconnected_while_others_are_served() -> None:
     async def main() -> None:
-        s = _stage(2, 4, 1)
+        s = _server(2, 4, 1)
         await s.start()
         try:
             before = s.compute.parameters_snapshot()
@@ -187,7 +177,7 @@ def test_a_sender_refused_five_times_in_a_row_is_disconnected_while_others_are_s
 
 def test_an_answered_request_starts_the_count_again_and_stage_faults_never_count() -> None:
     async def main() -> None:
-        s = _stage(2, 4, 1, max_bad_in_row=3)
+        s = _server(2, 4, 1, max_bad_in_row=3)
         await s.start()
         try:
             conn = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
@@ -220,7 +210,7 @@ def test_an_answered_request_starts_the_count_again_and_stage_faults_never_count
 
 def test_nan_and_infinite_inputs_are_refused_before_they_reach_the_weights() -> None:
     async def main() -> None:
-        s = _stage(2, 4, 1)
+        s = _server(2, 4, 1)
         await s.start()
         try:
             before = s.compute.parameters_snapshot()
@@ -268,7 +258,7 @@ def test_the_sender_record_keeps_the_newest_addresses(monkeypatch: pytest.Monkey
                                                                     tensors={"y": TOKENS})), "pipeline")
 
     async def main() -> None:
-        s = _stage(0, 2, 0, secret=FUZZ_SECRET)
+        s = _server(0, 2, 0, secret=FUZZ_SECRET)
         await s.start()
         try:
             for last in (2, 3, 4, 5, 3):
