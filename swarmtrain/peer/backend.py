@@ -110,6 +110,8 @@ class PeerBackend:
     forged_reforms: int = 0
     _state: list[torch.Tensor] | None = None
     _synced_epoch: int = 0
+    #: sync_state has just run the round boundary: the step's collective does not run it again
+    _at_boundary: bool = False
     _ring_view: View | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
@@ -459,6 +461,7 @@ class PeerBackend:
         self.refresh()
         before = self._synced_epoch
         self._ready_ring(retries)
+        self._at_boundary = True  # the step's collective needs no second boundary
         return self._synced_epoch != before
 
     def _current_ring(self) -> RingGroup:
@@ -523,8 +526,9 @@ class PeerBackend:
         Raises:
             RingBroken: after ``retries`` failures. NonFiniteResult: see ``check_finite``.
         """
-        if boundary:
+        if boundary and not self._at_boundary:
             self.refresh()
+        self._at_boundary = False
         original = tensor.clone()
 
         def reduce(ring: RingGroup) -> torch.Tensor:
@@ -555,7 +559,9 @@ class PeerBackend:
         Raises:
             RingBroken: after ``retries`` failures.
         """
-        self.refresh()
+        if not self._at_boundary:
+            self.refresh()
+        self._at_boundary = False
         self._retrying("the barrier", lambda ring: ring.barrier(), retries)
 
     def _retrying(self, what: str, run: Callable[[RingGroup], T], retries: int,
