@@ -49,6 +49,13 @@ def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
     return CounterMetricFamily(f"swarmtrain_{name}", doc, value=_num(value))
 
 
+def _heldout(st: Mapping[str, Any]) -> GaugeMetricFamily:
+    held = GaugeMetricFamily("swarmtrain_heldout_metric", "latest held-out evaluation", labels=["metric"])
+    for name, value in sorted(dict(st.get("metrics") or {}).items()):
+        held.add_metric([str(name)], _num(value))
+    return held
+
+
 class StatusCollector(Collector):
     """Base of the collectors: reads ``status()`` once per scrape.
 
@@ -73,11 +80,7 @@ class CoordinatorCollector(StatusCollector):
         yield _gauge("version", "model version: optimizer updates applied so far", st.get("version"))
         yield _gauge("step", "training step (equals the version for a coordinator)", st.get("step"))
         yield _gauge("loss", "training loss (moving average over applied gradients)", st.get("loss"))
-        held = GaugeMetricFamily("swarmtrain_heldout_metric", "latest held-out evaluation",
-                                 labels=["metric"])
-        for name, value in sorted(dict(st.get("metrics") or {}).items()):
-            held.add_metric([str(name)], _num(value))
-        yield held
+        yield _heldout(st)
         yield _gauge("running", "1 while training runs (enough workers joined)", st.get("running"))
         yield _gauge("paused", "1 while the cluster is paused", st.get("paused"))
         yield _gauge("workers_connected", "workers connected now", st.get("workers_connected"))
@@ -159,11 +162,7 @@ class PeerCollector(StatusCollector):
                      st.get("round", st.get("rounds")))
         yield _gauge("loss", "training loss of the last round", st.get("loss"))
         yield _counter("samples", "samples trained on by this peer", st.get("samples", 0))
-        held = GaugeMetricFamily("swarmtrain_heldout_metric", "latest held-out evaluation",
-                                 labels=["metric"])
-        for name, value in sorted(dict(st.get("metrics") or {}).items()):
-            held.add_metric([str(name)], _num(value))
-        yield held
+        yield _heldout(st)
         yield _counter("collective_sent_bytes", "bytes sent by all-reduce and broadcast",
                        st.get("bytes_sent"))
         yield _counter("collective_received_bytes", "bytes received by all-reduce and broadcast",
