@@ -74,11 +74,15 @@ def test_worker_link_cut_for_10s_comes_back_by_itself(cluster: LanCluster) -> No
 
 def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanCluster) -> None:
     c = cluster
-    args = ("--min-workers", "2", "--checkpoint-interval", "50", "--max-steps", "700",
+    # long enough that the kill lands mid-run: digits runs at several hundred updates/s here
+    # and the status file is written once a second (a 700-update run once ended in between)
+    max_steps = 4000
+    args = ("--min-workers", "2", "--checkpoint-interval", "50", "--max-steps", str(max_steps),
             "--checkpoint-dir", str(c.tmp / "ckpt"), "--eval-interval", "1")
     c.start_coordinator(*args)
     w1, w2 = c.start_worker(1, "w1"), c.start_worker(2, "w2")
     st = c.wait_for(lambda s: s["version"] >= 200 and c.events(s, "checkpoint"), 120, "200 updates")
+    assert c.procs["coordinator"].poll() is None, "the run ended before the kill: raise max_steps"
     c.procs["coordinator"].send_signal(signal.SIGKILL)
     c.procs["coordinator"].wait(timeout=10)
     last = c.status()  # the last status written before the kill (at most 1 s old)
@@ -89,6 +93,7 @@ def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanC
     # checkpoints are taken once 50 updates have passed since the last (a few more may land
     # while one is written), so at most about one interval of work is lost
     assert resumed >= last["version"] - 60, (resumed, last["version"])
+    assert resumed < max_steps, resumed  # the workers have work left to carry on with
     assert c.procs["coordinator"].wait(timeout=180) == 0
     final = c.status()
     assert final is not None and final["finished"]
