@@ -257,6 +257,11 @@ class CoordinatorTrainingConfig(_Section):
     min_workers: int = _opt(1, "workers needed before training starts", ge=1)
     max_staleness: int = _opt(16, "gradients staler than this are dropped", ge=0)
     staleness_damping: bool = _opt(True, "scale the learning rate down with staleness")
+    sparse_variance: str = _opt(
+        "hold", "Adam's second moment on a top-k (sparse) gradient: 'hold' keeps what dense "
+        "gradients (the warm-up) taught it, so that error feedback feeds a linear update and "
+        "sparse steps move weights as far as dense ones would; 'update' = plain Adam",
+        choices=("hold", "update"))
     max_steps: int = _opt(0, "stop after this many updates (0 = run until stopped)", ge=0)
     eval_interval_sec: float = _opt(5.0, "seconds between held-out evaluations", gt=0.0)
     num_shards: int = _opt(0, "data shards (0 = max(min_workers, 1))", ge=0)

@@ -199,6 +199,12 @@ class Coordinator:
         self.paused = False
         self.stats = {"applied": 0, "stale": 0, "duplicates": 0, "rejected": 0}
         self.staleness_counts: Counter[int] = Counter()  # applied gradients by staleness
+        self.held_variance_steps = 0  # sparse gradients applied with Adam's second moment held
+        c = cfg.compression
+        if c.type == "topk" and t.sparse_variance == "hold" and c.warmup_steps == 0:
+            log.info("top-k without warm-up: Adam's second moment has no dense gradients to learn "
+                     "from, so it is updated by sparse ones (plain Adam, which moves rarely sent "
+                     "weights less far); set compression.warmup_steps (e.g. 200) to hold it")
         self.loss_ema = math.nan
         self.metrics: dict[str, float] = {}
         self.metric_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=1000)
@@ -524,8 +530,19 @@ class Coordinator:
         for name, p in self.params.items():
             p.grad = grads[name]
         rec.weight = self._sample_weight(msg.samples)
-        self.optimizer.param_groups[0]["lr"] = self.base_lr * self._damping(staleness) * rec.weight
-        self.optimizer.step()
+        lr = self.base_lr * self._damping(staleness) * rec.weight
+        sparse = _is_sparse(msg.codecs)
+        if (sparse and self.config.training.sparse_variance == "hold"
+                and _held_variance_step(self.optimizer, lr)):
+            if not self.held_variance_steps:
+                log.info("top-k gradients from now on: Adam's second moment is held at what %d "
+                         "dense steps taught it", _variance_steps(self.optimizer))
+            self.held_variance_steps += 1
+        else:
+            self.optimizer.param_groups[0]["lr"] = lr
+            self.optimizer.step()
+            if not sparse:
+                _count_variance_updates(self.optimizer)
         for p in self.params.values():
             p.grad = None
         self.version += 1
@@ -733,6 +750,7 @@ class Coordinator:
             "finished": self._finished, "task": self.task_name,
             "min_workers": self.config.training.min_workers, "num_shards": self.num_shards,
             "workers_connected": len(self._connected()), "stats": dict(self.stats),
+            "held_variance_steps": self.held_variance_steps,
             "uptime_sec": time.monotonic() - self._started_at,
             "raw_bytes_per_step": self.raw_bytes_per_step,
             "workers": [r.summary(total, self.raw_bytes_per_step) for r in self.workers.values()],
@@ -765,6 +783,86 @@ def _flatten_storage(params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     for p, piece in zip(ps, flat.split([p.numel() for p in ps])):
         p.data = piece.view_as(p)
     return flat
+
+
+def _is_sparse(codecs: Mapping[str, Any]) -> bool:
+    """Does a gradient message carry top-k entries (anything but every element)?"""
+    for spec in codecs.values():
+        if spec.get("codec") == "topk":
+            meta, shape = spec.get("meta", {}), spec.get("shape", [])
+            if meta.get("k", 0) < math.prod(shape):
+                return True
+    return False
+
+
+#: per-parameter Adam state: how many steps updated the second moment (dense gradients only)
+VARIANCE_STEPS = "variance_steps"
+
+#: with the second moment held, no weight moves more than this many learning rates in one
+#: step (plain Adam's bound is (1 - beta1) / sqrt(1 - beta2), about 3.2)
+HELD_MAX_RATIO = 10.0
+
+
+def _count_variance_updates(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                state[VARIANCE_STEPS] = float(state.get(VARIANCE_STEPS, 0.0)) + 1.0
+
+
+def _variance_steps(optimizer: torch.optim.Optimizer) -> int:
+    state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
+    return int(state.get(VARIANCE_STEPS, 0))
+
+
+@torch.no_grad()
+def _held_variance_step(optimizer: torch.optim.Optimizer, lr: float) -> bool:
+    """One Adam step whose second moment is held: the first moment and the weights move,
+    the second moment keeps what dense gradients taught it (bias-corrected by their count).
+
+    Why: with top-k and error feedback, a weight receives nothing for many steps and then
+    the sum of what it missed. Plain Adam divides that sum by the root of its own square
+    (which the sum's arrival just inflated), so it moves a weight updated once in T steps
+    about sqrt(T) times less far than dense gradients would; with the second moment held
+    the update is linear in the gradient and the delayed sum moves the weight as far as
+    its parts would have (the observation behind 1-bit Adam, Tang et al. 2021).
+
+    Two guards keep it as stable as plain Adam: no weight moves more than
+    :data:`HELD_MAX_RATIO` learning rates in one step (a weight whose gradients were tiny
+    while dense would otherwise jump), and a weight whose second moment is still 0 takes
+    this gradient's square instead of dividing by epsilon.
+    Returns False (nothing done) while no dense step has taught the second moment yet.
+    """
+    group = optimizer.param_groups[0]
+    params = [p for p in group["params"] if p.grad is not None]
+    states: list[dict[str, Any]] = [optimizer.state.get(p) or {} for p in params]
+    if not params or not all(s.get(VARIANCE_STEPS) for s in states):
+        return False
+    beta1, beta2 = group["betas"]
+    grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+    if group["weight_decay"]:
+        grads = list(torch._foreach_add(grads, params, alpha=group["weight_decay"]))
+    exp_avg = [s["exp_avg"] for s in states]
+    exp_avg_sq = [s["exp_avg_sq"] for s in states]
+    for s in states:
+        s["step"] += 1
+    step = float(states[0]["step"])
+    variance_bias = 1.0 - beta2 ** float(states[0][VARIANCE_STEPS])
+    torch._foreach_lerp_(exp_avg, grads, 1.0 - beta1)
+    for v, g in zip(exp_avg_sq, grads):
+        # a weight whose gradient was always zero while dense: take this one's square (its
+        # bias-corrected estimate) rather than divide by epsilon
+        torch.where(v == 0, g * g * variance_bias, v, out=v)
+    denom = torch._foreach_sqrt(exp_avg_sq)
+    torch._foreach_div_(denom, math.sqrt(variance_bias))
+    torch._foreach_add_(denom, group["eps"])
+    ratio = torch._foreach_div(exp_avg, denom)
+    torch._foreach_mul_(ratio, 1.0 / (1.0 - beta1 ** step))
+    torch._foreach_clamp_min_(ratio, -HELD_MAX_RATIO)
+    torch._foreach_clamp_max_(ratio, HELD_MAX_RATIO)
+    torch._foreach_add_(params, ratio, alpha=-lr)
+    return True
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
