@@ -195,8 +195,11 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         ready[0] = 0.0
         opt.zero_grad(set_to_none=True)
+        for _ in range(a.accum - 1):  # accumulate locally; only the last backward all-reduces
+            with ddp.no_sync():
+                (task.loss(ddp, shard.next_batch(a.batch)) / a.accum).backward()
         loss = task.loss(ddp, shard.next_batch(a.batch))
-        loss.backward()
+        (loss / a.accum).backward()
         t_bwd = time.perf_counter()
         float(loss.detach())
         s0 = time.perf_counter()
@@ -254,7 +257,7 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
         steps = sched.get("stop_at") - sched.get("t0_step")  # type: ignore[operator]
         out.update({
             "window_steps": steps, "window_s": end - t0,
-            "samples_per_s": a.world * a.batch * steps / (end - t0),
+            "samples_per_s": a.world * a.batch * a.accum * steps / (end - t0),
             "steps_per_s": steps / (end - t0), "cpu_cores": (cpu1 - cpu0) / (end - t0),
             "machine_cores": machine,
             "busy_ms": 1e3 * (acc["busy"] - acc0["busy"]) / n,
@@ -279,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--go", default="", help="plain: wait for this file before the warm-up")
     ap.add_argument("--ready", default="", help="plain: write this file when set up")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="ddp: micro-batches per step (no_sync for all but the last)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--store-file", default="")

@@ -549,6 +549,13 @@ def markdown(data: dict[str, Any]) -> str:
     for task, date in data.get("kept", {}).items():
         md += [f"**{task}** rows: from the run of {date} (kept with `--keep`; this run measured "
                f"the other task only).", ""]
+    for task, rows in data.get("kept_rows", {}).items():
+        by_date: dict[str, list[str]] = {}
+        for codec, date in rows.items():
+            by_date.setdefault(date, []).append(codec)
+        md += [f"**{task}**: the rows of " + "; ".join(
+            f"{', '.join(codecs)} are from the run of {date}" for date, codecs in by_date.items())
+            + " (kept with `--keep`: this run re-measured the other codecs only).", ""]
     if data["quick"]:
         md += ["**--quick run** (fewer codecs, shorter runs): not the figures to quote.", ""]
     md += ["**The bar** (topk 1 % reaches the target ≥ 5× sooner than none, final accuracy within 1 "
@@ -664,12 +671,25 @@ def main() -> int:
                     _print_run(r)
             results[task] = [median_run(runs[label]) for label in labels]
     kept: dict[str, str] = {}
+    kept_rows: dict[str, dict[str, str]] = {}
     if args.keep:
         saved = json.loads(Path(args.keep).read_text())
         for task, rows in saved["results"].items():
             if task not in results:
                 results[task] = rows
                 kept[task] = saved.get("kept", {}).get(task) or saved["machine"]["date"]
+                continue
+            # this run measured some codecs of the task: the others come from the saved run
+            # (in the standard order), each row labelled with its run's date
+            fresh = {r["codec"]: r for r in results[task]}
+            dates = saved.get("kept_rows", {}).get(task, {})
+            for row in rows:
+                if row["codec"] not in fresh:
+                    fresh[row["codec"]] = row
+                    kept_rows.setdefault(task, {})[row["codec"]] = (
+                        dates.get(row["codec"]) or saved.get("kept", {}).get(task)
+                        or saved["machine"]["date"])
+            results[task] = [fresh[c] for c in CODECS if c in fresh]
     checks = bar_check(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(results, RESULTS / "compression.png")
@@ -682,7 +702,8 @@ def main() -> int:
                           "textlm_target": TEXTLM_TARGET, "textlm_cap_s": textlm_cap,
                           "textlm_eval_s": TEXTLM_EVAL_S, "textlm_batch": TEXTLM_BATCH,
                           "topk_warmup_steps": TOPK_WARMUP},
-            "codecs": example, "bar": checks, "results": results, "kept": kept}
+            "codecs": example, "bar": checks, "results": results, "kept": kept,
+            "kept_rows": kept_rows}
     md = markdown(data)
     write_results("compression", data, md)
     print(md)

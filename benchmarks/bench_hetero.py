@@ -60,6 +60,7 @@ from typing import Any
 
 from _util import RESULTS, machine, md_table, write_results
 
+from swarmtrain import hardware
 from swarmtrain.roles.ctl import ctl_request
 
 HERE = Path(__file__).resolve().parent
@@ -68,6 +69,10 @@ HOST = "127.0.0.1"
 SPEEDS = (1.0, 0.5, 0.25)
 #: --scale: every speed multiplied by this (1 = the issue's setting)
 SCALE = 1.0
+#: --message-ms: swarmtrain workers accumulate until a message carries this much compute
+#: (their ``message_compute_ms``), DDP ranks as many micro-batches per step as the fastest
+#: worker's rule gives (0 = one batch per message / step: the issue's setting)
+MESSAGE_MS = 0.0
 #: task -> batch size (each task's default)
 TASKS = {"textlm": 16, "digits": 32}
 #: task -> ((warm-up s, window s) full, (warm-up s, window s) quick)
@@ -236,7 +241,8 @@ class _Swarm:
                 p = subprocess.Popen(
                     [*py, "worker", "--task", task, "--host", HOST, "--port", str(self.port),
                      "--threads", "1", "--batch-size", str(batch), "--speed", str(speed),
-                     "--worker-id", self.wid(speed), "--log-level", "warning"],
+                     "--worker-id", self.wid(speed), "--log-level", "warning",
+                     *(["--message-compute-ms", str(MESSAGE_MS)] if MESSAGE_MS else [])],
                     env=env, stdout=wlog.open("wb"), stderr=subprocess.STDOUT)
                 self.workers.append((p, wlog))
         except BaseException:
@@ -309,8 +315,9 @@ def swarm_rate(task: str, batch: int, warm: float, window: float, tmp: Path) -> 
     for speed in SPEEDS:
         k = sw.wid(speed)
         s = wb[k]["samples"] - wa[k]["samples"]
+        steps = wb[k]["steps"] - wa[k]["steps"]
         per[k] = {"speed": speed, "samples_per_s": s / dt, "share": s / max(1, total),
-                  "steps": wb[k]["steps"] - wa[k]["steps"],
+                  "steps": steps, "accumulation": s / max(1, steps) / batch,
                   "cpu_cores": (cb[k] - ca[k]) / dt, "avg_staleness": wb[k]["avg_staleness"],
                   "stale": wb[k]["stale"], "probe_samples_per_s": wb[k]["probe_samples_per_sec"]}
     stats = {k: sb["stats"][k] - sa["stats"].get(k, 0) for k in sb["stats"]}
@@ -362,7 +369,10 @@ def swarm_target(batch: int, cap: float, tmp: Path, rep: int) -> dict[str, Any]:
     if start is None:
         start = next((e["time"] for e in final.get("events", []) if e["event"] == "start"), None)
     assert start is not None, "no start event"
-    evals = [{"t": t - start, "version": v, "samples": v * batch, **m}
+    workers = final.get("workers", [])
+    steps = sum(w["steps"] for w in workers)  # samples per update: batch x accumulation
+    per_update = sum(w["samples"] for w in workers) / steps if steps else batch
+    evals = [{"t": t - start, "version": v, "samples": round(v * per_update), **m}
              for t, v, m in _eval_lines(sw.clog)]
     hit = next((e for e in evals if e["accuracy"] >= TARGET), None)
     return {"reached_s": hit["t"] if hit else None, "version_at_target": hit["version"] if hit
@@ -392,27 +402,29 @@ def _ddp(task: str, batch: int, tmp: Path, tag: str, *extra: str,
     return [json.loads(o.read_text()) for o in outs], launched
 
 
-def ddp_rate(task: str, batch: int, warm: float, window: float, tmp: Path) -> dict[str, Any]:
+def ddp_rate(task: str, batch: int, warm: float, window: float, tmp: Path,
+             accum: int = 1) -> dict[str, Any]:
     ranks, _ = _ddp(task, batch, tmp, f"{task}-ddp", "--mode", "rate", "--warm", str(warm),
-                    "--window", str(window), timeout=180 + warm + window)
+                    "--window", str(window), "--accum", str(accum), timeout=180 + warm + window)
     r0 = ranks[0]
-    return {"samples_per_s": r0["samples_per_s"], "steps_per_s": r0["steps_per_s"],
+    return {"samples_per_s": r0["samples_per_s"], "steps_per_s": r0["steps_per_s"], "accum": accum,
             "window_s": r0["window_s"], "window_steps": r0["window_steps"], "ranks": ranks}
 
 
-def ddp_target(batch: int, cap: float, tmp: Path, rep: int) -> dict[str, Any]:
+def ddp_target(batch: int, cap: float, tmp: Path, rep: int, accum: int = 1) -> dict[str, Any]:
     for attempt in range(2):  # gloo sometimes aborts a rank at teardown ("terminate called
         try:                  # without an active exception"): one more try, said in the log
             ranks, launched = _ddp("digits", batch, tmp, f"digits-ddp-target{rep}-{attempt}", "--mode",
                                    "target", "--target", str(TARGET), "--cap", str(cap),
-                                   "--eval-interval", "0.5", timeout=180 + cap)
+                                   "--eval-interval", "0.5", "--accum", str(accum),
+                                   timeout=180 + cap)
             break
         except RuntimeError as exc:
             if attempt:
                 raise
             print(f"   DDP run failed, once more: {str(exc).splitlines()[0]}", flush=True)
     r0 = ranks[0]
-    evals = [{**e, "samples": e["step"] * batch * len(SPEEDS)} for e in r0["evals"]]
+    evals = [{**e, "samples": e["step"] * batch * accum * len(SPEEDS)} for e in r0["evals"]]
     hit = next((e for e in evals if e["accuracy"] >= TARGET), None)
     return {"reached_s": r0["reached_s"], "step_at_target": hit["step"] if hit else None,
             "launch_to_start_s": r0["wall_start"] - launched, "evals": evals,
@@ -445,7 +457,10 @@ def run_task(task: str, quick: bool, tmp: Path, waits: list[dict[str, Any]]) -> 
           + ", ".join(f"{w['cpu_cores']:.2f}" for w in swarm["per_worker"].values())
           + f"; machine {swarm['machine_cores']:.2f} cores busy", flush=True)
     waits.append(wait_quiet(f"{task} DDP"))
-    ddp = ddp_rate(task, batch, warm, window, tmp)
+    fastest = before[str(SPEEDS[0])]
+    accum = (hardware.auto_accumulation(batch / fastest["samples_per_s"], MESSAGE_MS / 1000)
+             if MESSAGE_MS else 1)  # the worker's rule, on the fastest rank's measured speed
+    ddp = ddp_rate(task, batch, warm, window, tmp, accum)
     print(f"   DDP (gloo)                  : {ddp['samples_per_s']:9.1f} samples/s; ranks "
           + ", ".join(f"{r['cpu_cores']:.2f}" for r in ddp["ranks"])
           + f" cores; machine {ddp['ranks'][0]['machine_cores']:.2f} cores busy", flush=True)
@@ -475,6 +490,7 @@ def run_task(task: str, quick: bool, tmp: Path, waits: list[dict[str, Any]]) -> 
 
 def run(quick: bool, tasks: list[str], target: bool, cap: float) -> dict[str, Any]:
     res: dict[str, Any] = {"machine": machine(), "quick": quick, "speeds": list(SPEEDS), "scale": SCALE,
+                           "message_ms": MESSAGE_MS,
                            "bar": {"of_limit": BAR_LIMIT, "vs_ddp": BAR_DDP}, "tasks": {},
                            "quiet_waits": []}
     with tempfile.TemporaryDirectory(prefix="swarm-hetero-") as d:
@@ -494,7 +510,8 @@ def run(quick: bool, tasks: list[str], target: bool, cap: float) -> dict[str, An
                 print(f"   swarmtrain: {_fmt_s(sw['reached_s'])} after training start "
                       f"(version {sw['version_at_target']})", flush=True)
                 res["quiet_waits"].append(wait_quiet(f"digits DDP target run {i}"))
-                dd = ddp_target(batch, cap, tmp, i)
+                dd = ddp_target(batch, cap, tmp, i,
+                                res["tasks"].get("digits", {}).get("ddp", {}).get("accum", 1))
                 runs["ddp"].append(dd)
                 print(f"   DDP       : {_fmt_s(dd['reached_s'])} after training start "
                       f"(step {dd['step_at_target']})", flush=True)
@@ -567,6 +584,15 @@ def to_markdown(res: dict[str, Any]) -> str:
                   "core: what the cluster does when every machine has its own CPU, as in a real "
                   "cluster. The relative speeds (1 : 0.5 : 0.25) are the issue's. The unscaled run "
                   "(`hetero.md`) is the issue's literal setting on this 2-core box."]
+    if res.get("message_ms"):
+        parts += ["", f"**Accumulating run (`--message-ms {res['message_ms']:g}`)**: each swarmtrain "
+                  f"worker runs with `message_compute_ms = {res['message_ms']:g}`, i.e. it sums "
+                  "micro-batches until one gradient message carries that much of its (throttled) "
+                  "compute: fewer, larger messages, so the fixed cost of a message (~1–3 ms of CPU "
+                  "here at both ends) shrinks against the compute. DDP gets the same rule: "
+                  "`no_sync()` over as many micro-batches per step as the rule gives its fastest rank "
+                  "(every rank must do the same). Samples/s still count every sample; the limit is "
+                  "the same plain loop at the task's batch."]
     for task, t in res["tasks"].items():
         la, lt = t["limit_alone"], t["limit_together"]
         rows = []
@@ -594,7 +620,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         for k, w in sw["per_worker"].items():
             rows.append([f"swarmtrain worker {k}", w["samples_per_s"], w["samples_per_s"] / la,
                          w["samples_per_s"] / lt, f"{w['cpu_cores']:.2f}", "", "",
-                         f"share {w['share']:.3f}, {w['steps']} steps, avg staleness "
+                         f"share {w['share']:.3f}, {w['steps']} steps"
+                         + (f" of {w['accumulation']:.1f} batches" if "accumulation" in w else "")
+                         + ", avg staleness "
                          f"{w['avg_staleness']:.2f}, probe {w['probe_samples_per_s']:.0f}/s"])
         own = [sw["coordinator_cpu_cores"], *(w["cpu_cores"] for w in sw["per_worker"].values())]
         rows.append(["**swarmtrain** (3 workers)", sw["samples_per_s"], sw["samples_per_s"] / la,
@@ -606,7 +634,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         rows.append(["**DDP gloo** (3 ranks)", dd["samples_per_s"], dd["samples_per_s"] / la,
                      dd["samples_per_s"] / lt,
                      *cpu_cols([r["cpu_cores"] for r in ranks], ranks[0]["machine_cores"]),
-                     f"{dd['window_steps']} steps in {dd['window_s']:.1f} s; per step busy "
+                     f"{dd['window_steps']} steps"
+                     + (f" of {dd['accum']} micro-batches" if dd.get("accum", 1) > 1 else "")
+                     + f" in {dd['window_s']:.1f} s; per step busy "
                      + " / ".join(f"{r['busy_ms']:.1f}" for r in ranks) + " ms, sleep "
                      + " / ".join(f"{r['sleep_ms']:.1f}" for r in ranks) + " ms, all-reduce wait "
                      + " / ".join(f"{r['wait_ms']:.1f}" for r in ranks) + " ms"])
@@ -755,15 +785,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply every speed by this (e.g. 0.5: the three workers then fit on 2 cores "
                          "beside the coordinator); results go to hetero-scaled.*")
+    ap.add_argument("--message-ms", type=float, default=0.0,
+                    help="workers accumulate until a message carries this many ms of compute "
+                         "(message_compute_ms), DDP accumulates as many micro-batches per step as "
+                         "that gives its fastest rank; results go to hetero[-scaled]-msgN.*")
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite hetero.md / hetero.png from results/hetero.json (no runs)")
     args = ap.parse_args(argv)
-    global SPEEDS, SCALE
+    global SPEEDS, SCALE, MESSAGE_MS
     if not 0 < args.scale <= 1:
         ap.error("--scale must be in (0, 1]")
-    SCALE = args.scale
+    if args.message_ms < 0:
+        ap.error("--message-ms must be >= 0")
+    SCALE, MESSAGE_MS = args.scale, args.message_ms
     SPEEDS = tuple(s * SCALE for s in SPEEDS)
-    name = "hetero" if SCALE == 1.0 else "hetero-scaled"
+    name = ("hetero" if SCALE == 1.0 else "hetero-scaled") + (f"-msg{MESSAGE_MS:g}ms" if MESSAGE_MS else "")
     if args.report_only:
         res = json.loads((RESULTS / f"{name}.json").read_text())
         md = to_markdown(res)
