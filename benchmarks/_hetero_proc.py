@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from swarmtrain import hardware
 from swarmtrain.tasks import Shard, load_task
 
 
@@ -72,13 +73,16 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=task.default_learning_rate)
     model.train()
     busy_total = [0.0, 0.0]
+    accum = 1
+
+    def micro() -> None:
+        (task.loss(model, shard.next_batch(a.batch)) / accum).backward()
 
     def step() -> None:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = task.loss(model, shard.next_batch(a.batch))
-        loss.backward()
-        float(loss.detach())
+        for _ in range(accum):
+            micro()
         opt.step()
         busy = time.perf_counter() - t0
         busy_total[0] += busy
@@ -86,6 +90,17 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
 
     for _ in range(3):  # allocator and kernels warm before anyone starts the clock
         step()
+    if a.message_ms:
+        # the worker's rule: time throttled micro-batches (forward + backward), then sum as many
+        # per optimizer step as make it last message_ms
+        t0, n = time.perf_counter(), 0
+        while n < 5 or time.perf_counter() - t0 < 0.5:
+            b0 = time.perf_counter()
+            micro()
+            _throttle(time.perf_counter() - b0, a.speed)
+            n += 1
+        accum = hardware.auto_accumulation((time.perf_counter() - t0) / n, a.message_ms / 1000)
+        opt.zero_grad(set_to_none=True)
     if a.go:
         Path(a.ready).write_text("ready")
         while not Path(a.go).exists():
@@ -102,7 +117,7 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     machine = _machine_cores(j0, _jiffies())
-    return {"speed": a.speed, "samples_per_s": steps * a.batch / elapsed,
+    return {"speed": a.speed, "samples_per_s": steps * accum * a.batch / elapsed, "accum": accum,
             "steps_per_s": steps / elapsed, "steps": steps, "seconds": elapsed,
             "cpu_cores": cpu / elapsed, "machine_cores": machine,
             "busy_ms": 1e3 * busy_total[0] / max(1, steps),
@@ -282,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--go", default="", help="plain: wait for this file before the warm-up")
     ap.add_argument("--ready", default="", help="plain: write this file when set up")
+    ap.add_argument("--message-ms", type=float, default=0.0,
+                    help="plain: micro-batches per optimizer step by the worker's rule for this "
+                         "message_compute_ms (0 = one)")
     ap.add_argument("--accum", type=int, default=1,
                     help="ddp: micro-batches per step (no_sync for all but the last)")
     ap.add_argument("--rank", type=int, default=0)

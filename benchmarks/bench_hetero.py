@@ -60,7 +60,6 @@ from typing import Any
 
 from _util import RESULTS, machine, md_table, write_results
 
-from swarmtrain import hardware
 from swarmtrain.roles.ctl import ctl_request
 
 HERE = Path(__file__).resolve().parent
@@ -167,7 +166,7 @@ def standalone_alone(task: str, batch: int, speed: float, warm: float, window: f
     tag = f"{task}-alone-{speed}"
     out, log = tmp / f"{tag}.json", tmp / f"{tag}.log"
     p = _proc("plain", task, speed, batch, out, "--warm", str(warm), "--window", str(window),
-              log=log)
+              "--message-ms", str(MESSAGE_MS), log=log)
     _wait_all([(p, log)], 120 + warm + window)
     return json.loads(out.read_text())
 
@@ -180,7 +179,8 @@ def standalone_together(task: str, batch: int, warm: float, window: float,
         tag = f"{task}-together-{speed}"
         out, log, ready = tmp / f"{tag}.json", tmp / f"{tag}.log", tmp / f"{tag}.ready"
         procs.append((_proc("plain", task, speed, batch, out, "--warm", str(warm), "--window",
-                            str(window), "--go", str(go), "--ready", str(ready), log=log), log))
+                            str(window), "--go", str(go), "--ready", str(ready), "--message-ms",
+                            str(MESSAGE_MS), log=log), log))
         outs.append(out)
         readies.append(ready)
     deadline = time.monotonic() + 120
@@ -457,10 +457,8 @@ def run_task(task: str, quick: bool, tmp: Path, waits: list[dict[str, Any]]) -> 
           + ", ".join(f"{w['cpu_cores']:.2f}" for w in swarm["per_worker"].values())
           + f"; machine {swarm['machine_cores']:.2f} cores busy", flush=True)
     waits.append(wait_quiet(f"{task} DDP"))
-    fastest = before[str(SPEEDS[0])]
-    accum = (hardware.auto_accumulation(batch / fastest["samples_per_s"], MESSAGE_MS / 1000)
-             if MESSAGE_MS else 1)  # the worker's rule, on the fastest rank's measured speed
-    ddp = ddp_rate(task, batch, warm, window, tmp, accum)
+    # every rank must do the same: the micro-batches the worker's rule gave the fastest loop
+    ddp = ddp_rate(task, batch, warm, window, tmp, before[str(SPEEDS[0])].get("accum", 1))
     print(f"   DDP (gloo)                  : {ddp['samples_per_s']:9.1f} samples/s; ranks "
           + ", ".join(f"{r['cpu_cores']:.2f}" for r in ddp["ranks"])
           + f" cores; machine {ddp['ranks'][0]['machine_cores']:.2f} cores busy", flush=True)
@@ -591,8 +589,9 @@ def to_markdown(res: dict[str, Any]) -> str:
                   "compute: fewer, larger messages, so the fixed cost of a message (~1–3 ms of CPU "
                   "here at both ends) shrinks against the compute. DDP gets the same rule: "
                   "`no_sync()` over as many micro-batches per step as the rule gives its fastest rank "
-                  "(every rank must do the same). Samples/s still count every sample; the limit is "
-                  "the same plain loop at the task's batch."]
+                  "(every rank must do the same). The standalone loops too: each times its own "
+                  "throttled micro-batches and sums as many per Adam step as the rule gives it, so "
+                  "the limit is the plain loop doing the same work per sample."]
     for task, t in res["tasks"].items():
         la, lt = t["limit_alone"], t["limit_together"]
         rows = []
@@ -606,7 +605,8 @@ def to_markdown(res: dict[str, Any]) -> str:
             rows.append([f"standalone alone, speed {k}", r["samples_per_s"], r["samples_per_s"] / la,
                          "-", *cpu_cols([r["cpu_cores"]], r["machine_cores"]),
                          f"before {_num(b4)}, after {_num(af)} (faster kept); busy "
-                         f"{r['busy_ms']:.1f} ms + sleep {r['sleep_ms']:.1f} ms per step"])
+                         f"{r['busy_ms']:.1f} ms + sleep {r['sleep_ms']:.1f} ms per step"
+                         + (f" of {r['accum']} micro-batches" if r.get("accum", 1) > 1 else "")])
         rows.append(["**limit (alone)** = sum", la, 1.0, la / lt, "", "", "", ""])
         tog = t["together"]["per_speed"]
         for r in tog:
@@ -677,15 +677,19 @@ def to_markdown(res: dict[str, Any]) -> str:
         sw_last, dd_last = sws[-1], dds[-1]
         sw_upd = med([r["version_at_target"] for r in sws])
         dd_upd = med([r["step_at_target"] for r in dds])
+
+        def samples_at_target(r: dict[str, Any]) -> int | None:
+            hit = next((e for e in r["evals"] if e["accuracy"] >= dt["target"]), None)
+            return hit["samples"] if hit else None
         rows = [
             ["swarmtrain (coordinator eval every 0.5 s)", _fmt_s(dt["median_s"]["swarmtrain"]),
-             times(sws), sw_upd, sw_upd * b if sw_upd != "-" else "-",
+             times(sws), sw_upd, med([samples_at_target(r) for r in sws]),
              f"{med([r['launch_to_start_s'] for r in sws]):.1f} s",
              "last run: shares " + ", ".join(f"{k} {w['share']:.2f}"
                                              for k, w in sw_last["workers"].items())
              + f"; stats {sw_last['stats']}"],
             ["DDP gloo (rank 0 eval every 0.5 s)", _fmt_s(dt["median_s"]["ddp"]), times(dds),
-             dd_upd, dd_upd * b * len(SPEEDS) if dd_upd != "-" else "-",
+             dd_upd, med([samples_at_target(r) for r in dds]),
              f"{med([r['launch_to_start_s'] for r in dds]):.1f} s",
              "last run: CPU cores per rank "
              + " / ".join(f"{c:.2f}" for c in dd_last["cpu_cores"].values())],
@@ -698,9 +702,10 @@ def to_markdown(res: dict[str, Any]) -> str:
             "three workers registered; DDP: after `init_process_group` and a barrier) to the "
             "first evaluation at or above the target. Both evaluate the full held-out split (359 "
             "images) every 0.5 s, so times are quantised to ~0.5 s. Updates: swarmtrain applies "
-            "each worker's batch-32 gradient on its own (version = updates); a DDP step averages "
-            "three batch-32 gradients. \"launch → start\": process start-up and registration "
-            "(not in the time to target).",
+            f"each worker's gradient (batch {b}"
+            + (" × its accumulation" if res.get("message_ms") else "")
+            + ") on its own (version = updates); a DDP step averages three such gradients. "
+            "\"launch → start\": process start-up and registration (not in the time to target).",
             "",
             md_table(["run", "median time to target", "each run", "updates (median)",
                       "samples (median)", "launch → start", "detail"], rows),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from swarmtrain.compression import make_codec
+from swarmtrain.ops.metrics import CoordinatorCollector
 from swarmtrain.roles.common import pack_compressed
 from swarmtrain.roles.coordinator import (
     HELD_MAX_RATIO,
@@ -171,6 +172,9 @@ def test_the_coordinator_holds_only_for_sparse_gradients_after_dense_ones(settin
     if setting == "hold":
         assert held and not same_as_plain and c.held_variance_steps == 1
         assert c.status()["held_variance_steps"] == 1
+        held_series = [m for m in CoordinatorCollector(c.status).collect()
+                       if m.name == "swarmtrain_held_variance_steps"]
+        assert [s.value for s in held_series[0].samples] == [1.0]
     else:
         assert not held and same_as_plain and c.held_variance_steps == 0
     assert first[VARIANCE_STEPS] == 2.0  # sparse steps never count

@@ -94,6 +94,8 @@ class CoordinatorCollector(StatusCollector):
         yield grads
         yield _counter("refused_messages", "gradients refused (non-finite, outlier, malformed...)",
                        stats.get("rejected", 0))
+        yield _counter("held_variance_steps", "top-k gradients applied with Adam's second moment "
+                       "held (sparse_variance = hold)", st.get("held_variance_steps", 0))
         yield from _worker_families(list(st.get("workers") or []))
         yield _staleness(dict(st.get("staleness_counts") or {}))
         yield from _traffic(dict(st.get("traffic") or {}))
