@@ -253,7 +253,9 @@ class CoordinatorTrainingConfig(_Section):
     beta1: float = _opt(0.9, "Adam first-moment decay", ge=0.0, lt=1.0)
     beta2: float = _opt(0.999, "Adam second-moment decay", ge=0.0, lt=1.0)
     epsilon: float = _opt(1e-8, "Adam denominator epsilon", gt=0.0)
-    weight_decay: float = _opt(0.0, "decoupled weight decay (AdamW)", ge=0.0)
+    weight_decay: float = _opt(
+        0.0, "decoupled weight decay (AdamW's rule: each step multiplies the weights by "
+        "1 - lr * weight_decay)", ge=0.0)
     min_workers: int = _opt(1, "workers needed before training starts", ge=1)
     max_staleness: int = _opt(16, "gradients staler than this are dropped", ge=0)
     staleness_damping: bool = _opt(True, "scale the learning rate down with staleness")

@@ -198,3 +198,31 @@ def test_a_checkpoint_keeps_the_count_and_resumes_holding(tmp_path: Path) -> Non
         b._apply_gradient(rec_b, _topk_gradient(b, i))
     assert all(torch.equal(a.params[n], b.params[n]) for n in a.params)
     assert b.held_variance_steps == 2
+
+
+def test_weight_decay_is_decoupled_on_dense_steps() -> None:
+    """``training.weight_decay`` is AdamW's: a zero gradient shrinks every weight by exactly
+    lr * wd (L2 folded into the gradient would move it by ~lr instead, Adam's first step)."""
+    wd = 0.1
+    c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0,
+                                                  "training.weight_decay": wd})
+    rec = record(c)
+    before = {n: p.detach().clone() for n, p in c.params.items()}
+    g = _fp16_gradient(c, 1)
+    g = Gradients(msg_id=1, version=c.version, samples=32, loss=1.0, codecs=g.codecs,
+                  tensors={n: torch.zeros_like(t) for n, t in g.tensors.items()})
+    assert c._apply_gradient(rec, g)[0] == "applied"
+    for n, p in c.params.items():  # staleness 0, one worker: lr undamped, weight 1
+        torch.testing.assert_close(p.detach(), before[n] * (1 - c.base_lr * wd))
+
+
+def test_weight_decay_is_decoupled_on_held_steps() -> None:
+    wd = 0.1
+    p = torch.ones(4, requires_grad=True)
+    opt = torch.optim.Adam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=wd,
+                           decoupled_weight_decay=True)
+    _dense_steps(opt, p, [torch.zeros(4)])  # zero gradient: only the decay moves p
+    torch.testing.assert_close(p.detach(), torch.full((4,), 1 - LR * wd))
+    p.grad = torch.zeros(4)
+    assert _held_variance_step(opt, LR)
+    torch.testing.assert_close(p.detach(), torch.full((4,), (1 - LR * wd) ** 2))

@@ -761,11 +761,12 @@ class Coordinator:
 
 
 def _make_adam(params: list[torch.Tensor], **kwargs: Any) -> torch.optim.Adam:
-    """Adam with the fused CPU kernel where torch has it (about 3x the foreach one here)."""
+    """Adam with decoupled weight decay (AdamW's rule, which ``training.weight_decay``
+    promises) and the fused CPU kernel where torch has it (about 3x the foreach one here)."""
     try:
-        return torch.optim.Adam(params, fused=True, **kwargs)
+        return torch.optim.Adam(params, fused=True, decoupled_weight_decay=True, **kwargs)
     except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(params, foreach=True, **kwargs)
+        return torch.optim.Adam(params, foreach=True, decoupled_weight_decay=True, **kwargs)
 
 
 FUSE_MAX_NUMEL = 1 << 20
@@ -841,8 +842,8 @@ def _held_variance_step(optimizer: torch.optim.Optimizer, lr: float) -> bool:
         return False
     beta1, beta2 = group["betas"]
     grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
-    if group["weight_decay"]:
-        grads = list(torch._foreach_add(grads, params, alpha=group["weight_decay"]))
+    if group["weight_decay"]:  # decoupled, as in the dense steps
+        torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
     exp_avg = [s["exp_avg"] for s in states]
     exp_avg_sq = [s["exp_avg_sq"] for s in states]
     for s in states:
