@@ -551,7 +551,9 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
 def to_markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     parts = [
-        "## Three unequal workers: swarmtrain vs DDP vs the limit (`benchmarks/bench_hetero.py`)",
+        "## Three unequal workers: swarmtrain vs DDP vs the limit (`benchmarks/bench_hetero.py`"
+        + (f" `--scale {res['scale']:g}`" if res.get("scale", 1.0) != 1.0 else "")
+        + (f" `--message-ms {res['message_ms']:g}`" if res.get("message_ms") else "") + ")",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; load average at start "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg'])}"

@@ -54,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for script in every:
         name = script.stem.removeprefix("bench_")
-        md = RESULTS / f"{name}.md"
-        if md.exists() and name not in failed:
-            parts += [md.read_text().rstrip(), ""]
+        if name in failed:
+            continue
+        # the benchmark's own file, then its variants (e.g. hetero-scaled.md from --scale)
+        for md in [RESULTS / f"{name}.md", *sorted(RESULTS.glob(f"{name}-*.md"))]:
+            if md.exists():
+                parts += [md.read_text().rstrip(), ""]
     if failed:
         parts += [f"Failed: {', '.join(failed)} (see the console output).", ""]
     RESULTS.mkdir(parents=True, exist_ok=True)
