@@ -326,3 +326,21 @@ def test_training_starts_only_when_min_workers_have_joined() -> None:
             await c.close()
 
     asyncio.run(main())
+
+
+def test_a_coordinator_resumed_at_max_steps_ends_at_once_and_says_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Resuming the checkpoint of a finished run must not wait for workers that will never
+    be needed: the run ends with the reason, and nothing is applied."""
+    c = make_coordinator(tmp_path, **{"checkpointing.interval": 0, "training.max_steps": 30})
+    c.version = 30  # as restored from the last checkpoint of a 30-update run
+
+    async def main() -> None:
+        async with asyncio.timeout(30):
+            await c.run()
+
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.coordinator"):
+        asyncio.run(main())
+    assert c.version == 30 and c.stats["applied"] == 0
+    assert any(e["event"] == "shutdown" and "max_steps=30" in e["reason"] for e in c.events)
+    assert any("raise training.max_steps" in r.getMessage() for r in caplog.records)

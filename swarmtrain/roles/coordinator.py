@@ -251,6 +251,12 @@ class Coordinator:
         self._event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
                  net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
+        limit = self.config.training.max_steps
+        if limit and self.version >= limit:  # e.g. resumed from the checkpoint of a finished run
+            log.warning("the model is at version %d, already at max_steps=%d: nothing left to "
+                        "train, so the run ends now; to train on, raise training.max_steps "
+                        "(--max-steps)", self.version, limit)
+            self.request_shutdown(f"reached max_steps={limit}")
 
     def _role_limits(self) -> dict[str, Limits]:
         """What a frame from each role may carry: a worker's gradient is at most the model's
