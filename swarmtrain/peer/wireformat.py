@@ -209,7 +209,8 @@ def decode_into(codec: int, payload: np.ndarray, scale: float, dst: np.ndarray) 
     if codec == CODEC_FP16:
         _torch_copy(dst, payload.view(np.float16))
     elif codec == CODEC_INT8:
-        np.multiply(payload.view(np.int8), np.float32(scale), out=dst)
+        with np.errstate(invalid="ignore"):  # a NaN scale (non-finite values sent) decodes to NaN
+            np.multiply(payload.view(np.int8), np.float32(scale), out=dst)
     else:
         raise ValueError(f"codec {codec} is not an encoding")
 
@@ -223,8 +224,9 @@ def accumulate(codec: int, payload: np.ndarray, scale: float, dst: np.ndarray, w
         _torch_add(dst, payload.view(np.float16))
     elif codec == CODEC_INT8:
         tmp = work[: len(dst)]
-        np.multiply(payload.view(np.int8), np.float32(scale), out=tmp)
-        np.add(dst, tmp, out=dst)
+        with np.errstate(invalid="ignore"):  # NaN in (a NaN scale, or inf - inf) stays NaN
+            np.multiply(payload.view(np.int8), np.float32(scale), out=tmp)
+            np.add(dst, tmp, out=dst)
     else:
         raise ValueError(f"codec {codec} cannot be accumulated")
 
