@@ -18,15 +18,15 @@ import torch
 
 from swarmtrain.compression import make_codec
 from swarmtrain.ops.metrics import CoordinatorCollector
-from swarmtrain.roles.common import pack_compressed
-from swarmtrain.roles.coordinator import (
+from swarmtrain.roles.adam import (
     HELD_MAX_RATIO,
     VARIANCE_STEPS,
-    Coordinator,
-    _count_variance_updates,
-    _held_variance_step,
-    _is_sparse,
+    adam_step,
+    held_variance_step,
+    is_sparse,
 )
+from swarmtrain.roles.common import pack_compressed
+from swarmtrain.roles.coordinator import Coordinator
 from swarmtrain.wire import Gradients
 from tests.test_coordinator_state import make_coordinator, record
 
@@ -40,8 +40,7 @@ def _adam(p: torch.Tensor) -> torch.optim.Adam:
 def _dense_steps(opt: torch.optim.Adam, p: torch.Tensor, grads: list[torch.Tensor]) -> None:
     for g in grads:
         p.grad = g.clone()
-        opt.step()
-        _count_variance_updates(opt)
+        assert not adam_step(opt, LR, sparse=False, hold=True)
 
 
 def test_a_held_step_follows_the_formula_and_leaves_the_second_moment_alone() -> None:
@@ -55,7 +54,7 @@ def test_a_held_step_follows_the_formula_and_leaves_the_second_moment_alone() ->
     g = torch.zeros(50)
     g[[3, 17, 40]] = torch.tensor([0.5, -2.0, 0.01])  # what top-k lets through
     p.grad = g
-    assert _held_variance_step(opt, LR)
+    assert held_variance_step(opt, LR)
     assert torch.equal(state["exp_avg_sq"], v0)  # held, bit for bit
     m = BETAS[0] * m0 + (1 - BETAS[0]) * g
     torch.testing.assert_close(state["exp_avg"], m)
@@ -82,8 +81,7 @@ def test_a_late_sum_moves_a_weight_as_far_as_its_parts_would_have() -> None:
             busy = t < T * periods
             value = (T * g if t % T == T - 1 else 0.0) if late else g
             p.grad = torch.full((1,), value if busy else 0.0)
-            if not (hold and _held_variance_step(opt, LR)):
-                opt.step()
+            assert adam_step(opt, LR, sparse=True, hold=hold) == hold
         return start - float(p.detach())
 
     dense, held_late, plain_late = travel(True, False), travel(True, True), travel(False, True)
@@ -97,7 +95,7 @@ def test_no_weight_moves_more_than_the_cap_in_one_step() -> None:
     _dense_steps(opt, p, [torch.full((4,), 1e-6)])  # tiny while dense...
     before = p.detach().clone()
     p.grad = torch.tensor([1.0, -1.0, 0.0, 1e-6])  # ...then large
-    assert _held_variance_step(opt, LR)
+    assert held_variance_step(opt, LR)
     moved = (p.detach() - before).abs()
     assert float(moved.max()) == pytest.approx(LR * HELD_MAX_RATIO)
     assert float(moved[3]) < LR * HELD_MAX_RATIO
@@ -108,7 +106,7 @@ def test_a_weight_with_no_variance_yet_takes_its_gradients_square() -> None:
     opt = _adam(p)
     _dense_steps(opt, p, [torch.tensor([1.0, 0.0])])  # the second weight never saw a gradient
     p.grad = torch.tensor([0.0, 0.5])
-    assert _held_variance_step(opt, LR)
+    assert held_variance_step(opt, LR)
     v = opt.state[p]["exp_avg_sq"]
     bias = 1 - BETAS[1]
     assert float(v[1]) == pytest.approx(0.25 * bias)  # bias-corrected: v_hat = 0.25
@@ -120,7 +118,7 @@ def test_nothing_is_held_before_a_dense_step() -> None:
     p = torch.zeros(3, requires_grad=True)
     opt = _adam(p)
     p.grad = torch.ones(3)
-    assert not _held_variance_step(opt, LR)
+    assert not held_variance_step(opt, LR)
     assert not opt.state[p] and float(p.detach().abs().max()) == 0.0
 
 
@@ -140,7 +138,7 @@ def _topk_gradient(c: Coordinator, msg_id: int) -> Gradients:
 def _fp16_gradient(c: Coordinator, msg_id: int) -> Gradients:
     """What a worker sends in the dense part of the warm-up."""
     g = _gradient(c, msg_id, "fp16")
-    assert not _is_sparse(g.codecs)
+    assert not is_sparse(g.codecs)
     return g
 
 
@@ -153,7 +151,7 @@ def test_the_coordinator_holds_only_for_sparse_gradients_after_dense_ones(settin
     rec, rec_plain = record(c), record(plain)
     # a top-k gradient before any dense one: plain Adam, not counted as teaching the variance
     for coord, r in ((c, rec), (plain, rec_plain)):
-        assert _is_sparse(_topk_gradient(coord, 1).codecs)
+        assert is_sparse(_topk_gradient(coord, 1).codecs)
         assert coord._apply_gradient(r, _topk_gradient(coord, 1))[0] == "applied"
     assert all(torch.equal(c.params[n], plain.params[n]) for n in c.params)
     first = c.optimizer.state[next(iter(c.params.values()))]
@@ -224,5 +222,5 @@ def test_weight_decay_is_decoupled_on_held_steps() -> None:
     _dense_steps(opt, p, [torch.zeros(4)])  # zero gradient: only the decay moves p
     torch.testing.assert_close(p.detach(), torch.full((4,), 1 - LR * wd))
     p.grad = torch.zeros(4)
-    assert _held_variance_step(opt, LR)
+    assert held_variance_step(opt, LR)
     torch.testing.assert_close(p.detach(), torch.full((4,), (1 - LR * wd) ** 2))

@@ -33,6 +33,7 @@ from swarmtrain.errors import (
     RemoteProtocolError,
     SwarmError,
 )
+from swarmtrain.roles.adam import adam_step, is_sparse, make_adam, variance_steps
 from swarmtrain.roles.common import (
     FUSED,
     check_compression_match,
@@ -186,7 +187,7 @@ class Coordinator:
                 "training.learning_rate is 0, which means 'the task's default', but no task supplies "
                 "one here: pass learning_rate=... (e.g. learning_rate=1e-3)")
         self.base_lr = t.learning_rate
-        self.optimizer = _make_adam(list(self.params.values()), lr=self.base_lr,
+        self.optimizer = make_adam(list(self.params.values()), lr=self.base_lr,
                                     betas=(t.beta1, t.beta2), eps=t.epsilon, weight_decay=t.weight_decay)
         # Weight deltas to workers; the per-worker shadow keeps whatever this codec drops.
         self.codec = downlink_codec(cfg.compression)
@@ -536,19 +537,12 @@ class Coordinator:
         for name, p in self.params.items():
             p.grad = grads[name]
         rec.weight = self._sample_weight(msg.samples)
-        lr = self.base_lr * self._damping(staleness) * rec.weight
-        sparse = _is_sparse(msg.codecs)
-        if (sparse and self.config.training.sparse_variance == "hold"
-                and _held_variance_step(self.optimizer, lr)):
+        if adam_step(self.optimizer, self.base_lr * self._damping(staleness) * rec.weight,
+                     sparse=is_sparse(msg.codecs), hold=self.config.training.sparse_variance == "hold"):
             if not self.held_variance_steps:
                 log.info("top-k gradients from now on: Adam's second moment is held at what %d "
-                         "dense steps taught it", _variance_steps(self.optimizer))
+                         "dense steps taught it", variance_steps(self.optimizer))
             self.held_variance_steps += 1
-        else:
-            self.optimizer.param_groups[0]["lr"] = lr
-            self.optimizer.step()
-            if not sparse:
-                _count_variance_updates(self.optimizer)
         for p in self.params.values():
             p.grad = None
         self.version += 1
@@ -766,15 +760,6 @@ class Coordinator:
         }
 
 
-def _make_adam(params: list[torch.Tensor], **kwargs: Any) -> torch.optim.Adam:
-    """Adam with decoupled weight decay (AdamW's rule, which ``training.weight_decay``
-    promises) and the fused CPU kernel where torch has it (about 3x the foreach one here)."""
-    try:
-        return torch.optim.Adam(params, fused=True, decoupled_weight_decay=True, **kwargs)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(params, foreach=True, decoupled_weight_decay=True, **kwargs)
-
-
 FUSE_MAX_NUMEL = 1 << 20
 """Models up to this many parameters get their weight deltas as one :data:`FUSED` entry."""
 
@@ -790,86 +775,6 @@ def _flatten_storage(params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     for p, piece in zip(ps, flat.split([p.numel() for p in ps])):
         p.data = piece.view_as(p)
     return flat
-
-
-def _is_sparse(codecs: Mapping[str, Any]) -> bool:
-    """Does a gradient message carry top-k entries (anything but every element)?"""
-    for spec in codecs.values():
-        if spec.get("codec") == "topk":
-            meta, shape = spec.get("meta", {}), spec.get("shape", [])
-            if meta.get("k", 0) < math.prod(shape):
-                return True
-    return False
-
-
-#: per-parameter Adam state: how many steps updated the second moment (dense gradients only)
-VARIANCE_STEPS = "variance_steps"
-
-#: with the second moment held, no weight moves more than this many learning rates in one
-#: step (plain Adam's bound is (1 - beta1) / sqrt(1 - beta2), about 3.2)
-HELD_MAX_RATIO = 10.0
-
-
-def _count_variance_updates(optimizer: torch.optim.Optimizer) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state:
-                state[VARIANCE_STEPS] = float(state.get(VARIANCE_STEPS, 0.0)) + 1.0
-
-
-def _variance_steps(optimizer: torch.optim.Optimizer) -> int:
-    state = optimizer.state.get(optimizer.param_groups[0]["params"][0], {})
-    return int(state.get(VARIANCE_STEPS, 0))
-
-
-@torch.no_grad()
-def _held_variance_step(optimizer: torch.optim.Optimizer, lr: float) -> bool:
-    """One Adam step whose second moment is held: the first moment and the weights move,
-    the second moment keeps what dense gradients taught it (bias-corrected by their count).
-
-    Why: with top-k and error feedback, a weight receives nothing for many steps and then
-    the sum of what it missed. Plain Adam divides that sum by the root of its own square
-    (which the sum's arrival just inflated), so it moves a weight updated once in T steps
-    about sqrt(T) times less far than dense gradients would; with the second moment held
-    the update is linear in the gradient and the delayed sum moves the weight as far as
-    its parts would have (the observation behind 1-bit Adam, Tang et al. 2021).
-
-    Two guards keep it as stable as plain Adam: no weight moves more than
-    :data:`HELD_MAX_RATIO` learning rates in one step (a weight whose gradients were tiny
-    while dense would otherwise jump), and a weight whose second moment is still 0 takes
-    this gradient's square instead of dividing by epsilon.
-    Returns False (nothing done) while no dense step has taught the second moment yet.
-    """
-    group = optimizer.param_groups[0]
-    params = [p for p in group["params"] if p.grad is not None]
-    states: list[dict[str, Any]] = [optimizer.state.get(p) or {} for p in params]
-    if not params or not all(s.get(VARIANCE_STEPS) for s in states):
-        return False
-    beta1, beta2 = group["betas"]
-    grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
-    if group["weight_decay"]:  # decoupled, as in the dense steps
-        torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
-    exp_avg = [s["exp_avg"] for s in states]
-    exp_avg_sq = [s["exp_avg_sq"] for s in states]
-    for s in states:
-        s["step"] += 1
-    step = float(states[0]["step"])
-    variance_bias = 1.0 - beta2 ** float(states[0][VARIANCE_STEPS])
-    torch._foreach_lerp_(exp_avg, grads, 1.0 - beta1)
-    for v, g in zip(exp_avg_sq, grads):
-        # a weight whose gradient was always zero while dense: take this one's square (its
-        # bias-corrected estimate) rather than divide by epsilon
-        torch.where(v == 0, g * g * variance_bias, v, out=v)
-    denom = torch._foreach_sqrt(exp_avg_sq)
-    torch._foreach_div_(denom, math.sqrt(variance_bias))
-    torch._foreach_add_(denom, group["eps"])
-    ratio = torch._foreach_div(exp_avg, denom)
-    torch._foreach_mul_(ratio, 1.0 / (1.0 - beta1 ** step))
-    torch._foreach_clamp_min_(ratio, -HELD_MAX_RATIO)
-    torch._foreach_clamp_max_(ratio, HELD_MAX_RATIO)
-    torch._foreach_add_(params, ratio, alpha=-lr)
-    return True
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
