@@ -91,15 +91,18 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
     for _ in range(3):  # allocator and kernels warm before anyone starts the clock
         step()
     if a.message_ms:
-        # the worker's rule: time throttled micro-batches (forward + backward), then sum as many
-        # per optimizer step as make it last message_ms
-        t0, n = time.perf_counter(), 0
-        while n < 5 or time.perf_counter() - t0 < 0.5:
+        # the worker's rule: its start-up probe (throttled forward + backward, timed by
+        # hardware.probe_speed for the default probe_seconds), then as many micro-batches per
+        # optimizer step as make one last message_ms
+        def probe_step() -> int:
             b0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
             micro()
             _throttle(time.perf_counter() - b0, a.speed)
-            n += 1
-        accum = hardware.auto_accumulation((time.perf_counter() - t0) / n, a.message_ms / 1000)
+            return a.batch
+
+        rate = hardware.probe_speed(probe_step, seconds=1.0)
+        accum = hardware.auto_accumulation(a.batch / rate, a.message_ms / 1000)
         opt.zero_grad(set_to_none=True)
     if a.go:
         Path(a.ready).write_text("ready")

@@ -48,12 +48,12 @@ log = logging.getLogger("swarmtrain.runlog")
 
 RUNS_DIR_ENV_VAR = "SWARMTRAIN_RUNS_DIR"
 _DISABLED = ("", "none")
+_MAX_LINE_BYTES = 1 << 20  # a line longer than this is not a run log line (reading)
 
 
 def is_disabled(setting: str) -> bool:
     """True for the settings that turn a file output off: ``""`` and ``"none"``."""
     return setting.strip().lower() in _DISABLED
-_MAX_LINE_BYTES = 1 << 20  # a line longer than this is not a run log line (reading)
 
 
 class RunLogError(SwarmError):
