@@ -425,10 +425,8 @@ def textlm_table(results: list[dict[str, Any]]) -> tuple[str, int]:
         at_eq = interpolate(r["trajectory"], "loss", equal)
         r["loss_at_equal_updates"] = at_eq
         m, bm = r.get("matched"), base.get("matched") if base else None
-        times = r.get("times_s") or []
-        each = ", ".join("–" if t is None else f"{t:.1f}" for t in times) if len(times) > 1 else "–"
-        rows.append([
-            r["codec"], fmt_time(r), each, speedup(r, base), r["reached"]["version"] if r["reached"] else "–",
+        rows.append([  # one run per codec: no "each run" column
+            r["codec"], fmt_time(r), speedup(r, base), r["reached"]["version"] if r["reached"] else "–",
             f"{r['reached']['value']:.3f}" if r["reached"] else f"{r['trajectory'][-1]['loss']:.3f} (last)",
             f"{m['time_s']:.1f} s ({m['version']} upd.)" if m else "not reached",
             f"{bm['time_s'] / m['time_s']:.2f}×" if m and bm else "–",
