@@ -24,6 +24,7 @@ from swarmtrain.roles.adam import (
     adam_step,
     held_variance_step,
     is_sparse,
+    make_adam,
 )
 from swarmtrain.roles.common import pack_compressed
 from swarmtrain.roles.coordinator import Coordinator
@@ -33,8 +34,8 @@ from tests.test_coordinator_state import make_coordinator, record
 BETAS, EPS, LR = (0.9, 0.999), 1e-8, 1e-2
 
 
-def _adam(p: torch.Tensor) -> torch.optim.Adam:
-    return torch.optim.Adam([p], lr=LR, betas=BETAS, eps=EPS)
+def _adam(p: torch.Tensor, weight_decay: float = 0.0) -> torch.optim.Adam:
+    return make_adam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay)
 
 
 def _dense_steps(opt: torch.optim.Adam, p: torch.Tensor, grads: list[torch.Tensor]) -> None:
@@ -217,8 +218,7 @@ def test_weight_decay_is_decoupled_on_dense_steps() -> None:
 def test_weight_decay_is_decoupled_on_held_steps() -> None:
     wd = 0.1
     p = torch.ones(4, requires_grad=True)
-    opt = torch.optim.Adam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=wd,
-                           decoupled_weight_decay=True)
+    opt = _adam(p, weight_decay=wd)
     _dense_steps(opt, p, [torch.zeros(4)])  # zero gradient: only the decay moves p
     torch.testing.assert_close(p.detach(), torch.full((4,), 1 - LR * wd))
     p.grad = torch.zeros(4)
