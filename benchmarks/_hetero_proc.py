@@ -2,13 +2,14 @@
 
 ``plain``: the training loop a user writes without any distribution (the task's model,
 ``torch.optim.Adam`` at the task's learning rate, :class:`~swarmtrain.tasks.Shard` batches,
-1 torch thread), throttled with the swarmtrain worker's rule: after a step whose compute
-took ``busy`` seconds, sleep ``busy * (1/speed - 1)``. Optionally waits for a "go" file so
+1 torch thread), throttled with the swarmtrain worker's rule (``hardware.Throttle``): after a
+step whose compute took ``cpu`` seconds of the thread's CPU time, sleep ``cpu * (1/speed - 1)``.
+Optionally waits for a "go" file so
 several loops can be measured at the same time.
 
 ``ddp``: one rank of ``torch.nn.parallel.DistributedDataParallel`` (gloo, TCP store on
 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``), each rank on shard ``rank`` of ``world``, Adam on the
-averaged gradient, throttled with the same rule. ``busy`` is this rank's own compute: from
+averaged gradient, throttled with the same rule. The throttled CPU time is this rank's own compute: from
 the start of the step to the moment DDP's last gradient bucket became ready (a comm hook
 records it; the all-reduce starts there) plus ``optimizer.step()`` -- so the time spent
 waiting for slower ranks or for the wire is NOT multiplied by the throttle, just as the
@@ -35,13 +36,6 @@ import torch
 
 from swarmtrain import hardware
 from swarmtrain.tasks import Shard, load_task
-
-
-def _throttle(busy: float, speed: float) -> float:
-    pause = busy * (1.0 / speed - 1.0) if speed < 1.0 else 0.0
-    if pause > 0:
-        time.sleep(pause)
-    return pause
 
 
 def _jiffies() -> tuple[int, int]:
@@ -74,19 +68,19 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
     model.train()
     busy_total = [0.0, 0.0]
     accum = 1
+    throttle = hardware.Throttle(a.speed)  # the swarmtrain worker's own
 
     def micro() -> None:
         (task.loss(model, shard.next_batch(a.batch)) / accum).backward()
 
     def step() -> None:
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), throttle.start()
         opt.zero_grad(set_to_none=True)
         for _ in range(accum):
             micro()
         opt.step()
-        busy = time.perf_counter() - t0
-        busy_total[0] += busy
-        busy_total[1] += _throttle(busy, a.speed)
+        busy_total[0] += time.perf_counter() - t0
+        busy_total[1] += throttle.pause(cpu)
 
     for _ in range(3):  # allocator and kernels warm before anyone starts the clock
         step()
@@ -95,10 +89,10 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
         # hardware.probe_speed for the default probe_seconds), then as many micro-batches per
         # optimizer step as make one last message_ms
         def probe_step() -> int:
-            b0 = time.perf_counter()
+            cpu = throttle.start()
             opt.zero_grad(set_to_none=True)
             micro()
-            _throttle(time.perf_counter() - b0, a.speed)
+            throttle.pause(cpu)
             return a.batch
 
         rate = hardware.probe_speed(probe_step, seconds=1.0)
@@ -194,10 +188,13 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
     shard = Shard(data.train, a.rank, a.world, seed=a.rank)
     store = _connect(a)
     ddp = DDP(model)
-    ready = [0.0]
+    ready = [0.0, 0.0]  # wall and thread CPU clock when the last bucket was ready
+    throttle = hardware.Throttle(a.speed)
 
     def hook(state: Any, bucket: Any) -> Any:
-        ready[0] = time.perf_counter()  # buckets fire in order: the last one ends local compute
+        # buckets fire in order: the last one ends local compute (CPU autograd runs on the
+        # thread that called backward, so this is the training thread's CPU clock)
+        ready[:] = [time.perf_counter(), throttle.start()]
         return default_hooks.allreduce_hook(state, bucket)
 
     # DDP checks the annotations as objects; this module's are strings (future annotations)
@@ -210,24 +207,25 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
     acc = {"busy": 0.0, "wait": 0.0, "sleep": 0.0, "n": 0}
 
     def step() -> None:
-        t0 = time.perf_counter()
-        ready[0] = 0.0
+        t0, cpu0 = time.perf_counter(), throttle.start()
+        ready[:] = [0.0, 0.0]
         opt.zero_grad(set_to_none=True)
         for _ in range(a.accum - 1):  # accumulate locally; only the last backward all-reduces
             with ddp.no_sync():
                 (task.loss(ddp, shard.next_batch(a.batch)) / a.accum).backward()
         loss = task.loss(ddp, shard.next_batch(a.batch))
         (loss / a.accum).backward()
-        t_bwd = time.perf_counter()
+        t_bwd, cpu_bwd = time.perf_counter(), throttle.start()
         float(loss.detach())
-        s0 = time.perf_counter()
+        s0, cpu_s0 = time.perf_counter(), throttle.start()
         opt.step()
         s1 = time.perf_counter()
-        compute_end = ready[0] or t_bwd
-        busy = (compute_end - t0) + (s1 - s0)
-        acc["busy"] += busy
+        compute_end, cpu_end = (ready[0], ready[1]) if ready[0] else (t_bwd, cpu_bwd)
+        acc["busy"] += (compute_end - t0) + (s1 - s0)
         acc["wait"] += t_bwd - compute_end
-        acc["sleep"] += _throttle(busy, a.speed)
+        # throttled on the CPU of its own compute (to the last bucket) and of opt.step(),
+        # exactly the worker's rule; the all-reduce wait in between is not stretched
+        acc["sleep"] += throttle.pause(cpu_s0 - (cpu_end - cpu0))
         acc["n"] += 1
 
     dist.barrier()

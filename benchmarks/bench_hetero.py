@@ -6,8 +6,9 @@ with torch DDP (gloo) on the same three throttled workers; time for `digits` to 
 with each. The bar to beat: at least 0.9 of the sum of standalone speeds, and at least 1.8x
 the throughput of DDP on the same three."
 
-Every worker is throttled by the swarmtrain worker's own rule (``--speed``): after a step
-whose compute took ``busy`` seconds it sleeps ``busy * (1/speed - 1)``.
+Every worker is throttled by the swarmtrain worker's own rule (``--speed``,
+``hardware.Throttle``): after a step whose compute took ``cpu`` seconds of the thread's CPU
+time it sleeps ``cpu * (1/speed - 1)`` (CPU time, so waiting for a core is not stretched).
 
 * **standalone** (``_hetero_proc.py plain``): the plain loop (task model, ``torch.optim.Adam``
   at the task's lr, ``Shard`` batches, 1 torch thread, same batch) with that throttle, one
@@ -487,8 +488,8 @@ def run_task(task: str, quick: bool, tmp: Path, waits: list[dict[str, Any]]) -> 
 
 
 def run(quick: bool, tasks: list[str], target: bool, cap: float) -> dict[str, Any]:
-    res: dict[str, Any] = {"machine": machine(), "quick": quick, "speeds": list(SPEEDS), "scale": SCALE,
-                           "message_ms": MESSAGE_MS,
+    res: dict[str, Any] = {"machine": machine(), "quick": quick, "throttle": "cpu",
+                           "speeds": list(SPEEDS), "scale": SCALE, "message_ms": MESSAGE_MS,
                            "bar": {"of_limit": BAR_LIMIT, "vs_ddp": BAR_DDP}, "tasks": {},
                            "quiet_waits": []}
     with tempfile.TemporaryDirectory(prefix="swarm-hetero-") as d:
@@ -560,7 +561,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         + (" (**--quick** smoke run)" if res["quick"] else "") + ". Workers at speeds "
         + " / ".join(f"{x:g}" for x in res.get("speeds", SPEEDS))
         + ", each throttled by the swarmtrain worker's rule (after a step whose "
-        "compute took *busy* s, sleep *busy*·(1/speed − 1)), 1 torch thread, the task's default "
+        + ("compute took *cpu* s of the thread's CPU time, sleep *cpu*·(1/speed − 1)"
+           if res.get("throttle") == "cpu" else
+           "compute took *busy* s of wall time, sleep *busy*·(1/speed − 1)")
+        + "), 1 torch thread, the task's default "
         "batch, on 127.0.0.1. **Limit (alone)**: the plain PyTorch loop (model + Adam) with the "
         "same throttle, one process per speed run one at a time (before and after the other runs; "
         "the faster of the two is kept), rates summed. **Limit "

@@ -36,7 +36,7 @@ from swarmtrain.errors import ConfigError
 __all__ = [
     "PROFILE_TABLE", "HardwareInfo", "Profile", "ProfileSpec", "Recommended", "classify",
     "check_fits", "describe", "detect", "memory_needed_mb", "parse_pi_model", "probe_speed",
-    "recommend", "spec_for",
+    "recommend", "spec_for", "Throttle",
 ]
 
 MEMORY_FRACTION = 0.8  # max_memory_mb = 0 -> this share of available memory
@@ -384,6 +384,41 @@ def probe_speed(
         steps += 1
         elapsed = time.perf_counter() - start
     return samples / max(elapsed, 1e-9)
+
+
+class Throttle:
+    """Run work at ``speed`` of this machine's pace, to rehearse a slower machine on a fast one.
+
+    Wrap each piece of work in :meth:`start` / :meth:`pause`: after it, the calling thread
+    sleeps ``(1/speed - 1)`` times the *CPU time* it spent on the work, so the work and the
+    sleep together take ``1/speed`` as long as the work alone would. CPU time rather than wall
+    time, because only computing is what a slower processor stretches: time the thread spent
+    waiting -- for a core taken by another process of a one-box rehearsal, or for the
+    interpreter lock held by its own event loop -- is not multiplied. Three throttled workers
+    sharing one box then each run at their own fraction, as on three machines, instead of
+    multiplying each other's interference by ``1/speed``. With several torch threads, the
+    calling thread's CPU time still tracks the computation: it does its share of every
+    parallel section. ``speed = 1`` never sleeps.
+    """
+
+    def __init__(self, speed: float) -> None:
+        if not 0.0 < speed <= 1.0:
+            raise ConfigError(f"speed must be in (0, 1], got {speed}")
+        self.speed = speed
+
+    @staticmethod
+    def start() -> float:
+        """The calling thread's CPU clock, to hand to :meth:`pause` after the work."""
+        return time.thread_time()
+
+    def pause(self, started: float) -> float:
+        """Sleep for the work since ``started`` (from :meth:`start`, same thread); the seconds slept."""
+        if self.speed >= 1.0:
+            return 0.0
+        seconds = max(0.0, time.thread_time() - started) * (1.0 / self.speed - 1.0)
+        if seconds > 0:
+            time.sleep(seconds)
+        return seconds
 
 
 def describe(info: HardwareInfo, rec: Recommended) -> list[tuple[str, str]]:

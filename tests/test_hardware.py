@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import platform
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from swarmtrain.hardware import (
     HardwareInfo,
     Profile,
     Recommended,
+    Throttle,
     classify,
     describe,
     detect,
@@ -353,3 +355,37 @@ def test_a_container_memory_limit_caps_the_detected_memory(tmp_path: Path) -> No
     assert info.profile is Profile.RPI3  # sized for what the container may use, not the host
     (tmp_path / "sys/fs/cgroup/memory.max").write_text("max\n")  # no limit
     assert detect(root=root).total_memory_mb == 33554432 // 1024
+
+
+def _spin_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_throttle_stretches_computing_by_one_over_speed() -> None:
+    throttle = Throttle(0.25)
+    started = throttle.start()
+    _spin_cpu(0.05)
+    slept = throttle.pause(started)
+    assert slept >= 0.05 * 3  # 0.05 s of CPU at a quarter speed: 0.15 s more
+
+
+@pytest.mark.timeout(30)
+def test_throttle_does_not_stretch_waiting() -> None:
+    # time spent waiting (for a core, a lock, the network) is not what a slower CPU stretches
+    throttle = Throttle(0.25)
+    started = throttle.start()
+    time.sleep(0.2)
+    assert throttle.pause(started) < 0.05
+
+
+def test_full_speed_never_sleeps_and_bad_speeds_are_refused() -> None:
+    throttle = Throttle(1.0)
+    started = throttle.start()
+    _spin_cpu(0.02)
+    assert throttle.pause(started) == 0.0
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="speed"):
+            Throttle(bad)

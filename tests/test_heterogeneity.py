@@ -153,3 +153,21 @@ def test_overlap_is_chosen_only_when_the_round_trip_is_a_real_part_of_a_step() -
     assert not w.overlaps()
     w.round_trip_sec = 0.100 * OVERLAP_MIN_FRACTION * 2  # a slow link: hide it behind compute
     assert w.overlaps()
+
+
+def test_an_overlapping_worker_computes_ahead_on_the_weights_it_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Force overlap (any round trip counts as slow): the next gradient is then computed while
+    # the previous one is packed, sent and answered, on weights exactly one update behind --
+    # so every gradient after the first round trip is exactly 1 version stale, never 0 (which
+    # would mean the worker claimed newer weights than it used) and never 2.
+    import swarmtrain.roles.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "OVERLAP_MIN_FRACTION", 0.0)
+    c, w = _solo_run(**{"training.batch_size": 16})
+    rec = c.workers["solo"]
+    assert w.overlaps(), w.status()
+    assert rec.steps >= 30
+    # the first gradient (and at most one more, sent before its answer measured a round
+    # trip) is computed on fresh weights; each of the rest is 1 behind
+    assert rec.steps - 2 <= rec.staleness_total <= rec.steps - 1, (rec.steps, rec.staleness_total)

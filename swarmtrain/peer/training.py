@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmtrain import hardware
+
 __all__ = ["Contribution", "Strategy", "StepAveraging", "DiLoCo", "flatten", "unflatten_into"]
 
 log = logging.getLogger("swarmtrain.peer.training")
@@ -102,6 +104,7 @@ class Strategy(ABC):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.round_tensor = torch.zeros(1)  # the round counter travels with the state
         self.speed = speed
+        self.throttle = hardware.Throttle(speed)
         self.inner = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.last_loss = float("nan")
 
@@ -134,14 +137,13 @@ class Strategy(ABC):
         self.round_tensor += 1
 
     def _gradient_step(self) -> int:
-        start = time.perf_counter()
+        cpu = self.throttle.start()
         batch = self.next_batch()
         loss = self.loss_fn(self.model, batch)
         self.inner.zero_grad(set_to_none=True)
         loss.backward()
         self.last_loss = float(loss.detach())
-        if self.speed < 1.0:  # rehearse a slower machine
-            time.sleep((time.perf_counter() - start) * (1.0 / self.speed - 1.0))
+        self.throttle.pause(cpu)  # rehearse a slower machine (speed < 1)
         return _batch_len(batch)
 
 

@@ -2,7 +2,8 @@
 
 The forward/backward pass runs on a dedicated thread while the event loop keeps the
 connection alive. With ``max_inflight = 1`` the next gradient may be computed while the
-previous one travels and its answer comes back -- but that gradient is then computed on
+previous one is packed, sent and answered (the next computation starts first, so the
+compute thread never waits for the encoding) -- but that gradient is then computed on
 weights one round older, which doubles its staleness. So the worker overlaps only when it pays:
 when the measured round trip is more than :data:`OVERLAP_MIN_FRACTION` of a step's compute
 (a slow link); on a fast one it waits the few milliseconds for fresh weights. The worker's
@@ -71,6 +72,11 @@ OVERLAP_MIN_FRACTION = 0.1
 log = logging.getLogger("swarmtrain.worker")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+#: what one computation hands back: compressed gradients, mean loss, samples, seconds
+#: (throttle included) and the error-feedback residual's norm after it
+_Computed = tuple[dict[str, Compressed], float, int, float, float]
 
 
 class _ShutdownRequested(SwarmError):
@@ -172,6 +178,7 @@ class Worker:
         self._sent_at: dict[int, float] = {}
         self.round_trip_sec: float | None = None  # gradient sent -> its answer arrived (EMA)
         self.compute_sec: float | None = None  # one message's compute, throttle included (EMA)
+        self.throttle = hardware.Throttle(self.config.training.speed)
         self._registered = False
         self._broken: BaseException | None = None
         self._conn: Connection | None = None
@@ -356,31 +363,51 @@ class Worker:
     async def _train(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()
         limit = self.config.training.max_inflight
-        while await self._wait_active():
-            # The gradient belongs to the weights it was computed on: take the version now,
-            # before updates arriving during the computation are applied.
-            base_version = self.version
-            compressed, loss, samples, seconds = await loop.run_in_executor(self._pool, self._compute)
-            self._record_speed(samples, seconds)
-            self.compute_sec = _ema(self.compute_sec, seconds)
-            await self._apply_ready()
-            while self._inflight >= max(1, limit):
-                await self._apply_next()
-            if self._stopped:
-                return
-            codecs, tensors = pack_compressed(compressed)
-            self.msg_id += 1
-            self.bytes_up += payload_bytes(tensors)
-            residual = self.feedback.residual_norm() if self.feedback else 0.0
-            self._sent_at[self.msg_id] = time.monotonic()
-            await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
-                                      loss=loss, codecs=codecs, residual_norm=residual, tensors=tensors))
-            self._inflight += 1
-            self.steps += 1
-            self.samples += samples
-            if limit == 0 or not self.overlaps():
-                while self._inflight:
+        # When overlapping, the next computation starts before this gradient is packed and
+        # sent, so encoding and writing it cost the compute thread nothing: (future, version).
+        ahead: tuple[asyncio.Future[_Computed], int] | None = None
+        try:
+            while True:
+                if ahead is not None:
+                    future, base_version = ahead
+                    ahead = None
+                else:
+                    if not await self._wait_active():
+                        return
+                    # The gradient belongs to the weights it was computed on: take the version
+                    # now, before updates arriving during the computation are applied.
+                    base_version = self.version
+                    future = loop.run_in_executor(self._pool, self._compute)
+                compressed, loss, samples, seconds, residual = await future
+                self._record_speed(samples, seconds)
+                self.compute_sec = _ema(self.compute_sec, seconds)
+                await self._apply_ready()
+                while self._inflight >= max(1, limit):
                     await self._apply_next()
+                if self._stopped:
+                    return
+                overlap = limit > 0 and self.overlaps()
+                if overlap and self._running and not self._paused:
+                    # the replica is now exactly what the next gradient is computed on; it
+                    # changes again only once that computation is back
+                    ahead = (loop.run_in_executor(self._pool, self._compute), self.version)
+                codecs, tensors = pack_compressed(compressed)
+                self.msg_id += 1
+                self.bytes_up += payload_bytes(tensors)
+                self._sent_at[self.msg_id] = time.monotonic()
+                await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
+                                          loss=loss, codecs=codecs, residual_norm=residual,
+                                          tensors=tensors))
+                self._inflight += 1
+                self.steps += 1
+                self.samples += samples
+                if not overlap:
+                    while self._inflight:
+                        await self._apply_next()
+        finally:
+            if ahead is not None:  # never leave the compute thread running into a reset
+                with contextlib.suppress(BaseException):
+                    await ahead[0]
 
     def overlaps(self) -> bool:
         """Compute the next gradient while this one's answer is in flight? Only when the round
@@ -472,11 +499,11 @@ class Worker:
             shards = [Shard(self.data, 0, 1, seed=self.config.training.seed)]  # type: ignore[arg-type]
 
         def step() -> int:
-            start = time.perf_counter()
+            cpu = self.throttle.start()
             batch = shards[0].next_batch(self.plan.batch_size) if shards else self._next_batch()
             self.model.zero_grad(set_to_none=True)
             self.loss_fn(self.model, batch).backward()
-            self._throttle(time.perf_counter() - start)
+            self.throttle.pause(cpu)
             return _batch_len(batch)
 
         try:
@@ -484,13 +511,8 @@ class Worker:
         finally:
             self.model.zero_grad(set_to_none=True)
 
-    def _throttle(self, busy: float) -> None:
-        speed = self.config.training.speed
-        if speed < 1.0:
-            time.sleep(busy * (1.0 / speed - 1.0))  # rehearse a slower machine
-
-    def _compute(self) -> tuple[dict[str, Compressed], float, int, float]:
-        start = time.perf_counter()
+    def _compute(self) -> _Computed:
+        start, cpu = time.perf_counter(), self.throttle.start()
         self.model.train()
         self.model.zero_grad(set_to_none=True)
         accum = self.plan.accumulation_steps
@@ -510,8 +532,9 @@ class Worker:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = (self.feedback.compress(name, g, generator=self._gen) if self.feedback
                          else codec.compress(g, generator=self._gen))
-        self._throttle(time.perf_counter() - start)
-        return out, total_loss / accum, samples, time.perf_counter() - start
+        residual = self.feedback.residual_norm() if self.feedback else 0.0
+        self.throttle.pause(cpu)  # rehearse a slower machine (speed < 1)
+        return out, total_loss / accum, samples, time.perf_counter() - start, residual
 
     def _record_speed(self, samples: int, seconds: float) -> None:
         if seconds > 0:
