@@ -84,7 +84,9 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
 
     for _ in range(3):  # allocator and kernels warm before anyone starts the clock
         step()
-    if a.message_ms:
+    if a.accum > 1:  # the count given (the driver pins one per speed for every run)
+        accum = a.accum
+    elif a.message_ms:
         # the worker's rule: its start-up probe (throttled forward + backward, timed by
         # hardware.probe_speed for the default probe_seconds), then as many micro-batches per
         # optimizer step as make one last message_ms
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="plain: micro-batches per optimizer step by the worker's rule for this "
                          "message_compute_ms (0 = one)")
     ap.add_argument("--accum", type=int, default=1,
-                    help="ddp: micro-batches per step (no_sync for all but the last)")
+                    help="micro-batches per optimizer step (ddp: no_sync for all but the last; "
+                         "plain: > 1 overrides --message-ms)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--store-file", default="")

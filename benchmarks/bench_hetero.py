@@ -15,6 +15,10 @@ time it sleeps ``cpu * (1/speed - 1)`` (CPU time, so waiting for a core is not s
   process per speed, run **one at a time** -> the limit (sum of the three rates); and once
   more with the **three running at the same time** (started together from a "go" file) ->
   what this 2-core machine can deliver to three loops at once, the machine's own limit.
+* **rounds** (``--rounds``, default 3): each round measures the loops alone, swarmtrain, DDP
+  and the loops together, in that order; each ratio is taken within its round (this shared
+  VM's speed wanders by +-20 % between 2-second stretches, so measurements minutes apart do
+  not compare) and the report gives the median over the rounds, and every round.
 * **swarmtrain**: ``swarmtrain coordinator`` (``OMP_NUM_THREADS=1``, ``--min-workers 3``) and
   three ``swarmtrain worker --speed S --threads 1 --batch-size B`` processes on 127.0.0.1.
   Rate on the coordinator's clock as in ``bench_worker.py``: after a warm-up of applied
@@ -82,6 +86,9 @@ CHECK_EVERY = {"textlm": 1, "digits": 20}
 TARGET = 0.95
 #: time-to-target runs of each system in a full run (alternating), the median is reported
 TARGET_REPEATS = 3
+#: rounds of the throughput measurements in a full run (each: loops alone, swarmtrain, DDP,
+#: loops together); ratios are taken within a round and the median is reported
+ROUNDS = 3
 BAR_LIMIT, BAR_DDP = 0.9, 1.8
 #: before each measurement, wait until the box's load is below this many cores (at most ...)
 QUIET_CORES, QUIET_MAX_WAIT_S = 0.3, 45.0
@@ -162,26 +169,31 @@ def _proc(kind: str, task: str, speed: float, batch: int, out: Path, *extra: str
 # ------------------------------------------------------------------------------ standalone
 
 
+def _accum_args(accum: int) -> list[str]:
+    """The plain loop's micro-batches per step: pinned, or by the worker's rule from its probe."""
+    return ["--accum", str(accum)] if accum > 1 else ["--message-ms", str(MESSAGE_MS)]
+
+
 def standalone_alone(task: str, batch: int, speed: float, warm: float, window: float,
-                     tmp: Path) -> dict[str, Any]:
+                     tmp: Path, accum: int = 0) -> dict[str, Any]:
     tag = f"{task}-alone-{speed}"
     out, log = tmp / f"{tag}.json", tmp / f"{tag}.log"
     p = _proc("plain", task, speed, batch, out, "--warm", str(warm), "--window", str(window),
-              "--message-ms", str(MESSAGE_MS), log=log)
+              *_accum_args(accum), log=log)
     _wait_all([(p, log)], 120 + warm + window)
     return json.loads(out.read_text())
 
 
 def standalone_together(task: str, batch: int, warm: float, window: float,
-                        tmp: Path) -> dict[str, Any]:
+                        tmp: Path, accums: dict[float, int]) -> dict[str, Any]:
     go = tmp / f"{task}-together.go"
     procs, outs, readies = [], [], []
     for speed in SPEEDS:
         tag = f"{task}-together-{speed}"
         out, log, ready = tmp / f"{tag}.json", tmp / f"{tag}.log", tmp / f"{tag}.ready"
         procs.append((_proc("plain", task, speed, batch, out, "--warm", str(warm), "--window",
-                            str(window), "--go", str(go), "--ready", str(ready), "--message-ms",
-                            str(MESSAGE_MS), log=log), log))
+                            str(window), "--go", str(go), "--ready", str(ready),
+                            *_accum_args(accums.get(speed, 0)), log=log), log))
         outs.append(out)
         readies.append(ready)
     deadline = time.monotonic() + 120
@@ -213,7 +225,7 @@ class _Swarm:
     """A coordinator and the three throttled workers as processes on 127.0.0.1."""
 
     def __init__(self, task: str, batch: int, tmp: Path, tag: str, eval_interval: float,
-                 coord_log_level: str = "warning") -> None:
+                 accums: dict[float, int], coord_log_level: str = "warning") -> None:
         self.secret = secrets.token_hex(16)
         env = _env(SWARMTRAIN_SECRET=self.secret)
         port_file = tmp / f"{tag}.port"
@@ -239,11 +251,13 @@ class _Swarm:
             self.port = int(port_file.read_text())
             for speed in SPEEDS:
                 wlog = tmp / f"{tag}.worker-{speed}.log"
+                accum = accums.get(speed, 0)
                 p = subprocess.Popen(
                     [*py, "worker", "--task", task, "--host", HOST, "--port", str(self.port),
                      "--threads", "1", "--batch-size", str(batch), "--speed", str(speed),
                      "--worker-id", self.wid(speed), "--log-level", "warning",
-                     *(["--message-compute-ms", str(MESSAGE_MS)] if MESSAGE_MS else [])],
+                     *(["--accumulation-steps", str(accum)] if accum > 1 else
+                       ["--message-compute-ms", str(MESSAGE_MS)] if MESSAGE_MS else [])],
                     env=env, stdout=wlog.open("wb"), stderr=subprocess.STDOUT)
                 self.workers.append((p, wlog))
         except BaseException:
@@ -297,8 +311,9 @@ class _Swarm:
                 p.wait(timeout=10)
 
 
-def swarm_rate(task: str, batch: int, warm: float, window: float, tmp: Path) -> dict[str, Any]:
-    sw = _Swarm(task, batch, tmp, f"{task}-swarm", eval_interval=1e9)
+def swarm_rate(task: str, batch: int, warm: float, window: float, tmp: Path,
+               accums: dict[float, int]) -> dict[str, Any]:
+    sw = _Swarm(task, batch, tmp, f"{task}-swarm", eval_interval=1e9, accums=accums)
     try:
         sw.wait_training()
         time.sleep(warm)
@@ -349,8 +364,9 @@ def _eval_lines(log: Path) -> list[tuple[float, int, dict[str, float]]]:
     return out
 
 
-def swarm_target(batch: int, cap: float, tmp: Path, rep: int) -> dict[str, Any]:
-    sw = _Swarm("digits", batch, tmp, f"digits-target{rep}", eval_interval=0.5,
+def swarm_target(batch: int, cap: float, tmp: Path, rep: int,
+                 accums: dict[float, int]) -> dict[str, Any]:
+    sw = _Swarm("digits", batch, tmp, f"digits-target{rep}", eval_interval=0.5, accums=accums,
                 coord_log_level="info")
     start: float | None = None
     try:
@@ -435,59 +451,87 @@ def ddp_target(batch: int, cap: float, tmp: Path, rep: int, accum: int = 1) -> d
 # ------------------------------------------------------------------------------ driver
 
 
-def run_task(task: str, quick: bool, tmp: Path, waits: list[dict[str, Any]]) -> dict[str, Any]:
+def run_task(task: str, quick: bool, tmp: Path, waits: list[dict[str, Any]],
+             rounds: int) -> dict[str, Any]:
+    """``rounds`` rounds of: the three loops alone (one at a time), swarmtrain, DDP, the three
+    loops together. Every ratio is taken within its round -- this shared VM's speed wanders by
+    +-20 % from one 2-second stretch to the next -- and the median over rounds is reported."""
     batch = TASKS[task]
     warm, window = WINDOWS[task][quick]
-    print(f"-- {task}, batch {batch}, warm-up {warm:.0f} s, window {window:.0f} s", flush=True)
+    print(f"-- {task}, batch {batch}, warm-up {warm:.0f} s, window {window:.0f} s, "
+          f"{rounds} round(s)", flush=True)
 
-    def alone_round(when: str) -> dict[str, dict[str, Any]]:
+    def alone_round(when: str, accums: dict[float, int]) -> dict[str, dict[str, Any]]:
         out = {}
         for speed in SPEEDS:
             waits.append(wait_quiet(f"{task} standalone {speed} {when}"))
-            out[str(speed)] = r = standalone_alone(task, batch, speed, warm, window, tmp)
+            out[str(speed)] = r = standalone_alone(task, batch, speed, warm, window, tmp,
+                                                   accums.get(speed, 0))
             print(f"   standalone alone ({when}) speed {speed:4}: {r['samples_per_s']:9.1f} "
                   f"samples/s, {r['cpu_cores']:.2f} cores (machine {r['machine_cores']:.2f})",
                   flush=True)
         return out
 
-    before = alone_round("before")
-    waits.append(wait_quiet(f"{task} swarmtrain"))
-    swarm = swarm_rate(task, batch, warm, window, tmp)
-    print(f"   swarmtrain                  : {swarm['samples_per_s']:9.1f} samples/s; coordinator "
-          f"{swarm['coordinator_cpu_cores']:.2f} cores, workers "
-          + ", ".join(f"{w['cpu_cores']:.2f}" for w in swarm["per_worker"].values())
-          + f"; machine {swarm['machine_cores']:.2f} cores busy", flush=True)
-    waits.append(wait_quiet(f"{task} DDP"))
-    # every rank must do the same: the micro-batches the worker's rule gave the fastest loop
-    ddp = ddp_rate(task, batch, warm, window, tmp, before[str(SPEEDS[0])].get("accum", 1))
-    print(f"   DDP (gloo)                  : {ddp['samples_per_s']:9.1f} samples/s; ranks "
-          + ", ".join(f"{r['cpu_cores']:.2f}" for r in ddp["ranks"])
-          + f" cores; machine {ddp['ranks'][0]['machine_cores']:.2f} cores busy", flush=True)
-    waits.append(wait_quiet(f"{task} standalone together"))
-    together = standalone_together(task, batch, warm, window, tmp)
-    print(f"   standalone, 3 at once       : {together['samples_per_s']:9.1f} samples/s ("
-          + ", ".join(f"{r['samples_per_s']:.1f}" for r in together["per_speed"])
-          + f"); machine {together['machine_cores']:.2f} cores busy", flush=True)
-    after = alone_round("after")
-    # The limit is what each loop does alone: the faster of its two measurements (other
-    # work on this shared box can only slow a measurement down), so the limit errs high.
-    alone = {k: max(before[k], after[k], key=lambda r: r["samples_per_s"]) for k in before}
-    limit = sum(r["samples_per_s"] for r in alone.values())
-    s, d = swarm["samples_per_s"], ddp["samples_per_s"]
-    print(f"   limit (sum of standalone)   : {limit:9.1f} samples/s -> swarmtrain {s / limit:.3f}, "
-          f"DDP {d / limit:.3f} of it; swarmtrain / DDP {s / d:.2f}", flush=True)
+    accums: dict[float, int] = {}
+    done: list[dict[str, Any]] = []
+    for i in range(rounds):
+        tag = f"round {i + 1}"
+        alone = alone_round(tag, accums)
+        if i == 0 and MESSAGE_MS:
+            # With --message-ms, each loop of the first round sized its micro-batches per step
+            # by the worker's rule (its own throttled probe, alone on the box). Every later run
+            # of that speed -- swarmtrain worker, loops together, later rounds -- uses the same
+            # count, so all do the same work per message and a noisy probe favours no one.
+            accums = {s: int(alone[str(s)].get("accum", 1)) for s in SPEEDS}
+            print("   micro-batches per step from now on: "
+                  + ", ".join(f"speed {s:g}: {n}" for s, n in accums.items()), flush=True)
+        waits.append(wait_quiet(f"{task} swarmtrain {tag}"))
+        swarm = swarm_rate(task, batch, warm, window, tmp, accums)
+        print(f"   swarmtrain                  : {swarm['samples_per_s']:9.1f} samples/s; "
+              f"coordinator {swarm['coordinator_cpu_cores']:.2f} cores, workers "
+              + ", ".join(f"{w['cpu_cores']:.2f}" for w in swarm["per_worker"].values())
+              + f"; machine {swarm['machine_cores']:.2f} cores busy", flush=True)
+        waits.append(wait_quiet(f"{task} DDP {tag}"))
+        # every rank must do the same: the micro-batches the worker's rule gave the fastest loop
+        ddp = ddp_rate(task, batch, warm, window, tmp, accums.get(SPEEDS[0], 1))
+        print(f"   DDP (gloo)                  : {ddp['samples_per_s']:9.1f} samples/s; ranks "
+              + ", ".join(f"{r['cpu_cores']:.2f}" for r in ddp["ranks"])
+              + f" cores; machine {ddp['ranks'][0]['machine_cores']:.2f} cores busy", flush=True)
+        waits.append(wait_quiet(f"{task} standalone together {tag}"))
+        together = standalone_together(task, batch, warm, window, tmp, accums)
+        print(f"   standalone, 3 at once       : {together['samples_per_s']:9.1f} samples/s ("
+              + ", ".join(f"{r['samples_per_s']:.1f}" for r in together["per_speed"])
+              + f"); machine {together['machine_cores']:.2f} cores busy", flush=True)
+        limit = sum(r["samples_per_s"] for r in alone.values())
+        s, d, lt = swarm["samples_per_s"], ddp["samples_per_s"], together["samples_per_s"]
+        ratios = {"swarm_to_limit_alone": s / limit, "swarm_to_limit_together": s / lt,
+                  "ddp_to_limit_alone": d / limit, "swarm_to_ddp": s / d}
+        print(f"   {tag}: limit {limit:9.1f} samples/s -> swarmtrain {s / limit:.3f}, DDP "
+              f"{d / limit:.3f} of it; swarmtrain / DDP {s / d:.2f}", flush=True)
+        done.append({"alone": alone, "limit_alone": limit, "together": together,
+                     "limit_together": lt, "swarmtrain": swarm, "ddp": ddp, "ratios": ratios})
+    # the table shows the round whose swarmtrain / limit ratio is the median one
+    order = sorted(range(len(done)), key=lambda k: done[k]["ratios"]["swarm_to_limit_alone"])
+    rep = done[order[(len(order) - 1) // 2]]
+    ratios = {k: statistics.median(r["ratios"][k] for r in done) for k in rep["ratios"]}
+    if rounds > 1:
+        print(f"   median of {rounds} rounds: swarmtrain {ratios['swarm_to_limit_alone']:.3f} of "
+              f"the limit, {ratios['swarm_to_ddp']:.2f}x DDP", flush=True)
     return {
-        "batch_size": batch, "warm_s": warm, "window_s": window, "alone": alone,
-        "alone_before": before, "alone_after": after,
-        "limit_alone": limit, "together": together, "limit_together": together["samples_per_s"],
-        "swarmtrain": swarm, "ddp": ddp,
-        "ratios": {"swarm_to_limit_alone": s / limit,
-                   "swarm_to_limit_together": s / together["samples_per_s"],
-                   "ddp_to_limit_alone": d / limit, "swarm_to_ddp": s / d},
+        "batch_size": batch, "warm_s": warm, "window_s": window,
+        "accums": {str(k): v for k, v in accums.items()},
+        "alone": rep["alone"], "limit_alone": rep["limit_alone"], "together": rep["together"],
+        "limit_together": rep["limit_together"], "swarmtrain": rep["swarmtrain"],
+        "ddp": rep["ddp"], "shown_round": done.index(rep) + 1, "ratios": ratios,
+        "rounds": [{"limit_alone": r["limit_alone"], "limit_together": r["limit_together"],
+                    "swarmtrain": r["swarmtrain"]["samples_per_s"],
+                    "ddp": r["ddp"]["samples_per_s"], "ratios": r["ratios"],
+                    "alone": {k: a["samples_per_s"] for k, a in r["alone"].items()}}
+                   for r in done],
     }
 
 
-def run(quick: bool, tasks: list[str], target: bool, cap: float) -> dict[str, Any]:
+def run(quick: bool, tasks: list[str], target: bool, cap: float, rounds: int) -> dict[str, Any]:
     res: dict[str, Any] = {"machine": machine(), "quick": quick, "throttle": "cpu",
                            "speeds": list(SPEEDS), "scale": SCALE, "message_ms": MESSAGE_MS,
                            "bar": {"of_limit": BAR_LIMIT, "vs_ddp": BAR_DDP}, "tasks": {},
@@ -495,7 +539,7 @@ def run(quick: bool, tasks: list[str], target: bool, cap: float) -> dict[str, An
     with tempfile.TemporaryDirectory(prefix="swarm-hetero-") as d:
         tmp = Path(d)
         for task in tasks:
-            res["tasks"][task] = run_task(task, quick, tmp, res["quiet_waits"])
+            res["tasks"][task] = run_task(task, quick, tmp, res["quiet_waits"], rounds)
         if target:
             reps = 1 if quick else TARGET_REPEATS
             print(f"-- digits to {TARGET} held-out accuracy (cap {cap:.0f} s, {reps} runs each, "
@@ -504,7 +548,9 @@ def run(quick: bool, tasks: list[str], target: bool, cap: float) -> dict[str, An
             runs: dict[str, list[dict[str, Any]]] = {"swarmtrain": [], "ddp": []}
             for i in range(reps):
                 res["quiet_waits"].append(wait_quiet(f"digits target run {i}"))
-                sw = swarm_target(batch, cap, tmp, i)
+                accums = {float(k): v for k, v in
+                          res["tasks"].get("digits", {}).get("accums", {}).items()}
+                sw = swarm_target(batch, cap, tmp, i, accums)
                 runs["swarmtrain"].append(sw)
                 print(f"   swarmtrain: {_fmt_s(sw['reached_s'])} after training start "
                       f"(version {sw['version_at_target']})", flush=True)
@@ -566,8 +612,11 @@ def to_markdown(res: dict[str, Any]) -> str:
            "compute took *busy* s of wall time, sleep *busy*·(1/speed − 1)")
         + "), 1 torch thread, the task's default "
         "batch, on 127.0.0.1. **Limit (alone)**: the plain PyTorch loop (model + Adam) with the "
-        "same throttle, one process per speed run one at a time (before and after the other runs; "
-        "the faster of the two is kept), rates summed. **Limit "
+        "same throttle, one process per speed run one at a time"
+        + (" (each round begins with them), rates summed" if "rounds" in next(
+            iter(res["tasks"].values()), {}) else
+           " (before and after the other runs; the faster of the two is kept), rates summed")
+        + ". **Limit "
         "(together)**: the same three loops running at the same time (what the machine delivers "
         "to three loops at once). The bar is stated against the limit (alone), as the issue "
         "defines it; the ratio to the limit (together) is shown next to it as this box's own "
@@ -597,7 +646,13 @@ def to_markdown(res: dict[str, Any]) -> str:
                   "`no_sync()` over as many micro-batches per step as the rule gives its fastest rank "
                   "(every rank must do the same). The standalone loops too: each times its own "
                   "throttled micro-batches and sums as many per Adam step as the rule gives it, so "
-                  "the limit is the plain loop doing the same work per sample."]
+                  "the limit is the plain loop doing the same work per sample."
+                  + (" The count is sized once per speed, by the first standalone loop of that "
+                     "speed (alone on the box), and then given to every later run of that speed "
+                     "(`worker --accumulation-steps N`, the loops together and after), so a noisy "
+                     "probe cannot give two runs of one speed different work per message (the "
+                     "counts are in each task's heading)."
+                     if any(t.get("accums") for t in res["tasks"].values()) else "")]
     for task, t in res["tasks"].items():
         la, lt = t["limit_alone"], t["limit_together"]
         rows = []
@@ -607,11 +662,14 @@ def to_markdown(res: dict[str, Any]) -> str:
                     f"{max(0.0, mach - sum(own)):.2f}"]
 
         for k, r in t["alone"].items():
-            b4, af = t["alone_before"][k]["samples_per_s"], t["alone_after"][k]["samples_per_s"]
+            if "rounds" in t:
+                each = "every round " + " / ".join(_num(x["alone"][k]) for x in t["rounds"]) + "; "
+            else:  # results of the earlier before/after scheme
+                each = (f"before {_num(t['alone_before'][k]['samples_per_s'])}, after "
+                        f"{_num(t['alone_after'][k]['samples_per_s'])} (faster kept); ")
             rows.append([f"standalone alone, speed {k}", r["samples_per_s"], r["samples_per_s"] / la,
                          "-", *cpu_cols([r["cpu_cores"]], r["machine_cores"]),
-                         f"before {_num(b4)}, after {_num(af)} (faster kept); busy "
-                         f"{r['busy_ms']:.1f} ms + sleep {r['sleep_ms']:.1f} ms per step"
+                         f"{each}busy {r['busy_ms']:.1f} ms + sleep {r['sleep_ms']:.1f} ms per step"
                          + (f" of {r['accum']} micro-batches" if r.get("accum", 1) > 1 else "")])
         rows.append(["**limit (alone)** = sum", la, 1.0, la / lt, "", "", "", ""])
         tog = t["together"]["per_speed"]
@@ -647,20 +705,40 @@ def to_markdown(res: dict[str, Any]) -> str:
                      + " / ".join(f"{r['sleep_ms']:.1f}" for r in ranks) + " ms, all-reduce wait "
                      + " / ".join(f"{r['wait_ms']:.1f}" for r in ranks) + " ms"])
         v = res["verdict"][task]
+        rounds = t.get("rounds", [])
+        of = (f"median of {len(rounds)} rounds, each "
+              + " / ".join(f"{x['ratios']['swarm_to_limit_alone']:.3f}" for x in rounds) + "; "
+              if len(rounds) > 1 else "")
+        of_ddp = (f"median of {len(rounds)} rounds, each "
+                  + " / ".join(f"{x['ratios']['swarm_to_ddp']:.2f}" for x in rounds) + "; "
+                  if len(rounds) > 1 else "")
         parts += [
             "", f"### {task} (batch {t['batch_size']}; warm-up {t['warm_s']:.0f} s, window "
-            f"{t['window_s']:.0f} s)", "",
+            f"{t['window_s']:.0f} s"
+            + ("; micro-batches per step " + " / ".join(str(v) for v in t["accums"].values())
+               + " at speeds " + " / ".join(f"{float(k):g}" for k in t["accums"])
+               if t.get("accums") else "") + ")", "",
+            *([f"The table is round {t['shown_round']} of {len(rounds)} (the one with the median "
+               "swarmtrain / limit ratio); the ratios below are medians over the rounds.", ""]
+              if len(rounds) > 1 else []),
             md_table(["run", "samples/s", "of limit (alone)", "of limit (together)",
                       "process CPU (cores)", "machine busy", "others", "detail"], rows),
             "",
-            f"- swarmtrain / limit (alone): **{v['of_limit_alone']['value']:.3f}** "
-            f"(bar ≥ {BAR_LIMIT}): **{_pf(v['of_limit_alone']['pass'])}**; / limit (together): "
+            f"- swarmtrain / limit (alone): **{v['of_limit_alone']['value']:.3f}** ({of}"
+            f"bar ≥ {BAR_LIMIT}): **{_pf(v['of_limit_alone']['pass'])}**; / limit (together): "
             f"{v['of_limit_together']['value']:.3f} ({_pf(v['of_limit_together']['pass'])})",
-            f"- swarmtrain / DDP: **{v['vs_ddp']['value']:.2f}×** (bar ≥ {BAR_DDP}×): "
+            f"- swarmtrain / DDP: **{v['vs_ddp']['value']:.2f}×** ({of_ddp}bar ≥ {BAR_DDP}×): "
             f"**{_pf(v['vs_ddp']['pass'])}**; DDP / limit (alone) "
             f"{t['ratios']['ddp_to_limit_alone']:.3f}",
             *_notes(t),
         ]
+        if len(rounds) > 1:
+            parts += ["", md_table(
+                ["round", "limit (alone)", "limit (together)", "swarmtrain", "DDP",
+                 "swarmtrain / limit (alone)", "swarmtrain / DDP"],
+                [[str(i + 1), x["limit_alone"], x["limit_together"], x["swarmtrain"], x["ddp"],
+                  x["ratios"]["swarm_to_limit_alone"], x["ratios"]["swarm_to_ddp"]]
+                 for i, x in enumerate(rounds)])]
     noisy = [w for w in res["quiet_waits"] if not w["quiet"]]
     parts += ["", f"Before each of the {len(res['quiet_waits'])} measurements the script waited "
               f"(≤ {QUIET_MAX_WAIT_S:.0f} s) for the box's load to fall below {QUIET_CORES} cores; "
@@ -734,8 +812,9 @@ def _notes(t: dict[str, Any]) -> list[str]:
     return [
         f"- swarmtrain CPU per message: coordinator "
         f"{1e3 * sw['coordinator_cpu_cores'] / max(1e-9, applied_per_s):.2f} ms per applied "
-        f"update ({applied_per_s:.0f} updates/s); workers {wk_ms} ms per applied step (speeds 1.0 / "
-        "0.5 / 0.25; CPU only, the throttle sleeps; includes computing any gradient later "
+        f"update ({applied_per_s:.0f} updates/s); workers {wk_ms} ms per applied step (speeds "
+        + " / ".join(f"{w['speed']:g}" for w in per.values())
+        + "; CPU only, the throttle sleeps; includes computing any gradient later "
         f"dropped as stale) vs the standalone loop's compute {alone_ms} ms "
         "per step (model + Adam).",
         "- gradients dropped as stale (staleness > `max_staleness`, default 16), counted since the "
@@ -793,6 +872,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: textlm,digits")
     ap.add_argument("--no-target", action="store_true", help="skip the digits time-to-0.95 runs")
     ap.add_argument("--cap", type=float, default=None, help="cap of each time-to-target run (s)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help=f"rounds of every throughput measurement; the median is reported "
+                         f"(default {ROUNDS}, --quick 1)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply every speed by this (e.g. 0.5: the three workers then fit on 2 cores "
                          "beside the coordinator); results go to hetero-scaled.*")
@@ -808,6 +890,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--scale must be in (0, 1]")
     if args.message_ms < 0:
         ap.error("--message-ms must be >= 0")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     SCALE, MESSAGE_MS = args.scale, args.message_ms
     SPEEDS = tuple(s * SCALE for s in SPEEDS)
     name = ("hetero" if SCALE == 1.0 else "hetero-scaled") + (f"-msg{MESSAGE_MS:g}ms" if MESSAGE_MS else "")
@@ -820,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cap = args.cap if args.cap is not None else (60.0 if args.quick else 120.0)
     start = time.perf_counter()
-    res = run(args.quick, [t for t in args.tasks.split(",") if t], not args.no_target, cap)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else ROUNDS)
+    res = run(args.quick, [t for t in args.tasks.split(",") if t], not args.no_target, cap, rounds)
     res["seconds"] = time.perf_counter() - start
     md = to_markdown(res)
     j, m = write_results(name, res, md)
