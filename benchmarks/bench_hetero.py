@@ -633,10 +633,10 @@ def to_markdown(res: dict[str, Any]) -> str:
     if res.get("scale", 1.0) != 1.0:
         parts += ["", f"**Scaled run (`--scale {res['scale']:g}`)**: the issue's speeds 1.0 / 0.5 / "
                   f"0.25 times {res['scale']:g}, so the three workers' compute ({sum(res['speeds']):.3g} "
-                  "cores) plus the coordinator fit on this machine's cores and no process waits for a "
-                  "core: what the cluster does when every machine has its own CPU, as in a real "
-                  "cluster. The relative speeds (1 : 0.5 : 0.25) are the issue's. The unscaled run "
-                  "(`hetero.md`) is the issue's literal setting on this 2-core box."]
+                  "cores) plus the coordinator fit on this machine's cores and a process seldom "
+                  "waits for a core: close to what the cluster does when every machine has its own "
+                  "CPU, as in a real cluster. The relative speeds (1 : 0.5 : 0.25) are the issue's. "
+                  "The unscaled run (`hetero.md`) is the issue's literal setting on this 2-core box."]
     if res.get("message_ms"):
         parts += ["", f"**Accumulating run (`--message-ms {res['message_ms']:g}`)**: each swarmtrain "
                   f"worker runs with `message_compute_ms = {res['message_ms']:g}`, i.e. it sums "
