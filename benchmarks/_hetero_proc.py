@@ -4,16 +4,15 @@
 ``torch.optim.Adam`` at the task's learning rate, :class:`~swarmtrain.tasks.Shard` batches,
 1 torch thread), throttled with the swarmtrain worker's rule (``hardware.Throttle``): after a
 step whose compute took ``cpu`` seconds of the thread's CPU time, sleep ``cpu * (1/speed - 1)``.
-Optionally waits for a "go" file so
-several loops can be measured at the same time.
+Optionally waits for a "go" file so several loops can be measured at the same time.
 
 ``ddp``: one rank of ``torch.nn.parallel.DistributedDataParallel`` (gloo, TCP store on
 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``), each rank on shard ``rank`` of ``world``, Adam on the
-averaged gradient, throttled with the same rule. The throttled CPU time is this rank's own compute: from
-the start of the step to the moment DDP's last gradient bucket became ready (a comm hook
-records it; the all-reduce starts there) plus ``optimizer.step()`` -- so the time spent
-waiting for slower ranks or for the wire is NOT multiplied by the throttle, just as the
-swarmtrain worker's throttle multiplies only its compute.
+averaged gradient, throttled with the same rule on this rank's own compute: from the start
+of the step to the moment DDP's last gradient bucket became ready (a comm hook records it;
+the all-reduce starts there) plus ``optimizer.step()`` -- so the time spent waiting for
+slower ranks or for the wire is NOT multiplied by the throttle, just as the swarmtrain
+worker's throttle multiplies only its compute.
 
 All ranks must run the same number of steps; rank 0 decides when the measured window starts
 and when training stops, and publishes the step numbers in the TCP store, which every rank
@@ -84,9 +83,9 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
 
     for _ in range(3):  # allocator and kernels warm before anyone starts the clock
         step()
-    if a.accum > 1:  # the count given (the driver pins one per speed for every run)
+    if not a.message_ms:  # the count given (the driver pins one per speed for every run)
         accum = a.accum
-    elif a.message_ms:
+    else:
         # the worker's rule: its start-up probe (throttled forward + backward, timed by
         # hardware.probe_speed for the default probe_seconds), then as many micro-batches per
         # optimizer step as make one last message_ms
@@ -190,7 +189,7 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
     shard = Shard(data.train, a.rank, a.world, seed=a.rank)
     store = _connect(a)
     ddp = DDP(model)
-    ready = [0.0, 0.0]  # wall and thread CPU clock when the last bucket was ready
+    ready = [0.0, 0.0]  # wall clock and thread CPU clock when the last bucket was ready
     throttle = hardware.Throttle(a.speed)
 
     def hook(state: Any, bucket: Any) -> Any:
@@ -221,13 +220,13 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
         float(loss.detach())
         s0, cpu_s0 = time.perf_counter(), throttle.start()
         opt.step()
-        s1 = time.perf_counter()
+        s1, cpu_s1 = time.perf_counter(), throttle.start()
         compute_end, cpu_end = (ready[0], ready[1]) if ready[0] else (t_bwd, cpu_bwd)
         acc["busy"] += (compute_end - t0) + (s1 - s0)
         acc["wait"] += t_bwd - compute_end
         # throttled on the CPU of its own compute (to the last bucket) and of opt.step(),
         # exactly the worker's rule; the all-reduce wait in between is not stretched
-        acc["sleep"] += throttle.pause(cpu_s0 - (cpu_end - cpu0))
+        acc["sleep"] += throttle.sleep_for((cpu_end - cpu0) + (cpu_s1 - cpu_s0))
         acc["n"] += 1
 
     dist.barrier()
@@ -305,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                          "message_compute_ms (0 = one)")
     ap.add_argument("--accum", type=int, default=1,
                     help="micro-batches per optimizer step (ddp: no_sync for all but the last; "
-                         "plain: > 1 overrides --message-ms)")
+                         "plain: without --message-ms)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--store-file", default="")

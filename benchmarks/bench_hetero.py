@@ -170,8 +170,9 @@ def _proc(kind: str, task: str, speed: float, batch: int, out: Path, *extra: str
 
 
 def _accum_args(accum: int) -> list[str]:
-    """The plain loop's micro-batches per step: pinned, or by the worker's rule from its probe."""
-    return ["--accum", str(accum)] if accum > 1 else ["--message-ms", str(MESSAGE_MS)]
+    """The plain loop's micro-batches per step: pinned (``accum`` >= 1), or 0: by the worker's
+    rule from its own probe (with --message-ms; else one)."""
+    return ["--accum", str(accum)] if accum else ["--message-ms", str(MESSAGE_MS)]
 
 
 def standalone_alone(task: str, batch: int, speed: float, warm: float, window: float,
@@ -256,7 +257,7 @@ class _Swarm:
                     [*py, "worker", "--task", task, "--host", HOST, "--port", str(self.port),
                      "--threads", "1", "--batch-size", str(batch), "--speed", str(speed),
                      "--worker-id", self.wid(speed), "--log-level", "warning",
-                     *(["--accumulation-steps", str(accum)] if accum > 1 else
+                     *(["--accumulation-steps", str(accum)] if accum else
                        ["--message-compute-ms", str(MESSAGE_MS)] if MESSAGE_MS else [])],
                     env=env, stdout=wlog.open("wb"), stderr=subprocess.STDOUT)
                 self.workers.append((p, wlog))
@@ -607,17 +608,11 @@ def to_markdown(res: dict[str, Any]) -> str:
         + (" (**--quick** smoke run)" if res["quick"] else "") + ". Workers at speeds "
         + " / ".join(f"{x:g}" for x in res.get("speeds", SPEEDS))
         + ", each throttled by the swarmtrain worker's rule (after a step whose "
-        + ("compute took *cpu* s of the thread's CPU time, sleep *cpu*·(1/speed − 1)"
-           if res.get("throttle") == "cpu" else
-           "compute took *busy* s of wall time, sleep *busy*·(1/speed − 1)")
-        + "), 1 torch thread, the task's default "
-        "batch, on 127.0.0.1. **Limit (alone)**: the plain PyTorch loop (model + Adam) with the "
-        "same throttle, one process per speed run one at a time"
-        + (" (each round begins with them), rates summed" if "rounds" in next(
-            iter(res["tasks"].values()), {}) else
-           " (before and after the other runs; the faster of the two is kept), rates summed")
-        + ". **Limit "
-        "(together)**: the same three loops running at the same time (what the machine delivers "
+        "compute took *cpu* s of the thread's CPU time, sleep *cpu*·(1/speed − 1)), 1 torch "
+        "thread, the task's default batch, on 127.0.0.1. **Limit (alone)**: the plain PyTorch "
+        "loop (model + Adam) with the same throttle, one process per speed run one at a time "
+        "(each round begins with them), rates summed. **Limit (together)**: the same three "
+        "loops running at the same time (what the machine delivers "
         "to three loops at once). The bar is stated against the limit (alone), as the issue "
         "defines it; the ratio to the limit (together) is shown next to it as this box's own "
         "ceiling for three processes. swarmtrain: coordinator + 3 workers (`--speed`, `--threads 1`, "
@@ -662,11 +657,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                     f"{max(0.0, mach - sum(own)):.2f}"]
 
         for k, r in t["alone"].items():
-            if "rounds" in t:
-                each = "every round " + " / ".join(_num(x["alone"][k]) for x in t["rounds"]) + "; "
-            else:  # results of the earlier before/after scheme
-                each = (f"before {_num(t['alone_before'][k]['samples_per_s'])}, after "
-                        f"{_num(t['alone_after'][k]['samples_per_s'])} (faster kept); ")
+            each = "every round " + " / ".join(_num(x["alone"][k]) for x in t["rounds"]) + "; "
             rows.append([f"standalone alone, speed {k}", r["samples_per_s"], r["samples_per_s"] / la,
                          "-", *cpu_cols([r["cpu_cores"]], r["machine_cores"]),
                          f"{each}busy {r['busy_ms']:.1f} ms + sleep {r['sleep_ms']:.1f} ms per step"
@@ -705,13 +696,9 @@ def to_markdown(res: dict[str, Any]) -> str:
                      + " / ".join(f"{r['sleep_ms']:.1f}" for r in ranks) + " ms, all-reduce wait "
                      + " / ".join(f"{r['wait_ms']:.1f}" for r in ranks) + " ms"])
         v = res["verdict"][task]
-        rounds = t.get("rounds", [])
-        of = (f"median of {len(rounds)} rounds, each "
-              + " / ".join(f"{x['ratios']['swarm_to_limit_alone']:.3f}" for x in rounds) + "; "
-              if len(rounds) > 1 else "")
-        of_ddp = (f"median of {len(rounds)} rounds, each "
-                  + " / ".join(f"{x['ratios']['swarm_to_ddp']:.2f}" for x in rounds) + "; "
-                  if len(rounds) > 1 else "")
+        rounds = t["rounds"]
+        of, of_ddp = _each_round(rounds, "swarm_to_limit_alone", ".3f"), _each_round(
+            rounds, "swarm_to_ddp", ".2f")
         parts += [
             "", f"### {task} (batch {t['batch_size']}; warm-up {t['warm_s']:.0f} s, window "
             f"{t['window_s']:.0f} s"
@@ -799,6 +786,14 @@ def to_markdown(res: dict[str, Any]) -> str:
             "- a median run did not reach the target within the cap",
         ]
     return "\n".join(parts)
+
+
+def _each_round(rounds: list[dict[str, Any]], key: str, fmt: str) -> str:
+    """"median of N rounds, each a / b / c; " for one ratio (nothing for a single round)."""
+    if len(rounds) < 2:
+        return ""
+    return (f"median of {len(rounds)} rounds, each "
+            + " / ".join(format(x["ratios"][key], fmt) for x in rounds) + "; ")
 
 
 def _notes(t: dict[str, Any]) -> list[str]:

@@ -413,9 +413,11 @@ class Throttle:
 
     def pause(self, started: float) -> float:
         """Sleep for the work since ``started`` (from :meth:`start`, same thread); the seconds slept."""
-        if self.speed >= 1.0:
-            return 0.0
-        seconds = max(0.0, time.thread_time() - started) * (1.0 / self.speed - 1.0)
+        return self.sleep_for(time.thread_time() - started)
+
+    def sleep_for(self, cpu_seconds: float) -> float:
+        """Sleep for ``cpu_seconds`` of work measured by the caller; the seconds slept."""
+        seconds = max(0.0, cpu_seconds) * (1.0 / self.speed - 1.0)
         if seconds > 0:
             time.sleep(seconds)
         return seconds

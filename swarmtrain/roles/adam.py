@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -84,7 +84,7 @@ def held_variance_step(optimizer: torch.optim.Optimizer, lr: float) -> bool:
     if not params or not all(s.get(VARIANCE_STEPS) for s in states):
         return False
     beta1, beta2 = group["betas"]
-    grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+    grads = [cast(torch.Tensor, p.grad) for p in params]
     if group["weight_decay"]:  # decoupled, as in the dense steps
         torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
     exp_avg = [s["exp_avg"] for s in states]
