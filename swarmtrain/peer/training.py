@@ -103,10 +103,14 @@ class Strategy(ABC):
         self.next_batch = next_batch
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.round_tensor = torch.zeros(1)  # the round counter travels with the state
-        self.speed = speed
         self.throttle = hardware.Throttle(speed)
         self.inner = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.last_loss = float("nan")
+
+    @property
+    def speed(self) -> float:
+        """Fraction of full speed this trainer runs at (its throttle's)."""
+        return self.throttle.speed
 
     @property
     def round(self) -> int:
