@@ -274,8 +274,10 @@ class CoordinatorTrainingConfig(_Section):
         "absolute limit", ge=0.0)
     grad_norm_action: str = _opt("clip", "what max_grad_norm does", choices=("clip", "reject"))
     outlier_norm_factor: float = _opt(
-        1000.0, "reject a gradient whose norm is this many times the running mean of accepted "
-        "ones (checked after 20 accepted); 0 = off", ge=0.0)
+        1000.0, "clip a gradient whose norm is over this many times the reference norm (the "
+        "median of the workers' median recent norms, checked after 20 gradients; no single "
+        "worker can drag it far, and honest large norms still count, so it cannot collapse over "
+        "a long run); 0 = off", ge=0.0)
     max_bad_in_row: int = _opt(
         5, "disconnect a worker whose gradients were refused this many times in a row", ge=1)
 
@@ -345,6 +347,8 @@ class WorkerTrainingConfig(_Section):
     seed: int = _opt(0, "seed of the worker's batch sampling", ge=0)
     probe_seconds: float = _opt(
         1.0, "seconds of the real task timed at start-up (reported speed); 0 = no probe", ge=0.0)
+    device: str = _opt("auto", "where to compute: 'auto' (CUDA, else MPS, else CPU), 'cpu', "
+                       "'cuda' or 'mps'", choices=("auto", "cpu", "cuda", "mps"))
 
 
 @dataclass(frozen=True)
@@ -431,6 +435,8 @@ class PeerTrainingConfig(_Section):
     speed: float = _opt(1.0, "fraction of full speed (throttle to rehearse a slow machine)",
                         gt=0.0, le=1.0)
     seed: int = _opt(0, "seed of the model initialisation (the same on every peer)", ge=0)
+    device: str = _opt("auto", "where to compute: 'auto' (CUDA, else MPS, else CPU), 'cpu', "
+                       "'cuda' or 'mps'", choices=("auto", "cpu", "cuda", "mps"))
 
 
 @dataclass(frozen=True)

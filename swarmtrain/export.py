@@ -1,7 +1,10 @@
 """Model export: the trained weights as one plain safetensors file.
 
-The file maps each parameter name of the task's model (``model.named_parameters()``) to its
-tensor, so it loads into the plain PyTorch model with no swarmtrain code in the way::
+The file maps every key of the model's ``state_dict()`` to its tensor — parameters, frozen
+ones, persistent buffers (BatchNorm statistics, ``num_batches_tracked``) and each name of a
+tied weight (GPT-2's ``lm_head.weight`` as well as ``transformer.wte.weight``) — so it
+loads with ``strict=True`` into a fresh instance of the plain PyTorch model, with no
+swarmtrain code in the way::
 
     from safetensors.torch import load_file
     from swarmtrain.tasks import load_task
@@ -10,9 +13,7 @@ tensor, so it loads into the plain PyTorch model with no swarmtrain code in the 
     model.load_state_dict(load_file("model.safetensors"))
 
 Its safetensors metadata says ``format = swarmtrain-model``, the ``task`` and the
-``version`` (updates applied) it was taken at. A model with buffers (batch-norm statistics)
-loads it with ``load_state_dict(..., strict=False)``: the parameter server trains parameters
-only, so the buffers are the ones ``build_model`` makes.
+``version`` (updates applied) it was taken at.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def write_model_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.T
 
 def export_model(model: nn.Module, path: str | os.PathLike[str], *, task: str = "",
                  version: int = 0) -> Path:
-    """Write ``model``'s parameters to ``path`` (see :func:`write_model_file`)."""
-    return write_model_file(path, dict(model.named_parameters()), task=task, version=version)
+    """Write ``model``'s whole ``state_dict`` to ``path`` (see :func:`write_model_file`)."""
+    return write_model_file(path, model.state_dict(), task=task, version=version)
 
 
 def export_checkpoint(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, Checkpoint]:

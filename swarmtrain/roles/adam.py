@@ -47,11 +47,12 @@ HELD_MAX_RATIO = 10.0
 
 
 def count_variance_update(optimizer: torch.optim.Optimizer) -> None:
-    """Note one more step that taught every parameter's second moment."""
+    """Note one more step that taught the second moment of every parameter that had a
+    gradient in it (one without was not stepped)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
-            if state:
+            if state and p.grad is not None:
                 state[VARIANCE_STEPS] = float(state.get(VARIANCE_STEPS, 0.0)) + 1.0
 
 
@@ -91,18 +92,18 @@ def held_variance_step(optimizer: torch.optim.Optimizer, lr: float) -> bool:
     exp_avg_sq = [s["exp_avg_sq"] for s in states]
     for s in states:
         s["step"] += 1
-    step = float(states[0]["step"])
-    variance_bias = 1.0 - beta2 ** float(states[0][VARIANCE_STEPS])
+    # per parameter: one that went without gradients on some steps has taken fewer of them
+    variance_bias = [1.0 - beta2 ** float(s[VARIANCE_STEPS]) for s in states]
     torch._foreach_lerp_(exp_avg, grads, 1.0 - beta1)
-    for v, g in zip(exp_avg_sq, grads):
+    for v, g, vb in zip(exp_avg_sq, grads, variance_bias):
         # a weight whose gradient was always zero while dense: take this one's square (its
         # bias-corrected estimate) rather than divide by epsilon
-        torch.where(v == 0, g * g * variance_bias, v, out=v)
+        torch.where(v == 0, g * g * vb, v, out=v)
     denom = torch._foreach_sqrt(exp_avg_sq)
-    torch._foreach_div_(denom, math.sqrt(variance_bias))
+    torch._foreach_mul_(denom, [1.0 / math.sqrt(vb) for vb in variance_bias])
     torch._foreach_add_(denom, group["eps"])
     ratio = torch._foreach_div(exp_avg, denom)
-    torch._foreach_mul_(ratio, 1.0 / (1.0 - beta1 ** step))
+    torch._foreach_mul_(ratio, [1.0 / (1.0 - beta1 ** float(s["step"])) for s in states])
     torch._foreach_clamp_min_(ratio, -HELD_MAX_RATIO)
     torch._foreach_clamp_max_(ratio, HELD_MAX_RATIO)
     torch._foreach_add_(params, ratio, alpha=-lr)

@@ -14,6 +14,9 @@ from swarmtrain.errors import CheckpointError
 from swarmtrain.export import MODEL_PREFIX
 from swarmtrain.wire import CheckpointMsg
 
+MASTER_PREFIX = "master/"
+"""Checkpoint tensors holding the float32 masters of half-precision parameters and buffers."""
+
 if TYPE_CHECKING:
     from swarmtrain.roles.coordinator import Coordinator
 
@@ -83,8 +86,17 @@ class CoordinatorCheckpointer:
 
     @staticmethod
     def _snapshot(coord: Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Runs on the apply thread. ``model/`` holds the model's whole ``state_dict`` (buffers,
+        frozen and tied parameters under every name, in the model's dtypes: what
+        ``swarmtrain export`` writes); ``master/`` the float32 masters of half-precision
+        parameters and buffers, so a resumed run continues bit-exactly."""
         names = list(coord.params)
-        tensors = {f"{MODEL_PREFIX}{n}": p.detach().clone() for n, p in coord.params.items()}
+        coord.sync_model()
+        tensors = {f"{MODEL_PREFIX}{n}": t.clone() for n, t in coord.state.state_dict().items()}
+        for n, master in {**coord.params, **coord.buffers}.items():
+            own = coord.state.trainable.get(n, coord.state.synced_buffers.get(n))
+            if own is not master:
+                tensors[f"{MASTER_PREFIX}{n}"] = master.detach().clone()
         adam_tensors, adam_meta = adam_state_to_tensors(coord.optimizer, names)
         tensors.update({k: v.clone() for k, v in adam_tensors.items()})
         meta = {
@@ -93,6 +105,7 @@ class CoordinatorCheckpointer:
             "loss_ema": None if math.isnan(coord.loss_ema) else coord.loss_ema,
             "samples_ema": coord._samples_ema,
             "workers": {w: r.last_msg_id for w, r in coord.workers.items()},
+            "screen": coord.screen.state_dict(),
         }
         return tensors, meta
 
@@ -108,16 +121,32 @@ class CoordinatorCheckpointer:
         import torch
 
         with torch.no_grad():
-            for n, p in coord.params.items():
+            own = coord.state.full_state()
+            for n, p in own.items():
                 key = f"{MODEL_PREFIX}{n}"
-                if key not in ckpt.tensors or ckpt.tensors[key].shape != p.shape:
-                    raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({n!r})")
+                if key not in ckpt.tensors:
+                    if n in coord.state.trainable:
+                        raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model: it "
+                                              f"lacks {n!r}")
+                    log.warning("checkpoint %s has no %r (saved before buffers were kept?): keeping "
+                                "the model's own", ckpt.path, n)
+                    continue
+                if ckpt.tensors[key].shape != p.shape:
+                    raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({n!r} is "
+                                          f"{list(ckpt.tensors[key].shape)}, the model's {list(p.shape)})")
                 p.copy_(ckpt.tensors[key])
+            for n, master in {**coord.params, **coord.buffers}.items():
+                if master is not own.get(n):  # a float32 master of a half-precision tensor
+                    saved = ckpt.tensors.get(f"{MASTER_PREFIX}{n}", ckpt.tensors.get(f"{MODEL_PREFIX}{n}"))
+                    if saved is not None:
+                        master.copy_(saved)
         adam_state_from_tensors(coord.optimizer, list(coord.params), ckpt.tensors, meta["adam"])
         coord.version = int(meta["version"])
         coord.stats.update(meta.get("stats", {}))
         coord.loss_ema = math.nan if meta.get("loss_ema") is None else float(meta["loss_ema"])
         coord._samples_ema = float(meta.get("samples_ema", 0.0))
+        if isinstance(meta.get("screen"), dict):
+            coord.screen.load_state_dict(meta["screen"])
         from swarmtrain.roles.coordinator import WorkerRecord
 
         for wid, last in meta.get("workers", {}).items():

@@ -21,37 +21,45 @@ __all__ = [
     "check_fingerprint",
     "FUSED",
     "pack_compressed",
+    "pack_buffers",
+    "split_buffers",
     "unpack_compressed",
 ]
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[Any]]:
-    """[[name, dtype, shape], ...] of a model's parameters, in order."""
-    return [[n, str(p.dtype).removeprefix("torch."), list(p.shape)] for n, p in named]
+    """[[name, dtype, shape, "param"], ...] of plain trainable tensors, in order (a whole
+    model's is :meth:`swarmtrain.modelstate.ModelState.fingerprint`)."""
+    return [[n, str(p.dtype).removeprefix("torch."), list(p.shape), "param"] for n, p in named]
 
 
 def _fmt(entry: list[Any]) -> str:
-    return f"'{entry[0]}' {entry[1]} {list(entry[2])}"
+    kind = {"param": "", "frozen": " (frozen)", "buffer": " (buffer)"}.get(str(entry[3]), "")
+    return f"'{entry[0]}' {entry[1]} {list(entry[2])}{kind}"
 
 
 def check_fingerprint(mine: list[list[Any]], theirs: Any) -> None:
-    """Raise :class:`ModelMismatch` naming the first difference between two fingerprints."""
+    """Raise :class:`ModelMismatch` naming the first difference between two fingerprints
+    (name, dtype, shape and kind — trainable, frozen or buffer — of every tensor)."""
     if not isinstance(theirs, list) or not all(
-        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
-        and isinstance(e[2], list) and all(isinstance(d, int) for d in e[2]) for e in theirs
+        isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[1], str)
+        and isinstance(e[2], list) and all(isinstance(d, int) for d in e[2]) and isinstance(e[3], str)
+        for e in theirs
     ):
-        raise ModelMismatch("the worker sent a malformed model fingerprint")
+        raise ModelMismatch("the worker sent a malformed model fingerprint (is it a swarmtrain "
+                            "worker of the same version?)")
     for i, (a, b) in enumerate(zip(mine, theirs)):
-        if [a[0], a[1], list(a[2])] != [b[0], b[1], list(b[2])]:
+        if [a[0], a[1], list(a[2]), a[3]] != [b[0], b[1], list(b[2]), b[3]]:
             raise ModelMismatch(
-                f"model mismatch at parameter #{i}: coordinator has {_fmt(a)}, worker has {_fmt(b)}; "
-                "run the same task and model settings on every machine"
+                f"model mismatch at {'buffer' if a[3] == 'buffer' else 'parameter'} #{i}: coordinator has {_fmt(a)}, worker has {_fmt(b)}; "
+                "run the same task and model settings on every machine (and freeze the same "
+                "parameters on each)"
             )
     if len(mine) != len(theirs):
         longer, who = (mine, "coordinator") if len(mine) > len(theirs) else (theirs, "worker")
         extra = longer[min(len(mine), len(theirs))]
         raise ModelMismatch(
-            f"model mismatch: the {who} has {len(longer)} parameters, the other "
+            f"model mismatch: the {who} has {len(longer)} tensors, the other "
             f"{min(len(mine), len(theirs))}; first extra is {_fmt(extra)}"
         )
 
@@ -122,9 +130,14 @@ def pack_compressed(
 
 
 def unpack_compressed(
-    codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
+    codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+    *, subset: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Decompress every tensor of a message and check it against ``expected`` (name → tensor).
+
+    Args:
+        subset: the message may carry only some of ``expected`` (a gradient carries the
+            parameters that got one); otherwise it must carry all of them.
 
     Raises:
         RemoteProtocolError: names, shapes or parts do not match, or a codec rejects its parts.
@@ -132,11 +145,12 @@ def unpack_compressed(
     fused = set(codecs) == {FUSED} and FUSED not in expected
     shapes = ({FUSED: (sum(t.numel() for t in expected.values()),)} if fused
               else {n: tuple(t.shape) for n, t in expected.items()})
-    if set(codecs) != set(shapes):
+    if not set(codecs) <= set(shapes) or (not subset and set(codecs) != set(shapes)):
         missing = sorted(set(shapes) - set(codecs))[:3]
         extra = sorted(set(codecs) - set(shapes))[:3]
         raise RemoteProtocolError(
-            "shape_mismatch", f"tensor names differ from the model's (missing {missing}, unknown {extra})"
+            "shape_mismatch", "tensor names differ from the model's (missing "
+            f"{missing if not subset else []}, unknown {extra})"
         )
     used = 0
     out: dict[str, torch.Tensor] = {}
@@ -161,7 +175,55 @@ def unpack_compressed(
         out[name] = decompress_any(c)
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
+    if fused and subset:
+        raise RemoteProtocolError("bad_codec", "a fused entry must carry every parameter")
     if fused:  # one view per parameter, in the model's order
         pieces = out[FUSED].split([t.numel() for t in expected.values()])
         return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
     return out
+
+
+def buffer_key(index: int) -> str:
+    """Payload name of the ``index``-th buffer a message lists (codec parts always hold a
+    ``/``, so the two never collide)."""
+    return f"#{index}"
+
+
+def pack_buffers(buffers: Mapping[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Buffer tensors as a message's ``buffers`` name list and ``#i`` payload tensors."""
+    names = list(buffers)
+    return names, {buffer_key(i): buffers[n].detach().to("cpu").contiguous() for i, n in enumerate(names)}
+
+
+def split_buffers(
+    names: list[str], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Separate a message's buffer tensors (listed in ``names``) from the rest, checking each
+    against the model's buffers ``expected``: known name, listed once, same shape, a floating
+    dtype for a floating buffer and an integer one for an integer buffer.
+
+    Returns:
+        (buffers by name, the other payload tensors).
+
+    Raises:
+        RemoteProtocolError: a listed buffer is unknown, repeated, missing or malformed.
+    """
+    if not names:
+        return {}, dict(tensors)
+    if len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+        raise RemoteProtocolError("bad_buffers", "the buffer list repeats a name or is malformed")
+    out: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(names):
+        ref = expected.get(name)
+        t = tensors.get(buffer_key(i))
+        if ref is None:
+            raise RemoteProtocolError("bad_buffers", f"buffer {name!r} is not one the model syncs")
+        if t is None:
+            raise RemoteProtocolError("bad_buffers", f"buffer {name!r} is listed but not in the payload")
+        if tuple(t.shape) != tuple(ref.shape) or t.is_floating_point() != ref.is_floating_point():
+            raise RemoteProtocolError(
+                "bad_buffers", f"buffer {name!r} arrived as {t.dtype} {list(t.shape)}, the model's is "
+                f"{ref.dtype} {list(ref.shape)}")
+        out[name] = t
+    keys = {buffer_key(i) for i in range(len(names))}
+    return out, {k: v for k, v in tensors.items() if k not in keys}

@@ -5,6 +5,14 @@ other). The coordinator keeps, per worker, a *shadow* of the replica that worker
 the answer to a gradient is the (compressed) difference between the master weights and
 that shadow, and the shadow advances by exactly what was sent. So whatever compression
 loses on the downlink is sent again next time, and a periodic full resync resets both.
+
+The model's state is more than its trainable parameters (:mod:`swarmtrain.modelstate`):
+frozen parameters are sent once and never stepped; a parameter without a gradient in a
+message is not stepped (as torch's optimizers skip ``grad is None``); buffers (BatchNorm
+statistics) are kept current by adding each applied gradient's buffer changes to a master
+copy and sending changed values back. A float16 or bfloat16 model gets float32 master
+weights and Adam state here; its workers hold, bit for bit, the master rounded to the model's
+dtype (the shadow mirrors that rounding).
 """
 
 from __future__ import annotations
@@ -33,17 +41,20 @@ from swarmtrain.errors import (
     RemoteProtocolError,
     SwarmError,
 )
+from swarmtrain.modelstate import ModelState, master_dtype
 from swarmtrain.roles.adam import adam_step, is_sparse, make_adam, variance_steps
 from swarmtrain.roles.common import (
     FUSED,
     check_compression_match,
     check_fingerprint,
     downlink_codec,
-    fingerprint,
+    pack_buffers,
     pack_compressed,
     payload_bytes,
+    split_buffers,
     unpack_compressed,
 )
+from swarmtrain.roles.screen import NormScreen
 from swarmtrain.roles.shards import ShardPlanner
 from swarmtrain.runlog import RunLog
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
@@ -116,6 +127,11 @@ class WorkerRecord:
     resyncs: int = 0
     drift: float = 0.0
     residual_norm: float = 0.0
+    clipped: int = 0  # gradients scaled down by the outlier screen
+    #: the worker holds the master buffers as of this version (changes after it are sent)
+    buffers_version: int = -1
+    #: its shard set changed while it (or another) was registering: an ASSIGN is owed
+    assign_pending: bool = False
 
     @property
     def connected(self) -> bool:
@@ -141,6 +157,7 @@ class WorkerRecord:
             "samples_per_sec": self.samples_per_sec if not self.connected or not self.samples_since_join
             else self.samples_since_join / max(connected_for, 1e-9),
             "stale": self.stale, "rejected": self.rejected, "last_refusal": self.last_refusal,
+            "clipped": self.clipped,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
             "loss": self.loss, "last_seen_sec": time.monotonic() - self.last_seen,
         }
@@ -177,9 +194,18 @@ class Coordinator:
         self.evaluate_fn = evaluate
         self.secret = secret if secret is not None else resolve_secret(cfg.security)
         self.tls = resolve_tls(cfg.security)
-        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
-        self._fingerprint = fingerprint(self.params.items())
-        self._flat = _flatten_storage(self.params)
+        self.state = ModelState(model)
+        if not self.state.trainable:
+            raise ConfigError("the model has no trainable parameters (every one has requires_grad "
+                              "False): there is nothing to train")
+        #: master weights of the trainable parameters (float32 for half-precision models)
+        self.params, self._flat, self._lowp = _master_weights(self.state.trainable)
+        #: master copies of the synced buffers (float32 for half-precision buffers)
+        self.buffers: dict[str, torch.Tensor] = {
+            n: (b if master_dtype(b.dtype) == b.dtype else b.detach().to(master_dtype(b.dtype)).clone())
+            for n, b in self.state.synced_buffers.items()}
+        self._buffer_changed: dict[str, int] = {}  # buffer -> version of its last change
+        self._fingerprint = self.state.fingerprint()
         self._sizes = [p.numel() for p in self.params.values()]
         t = cfg.training
         if t.learning_rate <= 0:
@@ -192,6 +218,8 @@ class Coordinator:
         # Weight deltas to workers; the per-worker shadow keeps whatever this codec drops.
         self.codec = downlink_codec(cfg.compression)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
+        #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
+        self.screen = NormScreen(t.outlier_norm_factor)
         self.num_shards = t.num_shards or max(t.min_workers, 1)
         self.shard_plan = ShardPlanner(self.num_shards)
         self.version = 0
@@ -211,8 +239,7 @@ class Coordinator:
         self.metric_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=1000)
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
         self._samples_ema = 0.0
-        self._norm_ema = 0.0  # running mean L2 norm of accepted gradients
-        self._norms_seen = 0
+        self._clip_logged_at = 0.0
         self._apply_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-apply")
         self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
         self._eval_model: nn.Module | None = None
@@ -223,7 +250,6 @@ class Coordinator:
         self._tasks: list[asyncio.Task[Any]] = []
         self.checkpointer: Any = None  # a CoordinatorCheckpointer, set by session.build_coordinator
         self.run_log: RunLog | None = None  # every event is also written here (session sets it)
-        self._pending_assign: dict[str, list[int]] = {}
         self._shutdown_task: asyncio.Future[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -263,8 +289,9 @@ class Coordinator:
         """What a frame from each role may carry: a worker's gradient is at most the model's
         size twice over (:func:`payload_limit`), a control client sends no tensors."""
         return {
-            "worker": Limits(max_header_bytes=1 << 20, max_payload_bytes=payload_limit(self.params.values()),
-                             max_tensors=4 * len(self.params) + 64),
+            "worker": Limits(max_header_bytes=1 << 20,
+                             max_payload_bytes=payload_limit([*self.params.values(), *self.buffers.values()]),
+                             max_tensors=4 * len(self.params) + len(self.buffers) + 64),
             "ctl": Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 16, max_tensors=16),
         }
 
@@ -295,6 +322,7 @@ class Coordinator:
             await self._server.close()
         self._apply_pool.shutdown(wait=True)
         self._eval_pool.shutdown(wait=True)
+        self.sync_model()  # nothing applies any more: `model` now holds the final state
 
     async def shutdown_cluster(self, reason: str) -> None:
         """Checkpoint, tell every worker to stop, and stop serving."""
@@ -307,6 +335,9 @@ class Coordinator:
             await self.checkpoint()
         self._event("shutdown", reason=reason)
         conns = [r.conn for r in self._connected() if r.conn is not None]
+        # the final weights first, so that every Worker.run() returns holding them
+        final = await self._run_apply(self._final_weights)
+        await asyncio.gather(*(c.send(final) for c in conns), return_exceptions=True)
         await asyncio.gather(*(c.send(Shutdown(reason=reason)) for c in conns), return_exceptions=True)
         # Let workers hang up first: closing our end while a worker is still sending would
         # reset its connection and could destroy the unread SHUTDOWN frame.
@@ -382,6 +413,10 @@ class Coordinator:
             rec.conn.abort(SwarmError("replaced by a new connection"))
         changed = self.shard_plan.join(msg.worker_id, msg.shard_index if msg.shard_index >= 0 else None)
         shards = changed[msg.worker_id]
+        for wid, theirs in changed.items():  # owed to them once this worker is welcomed
+            other = self.workers.get(wid)
+            if wid != msg.worker_id and other is not None:
+                other.shards, other.shard_index, other.assign_pending = list(theirs), theirs[0], True
         shard = shards[0]
         if rec is None:
             rec = WorkerRecord(msg.worker_id, conn.peer, msg.hardware, msg.batch_size,
@@ -394,7 +429,8 @@ class Coordinator:
         rec.first_applied_pending = True
         rec.joined_at = time.monotonic()
         rec.samples_since_join = 0
-        self._pending_assign = {w: s for w, s in changed.items() if w != msg.worker_id}
+        rec.buffers_version = -1
+        rec.bad_in_row = 0  # a worker disconnected for its gradients starts afresh
         rec.last_seen = time.monotonic()
         self._event("joined", worker=rec.worker_id, address=conn.peer, shard=shard,
                     profile=msg.hardware.get("profile", "?"))
@@ -427,8 +463,18 @@ class Coordinator:
         if changed:
             self._event("reassigned", shards={w: list(s) for w, s in changed.items()})
 
+    async def _send_owed_assignments(self) -> None:
+        """Send every connected worker the ASSIGN its shard set is owed (registrations that
+        overlap each add to what is owed; none is lost)."""
+        owed = [r for r in self._connected() if r.assign_pending]
+        for r in owed:
+            r.assign_pending = False
+            await self._send(r, Assign(shards=list(r.shards), num_shards=self.num_shards))
+        if owed:
+            self._event("reassigned", shards={r.worker_id: list(r.shards) for r in owed})
+
     async def _welcome(self, rec: WorkerRecord) -> None:
-        weights = await self._run_apply(self._snapshot_for, rec)
+        weights = await self._run_apply(self._snapshot_for, rec, True)
         await self._send(rec, RegisterAck(
             worker_id=rec.worker_id, shard_index=rec.shard_index, num_shards=self.num_shards,
             shards=list(rec.shards),
@@ -438,8 +484,7 @@ class Coordinator:
         ))
         await self._send(rec, weights)
         rec.welcomed = True
-        changed, self._pending_assign = self._pending_assign, {}
-        await self._send_assignments(changed)
+        await self._send_owed_assignments()
         if not self.running and len(self._connected()) >= self.config.training.min_workers:
             self.running = True
             self._event("start", version=self.version)
@@ -484,15 +529,60 @@ class Coordinator:
     async def _run_apply(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._apply_pool, fn, *args)
 
-    def _snapshot_for(self, rec: WorkerRecord) -> Weights:
-        snap = {n: p.detach().clone() for n, p in self.params.items()}
+    def _replica_weights(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters as a worker holds them: the masters in the model's dtype."""
+        dtypes = {n: p.dtype for n, p in self.state.trainable.items()}
+        return {n: p.detach().to(dtypes[n]).clone() for n, p in self.params.items()}
+
+    def _model_buffers(self) -> dict[str, torch.Tensor]:
+        """Every persistent buffer's current value, in the model's dtype."""
+        out = {}
+        for n, b in self.state.buffers.items():
+            master = self.buffers.get(n, b)
+            out[n] = master.detach().to(b.dtype).clone()
+        return out
+
+    def _state_snapshot(self) -> dict[str, torch.Tensor]:
+        """The whole model state now (trainable, frozen, buffers) in the model's dtypes."""
+        frozen = {n: p.detach() for n, p in self.state.frozen.items()}  # never change
+        return {**self._replica_weights(), **frozen, **self._model_buffers()}
+
+    def _final_weights(self) -> Weights:
+        return Weights(version=self.version, tensors={**self._replica_weights(), **self._model_buffers()})
+
+    def sync_model(self) -> None:
+        """Write the master weights and buffers into ``model`` (for half-precision parameters
+        and buffers the model's tensors are not the masters). Call on the apply thread."""
+        with torch.no_grad():
+            for n, p in self.state.trainable.items():
+                if p is not self.params[n]:
+                    p.copy_(self.params[n])
+            for n, b in self.state.synced_buffers.items():
+                if b is not self.buffers[n]:
+                    b.copy_(self.buffers[n])
+
+    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False) -> Weights:
+        """Full weights for ``rec`` (its shadow becomes them): the trainable parameters and the
+        synced buffers, plus frozen parameters and constant buffers with ``everything`` (at
+        registration: a worker's frozen backbone becomes the coordinator's)."""
+        synced = {n: v for n, v in self._model_buffers().items() if n in self.buffers}
+        snap = self._state_snapshot() if everything else {**self._replica_weights(), **synced}
         master = self._flat_master()
         if rec.shadow is not None and rec.shadow.shape == master.shape:
             rec.shadow.copy_(master)  # reuse: a fresh big buffer costs page faults
         else:
             rec.shadow = master.clone()
+        self._round_replica(rec.shadow)
         rec.since_resync = 0
+        rec.buffers_version = self.version
         return Weights(version=self.version, tensors=snap)
+
+    def _round_replica(self, flat: torch.Tensor) -> None:
+        """Round the half-precision parameters' part of a flat replica to the model's dtype, as
+        the worker's own tensors hold them (so the shadow mirrors the worker bit for bit)."""
+        for offset, numel, dtype in self._lowp:
+            piece = flat[offset:offset + numel]
+            piece.copy_(piece.to(dtype))
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat vector shaped like the parameters, in order."""
@@ -503,6 +593,12 @@ class Coordinator:
         if self._flat is not None:
             return self._flat
         return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params.values()])
+
+    def _owed_buffers(self, rec: WorkerRecord) -> dict[str, torch.Tensor]:
+        """Master values of the buffers that changed since ``rec`` last received them."""
+        owed = {n: self.buffers[n] for n, v in self._buffer_changed.items() if v > rec.buffers_version}
+        rec.buffers_version = self.version
+        return owed
 
     def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message]:
         rec.gradients += 1
@@ -528,14 +624,16 @@ class Coordinator:
 
     def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> str:
         try:
-            grads = unpack_compressed(msg.codecs, msg.tensors, self.params)
+            buffer_changes, rest = split_buffers(msg.buffers, msg.tensors, self.buffers)
+            grads = unpack_compressed(msg.codecs, rest, self.params, subset=True)
         except RemoteProtocolError as exc:
             return self._reject(rec, msg, str(exc))
-        refusal = self._refusal(msg, grads)
+        refusal = self._refusal(rec, msg, grads, buffer_changes)
         if refusal:
             return self._reject(rec, msg, refusal)
-        for name, p in self.params.items():
-            p.grad = grads[name]
+        for name, p in self.params.items():  # no gradient: not stepped, decayed or moved
+            g = grads.get(name)
+            p.grad = None if g is None else g.to(p.dtype)
         rec.weight = self._sample_weight(msg.samples)
         if adam_step(self.optimizer, self.base_lr * self._damping(staleness) * rec.weight,
                      sparse=is_sparse(msg.codecs), hold=self.config.training.sparse_variance == "hold"):
@@ -546,6 +644,11 @@ class Coordinator:
         for p in self.params.values():
             p.grad = None
         self.version += 1
+        with torch.no_grad():  # in arrival order, as one process updates them batch by batch
+            for name, change in buffer_changes.items():
+                master = self.buffers[name]
+                master.add_(change.to(master.dtype))
+                self._buffer_changed[name] = self.version
         rec.last_msg_id = msg.msg_id
         rec.bad_in_row = 0
         if rec.first_applied_pending:
@@ -561,15 +664,25 @@ class Coordinator:
         self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
         return "applied"
 
-    def _refusal(self, msg: Gradients, grads: dict[str, torch.Tensor]) -> str:
+    def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, torch.Tensor],
+                 buffer_changes: Mapping[str, torch.Tensor]) -> str:
         """Why a decoded gradient must not touch the weights ("" = it may). Clips in place
-        when ``max_grad_norm`` is exceeded and the action is ``clip``."""
+        when ``max_grad_norm`` is exceeded and the action is ``clip``, and when the outlier
+        screen says the norm is far above what this cluster's gradients look like."""
         if msg.samples <= 0 or not math.isfinite(msg.loss):
             return f"{msg.samples} samples, loss {msg.loss}: a gradient needs samples and a finite loss"
-        for name, g in grads.items():
-            p = self.params[name]
-            if g.dtype != p.dtype:
-                return f"{name!r} arrived as {g.dtype}, the model's is {p.dtype}"
+        if not grads:
+            return "the message carries no parameter's gradient"
+        for name in grads:
+            # the model's dtype, or float32 (a float16 model's gradients leave the worker
+            # unscaled in float32); decoding gives float32 either way
+            sent = msg.codecs[name].get("dtype")
+            model = str(self.state.trainable[name].dtype).removeprefix("torch.")
+            if sent not in (model, "float32"):
+                return f"{name!r} arrived as {sent}, the model's parameter is {model}"
+        for name, change in buffer_changes.items():
+            if change.is_floating_point() and not bool(torch.isfinite(change).all()):
+                return f"buffer {name!r} changed by NaN or infinite values"
         norm = _global_norm(list(grads.values()))  # one pass: also the screen for NaN/Inf
         if not math.isfinite(norm):
             if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
@@ -581,12 +694,17 @@ class Coordinator:
                 return f"gradient norm {norm:.3g} > max_grad_norm {t.max_grad_norm:g}"
             torch._foreach_mul_(list(grads.values()), t.max_grad_norm / norm)
             norm = t.max_grad_norm
-        if (t.outlier_norm_factor and self._norms_seen >= 20
-                and norm > t.outlier_norm_factor * self._norm_ema):
-            return (f"gradient norm {norm:.3g} is over {t.outlier_norm_factor:g}x the running mean "
-                    f"{self._norm_ema:.3g} of accepted gradients (outlier_norm_factor)")
-        self._norms_seen += 1
-        self._norm_ema = norm if self._norms_seen == 1 else 0.95 * self._norm_ema + 0.05 * norm
+        scale = self.screen.check(rec.worker_id, norm)
+        if scale < 1.0:
+            torch._foreach_mul_(list(grads.values()), scale)
+            rec.clipped += 1
+            now = time.monotonic()
+            if now - self._clip_logged_at >= 10.0:  # at most one line per 10 s
+                self._clip_logged_at = now
+                log.warning("clipped gradient %d from %s: norm %.3g is over %gx the reference %.3g "
+                            "(median of the workers' recent norms; outlier_norm_factor); %d clipped "
+                            "so far", msg.msg_id, rec.worker_id, norm, t.outlier_norm_factor,
+                            self.screen.reference(), self.screen.clipped)
         return ""
 
     def _reject(self, rec: WorkerRecord, msg: Gradients, why: str) -> str:
@@ -652,8 +770,11 @@ class Coordinator:
         # The shadow moves by exactly what the worker will add, in place: no message holds
         # the shadow (resyncs send their own snapshot).
         torch._foreach_add_(shadows, sent)
+        self._round_replica(rec.shadow)
         codecs, tensors = pack_compressed(items)
-        return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs, tensors=tensors)
+        buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
+        return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs,
+                      buffers=buffer_names, tensors={**tensors, **buffer_tensors})
 
     def _full_update(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
         w = self._snapshot_for(rec)
@@ -714,8 +835,7 @@ class Coordinator:
     async def _evaluate_now(self) -> None:
         if self.evaluate_fn is None:
             return
-        snap = await self._run_apply(lambda: ({n: p.detach().clone() for n, p in self.params.items()},
-                                              self.version))
+        snap = await self._run_apply(lambda: (self._state_snapshot(), self.version))
         weights, version = snap
         loop = asyncio.get_running_loop()
         try:
@@ -730,9 +850,7 @@ class Coordinator:
     def _evaluate_snapshot(self, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
         if self._eval_model is None:
             self._eval_model = copy.deepcopy(self.model)
-        with torch.no_grad():
-            for n, p in self._eval_model.named_parameters():
-                p.copy_(weights[n])
+        ModelState(self._eval_model).load(weights)
         assert self.evaluate_fn is not None
         return self.evaluate_fn(self._eval_model)
 
@@ -764,17 +882,41 @@ FUSE_MAX_NUMEL = 1 << 20
 """Models up to this many parameters get their weight deltas as one :data:`FUSED` entry."""
 
 
-def _flatten_storage(params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """Move float32 CPU parameters into one flat buffer they all become views of (so the
-    flattened master weights cost nothing to read); None if they are not all float32 on
-    the CPU (then :meth:`Coordinator._flat_master` concatenates)."""
-    ps = list(params.values())
-    if not ps or any(p.dtype != torch.float32 or p.device.type != "cpu" for p in ps):
-        return None
-    flat = torch.cat([p.detach().reshape(-1) for p in ps])
-    for p, piece in zip(ps, flat.split([p.numel() for p in ps])):
-        p.data = piece.view_as(p)
-    return flat
+def _master_weights(
+    trainable: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[tuple[int, int, torch.dtype]]]:
+    """The master weights of ``trainable``: (name -> master, the flat buffer they are views
+    of or None, and ``(offset, numel, model dtype)`` of every half-precision parameter).
+
+    When every master is float32 (float32, float16 and bfloat16 models) they are views of
+    one flat buffer, so the flattened master weights cost nothing to read: a float32 CPU
+    parameter is moved into it (the model's tensor *is* its master), a half-precision one
+    gets a float32 master there and the model keeps its own copy (see ``sync_model``).
+    Otherwise (float64, or parameters on an accelerator) each master is its own tensor and
+    :meth:`Coordinator._flat_master` concatenates.
+    """
+    ps = dict(trainable)
+    lowp: list[tuple[int, int, torch.dtype]] = []
+    if all(master_dtype(p.dtype) == torch.float32 and p.device.type == "cpu" for p in ps.values()):
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in ps.values()])
+        masters: dict[str, torch.Tensor] = {}
+        offset = 0
+        for (name, p), piece in zip(ps.items(), flat.split([p.numel() for p in ps.values()])):
+            if p.dtype == torch.float32:
+                p.data = piece.view_as(p)
+                masters[name] = p
+            else:
+                masters[name] = piece.view(p.shape)
+                lowp.append((offset, p.numel(), p.dtype))
+            offset += p.numel()
+        return masters, flat, lowp
+    masters = {}
+    for name, p in ps.items():
+        if p.dtype == master_dtype(p.dtype) and p.device.type == "cpu":
+            masters[name] = p
+        else:
+            masters[name] = p.detach().to("cpu", master_dtype(p.dtype)).clone()
+    return masters, None, lowp
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:

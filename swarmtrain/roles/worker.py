@@ -9,6 +9,12 @@ when the measured round trip is more than :data:`OVERLAP_MIN_FRACTION` of a step
 (a slow link); on a fast one it waits the few milliseconds for fresh weights. The worker's
 replica changes only between two computations, by exactly what the coordinator sent (a delta
 or full weights).
+
+Only parameters that got a gradient travel (frozen ones never; see :mod:`swarmtrain.modelstate`),
+each in its model's dtype; how the computation changed the model's buffers (BatchNorm statistics)
+travels with it, and the coordinator's current buffer values come back with the answer. A float16
+model scales its loss (:mod:`swarmtrain.precision`). Every computation draws its randomness (data
+order, dropout) from a stream of this worker's own (:mod:`swarmtrain.roles.randomness`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import math
 import random
 import secrets as _secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +37,7 @@ from torch import nn
 from swarmtrain import hardware
 from swarmtrain.compression import Compressed, ErrorFeedback
 from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret, resolve_tls
+from swarmtrain.devices import batch_to, resolve_device
 from swarmtrain.errors import (
     AuthError,
     ConnectionLost,
@@ -39,13 +46,17 @@ from swarmtrain.errors import (
     SwarmError,
     SwarmTimeout,
 )
+from swarmtrain.modelstate import ModelState, buffer_changes, snapshot_buffers
+from swarmtrain.precision import LossScaler
 from swarmtrain.roles.common import (
     codec_for_step,
-    fingerprint,
+    pack_buffers,
     pack_compressed,
     payload_bytes,
+    split_buffers,
     unpack_compressed,
 )
+from swarmtrain.roles.randomness import CycledIterable, OwnRandomness, loader_generators, worker_seed
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.wire import (
@@ -75,8 +86,13 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 #: what one computation hands back: compressed gradients, mean loss, samples, seconds
-#: (throttle included) and the error-feedback residual's norm after it
-_Computed = tuple[dict[str, Compressed], float, int, float, float]
+#: (throttle included), the error-feedback residual's norm after it, and how it changed the
+#: buffers (empty gradients: a float16 overflow, dropped)
+_Computed = tuple[dict[str, Compressed], float, int, float, float, dict[str, torch.Tensor]]
+
+#: coordinator refusals after which a worker connects again instead of giving up (its
+#: gradients were refused, not its model or config)
+_RETRYABLE_REFUSALS = frozenset({"too_many_bad_gradients"})
 
 
 class _ShutdownRequested(SwarmError):
@@ -133,9 +149,19 @@ class Worker:
         self.task_name = task_name
         self.secret = secret if secret is not None else resolve_secret(cfg.security)
         self.tls = resolve_tls(cfg.security)
-        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         t = cfg.training
+        self.device = resolve_device(t.device)
+        if self.device.type != "cpu":
+            model.to(self.device)  # in place: the caller's model computes on the device
+        self.state = ModelState(model)
+        #: the trainable parameters (the model's own tensors; gradients travel for these)
+        self.params: dict[str, torch.Tensor] = self.state.trainable
+        self.buffers = self.state.synced_buffers
+        self.scaler = LossScaler.for_model(self.params.values())
         self.worker_id = t.worker_id or f"w-{_secrets.token_hex(4)}"
+        self.randomness = OwnRandomness(worker_seed(t.seed, self.worker_id), loader_generators(data),
+                                        cuda=self.device.type == "cuda")
+        self._cycled = CycledIterable(data)  # type: ignore[arg-type]
         self.hw = hardware.detect()
         self.plan = hardware.recommend(
             self.hw, batch_size=t.batch_size, accumulation_steps=t.accumulation_steps,
@@ -145,7 +171,7 @@ class Worker:
         if sample_bytes is not None:  # refuse now what would swap or be killed mid-run
             hardware.check_fits(
                 self.hw, batch_size=self.plan.batch_size, sample_bytes=sample_bytes,
-                model_bytes=sum(p.numel() * p.element_size() for p in self.params.values()),
+                model_bytes=sum(p.numel() * p.element_size() for p in self.state.full_state().values()),
                 max_memory_mb=cfg.hardware.max_memory_mb)
         if cfg.hardware.num_threads:  # only when asked: the API must not surprise its host program
             torch.set_num_threads(cfg.hardware.num_threads)
@@ -167,7 +193,6 @@ class Worker:
         self._shard_cache: dict[tuple[int, int], Shard] = {}
         self._active_shards: list[Shard] = []
         self._turn = 0
-        self._iter: Iterator[Any] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
         self._replies: asyncio.Queue[Message | BaseException] = asyncio.Queue()
         self._changed = asyncio.Event()
@@ -231,7 +256,18 @@ class Worker:
                     self._conn = conn
                     await self._session(conn)
                     failures = 0
-                except (AuthError, RefusedError):
+                except RefusedError as exc:
+                    if exc.code not in _RETRYABLE_REFUSALS:
+                        raise
+                    # our gradients were refused in a row (a diverging step, a bad batch): the
+                    # coordinator sends fresh weights when we register again
+                    failures = 1
+                    self._registered = False
+                    delay = net.reconnect_delay_sec * random.uniform(0.8, 1.2)
+                    log.warning("the coordinator disconnected us (%s); registering again in %.1f s "
+                                "with fresh weights", exc, delay)
+                    await asyncio.sleep(delay)
+                except AuthError:
                     raise
                 except _ShutdownRequested:
                     break
@@ -256,6 +292,15 @@ class Worker:
                         self._conn = None
         finally:
             self._pool.shutdown(wait=True)
+            self._apply_final()
+
+    def _apply_final(self) -> None:
+        """Apply what arrived with SHUTDOWN (the final weights), so that :meth:`run` returns
+        holding the coordinator's final state."""
+        while not self._replies.empty():
+            item = self._replies.get_nowait()
+            if isinstance(item, Weights):
+                self._load_full(item.tensors, item.version)
 
     def stop(self) -> None:
         """Stop after the current step (safe to call from a signal handler on the loop)."""
@@ -271,7 +316,7 @@ class Worker:
         comp = self.config.compression
         await conn.send(Register(
             worker_id=self.worker_id, task=self.task_name,
-            fingerprint=fingerprint(self.params.items()), hardware=self.hw.to_dict(),
+            fingerprint=self.state.fingerprint(), hardware=self.hw.to_dict(),
             batch_size=self.plan.batch_size, accumulation_steps=self.plan.accumulation_steps,
             shard_index=self.config.data.shard_index,
             compression={k: getattr(comp, k) for k in comp.SHARED_KEYS},
@@ -378,10 +423,12 @@ class Worker:
                     # now, before updates arriving during the computation are applied.
                     base_version = self.version
                     future = loop.run_in_executor(self._pool, self._compute)
-                compressed, loss, samples, seconds, residual = await future
+                compressed, loss, samples, seconds, residual, changes = await future
                 self._record_speed(samples, seconds)
                 self.compute_sec = _ema(self.compute_sec, seconds)
                 await self._apply_ready()
+                if not compressed:  # float16 overflow: the loss scale was halved, compute again
+                    continue
                 while self._inflight >= max(1, limit):
                     await self._apply_next()
                 if self._stopped:
@@ -392,12 +439,14 @@ class Worker:
                     # changes again only once that computation is back
                     ahead = (loop.run_in_executor(self._pool, self._compute), self.version)
                 codecs, tensors = pack_compressed(compressed)
+                buffer_names, buffer_tensors = pack_buffers(changes)
+                tensors.update(buffer_tensors)
                 self.msg_id += 1
                 self.bytes_up += payload_bytes(tensors)
                 self._sent_at[self.msg_id] = time.monotonic()
                 await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
                                           loss=loss, codecs=codecs, residual_norm=residual,
-                                          tensors=tensors))
+                                          buffers=buffer_names, tensors=tensors))
                 self._inflight += 1
                 self.steps += 1
                 self.samples += samples
@@ -444,36 +493,56 @@ class Worker:
             if item.full:
                 self._load_full(item.tensors, item.version)
             else:
-                deltas = unpack_compressed(item.codecs, item.tensors, self.params)
-                with torch.no_grad():  # the coordinator's shadow of us moves by exactly this
-                    torch._foreach_add_(list(self.params.values()), [deltas[n] for n in self.params])
+                values, rest = split_buffers(item.buffers, item.tensors, self.buffers)
+                deltas = unpack_compressed(item.codecs, rest, self.params)
+                self._add_deltas(deltas)
+                self.state.load(values)
                 self.version = item.version
 
+    def _add_deltas(self, deltas: Mapping[str, torch.Tensor]) -> None:
+        """Add the coordinator's weight deltas (float32, CPU) to our replica. A float32
+        parameter adds them; a half-precision one becomes ``dtype(float32(p) + delta)``, the
+        rounding the coordinator's shadow of us applies too (so both stay bit-identical)."""
+        same, same_deltas = [], []
+        with torch.no_grad():  # the coordinator's shadow of us moves by exactly this
+            for name, p in self.params.items():
+                d = deltas[name].to(self.device, non_blocking=True)
+                if p.dtype == torch.float32:
+                    same.append(p)
+                    same_deltas.append(d)
+                else:
+                    p.copy_(p.to(torch.float32) + d)
+            if same:
+                torch._foreach_add_(same, same_deltas)
+
     def _load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load full weights: every trainable parameter, and whatever frozen parameters and
+        buffers the message carries (all of them at registration)."""
         missing = set(self.params) - set(tensors)
         if missing:
             raise ProtocolError("shape_mismatch", f"weights lack {sorted(missing)[:3]}")
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(tensors[name])
+        own = self.state.full_state()
+        for name, t in tensors.items():
+            if name in own and tuple(t.shape) != tuple(own[name].shape):
+                raise ProtocolError("shape_mismatch", f"{name!r} arrived as {list(t.shape)}, the "
+                                    f"model's is {list(own[name].shape)}")
+        self.state.load(tensors)
         self.version = version
 
     # -- compute (runs on the compute thread) ----------------------------------------------
 
     def _use_shards(self, shards: list[int], count: int) -> None:
-        """Train on ``shards`` of ``count`` from now on (batches rotate over them)."""
+        """Train on ``shards`` of ``count`` from now on (batches rotate over them). An iterable
+        (e.g. a DataLoader) cannot be sliced: it is cycled in this worker's own order instead."""
         self.shards, self.num_shards = list(shards), count
         if not (hasattr(self.data, "get_batch") and hasattr(self.data, "__len__")):
-            # An iterable (e.g. a DataLoader) cannot be sliced, but workers should at least not
-            # all see the same order: seed its shuffling by shard before the first pass.
-            if self._iter is None and shards:
-                torch.manual_seed(self.config.training.seed * 100_003 + shards[0])
             return
         active = []
         for index in shards:
             key = (index, count)
             if key not in self._shard_cache:
-                seed = self.config.training.seed + index
+                # workers sharing a shard (more workers than shards) walk it in different orders
+                seed = worker_seed(self.config.training.seed, index, count, self.worker_id)
                 self._shard_cache[key] = Shard(self.data, index, count, seed=seed)  # type: ignore[arg-type]
             active.append(self._shard_cache[key])
         self._active_shards = active  # one assignment: the compute thread sees old or new list
@@ -483,26 +552,22 @@ class Worker:
         if shards:
             self._turn += 1
             return shards[self._turn % len(shards)].next_batch(self.plan.batch_size)
-        if self._iter is None:
-            self._iter = iter(self.data)  # type: ignore[arg-type]
-        try:
-            return next(self._iter)
-        except StopIteration:
-            self._iter = iter(self.data)  # type: ignore[arg-type]
-            return next(self._iter)
+        return self._cycled.next()
 
     def probe(self) -> float:
         """Samples/second of this machine on the real task at the chosen batch (throttle
         included), timed for ``probe_seconds``; weights and error feedback are untouched."""
         shards = self._active_shards
         if not shards and hasattr(self.data, "get_batch") and hasattr(self.data, "__len__"):
-            shards = [Shard(self.data, 0, 1, seed=self.config.training.seed)]  # type: ignore[arg-type]
+            shards = [Shard(self.data, 0, 1, seed=worker_seed(self.config.training.seed, "probe"))]  # type: ignore[arg-type]
+        before = snapshot_buffers(self.buffers)  # the probe must not move BatchNorm statistics
 
         def step() -> int:
             cpu = self.throttle.start()
-            batch = shards[0].next_batch(self.plan.batch_size) if shards else self._next_batch()
-            self.model.zero_grad(set_to_none=True)
-            self.loss_fn(self.model, batch).backward()
+            with self.randomness:
+                batch = shards[0].next_batch(self.plan.batch_size) if shards else self._next_batch()
+                self.model.zero_grad(set_to_none=True)
+                self.loss_fn(self.model, batch_to(batch, self.device)).backward()
             self.throttle.pause(cpu)
             return _batch_len(batch)
 
@@ -510,31 +575,45 @@ class Worker:
             return hardware.probe_speed(step, seconds=self.config.training.probe_seconds)
         finally:
             self.model.zero_grad(set_to_none=True)
+            self.state.load(before)
 
     def _compute(self) -> _Computed:
         start, cpu = time.perf_counter(), self.throttle.start()
         self.model.train()
         self.model.zero_grad(set_to_none=True)
+        before = snapshot_buffers(self.buffers)
         accum = self.plan.accumulation_steps
         total_loss, samples = 0.0, 0
-        for _ in range(accum):
-            batch = self._next_batch()
-            loss = self.loss_fn(self.model, batch)
-            (loss / accum).backward()
-            total_loss += float(loss.detach())
-            samples += _batch_len(batch)
+        with self.randomness:
+            for _ in range(accum):
+                batch = self._next_batch()
+                loss = self.loss_fn(self.model, batch_to(batch, self.device))
+                (loss * (self.scaler.scale / accum)).backward()
+                total_loss += float(loss.detach())
+                samples += _batch_len(batch)
+        changes = buffer_changes(self.buffers, before)
+        # only what was computed travels: a frozen parameter, or one unused on this step, has
+        # no gradient and must not be stepped as if it had a zero one
+        names = [n for n, p in self.params.items() if p.grad is not None]
+        grads = self.scaler.unscale([self.params[n].grad for n in names])  # type: ignore[misc]
+        if grads is None:
+            log.info("float16 gradients overflowed: loss scale halved to %g, step dropped",
+                     self.scaler.scale)
+            self.state.load(before)
+            self.throttle.pause(cpu)
+            return {}, total_loss / accum, 0, time.perf_counter() - start, 0.0, {}
         c = self.config.compression
         codec = codec_for_step(c, self.steps) if self.steps < c.warmup_steps else self.codec
         if self.feedback is not None:
             self.feedback.codec = codec
         out: dict[str, Compressed] = {}
-        for name, p in self.params.items():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
+        for name, g in zip(names, grads):
+            g = g.detach().to("cpu")  # the wire is CPU-only (a no-op on the CPU)
             out[name] = (self.feedback.compress(name, g, generator=self._gen) if self.feedback
                          else codec.compress(g, generator=self._gen))
         residual = self.feedback.residual_norm() if self.feedback else 0.0
         self.throttle.pause(cpu)  # rehearse a slower machine (speed < 1)
-        return out, total_loss / accum, samples, time.perf_counter() - start, residual
+        return out, total_loss / accum, samples, time.perf_counter() - start, residual, changes
 
     def _record_speed(self, samples: int, seconds: float) -> None:
         if seconds > 0:

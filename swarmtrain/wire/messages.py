@@ -202,7 +202,8 @@ class Gradients(Message):
 
     ``msg_id`` increases per worker; a coordinator applies each (worker, msg_id) once.
     ``codecs`` maps parameter name → {codec, shape, dtype, meta}; the parts of parameter
-    ``p`` travel as tensors named ``p/<part>``.
+    ``p`` travel as tensors named ``p/<part>``. Only parameters that got a gradient are
+    carried (a frozen one never, an unused one not on that step).
     """
 
     TYPE = MsgType.GRADIENTS
@@ -212,6 +213,9 @@ class Gradients(Message):
     loss: float
     codecs: dict[str, Any]
     residual_norm: float = 0.0
+    #: buffers (BatchNorm statistics...) this computation changed: how much each changed
+    #: travels as payload tensor ``#i`` for the i-th name
+    buffers: list[str] = field(default_factory=list)
     tensors: TensorMap = field(default_factory=dict)
 
 
@@ -231,6 +235,9 @@ class Update(Message):
     status: str
     codecs: dict[str, Any]
     full: bool = False
+    #: buffers whose master values changed since the worker last got them: each travels as
+    #: payload tensor ``#i`` (its value) for the i-th name
+    buffers: list[str] = field(default_factory=list)
     tensors: TensorMap = field(default_factory=dict)
 
 

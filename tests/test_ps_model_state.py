@@ -1,0 +1,309 @@
+"""The parameter server trains the user's whole model state: buffers, frozen and unused
+parameters, half-precision dtypes, and each worker's own data order (issue #15).
+
+Coordinator and workers run in one process over loopback TCP (port 0); each test compares
+with what one plain PyTorch process does with the same model."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from swarmtrain.config import load_coordinator_config, load_worker_config
+from swarmtrain.export import export_model
+from swarmtrain.roles.coordinator import Coordinator
+from swarmtrain.roles.worker import Worker
+from swarmtrain.tasks import DigitsTask
+
+TASK = DigitsTask()
+DATA = TASK.load_data()
+SECRET = b"model-state-secret"
+
+
+class BNNet(nn.Module):
+    """A small residual CNN with BatchNorm on the 8x8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 1, 8, 8).to(self.fc.weight.dtype)
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.max_pool2d(F.relu(self.b2(self.c2(x)) + x), 2)
+        return self.fc(x.flatten(1))
+
+
+class Branchy(nn.Module):
+    """A frozen first layer and a branch used only on some batches (as LayerDrop does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(64, 32)
+        self.frozen.requires_grad_(False)
+        self.branch = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.frozen(x))
+        if x.shape[0] % 2:  # odd batches skip the branch: it gets no gradient then
+            h = h + torch.relu(self.branch(h))
+        return self.head(h)
+
+
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y)
+
+
+def accuracy(model: nn.Module) -> float:
+    x, y = DATA.heldout.get_batch(torch.arange(len(DATA.heldout)))
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        out = float((model(x.to(next(model.parameters()).dtype)).argmax(1) == y).float().mean())
+    model.train(was)
+    return out
+
+
+def coordinator(model: nn.Module, **over: Any) -> Coordinator:
+    cfg = load_coordinator_config(overrides={
+        "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+        "training.learning_rate": 3e-3, "training.eval_interval_sec": 60.0, **over})
+    return Coordinator(model, cfg, evaluate=lambda m: {"accuracy": accuracy(m)}, secret=SECRET)
+
+
+def worker(port: int, model: nn.Module, data: Any = None, **over: Any) -> Worker:
+    cfg = load_worker_config(overrides={
+        "network.coordinator_port": port, "training.batch_size": 32, "network.reconnect_attempts": 0,
+        "training.probe_seconds": 0.0, "training.accumulation_steps": 1, **over})
+    return Worker(model, loss_fn, DATA.train if data is None else data, cfg, secret=SECRET)
+
+
+async def _train(coord: Coordinator, workers: list[Worker], timeout: float = 90) -> None:
+    await coord.start()
+    try:
+        tasks = [asyncio.create_task(w.run_async()) for w in workers]
+        await asyncio.wait_for(coord.run(), timeout)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    finally:
+        await coord.close()
+
+
+def one_process(model: nn.Module, steps: int, lr: float = 3e-3, batch: int = 32, **adam: Any) -> nn.Module:
+    """The yardstick: the same model, torch's Adam, the same samples, one process."""
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr, **adam)
+    for _ in range(steps):
+        idx = torch.randint(0, len(DATA.train), (batch,), generator=gen)
+        opt.zero_grad()
+        loss_fn(model, DATA.train.get_batch(idx)).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_batchnorm_model_keeps_its_statistics_and_exports_them(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    init = BNNet()
+    steps = 240
+    plain = one_process(copy.deepcopy(init), steps)
+    coord = coordinator(copy.deepcopy(init), **{"training.max_steps": steps, "training.min_workers": 2})
+    workers: list[Worker] = []
+
+    async def main() -> None:
+        await coord.start()
+        # no overlap: staleness stays ~1, so this compares buffers, not asynchrony
+        workers.extend(worker(coord.port, copy.deepcopy(init), **{"training.worker_id": f"bn{i}",
+                                                                  "training.max_inflight": 0})
+                       for i in range(2))
+        await _train(coord, workers)
+
+    asyncio.run(main())
+    # the running statistics moved on the coordinator, and count every batch of every worker
+    assert int(coord.model.b1.num_batches_tracked) == steps
+    assert not torch.allclose(coord.model.b1.running_var, torch.ones(8))
+    # eval-mode accuracy of the coordinator's model (its statistics, not the init's) as one process
+    assert accuracy(coord.model) >= accuracy(plain) - 0.03, (accuracy(coord.model), accuracy(plain))
+    assert coord.metrics["accuracy"] == pytest.approx(accuracy(coord.model))
+    # Worker.run() returned holding the coordinator's final state, buffers included
+    for w in workers:
+        for (k, a), b in zip(coord.model.state_dict().items(), w.model.state_dict().values()):
+            assert torch.equal(a, b), k
+    path = export_model(coord.model, tmp_path / "model.safetensors")
+    fresh = BNNet()
+    fresh.load_state_dict(load_file(str(path)), strict=True)
+    assert accuracy(fresh) == accuracy(coord.model)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_trains_on_float32_masters(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    init = TASK.build_model().to(dtype)
+    before = accuracy(init)
+    coord = coordinator(copy.deepcopy(init), **{"training.max_steps": 150})
+
+    async def main() -> Worker:
+        await coord.start()
+        w = worker(coord.port, copy.deepcopy(init))
+        await _train(coord, [w])
+        return w
+
+    w = asyncio.run(main())
+    assert coord.status()["stats"]["rejected"] == 0
+    assert all(p.dtype == torch.float32 for p in coord.params.values())  # masters
+    assert all(p.dtype == dtype for p in coord.model.parameters())
+    assert accuracy(coord.model) > max(0.85, before + 0.3)
+    # the worker holds exactly the masters rounded to the model's dtype
+    for name, p in w.model.named_parameters():
+        assert torch.equal(p, coord.params[name].to(dtype)), name
+
+
+def _worker_overrides(port: int) -> dict[str, Any]:
+    return {"network.coordinator_port": port, "training.batch_size": 32, "network.reconnect_attempts": 0,
+            "training.probe_seconds": 0.0, "training.accumulation_steps": 1}
+
+
+@pytest.mark.timeout(120)
+def test_frozen_and_unused_parameters_do_not_move_or_travel() -> None:
+    torch.manual_seed(0)
+    init = Branchy()
+    coord = coordinator(copy.deepcopy(init), **{"training.max_steps": 60, "training.weight_decay": 0.1})
+    branch_moves: list[bool] = []
+
+    class Recorder(Worker):
+        def _compute(self) -> Any:
+            out = super()._compute()
+            branch_moves.append("branch.weight" in out[0])
+            return out
+
+    # batches of 31 and 32 alternate: the branch gets a gradient on odd ones only
+    sizes = iter([31, 32] * 1000)
+
+    class Alternating:
+        def __iter__(self) -> Iterator[Any]:
+            while True:
+                idx = torch.randint(0, len(DATA.train), (next(sizes),))
+                yield DATA.train.get_batch(idx)
+
+    async def main() -> Recorder:
+        await coord.start()
+        cfg = load_worker_config(overrides=_worker_overrides(coord.port))
+        w = Recorder(copy.deepcopy(init), loss_fn, Alternating(), cfg, secret=SECRET)
+        await _train(coord, [w])
+        return w
+
+    w = asyncio.run(main())
+    assert torch.equal(coord.model.frozen.weight, init.frozen.weight)  # not stepped, not decayed
+    assert "frozen.weight" not in coord.params
+    assert True in branch_moves and False in branch_moves
+    # the wire carried only trained parameters: no frozen bytes
+    frozen_bytes = sum(p.numel() * 4 for p in init.frozen.parameters())
+    assert w.bytes_up / w.steps < sum(p.numel() * 4 for p in init.parameters()) - frozen_bytes + 1
+
+
+@pytest.mark.timeout(60)
+def test_an_unused_parameter_is_not_stepped_as_torch_does() -> None:
+    """A parameter with no gradient in a message keeps its value and its Adam moments, exactly
+    as torch's Adam skips a parameter whose ``grad`` is None."""
+    torch.manual_seed(0)
+    init = Branchy()
+    coord = coordinator(copy.deepcopy(init))
+    ref = copy.deepcopy(init)
+    opt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=3e-3)
+    x, y = DATA.train.get_batch(torch.arange(31))  # odd: the branch is used
+    x2, y2 = DATA.train.get_batch(torch.arange(32))  # even: it is not
+    from swarmtrain.compression import make_codec
+    from swarmtrain.roles.common import pack_compressed
+    from swarmtrain.roles.coordinator import WorkerRecord
+    from swarmtrain.wire import Gradients
+
+    codec = make_codec("none")
+    rec = WorkerRecord("w", "", {}, 32, 0.0, 0)
+    for msg_id, (bx, by) in enumerate([(x, y), (x2, y2)], start=1):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ref, (bx, by)).backward()
+        grads = {n: codec.compress(p.grad) for n, p in ref.named_parameters() if p.grad is not None}
+        opt.step()
+        codecs, tensors = pack_compressed(grads)
+        msg = Gradients(msg_id=msg_id, version=coord.version, samples=32, loss=1.0, codecs=codecs,
+                        tensors=tensors)
+        assert coord._apply_gradient(rec, msg)[0] == "applied"
+    for name, p in ref.named_parameters():
+        assert torch.allclose(coord.params.get(name, p), p, atol=1e-7), name
+
+
+@pytest.mark.timeout(120)
+def test_workers_from_the_same_script_see_different_batches_and_leave_the_host_rng_alone() -> None:
+    seen: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    coord = coordinator(TASK.build_model(), **{"training.max_steps": 40, "training.min_workers": 2})
+
+    class Spy(Worker):
+        def _next_batch(self) -> Any:
+            batch = super()._next_batch()
+            seen[self.worker_id].append(batch[1].clone())
+            return batch
+
+    async def main() -> tuple[torch.Tensor, torch.Tensor]:
+        await coord.start()
+        workers = []
+        for wid in ("a", "b"):
+            torch.manual_seed(0)  # what each user script does first
+            loader = DataLoader(TensorDataset(*DATA.train.get_batch(torch.arange(len(DATA.train)))),
+                                batch_size=32, shuffle=True)
+            cfg = load_worker_config(overrides={**_worker_overrides(coord.port), "training.worker_id": wid})
+            workers.append(Spy(TASK.build_model(), loss_fn, loader, cfg, secret=SECRET))
+        host_state = torch.get_rng_state()
+        await _train(coord, workers)
+        return host_state, torch.get_rng_state()
+
+    host_before, host_after = asyncio.run(main())
+    assert torch.equal(host_before, host_after)  # no draw from the host program's generator
+    n = min(len(seen["a"]), len(seen["b"]))
+    assert n >= 10
+    same = sum(torch.equal(a, b) for a, b in zip(seen["a"][:n], seen["b"][:n]))
+    assert same == 0, f"{same} of {n} batches were identical"
+
+
+@pytest.mark.timeout(60)
+def test_workers_sharing_a_shard_walk_it_in_different_orders() -> None:
+    a = worker(7100, TASK.build_model(), **{"training.worker_id": "a"})  # never connects
+    b = worker(7100, TASK.build_model(), **{"training.worker_id": "b"})
+    for w in (a, b):
+        w._use_shards([0], 1)
+    first = [a._next_batch()[1] for _ in range(5)]
+    second = [b._next_batch()[1] for _ in range(5)]
+    assert not any(torch.equal(x, y) for x, y in zip(first, second))
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_registrations_lose_no_shard_reassignment() -> None:
+    """Three workers register at once on 3 shards: every shard ends up held, each by the
+    worker the coordinator says holds it, whatever order the welcomes interleave in."""
+    coord = coordinator(TASK.build_model(), **{"training.num_shards": 3, "training.min_workers": 3,
+                                               "training.max_steps": 30})
+    workers: list[Worker] = []
+
+    async def main() -> None:
+        await coord.start()
+        workers.extend(worker(coord.port, TASK.build_model(), **{"training.worker_id": f"r{i}"})
+                       for i in range(3))
+        await _train(coord, workers)
+
+    asyncio.run(main())
+    held = sorted(s for w in workers for s in w.shards)
+    assert held == [0, 1, 2]
+    for w in workers:
+        assert w.shards == coord.workers[w.worker_id].shards
