@@ -153,12 +153,15 @@ def run_worker(cfg: WorkerConfig) -> int:
 
 
 def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
-    """A peer for ``cfg.training.task``: backend (not started) and trainer."""
+    """A peer for ``cfg.training.task``: backend (not started) and trainer, its model on
+    ``training.device``."""
+    import copy
     import zlib
 
     import torch
 
     from swarmtrain.config import resolve_secret, resolve_tls
+    from swarmtrain.devices import resolve_device
     from swarmtrain.peer.backend import PeerBackend, PeerOptions
     from swarmtrain.peer.discovery import parse_peer_list
     from swarmtrain.peer.identity import Identity
@@ -176,13 +179,14 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
                               max_memory_mb=cfg.hardware.max_memory_mb,
                               sample_bytes=task.sample_bytes_estimate())
     torch.set_num_threads(plan.num_threads)
+    device = resolve_device(t.device)
     model = task.build_model(seed=t.seed)
     data = task.load_data(cfg.data.path or None)
     identity = Identity.load_or_create()
     # every peer samples the whole data set, in its own order
     shard = Shard(data.train, 0, 1, seed=zlib.crc32(identity.peer_id.encode()))
     lr = t.learning_rate or task.default_learning_rate
-    common: dict[str, Any] = {"lr": lr, "weight_decay": t.weight_decay, "speed": t.speed}
+    common: dict[str, Any] = {"lr": lr, "weight_decay": t.weight_decay, "speed": t.speed, "device": device}
     strategy = (DiLoCo(model, task.loss, lambda: shard.next_batch(plan.batch_size), inner_steps=t.inner_steps,
                        inner_seconds=t.inner_seconds, outer_lr=t.outer_lr, outer_momentum=t.outer_momentum,
                        **common)
@@ -198,8 +202,13 @@ def build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer]:
         reform_timeout=net.reform_timeout_sec, wire=t.wire, max_connections=net.max_connections,
         max_connections_per_address=net.max_connections_per_address, max_failed_auth=net.max_failed_auth)
     backend = PeerBackend(options, secret=secret, identity=identity, tls=resolve_tls(cfg.security))
-    trainer = PeerTrainer(backend, strategy, max_rounds=t.max_rounds,
-                          evaluate=lambda m: task.evaluate(m, data), eval_every=t.eval_every)
+
+    def evaluate(m: torch.nn.Module) -> dict[str, float]:
+        # the tasks evaluate on the CPU, where their held-out data is: a copy goes there
+        return task.evaluate(m if device.type == "cpu" else copy.deepcopy(m).cpu(), data)
+
+    trainer = PeerTrainer(backend, strategy, max_rounds=t.max_rounds, evaluate=evaluate,
+                          eval_every=t.eval_every)
     return backend, trainer
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from swarmtrain.errors import SwarmTimeout
 from swarmtrain.peer.backend import NonFiniteResult, PeerBackend
 from swarmtrain.peer.ring import RingBroken
-from swarmtrain.peer.training import Contribution, Strategy, flatten, unflatten_into
+from swarmtrain.peer.training import Contribution, Strategy
 from swarmtrain.runlog import RunLog
 
 __all__ = ["PeerTrainer"]
@@ -83,7 +83,7 @@ class PeerTrainer:
                 self._event("round_refused", round=self.strategy.round, epoch=self.backend.epoch)
                 self.strategy.skip_round()
                 mean = None  # and its samples never reached the weights:
-                pending = Contribution(pending.flat, 0.0, pending.round, 0, 0)
+                pending = Contribution(pending.flat, 0.0, pending.round, 0, 0, pending.flags)
             except RingBroken as exc:
                 # the epoch of the ring that broke: a newer view may already be installed (its
                 # arrival is what closed our ring), and then there is nothing to agree
@@ -101,7 +101,7 @@ class PeerTrainer:
                     log.warning("re-forming after epoch %d failed (%s); trying again", epoch, again)
                 continue
             if mean is not None:
-                self.strategy.apply(mean)
+                self.strategy.apply_average(*mean)
             self.samples += pending.samples if pending.weight > 0 else 0
             self.inner_steps += pending.steps if pending.weight > 0 else 0
             pending, broken = None, 0
@@ -113,44 +113,63 @@ class PeerTrainer:
         view = self.backend.view
         assert view is not None
         state = self.strategy.boundary_state()
-        flat = flatten(state)
+        # as bytes, so every dtype arrives exactly (int64 counters, float64, half weights)
+        flat = torch.cat([t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in state])
         self.backend.broadcast(flat, root=view.rank(view.donor))
-        unflatten_into(flat, state)
+        offset = 0
+        with torch.no_grad():
+            for t in state:
+                n = t.numel() * t.element_size()
+                t.copy_(flat[offset:offset + n].clone().view(t.dtype).view_as(t))
+                offset += n
         self.strategy.after_state_load()
         self._event("epoch", epoch=view.epoch, members=len(view.members), round=self.strategy.round,
                     donor=view.donor)
         log.info("epoch %d: %d member(s), state of round %d from %s", view.epoch, view.world_size,
                  self.strategy.round, view.donor[:8])
         if pending.round != self.strategy.round:
-            return Contribution(torch.zeros_like(pending.flat), 0.0, self.strategy.round, 0, 0)
+            return self._nothing(pending, self.strategy.round)
         return pending
+
+    def _nothing(self, work: Contribution, for_round: int) -> Contribution:
+        """Zeros with weight zero in the shape of ``work``."""
+        return Contribution(torch.zeros_like(work.flat), 0.0, for_round, 0, 0,
+                            torch.zeros(self.strategy.flag_count))
 
     def _screen(self, work: Contribution) -> Contribution:
         """``work``, or zeros with weight zero if it holds NaN or Inf: sent, it would spoil the
         average of every member. The others' mean is then applied here too."""
-        if math.isfinite(work.weight) and bool(torch.isfinite(work.flat).all()):
+        if math.isfinite(work.weight) and bool(torch.isfinite(work.flat).all()) and (
+                work.flags is None or bool(torch.isfinite(work.flags).all())):
             return work
         self.nonfinite_local += 1
         log.warning("round %d: this peer's own contribution holds NaN or Inf (diverged, or bad "
                     "data?); contributing nothing this round", work.round)
         self._event("nonfinite_local", round=work.round)
         self.strategy.discard_local_work()
-        return Contribution(torch.zeros_like(work.flat), 0.0, work.round, 0, 0)
+        return self._nothing(work, work.round)
 
-    def _reduce(self, pending: Contribution) -> torch.Tensor | None:
-        """The weighted mean of everyone's contribution, or None if nobody contributed.
+    def _reduce(self, pending: Contribution) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weighted mean of everyone's contribution and of their flags (for each trained
+        parameter and buffer, the share of the weight that computed it), or None if nobody
+        contributed.
 
         Raises:
             NonFiniteResult: the reduced sum (one pass over it, before anything is applied)
                 holds NaN or Inf; every member then holds the same bits and refuses alike.
         """
-        buf = torch.cat([pending.flat * pending.weight, torch.tensor([pending.weight])])
+        flags = pending.flags if pending.flags is not None else torch.ones(self.strategy.flag_count)
+        # the flags next to the weight: values of the same size, also on a lossy wire
+        w = pending.weight
+        buf = torch.cat([pending.flat * w, flags * w, torch.tensor([w])])
         # no retry inside the backend: a new epoch must start with the state sync (run())
         self.backend.all_reduce(buf, op="sum", retries=0, boundary=False, check_finite=True)
         total = float(buf[-1])
         if total <= 0:
             return None
-        return buf[:-1].div_(total)
+        mean = buf[:-1].div_(total)
+        n = pending.flat.numel()
+        return mean[:n], mean[n:]
 
     def _event(self, kind: str, **data: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **data})

@@ -50,8 +50,9 @@ def check_fingerprint(mine: list[list[Any]], theirs: Any) -> None:
                             "worker of the same version?)")
     for i, (a, b) in enumerate(zip(mine, theirs)):
         if [a[0], a[1], list(a[2]), a[3]] != [b[0], b[1], list(b[2]), b[3]]:
+            what = "buffer" if a[3] == "buffer" else "parameter"
             raise ModelMismatch(
-                f"model mismatch at {'buffer' if a[3] == 'buffer' else 'parameter'} #{i}: coordinator has {_fmt(a)}, worker has {_fmt(b)}; "
+                f"model mismatch at {what} #{i}: coordinator has {_fmt(a)}, worker has {_fmt(b)}; "
                 "run the same task and model settings on every machine (and freeze the same "
                 "parameters on each)"
             )
