@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--shard", dest="shard_index", type=int, help="-1 = assigned by the coordinator")
     w.add_argument("--worker-id")
     w.add_argument("--speed", type=float, help="run at this fraction of full speed (rehearse a slow box)")
+    w.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where to compute (default auto: CUDA, else MPS, else CPU)")
     w.add_argument("--reconnect-attempts", type=int)
     w.add_argument("--reconnect-delay", dest="reconnect_delay_sec", type=float)
 
@@ -133,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--lr", "--learning-rate", dest="learning_rate", type=float)
     pe.add_argument("--eval-every", type=int)
     pe.add_argument("--speed", type=float, help="run at this fraction of full speed")
+    pe.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"],
+                    help="where to compute (default auto: CUDA, else MPS, else CPU)")
     pe.add_argument("--status-file", help="keep this peer's status as JSON here")
     _http_flags(pe)
 
@@ -251,6 +255,8 @@ def _pipeline_parsers(sub: Any) -> None:
     st.add_argument("--lr", "--learning-rate", dest="learning_rate", type=float, default=0.0,
                     help="AdamW learning rate (default: the task's)")
     st.add_argument("--threads", type=int, default=0, help="PyTorch threads (default 0 = all cores)")
+    st.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
+                    help="where this stage's layers compute (default auto: CUDA, else MPS, else CPU)")
     st.add_argument("--status-file", default="", help="keep this stage's status as JSON here (every second)")
     _http_flags(st, dashboard=False)
     st.add_argument("--insecure", action="store_true",
@@ -355,7 +361,7 @@ _WORKER = {
     "batch_size": "training.batch_size", "accumulation_steps": "training.accumulation_steps",
     "message_compute_ms": "training.message_compute_ms",
     "num_threads": "hardware.num_threads", "shard_index": "data.shard_index",
-    "worker_id": "training.worker_id", "speed": "training.speed",
+    "worker_id": "training.worker_id", "speed": "training.speed", "device": "training.device",
     "reconnect_attempts": "network.reconnect_attempts", "reconnect_delay_sec": "network.reconnect_delay_sec",
 }
 
@@ -389,7 +395,7 @@ _PEER = {
     "max_rounds": "training.max_rounds", "batch_size": "training.batch_size",
     "num_threads": "hardware.num_threads", "learning_rate": "training.learning_rate",
     "eval_every": "training.eval_every", "speed": "training.speed", "run_log": "logging.run_log",
-    "http_port": "ops.http_port", "http_host": "ops.http_host",
+    "http_port": "ops.http_port", "http_host": "ops.http_host", "device": "training.device",
 }
 
 
@@ -497,7 +503,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         sync_every=args.sync_every,
         learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file,
         http_port=args.http_port or 0, http_host=args.http_host or "127.0.0.1",
-        server_limits=stage_server_settings(args))
+        server_limits=stage_server_settings(args), device=args.device)
     return run_stage(_pipeline_task(args), opts, secret=_cli_secret(args), insecure=args.insecure,
                      tls=_cli_tls(args))
 

@@ -15,27 +15,41 @@ stage holds no autograd graph between requests, and its optimizer may step while
 micro-batches are between their forward and backward; those backwards then use the new
 weights (the weight staleness of asynchronous pipelines such as PipeDream-2BW). The last
 stage computes loss and backward within the forward, with no staleness.
+
+The stage's state is a :class:`~swarmtrain.pipeline.weights.StageWeights`: only trainable
+parameters are optimized (float32 masters for half-precision ones), and buffers such as
+BatchNorm's running statistics change once per micro-batch, in its training forward (the
+recomputation before the backward restores them). The inference twin holds its own copy of
+those buffers, refreshed after each change under the weights lock, so inference never sees
+one half-updated. Layers live on ``device``; everything a stage hands back is on the CPU,
+for the wire.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from swarmtrain.devices import batch_to
 from swarmtrain.pipeline.partition import LossFn
+from swarmtrain.pipeline.placement import RngState, to_cpu
+from swarmtrain.pipeline.weights import StageWeights, SyncMismatch
 
 __all__ = ["BadInput", "ComputeConfig", "StageCompute", "StageOutcome", "UnknownMicrobatch"]
 
 log = logging.getLogger("swarmtrain.pipeline")
 
 Key = tuple[str, int]
+_Graph = tuple[torch.Tensor, torch.Tensor | None]  # an output and its gradient (None: it is the loss)
 
 
 class BadInput(ValueError):
@@ -99,8 +113,8 @@ class _Held:
     """A training forward waiting for its backward."""
 
     input: torch.Tensor
-    output: torch.Tensor
-    rng_state: torch.Tensor  # the CPU RNG state the forward ran with (dropout masks)
+    output: torch.Tensor  # on the CPU, as answered
+    rng_state: RngState  # the RNG state the forward ran with (dropout masks)
 
 
 class StageCompute:
@@ -110,25 +124,33 @@ class StageCompute:
     one other thread at the same time.
 
     Args:
-        layers: the stage's layers (train mode).
-        is_first: stage 0, whose input (token ids) takes no gradient.
+        layers: the stage's layers (train mode); moved to ``device``.
+        is_first: stage 0, whose input (token ids, or the data's features) takes no gradient.
         loss_fn: set on the last stage: it turns output and targets into the loss and runs
             the backward as part of the forward.
         config: learning rate, accumulation, cache bounds.
+        device: where the layers compute (inputs are moved there, answers back to the CPU).
+
+    Raises:
+        ConfigError: a trainable parameter has a dtype that cannot be trained (integer).
     """
 
     def __init__(
-        self, layers: nn.Module, *, is_first: bool, loss_fn: LossFn | None, config: ComputeConfig
+        self, layers: nn.Module, *, is_first: bool, loss_fn: LossFn | None, config: ComputeConfig,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.layers = layers
+        self.device = torch.device(device)
+        self.layers = layers.to(self.device)
         self.is_first = is_first
         self.loss_fn = loss_fn
         self.config = config
-        self._infer_layers = _eval_twin(layers)  # None: inference borrows the training layers
+        self.weights = StageWeights(self.layers)
+        self._infer_layers = _eval_twin(self.layers, self.weights.buffers)  # None: borrow the layers
         self._weights_lock = threading.Lock()  # held while weights change or inference reads
+        # None: every parameter of the stage is frozen (it still passes gradients upstream)
         self.optimizer = torch.optim.AdamW(
-            layers.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
-        )
+            self.weights.optimized(), lr=config.learning_rate, weight_decay=config.weight_decay
+        ) if self.weights.trainable else None
         self._pending: OrderedDict[Key, _Held] = OrderedDict()
         self._done: OrderedDict[Key, StageOutcome] = OrderedDict()
         self._applied: OrderedDict[Key, None] = OrderedDict()
@@ -166,9 +188,10 @@ class StageCompute:
                            "and its answer is no longer cached; it cannot be redone")
         inp = self._prepare_input(x)
         if self.loss_fn is None:
-            rng = torch.get_rng_state()
+            rng = RngState.capture(self.device)
             with torch.no_grad():
-                y = self._run_layers(inp)
+                y = to_cpu(self._run_layers(inp))
+            self._publish_buffers()
             self.forwards += 1
             self._remember(self._pending, key, _Held(inp, y, rng), self.config.cache_size)
             return StageOutcome(y=y, grad=None, done=False, cached=False)
@@ -176,26 +199,30 @@ class StageCompute:
             raise BadInput("the last stage needs the targets tensor with every training forward")
         if targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
             raise BadInput("targets hold NaN or infinite values")  # the loss would poison the weights
+        targets = batch_to(targets, self.device)
         leaf = self._leaf(inp)
-        with torch.enable_grad():
-            y = self._run_layers(leaf)
+        replay = RngState.capture(self.device) if self.weights.scaler.enabled else None
+        with self.weights.buffers_kept(only_on_error=True), torch.enable_grad():
             self.forwards += 1
-            try:
-                loss = self.loss_fn(y, targets)
-            except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-                raise BadInput(f"loss of output {tuple(y.shape)} against targets of shape "
-                               f"{tuple(targets.shape)} and dtype {targets.dtype} failed: {exc}") from exc
-        if not bool(torch.isfinite(loss.detach()).all()):
-            raise BadInput(f"the loss of this micro-batch is {float(loss.detach().reshape(-1)[0])} "
-                           "(are all its targets ignored, e.g. -100?): nothing was applied")
-        return self._apply(key, leaf, loss, None, y=loss.detach().reshape(()).float())
+            loss = self._loss(self._run_layers(leaf), targets)
+            if not bool(torch.isfinite(loss.detach()).all()):
+                raise BadInput(f"the loss of this micro-batch is {float(loss.detach().reshape(-1)[0])} "
+                               "(are all its targets ignored, e.g. -100?): nothing was applied")
+        self._publish_buffers()
+
+        def redo() -> _Graph:
+            assert replay is not None  # only a loss scale makes a backward be redone
+            return self._loss(self._recompute(leaf, replay), targets), None
+
+        return self._apply(key, leaf, redo, first=(loss, None), y=to_cpu(loss.detach().reshape(()).float()))
 
     def backward(self, session: str, microbatch: int, grad: torch.Tensor) -> StageOutcome:
         """Apply the backward of an earlier forward, once.
 
         The forward is recomputed from the cached input (with the random state it ran
-        with), so the graph is built on the current weights: an optimizer step between a
-        micro-batch's forward and its backward cannot invalidate it.
+        with, and without changing the buffers again), so the graph is built on the current
+        weights: an optimizer step between a micro-batch's forward and its backward cannot
+        invalidate it.
 
         Raises:
             UnknownMicrobatch: no forward of this micro-batch is held here.
@@ -220,14 +247,17 @@ class StageCompute:
             raise BadInput("grad holds NaN or infinite values")
         del self._pending[key]
         leaf = self._leaf(held.input)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.set_rng_state(held.rng_state)
-            out = self._run_layers(leaf)
-        return self._apply(key, leaf, out, grad.to(out.dtype), y=None)
+        grad = batch_to(grad, self.device)
+
+        def redo() -> _Graph:
+            return self._recompute(leaf, held.rng_state), grad
+
+        return self._apply(key, leaf, redo, first=None, y=None)
 
     def infer(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward without gradients, in eval mode (dropout off), on the current weights.
-        Safe to call from a second thread while training runs (see the class docstring).
+        """Forward without gradients, in eval mode (dropout off, BatchNorm on its running
+        statistics), on the current weights; the answer is on the CPU. Safe to call from a
+        second thread while training runs (see the class docstring).
 
         Raises:
             BadInput: ``x`` holds NaN or infinite values, or the layers refused it.
@@ -244,43 +274,47 @@ class StageCompute:
                 finally:
                     self.layers.train(was_training)
         self.inferences += 1
-        return y
+        return to_cpu(y)
 
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of every parameter, by name."""
-        return {name: p.detach().clone() for name, p in self.layers.named_parameters()}
+        """A CPU copy of what replicas average, by name: every trainable parameter (its
+        float32 master, for half-precision ones) and every synced buffer (BatchNorm's
+        running statistics and counter). Frozen parameters are not in it."""
+        return self.weights.snapshot()
+
+    def sync_tensors(self) -> dict[str, torch.Tensor]:
+        """The live tensors :meth:`parameters_snapshot` copies (for sizing frame limits)."""
+        return self.weights.synced()
 
     def move_towards(self, mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
-        """Add ``(theirs - mine) / 2`` to every parameter: halfway to the other replica.
+        """Move halfway to the other replica: ``(theirs - mine) / 2`` for every trainable
+        parameter and floating buffer, integer buffers to the larger count (see
+        :meth:`StageWeights.move_towards`); frozen parameters are left alone.
 
         Raises:
-            BadInput: ``theirs`` lacks a parameter, has a different shape, or holds NaN or
-                infinite values (the weights are then left as they were).
+            BadInput: ``theirs`` lacks a tensor, has a different shape or kind, or holds NaN
+                or infinite values (the weights are then left as they were).
         """
-        params = dict(self.layers.named_parameters())
-        for name, p in params.items():
-            other = theirs.get(name)
-            if other is None or other.shape != p.shape or not other.is_floating_point():
-                raise BadInput(f"replica sync: parameter {name!r} missing or of another shape/dtype")
-            if not bool(torch.isfinite(other).all()):
-                raise BadInput(f"replica sync: parameter {name!r} holds NaN or infinite values")
-        with self._weights_lock, torch.no_grad():
-            for name, p in params.items():
-                p.add_((theirs[name].to(p.dtype) - mine[name]) * 0.5)
+        try:
+            self.weights.move_towards(mine, theirs, self._weights_lock)
+        except SyncMismatch as exc:
+            raise BadInput(str(exc)) from exc
+        self._publish_buffers()
 
     @property
     def applied_log(self) -> tuple[Key, ...]:
         """The micro-batches applied here, oldest first (the last ``applied_history``)."""
         return tuple(self._applied)
 
-    def status(self) -> dict[str, int]:
-        """Counters, by name."""
+    def status(self) -> dict[str, Any]:
+        """Counters, by name, and the loss scale of a float16 stage (1.0 otherwise)."""
         return {
             "steps": self.steps, "microbatches": self.microbatches, "forwards": self.forwards,
             "cached_answers": self.cached_answers, "duplicate_backwards": self.duplicate_backwards,
             "evictions": self.evictions, "answer_evictions": self.answer_evictions,
             "inferences": self.inferences,
             "pending_forwards": len(self._pending),
+            "loss_scale": self.weights.scaler.scale, "overflows": self.weights.scaler.overflows,
         }
 
     # -- internals -------------------------------------------------------------------------
@@ -296,27 +330,65 @@ class StageCompute:
                            f"and dtype {inp.dtype}: {exc}") from exc
         return out
 
+    def _recompute(self, leaf: torch.Tensor, rng: RngState) -> torch.Tensor:
+        """The training forward again, for its backward, with the random state it first ran
+        with (the caller restores the buffers it changes, once its backward is done)."""
+        with rng.replayed(), torch.enable_grad():
+            return self._run_layers(leaf)
+
+    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.loss_fn is not None
+        # Half-precision logits: the loss in float32, as mixed-precision training computes it.
+        logits = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+        try:
+            return self.loss_fn(logits, targets)
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            raise BadInput(f"loss of output {tuple(out.shape)} against targets of shape "
+                           f"{tuple(targets.shape)} and dtype {targets.dtype} failed: {exc}") from exc
+
     def _leaf(self, inp: torch.Tensor) -> torch.Tensor:
-        # Token ids take no gradient; hidden states do (their gradient goes upstream).
+        # Stage 0's input (token ids, the data) takes no gradient; hidden states do (their
+        # gradient goes upstream).
         return inp if self.is_first else inp.detach().requires_grad_(True)
 
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            if x.is_floating_point() or x.dtype == torch.bool:
-                raise BadInput(f"stage 0 takes integer token ids, got {x.dtype}")
-            return x.long()
+        if x.dtype == torch.bool or x.is_complex():
+            raise BadInput(f"stage input must be a float tensor (or integer token ids on stage 0), "
+                           f"got {x.dtype}")
+        if self.is_first and not x.is_floating_point():
+            return batch_to(x.long(), self.device)
         if not x.is_floating_point():
             raise BadInput(f"stage input must be a float tensor, got {x.dtype}")
         if not bool(torch.isfinite(x).all()):
             raise BadInput("stage input holds NaN or infinite values")
         # A copy that owns its memory (the wire tensor is a view of a whole frame's buffer).
-        return x.detach().clone()
+        moved = batch_to(x.detach(), self.device)
+        return moved.clone() if moved is x else moved
 
-    def _apply(self, key: Key, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None,
-               *, y: torch.Tensor | None) -> StageOutcome:
-        # Unscaled, so the input gradient sent upstream is the true one; _step averages.
-        out.backward(grad)
-        in_grad = None if self.is_first or inp.grad is None else inp.grad.detach()
+    def _apply(self, key: Key, inp: torch.Tensor, redo: Callable[[], _Graph], *, first: _Graph | None,
+               y: torch.Tensor | None) -> StageOutcome:
+        """Differentiate ``first`` (output, gradient of it; None: the output is the loss), or
+        else a recomputation ``redo()``, take the gradients into the step's sums, and step
+        every ``accumulate`` micro-batches. A recomputation's changes to the buffers are
+        undone after its backward (not before: autograd checks that the tensors it saved,
+        BatchNorm's statistics among them, were not modified in between). With a loss scale,
+        a backward whose gradients overflowed is redone at the halved scale, down to scale
+        1 at most: bounded, and no micro-batch is dropped."""
+        while True:
+            with contextlib.ExitStack() as recomputed:
+                if first is None:
+                    recomputed.enter_context(self.weights.buffers_kept())
+                    out, grad = redo()
+                else:
+                    (out, grad), first = first, None
+                if out.requires_grad:  # not so on stage 0 when every parameter is frozen
+                    self._backprop(out, grad)
+            upstream = [] if self.is_first or inp.grad is None else [inp.grad.detach()]
+            taken = self.weights.absorb(upstream)
+            if taken is not None:
+                break
+            inp.grad = None
+        in_grad = to_cpu(taken[0]) if taken else None
         outcome = StageOutcome(y=y, grad=in_grad, done=True, cached=False)
         self._remember(self._done, key, outcome, self.config.done_cache_size)
         self._remember(self._applied, key, None, self.config.applied_history)
@@ -326,18 +398,29 @@ class StageCompute:
             self._step()
         return outcome
 
+    def _backprop(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        scaler = self.weights.scaler
+        if not scaler.enabled:  # unscaled, so the input gradient sent upstream is the true one
+            out.backward(None if grad is None else grad.to(out.dtype))
+        elif grad is None:
+            (out.float() * scaler.scale).backward()
+        else:
+            out.backward((grad.float() * scaler.scale).to(out.dtype))
+
     def _step(self) -> None:
-        with torch.no_grad():
-            for p in self.layers.parameters():
-                if p.grad is not None:
-                    p.grad.div_(self._accumulated)  # the mean over the micro-batches
-        if self.config.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.layers.parameters(), self.config.grad_clip)
-        with self._weights_lock:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.weights.step(self.optimizer, self._accumulated, self.config.grad_clip, self._weights_lock)
         self._accumulated = 0
         self.steps += 1
+
+    def _publish_buffers(self) -> None:
+        """Copy the training layers' synced buffers into the inference twin's own."""
+        twin = self._infer_layers
+        if twin is None or not self.weights.buffers:
+            return
+        theirs = dict(twin.named_buffers())
+        with self._weights_lock, torch.no_grad():
+            for name, b in self.weights.buffers.items():
+                theirs[name].copy_(b)
 
     def _remember(self, cache: OrderedDict[Key, Any], key: Key, value: Any, bound: int) -> None:
         cache[key] = value
@@ -349,12 +432,14 @@ class StageCompute:
                 self.answer_evictions += 1
 
 
-def _eval_twin(layers: nn.Module) -> nn.Module | None:
-    """A copy of ``layers`` in eval mode whose parameters and buffers share the originals'
-    storage: it always computes with the current weights, and switching it to eval mode
-    (dropout off) never touches the training module another thread is running. None when
-    the module cannot be copied (it holds a lock, a file, ...): inference then waits for the
-    training work in progress."""
+def _eval_twin(layers: nn.Module, synced_buffers: dict[str, torch.Tensor]) -> nn.Module | None:
+    """A copy of ``layers`` in eval mode whose parameters share the originals' storage: it
+    always computes with the current weights, and switching it to eval mode (dropout off,
+    BatchNorm on running statistics) never touches the training module another thread is
+    running. Buffers the training forwards change (``synced_buffers``: running statistics)
+    are the twin's own copies, which the stage refreshes after each change; constant buffers
+    (masks) share storage. None when the module cannot be copied (it holds a lock, a file,
+    ...): inference then waits for the training work in progress."""
     try:
         twin = copy.deepcopy(layers)
     except (TypeError, RuntimeError, copy.Error) as exc:
@@ -364,8 +449,11 @@ def _eval_twin(layers: nn.Module) -> nn.Module | None:
     with torch.no_grad():
         for (_, mine), (_, theirs) in zip(twin.named_parameters(), layers.named_parameters(), strict=True):
             mine.data = theirs.data
-        for (_, buf), (_, orig) in zip(twin.named_buffers(), layers.named_buffers(), strict=True):
-            buf.data = orig.data
+        for (name, buf), (_, orig) in zip(twin.named_buffers(), layers.named_buffers(), strict=True):
+            if name in synced_buffers:
+                buf.copy_(orig)
+            else:
+                buf.data = orig.data
     twin.eval()
     for p in twin.parameters():
         p.requires_grad_(False)

@@ -1,12 +1,17 @@
 """Replicas of one stage keep their weights together by periodic parameter averaging.
 
-A :class:`ReplicaSync` belongs to one stage server and averages its parameters with each of
-its sync peers (other servers of the same stage) in turn. One round with one peer:
+A :class:`ReplicaSync` belongs to one stage server and averages its state with each of its
+sync peers (other servers of the same stage) in turn. The state averaged is the stage's
+trainable parameters (the float32 masters of half-precision ones) and its buffers
+(BatchNorm's running statistics and counters); frozen parameters never travel and are never
+moved. One round with one peer:
 
-1. take a snapshot ``mine`` of the parameters on the compute thread;
-2. send it (STAGE_SYNC); the peer moves its parameters halfway towards ``mine`` and answers
-   with ``theirs``, its own parameters as they were just before;
-3. move halfway towards ``theirs`` on the compute thread: ``p += (theirs - mine) / 2``.
+1. take a snapshot ``mine`` of that state on the compute thread;
+2. send it (STAGE_SYNC); the peer moves halfway towards ``mine`` and answers with
+   ``theirs``, its own state as it was just before;
+3. move halfway towards ``theirs`` on the compute thread: ``p += (theirs - mine) / 2``
+   (an integer buffer, a counter, goes to the larger count instead: ``max(mine, theirs)``
+   plus what it counted since ``mine``).
 
 Two replicas that did not train during the round end up identical, at the average; work
 done during the round is kept on top of it. Configure each pair on one side only (else a
@@ -35,11 +40,11 @@ OnComputeThread = Callable[..., Awaitable[Any]]
 
 
 class ReplicaSync:
-    """Parameter averaging of one stage server with its sync peers.
+    """Parameter (and buffer) averaging of one stage server with its sync peers.
 
     Args:
         peers: ``(host, port)`` of the replicas to average with.
-        on_compute_thread: runs ``kind`` (``"snapshot"`` → parameters by name, or
+        on_compute_thread: runs ``kind`` (``"snapshot"`` → synced tensors by name, or
             ``"sync_apply"`` with ``mine=`` and ``theirs=``) on the server's compute thread.
         step: the server's optimizer step now (sent along, informational).
         secret: the cluster secret.

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmtrain.devices import DEVICE_CHOICES, resolve_device
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.ops.serve import serve_stage
 from swarmtrain.pipeline.compute import ComputeConfig
@@ -146,6 +147,8 @@ class StageOptions:
         server_limits: :class:`StageServerConfig` fields set by the limit flags
             (``max_request_mb``, ``max_connections``, ``max_connections_per_address``,
             ``max_failed_auth``, ``max_bad_in_row``).
+        device: where the layers compute: ``auto`` (CUDA, else MPS, else CPU), ``cpu``,
+            ``cuda`` (or ``cuda:N``) or ``mps``.
     """
 
     stage: int
@@ -162,8 +165,11 @@ class StageOptions:
     http_port: int = 0
     http_host: str = "127.0.0.1"
     server_limits: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device {self.device!r} is not one of {', '.join(DEVICE_CHOICES)}")
         if self.stages < 1 or not 0 <= self.stage < self.stages:
             raise ConfigError(f"--stage {self.stage} --stages {self.stages}: need 0 <= stage < stages")
         for key in ("sync_every", "threads", "port", "http_port"):
@@ -178,10 +184,12 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
     """Serve one stage until SIGINT or SIGTERM.
 
     Raises:
-        ConfigError: no secret on a reachable address (without ``insecure``), or a layer
-            range that does not fit the model or the stage's place in the pipeline.
+        ConfigError: no secret on a reachable address (without ``insecure``), a layer
+            range that does not fit the model or the stage's place in the pipeline, or a
+            ``device`` this machine lacks.
     """
     require_secret(opts.host, opts.port, secret, insecure, "send this stage activations or gradients")
+    device = resolve_device(opts.device)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     model = task.build_model(opts.seed)  # built once: planned, then cut down to this stage
@@ -201,7 +209,7 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         config=StageServerConfig(host=opts.host, port=opts.port,
                                  sync_every=opts.sync_every if opts.sync_with else 0,
                                  **opts.server_limits),
-        secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}", tls=tls)
+        secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}", tls=tls, device=device)
 
     def status(port: int, running: bool) -> dict[str, Any]:
         return {**server.status(), "address": f"{opts.host}:{port}", "port": port,
@@ -219,8 +227,9 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         port = server.port  # a closed server no longer knows it
         http = await serve_stage(server, opts.http_host, opts.http_port) if opts.http_port else None
         peers = ", ".join(f"{h}:{p}" for h, p in opts.sync_with)
-        log.info("stage %d of %d: layers [%d, %d) of %d, listening on %s:%d%s", opts.stage, opts.stages,
-                 *layer_range, n_layers, opts.host, port, f", averaging with {peers}" if peers else "")
+        log.info("stage %d of %d: layers [%d, %d) of %d on %s, listening on %s:%d%s", opts.stage,
+                 opts.stages, *layer_range, n_layers, device, opts.host, port,
+                 f", averaging with {peers}" if peers else "")
         try:
             while not stop.is_set():
                 if opts.status_file:

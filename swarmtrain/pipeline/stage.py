@@ -14,14 +14,15 @@ priority (``training_nice``), so when a machine's cores are all busy training, i
 still gets a core at once: on a 2-core box with three busy stages this is what keeps
 generation latency near its idle value.
 
-Replicas: a server given ``sync_peers`` averages its parameters with each of them every
-``sync_every`` optimizer steps (see :mod:`swarmtrain.pipeline.replicas`); it also serves
+Replicas: a server given ``sync_peers`` averages its trainable parameters and buffers with
+each of them every ``sync_every`` optimizer steps (see :mod:`swarmtrain.pipeline.replicas`); it also serves
 the other side of such rounds (STAGE_SYNC, at gradient-sync priority).
 
 Hardening (as on the coordinator): a frame from a replica may carry at most the stage's
-parameters twice over, one from a trainer at most ``max_request_mb``; connections are capped
-in total and per address; and a connection whose requests are refused ``max_bad_in_row``
-times in a row for what it sent is closed with ERROR ``too_many_bad``.
+synced tensors (trainable parameters, buffers) twice over, one from a trainer at most
+``max_request_mb``; connections are capped in total and per address; and a connection whose
+requests are refused ``max_bad_in_row`` times in a row for what it sent is closed with ERROR
+``too_many_bad``.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ class StageServer:
         sync_peers: ``(host, port)`` of replicas of the same stage this server averages with.
         name: how logs and the status name this server.
         tls: mutual TLS for every connection, served and to sync peers (None = plain TCP).
+        device: where the layers compute (e.g. ``resolve_device("auto")``); activations
+            arrive on and leave from the CPU.
     """
 
     def __init__(
@@ -204,6 +207,7 @@ class StageServer:
         sync_peers: Sequence[tuple[str, int]] = (),
         name: str = "",
         tls: TLSConfig | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.stage = stage
         self.layer_range = layer_range
@@ -211,7 +215,8 @@ class StageServer:
         self.secret = secret
         self.tls = tls
         self.name = name or f"stage{stage}"
-        self.compute = StageCompute(layers, is_first=stage == 0, loss_fn=loss_fn, config=compute)
+        self.compute = StageCompute(layers, is_first=stage == 0, loss_fn=loss_fn, config=compute,
+                                    device=device)
         self.inbound = ActivationBuffer(config.buffer_capacity)
         self.infer_inbound = ActivationBuffer(config.infer_capacity)
         self.outbound = OutboundBuffer(self._send_reply, capacity=config.outbound_capacity,
@@ -278,8 +283,10 @@ class StageServer:
         parameters: at most twice their bytes (plus 1 MiB) and a few tensors more than there
         are parameters. A trainer's or generation client's request holds at most an
         activation (or its gradient) and targets: ``max_request_mb`` and 4 tensors. Headers
-        hold tensor names and a few fields: 64 KiB plus what the parameters' names need."""
-        params = dict(self.compute.layers.named_parameters())
+        hold tensor names and a few fields: 64 KiB plus what the parameters' names need.
+        (A sync's "parameters" are what replicas average: trainable parameters, float32
+        masters of half-precision ones, and buffers.)"""
+        params = self.compute.sync_tensors()
         names = sum(len(n.encode()) + _HEADER_BYTES_PER_TENSOR for n in params)
         return {
             "stage": Limits(max_header_bytes=_HEADER_BYTES + names,
@@ -311,13 +318,15 @@ class StageServer:
         await self._shutdown(abrupt=True)
 
     def status(self) -> dict[str, Any]:
-        """Layers held, optimizer steps, micro-batches, cache and sync counters, refusals
+        """Layers held and their device, optimizer steps, micro-batches, cache and sync
+        counters, loss scale (float16 stages), refusals
         (full buffer, failed handshakes, bad input; ``senders``: the last
         1024 addresses refused for their input, by address) and the metrics of both buffers."""
         with self._senders_lock:
             senders = {addr: dict(rec) for addr, rec in self._sender_log.items()}
         return {
             "name": self.name, "stage": self.stage, "layers": list(self.layer_range),
+            "device": str(self.compute.device),
             **self.compute.status(),
             "sync_rounds": self.replicas.rounds, "sync_served": self.sync_served,
             "sync_failures": self.replicas.failures, "refused": self.refused,
