@@ -259,6 +259,16 @@ class CoordinatorTrainingConfig(_Section):
     min_workers: int = _opt(1, "workers needed before training starts", ge=1)
     max_staleness: int = _opt(16, "gradients staler than this are dropped", ge=0)
     staleness_damping: bool = _opt(True, "scale the learning rate down with staleness")
+    aggregate_samples: int = _opt(
+        0, "bounded asynchrony: sum gradients (sample-weighted) until they hold this many samples, "
+        "then take one Adam step, answering every gradient at once so no worker waits (0 = one "
+        "step per gradient). Set it to the batch one process would train with and give workers "
+        "smaller batches: gradients of one window are computed on the same weights, so the run "
+        "follows one process at equal samples instead of paying for staleness", ge=0)
+    aggregate_hold: float = _opt(
+        1.0, "with aggregate_samples: hold the answer to a gradient until its window closes, for at "
+        "most this many of that worker's own step times (0 = answer at once): workers that keep up "
+        "compute on the new weights, a fast one waits at most about one of its steps", ge=0.0, le=10.0)
     sparse_variance: str = _opt(
         "hold", "Adam's second moment on a top-k (sparse) gradient: 'hold' keeps what dense "
         "gradients (the warm-up) taught it, so that error feedback feeds a linear update and "

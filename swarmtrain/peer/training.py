@@ -341,7 +341,7 @@ class DiLoCo(Strategy):
         self.inner_seconds = inner_seconds
         self.global_params = [m.detach().clone() for m in self.masters]
         self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
-                                     nesterov=True)
+                                     nesterov=outer_momentum > 0)  # (torch refuses Nesterov without momentum)
         self.momentum = [torch.zeros_like(p) for p in self.global_params]
         for p, m in zip(self.global_params, self.momentum):
             self.outer.state[p]["momentum_buffer"] = m

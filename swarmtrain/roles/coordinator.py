@@ -43,6 +43,7 @@ from swarmtrain.errors import (
 )
 from swarmtrain.modelstate import ModelState, master_dtype
 from swarmtrain.roles.adam import adam_step, is_sparse, make_adam, variance_steps
+from swarmtrain.roles.aggregation import GradientWindow
 from swarmtrain.roles.common import (
     FUSED,
     check_compression_match,
@@ -128,6 +129,8 @@ class WorkerRecord:
     drift: float = 0.0
     residual_norm: float = 0.0
     clipped: int = 0  # gradients scaled down by the outlier screen
+    answered_at: float = 0.0  # when its last gradient was answered
+    step_sec: float = 0.0  # answer -> its next gradient (its compute, roughly): EMA
     #: the worker holds the master buffers as of this version (changes after it are sent)
     buffers_version: int = -1
     #: its shard set changed while it (or another) was registering: an ASSIGN is owed
@@ -220,6 +223,9 @@ class Coordinator:
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
         #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
         self.screen = NormScreen(t.outlier_norm_factor)
+        #: bounded asynchrony: gradients summed until they hold aggregate_samples samples
+        self.window = GradientWindow(self.params) if t.aggregate_samples else None
+        self._updated = asyncio.Event()  # set (and replaced) whenever an update is applied
         self.num_shards = t.num_shards or max(t.min_workers, 1)
         self.shard_plan = ShardPlanner(self.num_shards)
         self.version = 0
@@ -480,7 +486,8 @@ class Coordinator:
             shards=list(rec.shards),
             running=self.running, paused=self.paused, version=weights.version,
             last_applied_msg_id=rec.last_msg_id,
-            info={"task": self.task_name, "min_workers": self.config.training.min_workers},
+            info={"task": self.task_name, "min_workers": self.config.training.min_workers,
+                  "aggregate_samples": self.config.training.aggregate_samples},
         ))
         await self._send(rec, weights)
         rec.welcomed = True
@@ -500,8 +507,20 @@ class Coordinator:
         if isinstance(msg, Gradients):
             if self._finished:
                 return  # the run is over; SHUTDOWN is on its way to this worker
+            arrived = time.monotonic()
+            if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
+                rec.step_sec = _ema(rec.step_sec, arrived - rec.answered_at)
+            version = self.version
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
+            if self.version != version:  # an update was applied: wake the held answers
+                self._updated.set()
+                self._updated = asyncio.Event()
+            elif self.window is not None and status == "applied" and rec.step_sec:
+                await self._hold_for_window(rec)
+            if reply is None:
+                reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
             await self._send(rec, reply)
+            rec.answered_at = time.monotonic()
             if status == "rejected" and rec.bad_in_row >= self.config.training.max_bad_in_row:
                 await self._disconnect_bad_sender(rec)
                 return
@@ -600,7 +619,19 @@ class Coordinator:
         rec.buffers_version = self.version
         return owed
 
-    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message]:
+    async def _hold_for_window(self, rec: WorkerRecord) -> None:
+        """Hold the answer to a gradient that went into an open window until the window closes,
+        but no longer than ``aggregate_hold`` of this worker's own step: when the others keep
+        up, its next gradient is then computed on the new weights (as in one process); when
+        they are slower, it goes on with the weights as they are and fills the window itself."""
+        limit = min(self.config.training.aggregate_hold * rec.step_sec, 5.0)
+        if limit <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit):
+                await self._updated.wait()
+
+    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message | None]:
         rec.gradients += 1
         rec.bytes_up += payload_bytes(msg.tensors)
         rec.residual_norm = msg.residual_norm
@@ -617,10 +648,15 @@ class Coordinator:
         else:
             status = self._apply_checked(rec, msg, staleness)
         rec.loss = msg.loss
-        reply = self._update_for(rec, msg.msg_id, status)
+        if self.window is not None and status == "applied" and self.window.gradients:
+            return status, None  # in an open window: answered once it closes (or the hold ends)
+        return status, self._reply(rec, msg.msg_id, status)
+
+    def _reply(self, rec: WorkerRecord, msg_id: int, status: str) -> Message:
+        reply = self._update_for(rec, msg_id, status)
         rec.updates += 1
         rec.bytes_down += payload_bytes(reply.tensor_map())
-        return status, reply
+        return reply
 
     def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> str:
         try:
@@ -635,15 +671,16 @@ class Coordinator:
             g = grads.get(name)
             p.grad = None if g is None else g.to(p.dtype)
         rec.weight = self._sample_weight(msg.samples)
-        if adam_step(self.optimizer, self.base_lr * self._damping(staleness) * rec.weight,
-                     sparse=is_sparse(msg.codecs), hold=self.config.training.sparse_variance == "hold"):
-            if not self.held_variance_steps:
-                log.info("top-k gradients from now on: Adam's second moment is held at what %d "
-                         "dense steps taught it", variance_steps(self.optimizer))
-            self.held_variance_steps += 1
-        for p in self.params.values():
-            p.grad = None
-        self.version += 1
+        if self.window is not None:
+            self.window.add(grads, msg.samples * self._damping(staleness), msg.samples,
+                            sparse=is_sparse(msg.codecs))
+            for p in self.params.values():
+                p.grad = None
+            if self.window.samples >= self.config.training.aggregate_samples:
+                self._step_window()
+        else:
+            self._adam(self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
+            self.version += 1
         with torch.no_grad():  # in arrival order, as one process updates them batch by batch
             for name, change in buffer_changes.items():
                 master = self.buffers[name]
@@ -663,6 +700,25 @@ class Coordinator:
         self.stats["applied"] += 1
         self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
         return "applied"
+
+    def _adam(self, lr: float, sparse: bool) -> None:
+        """One optimizer step on the gradients in ``p.grad`` (then cleared)."""
+        if adam_step(self.optimizer, lr, sparse=sparse, hold=self.config.training.sparse_variance == "hold"):
+            if not self.held_variance_steps:
+                log.info("top-k gradients from now on: Adam's second moment is held at what %d "
+                         "dense steps taught it", variance_steps(self.optimizer))
+            self.held_variance_steps += 1
+        for p in self.params.values():
+            p.grad = None
+
+    def _step_window(self) -> None:
+        """Apply the aggregation window's mean gradient as one update."""
+        assert self.window is not None
+        mean, sparse = self.window.take()
+        for name, p in self.params.items():
+            p.grad = mean.get(name)
+        self._adam(self.base_lr, sparse)
+        self.version += 1
 
     def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, torch.Tensor],
                  buffer_changes: Mapping[str, torch.Tensor]) -> str:
@@ -917,6 +973,10 @@ def _master_weights(
         else:
             masters[name] = p.detach().to("cpu", master_dtype(p.dtype)).clone()
     return masters, None, lowp
+
+
+def _ema(old: float, new: float, keep: float = 0.8) -> float:
+    return new if old == 0 else keep * old + (1 - keep) * new
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:

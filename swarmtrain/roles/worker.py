@@ -203,6 +203,7 @@ class Worker:
         self._sent_at: dict[int, float] = {}
         self.round_trip_sec: float | None = None  # gradient sent -> its answer arrived (EMA)
         self.compute_sec: float | None = None  # one message's compute, throttle included (EMA)
+        self.coordinator_aggregates = False  # training.aggregate_samples > 0 there: never overlap
         self.throttle = hardware.Throttle(self.config.training.speed)
         self._registered = False
         self._broken: BaseException | None = None
@@ -336,6 +337,9 @@ class Worker:
             raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
         self._load_full(weights.tensors, weights.version)
         self._running, self._paused = ack.running, ack.paused
+        # a coordinator that aggregates holds answers until a window closes: a gradient computed
+        # while one is in flight would always miss that window's update
+        self.coordinator_aggregates = bool(ack.info.get("aggregate_samples"))
         self._registered = True
         log.info("registered as %s: shards %s of %d, version %d, batch %d x %d",
                  self.worker_id, self.shards, self.num_shards, self.version,
@@ -461,8 +465,8 @@ class Worker:
     def overlaps(self) -> bool:
         """Compute the next gradient while this one's answer is in flight? Only when the round
         trip is a real fraction of the compute (see the module docstring); not before the first
-        round trip has been measured."""
-        if self.round_trip_sec is None or self.compute_sec is None:
+        round trip has been measured, and never when the coordinator aggregates."""
+        if self.round_trip_sec is None or self.compute_sec is None or self.coordinator_aggregates:
             return False
         return self.round_trip_sec >= OVERLAP_MIN_FRACTION * self.compute_sec
 

@@ -1,0 +1,95 @@
+"""Every model of the zoo through every mode, at the samples one plain PyTorch process
+trains on: the held-out metric within a stated bound of the one-process run, and a trained
+state that is whole (every ``state_dict`` key, a strict load into a fresh model, frozen
+parameters untouched, BatchNorm statistics trained, tied weights equal, replicas identical).
+
+The bar (issue #15, must-have 8), the same for every mode:
+
+- a classifier's held-out accuracy >= the one-process accuracy - ``ACCURACY_MARGIN``;
+- a language model's held-out loss <= ``LOSS_FACTOR`` x the one-process loss.
+
+The parameter server runs as the docs recommend for quality: bounded asynchrony
+(``aggregate_samples`` = the batch, each of the 2 workers computing half of it). Applying
+every gradient on arrival instead cost GPT-2 18 % here (3.05 vs 2.59): see
+``benchmarks/bench_async.py`` for the methods tried. The bounds are the issue's, not fitted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from .harness import Case, Outcome, state_problems, train_one_process, train_peer, train_pipeline, train_ps
+from .zoo import CASES, SEQUENTIAL
+
+pytestmark = pytest.mark.timeout(120)
+
+ACCURACY_MARGIN = 0.03
+LOSS_FACTOR = 1.05
+
+
+@functools.cache
+def reference(name: str) -> Outcome:
+    """The one-process run of a case (computed once per session; deterministic)."""
+    return train_one_process(CASES[name])
+
+
+def check(case: Case, out: Outcome) -> None:
+    ref = reference(case.name)
+    got, want = out.metrics[case.metric], ref.metrics[case.metric]
+    print(f"{case.name} {out.mode}: {case.metric} {got:.4f} vs one process {want:.4f}; "
+          f"{out.samples} samples in {out.seconds:.1f} s ({out.samples_per_sec:.0f}/s; one process "
+          f"{ref.samples_per_sec:.0f}/s); {out.extra}")
+    problems = state_problems(case, out)
+    assert abs(out.samples - case.samples) <= 2 * case.batch_size, (out.samples, case.samples)
+    if case.higher_is_better:
+        bound_ok = got >= want - ACCURACY_MARGIN
+        bound = f"{case.metric} {got:.4f} < one process {want:.4f} - {ACCURACY_MARGIN}"
+    else:
+        bound_ok = got <= LOSS_FACTOR * want
+        bound = f"{case.metric} {got:.4f} > {LOSS_FACTOR} x one process {want:.4f}"
+    assert not problems and bound_ok, "; ".join(problems + ([] if bound_ok else [bound]))
+
+
+def test_one_process_references_learn() -> None:
+    """The references themselves: far above chance, so the comparisons mean something."""
+    floors = {"gpt2": ("loss", 3.0), "bert": ("accuracy", 0.9), "resnet": ("accuracy", 0.95),
+              "frozen": ("accuracy", 0.9), "layerdrop": ("accuracy", 0.93), "lstm": ("accuracy", 0.9),
+              "bf16": ("accuracy", 0.9)}
+    for name, (metric, floor) in floors.items():
+        got = reference(name).metrics[metric]
+        assert (got <= floor) if metric == "loss" else (got >= floor), (name, metric, got)
+        assert not state_problems(CASES[name], reference(name)), name
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parameter_server_two_workers(name: str) -> None:
+    case = CASES[name]
+    out = train_ps(case)
+    check(case, out)
+    if name == "gpt2":  # the tie survives on every worker: one tensor, not two copies
+        for model in out.models:
+            head, wte = model.get_submodule("lm_head").weight, model.get_submodule("transformer.wte").weight
+            assert isinstance(head, torch.Tensor) and isinstance(wte, torch.Tensor)
+            assert head.data_ptr() == wte.data_ptr()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_peer_mode_per_step_averaging(name: str) -> None:
+    check(CASES[name], train_peer(CASES[name], mode="step"))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_peer_mode_diloco(name: str) -> None:
+    """DiLoCo's outer step as plain averaging (outer SGD lr 1, no momentum): at 25-60 rounds of
+    10 inner steps the default Nesterov outer step (lr 0.7, momentum 0.9, tuned for hundreds of
+    inner steps over thousands of rounds) overshoots: BERT stayed at chance with it."""
+    check(CASES[name], train_peer(CASES[name], mode="diloco", inner_steps=10, outer_lr=1.0,
+                                  outer_momentum=0.0))
+
+
+@pytest.mark.parametrize("name", SEQUENTIAL)
+def test_pipeline_two_stages(name: str) -> None:
+    check(CASES[name], train_pipeline(CASES[name], stages=2))
