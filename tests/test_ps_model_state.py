@@ -23,6 +23,7 @@ from swarmtrain.export import export_model
 from swarmtrain.roles.coordinator import Coordinator
 from swarmtrain.roles.worker import Worker
 from swarmtrain.tasks import DigitsTask
+from tests.test_ps_inprocess import _run
 
 TASK = DigitsTask()
 DATA = TASK.load_data()
@@ -92,13 +93,7 @@ def worker(port: int, model: nn.Module, data: Any = None, **over: Any) -> Worker
 
 
 async def _train(coord: Coordinator, workers: list[Worker], timeout: float = 90) -> None:
-    await coord.start()
-    try:
-        tasks = [asyncio.create_task(w.run_async()) for w in workers]
-        await asyncio.wait_for(coord.run(), timeout)
-        await asyncio.wait_for(asyncio.gather(*tasks), 30)
-    finally:
-        await coord.close()
+    await _run(coord, workers, timeout)
 
 
 def one_process(model: nn.Module, steps: int, lr: float = 3e-3, batch: int = 32, **adam: Any) -> nn.Module:

@@ -1,21 +1,20 @@
-"""A worker's own random stream, so that workers started from the same script differ.
+"""A worker's own random stream for drawing its batches, so that workers started alike differ.
 
 A user's training script typically calls ``torch.manual_seed(0)`` and hands the worker a
 shuffling ``DataLoader``. A ``DataLoader`` without a ``generator=`` draws its shuffling seed
-(and its worker processes' base seed) from torch's global generator when an epoch starts, and
-dropout draws from it on every forward pass: two workers started alike would see the same
-batches in the same order, and the same dropout masks. :class:`OwnRandomness` gives each
-worker a stream of its own, derived from the worker's seed and id, and swaps it in only
-around the worker's own computations: the host program's generator state is exactly what it
-was before each computation (it is saved and restored; no draw of the host's is consumed).
-A ``DataLoader`` with its own ``generator=`` is handled the same way (its state is swapped
-too), so such workers also differ without being given different seeds.
+(and its worker processes' base seed) from torch's global generator when an epoch starts:
+two workers started alike would see the same batches in the same order. :class:`OwnRandomness`
+gives each worker a stream of its own, derived from the worker's seed and id, and swaps it in
+only while the worker draws a batch: the host program's generator state is exactly what it was
+(it is saved and restored; no draw of the host's is consumed by the data). A ``DataLoader``
+with its own ``generator=`` is handled the same way (its state is swapped too), so such
+workers also differ without being given different seeds. The forward pass (dropout) draws
+from torch's generator as it does in one plain process.
 
-Torch's generator is one per process, so computations under :class:`OwnRandomness` hold a
-process-wide lock: several workers in one process (tests, a rehearsal) compute one at a time,
-which is also what keeps each one's stream its own. Not covered: iterables that shuffle with
+Torch's generator is one per process, so the swaps hold a process-wide lock (several workers
+in one process draw their batches one at a time). Not covered: iterables that shuffle with
 Python's ``random`` or NumPy, and other threads of the host program drawing from torch's
-global generator while a computation runs.
+global generator while a batch is drawn.
 """
 
 from __future__ import annotations

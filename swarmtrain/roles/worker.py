@@ -13,8 +13,8 @@ or full weights).
 Only parameters that got a gradient travel (frozen ones never; see :mod:`swarmtrain.modelstate`),
 each in its model's dtype; how the computation changed the model's buffers (BatchNorm statistics)
 travels with it, and the coordinator's current buffer values come back with the answer. A float16
-model scales its loss (:mod:`swarmtrain.precision`). Every computation draws its randomness (data
-order, dropout) from a stream of this worker's own (:mod:`swarmtrain.roles.randomness`).
+model scales its loss (:mod:`swarmtrain.precision`). Every batch is drawn (shuffling included)
+from a random stream of this worker's own (:mod:`swarmtrain.roles.randomness`).
 """
 
 from __future__ import annotations
@@ -570,8 +570,8 @@ class Worker:
             cpu = self.throttle.start()
             with self.randomness:
                 batch = shards[0].next_batch(self.plan.batch_size) if shards else self._next_batch()
-                self.model.zero_grad(set_to_none=True)
-                self.loss_fn(self.model, batch_to(batch, self.device)).backward()
+            self.model.zero_grad(set_to_none=True)
+            self.loss_fn(self.model, batch_to(batch, self.device)).backward()
             self.throttle.pause(cpu)
             return _batch_len(batch)
 
@@ -588,13 +588,13 @@ class Worker:
         before = snapshot_buffers(self.buffers)
         accum = self.plan.accumulation_steps
         total_loss, samples = 0.0, 0
-        with self.randomness:
-            for _ in range(accum):
+        for _ in range(accum):
+            with self.randomness:
                 batch = self._next_batch()
-                loss = self.loss_fn(self.model, batch_to(batch, self.device))
-                (loss * (self.scaler.scale / accum)).backward()
-                total_loss += float(loss.detach())
-                samples += _batch_len(batch)
+            loss = self.loss_fn(self.model, batch_to(batch, self.device))
+            (loss * (self.scaler.scale / accum)).backward()
+            total_loss += float(loss.detach())
+            samples += _batch_len(batch)
         changes = buffer_changes(self.buffers, before)
         # only what was computed travels: a frozen parameter, or one unused on this step, has
         # no gradient and must not be stepped as if it had a zero one

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.tasks import Shard, TaskData, evaluation_mode
+from tests.test_peer_backend import free_ports  # loopback ports free a moment ago
 
 __all__ = ["Case", "Outcome", "free_ports", "state_problems", "train_one_process", "train_peer",
            "train_pipeline", "train_ps"]
@@ -218,18 +218,6 @@ def train_ps(case: Case, data: TaskData | None = None, *, workers: int = 2, time
 
 
 # --- (c) peer mode --------------------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports free a moment ago (the peer ring needs them before it starts)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _in_threads(fns: list[Callable[[], Any]], timeout: float) -> None:
