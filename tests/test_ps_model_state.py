@@ -342,3 +342,46 @@ def test_bounded_asynchrony_steps_once_per_window_on_fresh_gradients() -> None:
     assert fresh >= 0.8, st["staleness_counts"]
     assert all(not w.overlaps() for w in workers)  # a window would always be missed
     assert accuracy(coord.model) > 0.85
+
+
+def test_a_dtype_that_cannot_train_is_refused_naming_the_parameter() -> None:
+    from swarmtrain.errors import ConfigError
+
+    model = nn.Linear(2, 2)
+    model.register_parameter("phase", nn.Parameter(torch.zeros(2, dtype=torch.complex64)))
+    with pytest.raises(ConfigError, match="'phase' is torch.complex64"):
+        coordinator(model)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_resume_and_export_carry_buffers_and_half_precision_masters(tmp_path: Any) -> None:
+    """A bf16 BatchNorm model: train, checkpoint, resume into a fresh coordinator; its
+    buffers, float32 masters and model come back exactly, and `swarmtrain export` writes a
+    file that loads strictly into a fresh model."""
+    from swarmtrain.export import export_checkpoint
+    from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
+
+    torch.manual_seed(0)
+    init = BNNet().to(torch.bfloat16)
+    coord = coordinator(copy.deepcopy(init), **{"training.max_steps": 60})
+    coord.checkpointer = CoordinatorCheckpointer(str(tmp_path / "ck"), interval=0, keep=2)
+
+    async def main() -> None:
+        await coord.start()
+        await _train(coord, [worker(coord.port, copy.deepcopy(init))])
+
+    asyncio.run(main())  # the shutdown writes a checkpoint
+    again = coordinator(BNNet().to(torch.bfloat16))
+    again.checkpointer = CoordinatorCheckpointer(str(tmp_path / "ck"), interval=0, keep=2)
+    assert again.checkpointer.restore(again)
+    assert again.version == coord.version == 60
+    for name, master in coord.params.items():
+        assert master.dtype == torch.float32 and torch.equal(again.params[name], master), name
+    again.sync_model()
+    for (k, a), b in zip(coord.model.state_dict().items(), again.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert int(again.model.b1.num_batches_tracked) == 60
+    out, _ = export_checkpoint(tmp_path / "ck", tmp_path / "model.safetensors")
+    fresh = BNNet().to(torch.bfloat16)
+    fresh.load_state_dict(load_file(str(out)), strict=True)
+    assert accuracy(fresh) == accuracy(coord.model)
