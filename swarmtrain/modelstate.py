@@ -119,10 +119,16 @@ class ModelState:
 
         Raises:
             KeyError: a name in ``names`` is missing from ``tensors``.
+            ValueError: a tensor's shape differs from the model's (nothing is copied then).
         """
         own = self.full_state()
+        chosen = list(names) if names is not None else [n for n in tensors if n in own]
+        for name in chosen:
+            if tuple(tensors[name].shape) != tuple(own[name].shape):
+                raise ValueError(f"{name!r} arrived as {list(tensors[name].shape)}, the model's is "
+                                 f"{list(own[name].shape)}")
         with torch.no_grad():
-            for name in (names if names is not None else [n for n in tensors if n in own]):
+            for name in chosen:
                 own[name].copy_(tensors[name])
 
 

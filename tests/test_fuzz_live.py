@@ -151,11 +151,10 @@ def test_a_register_with_a_malformed_fingerprint_is_refused_as_a_model_mismatch(
     the int 5) made ``check_fingerprint`` raise TypeError, which escaped the connection task
     (no ERROR frame, "Task exception was never retrieved")."""
     from swarmtrain.config import CompressionConfig
-    from swarmtrain.roles.common import fingerprint
 
     async def main() -> tuple[str, list[str]]:
         c = _coordinator()
-        fp = fingerprint(c.params.items())
+        fp = c.state.fingerprint()
         comp = {k: getattr(c.config.compression, k) for k in CompressionConfig.SHARED_KEYS}
         reg = Register(worker_id="w", task="digits", fingerprint=[[fp[0][0], fp[0][1], 5], *fp[1:]],
                        hardware={}, batch_size=1, accumulation_steps=1, shard_index=-1,
@@ -186,13 +185,12 @@ def test_a_registration_cannot_make_the_coordinator_status_unsendable() -> None:
     One REGISTER with a 600 kB ``worker_id`` was enough (the campaign got there with ~3000
     ids). Now ids and hardware descriptions are bounded and old records are forgotten."""
     from swarmtrain.config import CompressionConfig
-    from swarmtrain.roles.common import fingerprint
     from swarmtrain.transport import connect
     from swarmtrain.wire import Status, StatusRequest
 
     async def main() -> tuple[str, Message]:
         c = _coordinator()
-        fp = fingerprint(c.params.items())
+        fp = c.state.fingerprint()
         comp = {k: getattr(c.config.compression, k) for k in CompressionConfig.SHARED_KEYS}
         reg = Register(worker_id="w" * 600_000, task="digits", fingerprint=fp, hardware={}, batch_size=1,
                        accumulation_steps=1, shard_index=-1, compression=comp, samples_per_sec=1.0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmtrain.compression import Compressed
-from swarmtrain.roles.common import fingerprint, pack_compressed
+from swarmtrain.roles.common import pack_compressed
 from swarmtrain.roles.coordinator import Coordinator
 from swarmtrain.transport import Connection, connect
 from swarmtrain.wire import Error, Gradients, Register, RegisterAck, Update, Weights
@@ -31,7 +31,7 @@ def _grads(c: Coordinator, fill: float = 1e-3) -> dict[str, torch.Tensor]:
 async def _register(c: Coordinator, worker_id: str) -> Connection:
     conn = await connect("127.0.0.1", c.port, secret=SECRET, role="worker")
     await conn.send(Register(
-        worker_id=worker_id, task="digits", fingerprint=fingerprint(c.params.items()), hardware={},
+        worker_id=worker_id, task="digits", fingerprint=c.state.fingerprint(), hardware={},
         batch_size=32, accumulation_steps=1, shard_index=-1,
         compression={"type": "none"}, samples_per_sec=0.0))
     assert isinstance(await conn.recv(timeout=10), RegisterAck)

@@ -127,7 +127,9 @@ def test_batchnorm_model_keeps_its_statistics_and_exports_them(tmp_path: Any) ->
 
     asyncio.run(main())
     # the running statistics moved on the coordinator, and count every batch of every worker
-    assert int(coord.model.b1.num_batches_tracked) == steps
+    # (a gradient may land between reaching max_steps and the shutdown: count what was applied)
+    assert coord.version >= steps
+    assert int(coord.model.b1.num_batches_tracked) == coord.version == coord.stats["applied"]
     assert not torch.allclose(coord.model.b1.running_var, torch.ones(8))
     # eval-mode accuracy of the coordinator's model (its statistics, not the init's) as one process
     assert accuracy(coord.model) >= accuracy(plain) - 0.03, (accuracy(coord.model), accuracy(plain))
@@ -203,10 +205,17 @@ def test_frozen_and_unused_parameters_do_not_move_or_travel() -> None:
     w = asyncio.run(main())
     assert torch.equal(coord.model.frozen.weight, init.frozen.weight)  # not stepped, not decayed
     assert "frozen.weight" not in coord.params
-    assert True in branch_moves and False in branch_moves
-    # the wire carried only trained parameters: no frozen bytes
-    frozen_bytes = sum(p.numel() * 4 for p in init.frozen.parameters())
-    assert w.bytes_up / w.steps < sum(p.numel() * 4 for p in init.parameters()) - frozen_bytes + 1
+    # messages that carried the branch's gradient (the computations are sent in order; one
+    # computed when SHUTDOWN came is never sent)
+    sent = branch_moves[:w.steps]
+    assert len(sent) == w.steps and len(branch_moves) <= w.steps + 1
+    with_branch = sum(sent)
+    assert 0 < with_branch < w.steps, (with_branch, w.steps)
+    # the wire carried only what was computed: never the frozen layer, the branch only when used
+    nbytes = {n: p.numel() * 4 for n, p in init.named_parameters()}
+    trained = nbytes["branch.weight"] + nbytes["branch.bias"] + nbytes["head.weight"] + nbytes["head.bias"]
+    branch = nbytes["branch.weight"] + nbytes["branch.bias"]
+    assert w.bytes_up == w.steps * trained - (w.steps - with_branch) * branch
 
 
 @pytest.mark.timeout(60)

@@ -44,10 +44,26 @@ from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg, Reform
 
-__all__ = ["NonFiniteResult", "PeerBackend", "PeerOptions"]
+__all__ = ["NonFiniteResult", "PeerBackend", "PeerOptions", "load_state_bytes", "state_bytes"]
 
 log = logging.getLogger("swarmtrain.peer")
 T = TypeVar("T")
+
+
+def state_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` back to back as one flat uint8 CPU buffer: a state broadcast carries every
+    dtype exactly (int64 counters, float64, half-precision weights)."""
+    return torch.cat([t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def load_state_bytes(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy a buffer made by :func:`state_bytes` back into ``tensors`` (the inverse)."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            t.copy_(flat[offset:offset + n].clone().view(t.dtype).view_as(t))
+            offset += n
 
 
 class NonFiniteResult(SwarmError):
@@ -496,14 +512,9 @@ class PeerBackend:
         view = self._ring_view
         assert view is not None and view.epoch == ring.epoch and self._state is not None
         parts = [torch.tensor([self.rounds], dtype=torch.int64), *self._state]
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in parts])
+        flat = state_bytes(parts)
         ring.broadcast(flat, root=view.rank(view.donor))
-        offset = 0
-        with torch.no_grad():
-            for t in parts:
-                n = t.numel() * t.element_size()
-                t.copy_(flat[offset:offset + n].clone().view(t.dtype).view_as(t))
-                offset += n
+        load_state_bytes(flat, parts)
         self.rounds = int(parts[0])
         self._synced_epoch = ring.epoch
         log.info("epoch %d: state of %d collective(s) loaded from donor %s", ring.epoch,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from swarmtrain.errors import SwarmTimeout
-from swarmtrain.peer.backend import NonFiniteResult, PeerBackend
+from swarmtrain.peer.backend import NonFiniteResult, PeerBackend, load_state_bytes, state_bytes
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy
 from swarmtrain.runlog import RunLog
@@ -113,15 +113,9 @@ class PeerTrainer:
         view = self.backend.view
         assert view is not None
         state = self.strategy.boundary_state()
-        # as bytes, so every dtype arrives exactly (int64 counters, float64, half weights)
-        flat = torch.cat([t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in state])
+        flat = state_bytes(state)  # as bytes: every dtype arrives exactly
         self.backend.broadcast(flat, root=view.rank(view.donor))
-        offset = 0
-        with torch.no_grad():
-            for t in state:
-                n = t.numel() * t.element_size()
-                t.copy_(flat[offset:offset + n].clone().view(t.dtype).view_as(t))
-                offset += n
+        load_state_bytes(flat, state)
         self.strategy.after_state_load()
         self._event("epoch", epoch=view.epoch, members=len(view.members), round=self.strategy.round,
                     donor=view.donor)

@@ -3,7 +3,7 @@ compressed tensors into message fields and payload tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,20 +17,14 @@ __all__ = [
     "downlink_codec",
     "check_compression_match",
     "payload_bytes",
-    "fingerprint",
     "check_fingerprint",
     "FUSED",
     "pack_compressed",
+    "ema",
     "pack_buffers",
     "split_buffers",
     "unpack_compressed",
 ]
-
-
-def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[Any]]:
-    """[[name, dtype, shape, "param"], ...] of plain trainable tensors, in order (a whole
-    model's is :meth:`swarmtrain.modelstate.ModelState.fingerprint`)."""
-    return [[n, str(p.dtype).removeprefix("torch."), list(p.shape), "param"] for n, p in named]
 
 
 def _fmt(entry: list[Any]) -> str:
@@ -40,7 +34,8 @@ def _fmt(entry: list[Any]) -> str:
 
 def check_fingerprint(mine: list[list[Any]], theirs: Any) -> None:
     """Raise :class:`ModelMismatch` naming the first difference between two fingerprints
-    (name, dtype, shape and kind — trainable, frozen or buffer — of every tensor)."""
+    (:meth:`swarmtrain.modelstate.ModelState.fingerprint`: name, dtype, shape and kind —
+    trainable, frozen or buffer — of every tensor)."""
     if not isinstance(theirs, list) or not all(
         isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[1], str)
         and isinstance(e[2], list) and all(isinstance(d, int) for d in e[2]) and isinstance(e[3], str)
@@ -182,6 +177,11 @@ def unpack_compressed(
         pieces = out[FUSED].split([t.numel() for t in expected.values()])
         return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
     return out
+
+
+def ema(old: float | None, new: float, keep: float = 0.8) -> float:
+    """An exponential moving average's next value (``new`` itself while there is none yet)."""
+    return new if old is None else keep * old + (1 - keep) * new
 
 
 def buffer_key(index: int) -> str:

@@ -49,6 +49,7 @@ from swarmtrain.roles.common import (
     check_compression_match,
     check_fingerprint,
     downlink_codec,
+    ema,
     pack_buffers,
     pack_compressed,
     payload_bytes,
@@ -130,7 +131,7 @@ class WorkerRecord:
     residual_norm: float = 0.0
     clipped: int = 0  # gradients scaled down by the outlier screen
     answered_at: float = 0.0  # when its last gradient was answered
-    step_sec: float = 0.0  # answer -> its next gradient (its compute, roughly): EMA
+    step_sec: float | None = None  # answer -> its next gradient (its compute, roughly): EMA
     #: the worker holds the master buffers as of this version (changes after it are sent)
     buffers_version: int = -1
     #: its shard set changed while it (or another) was registering: an ASSIGN is owed
@@ -248,7 +249,7 @@ class Coordinator:
         self._clip_logged_at = 0.0
         self._apply_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-apply")
         self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
-        self._eval_model: nn.Module | None = None
+        self._eval_state: ModelState | None = None  # a copy of the model to evaluate on
         self._server: Server | None = None
         self._stop = asyncio.Event()
         self._finished = False
@@ -509,13 +510,13 @@ class Coordinator:
                 return  # the run is over; SHUTDOWN is on its way to this worker
             arrived = time.monotonic()
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
-                rec.step_sec = _ema(rec.step_sec, arrived - rec.answered_at)
+                rec.step_sec = ema(rec.step_sec, arrived - rec.answered_at)
             version = self.version
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
             if self.version != version:  # an update was applied: wake the held answers
                 self._updated.set()
                 self._updated = asyncio.Event()
-            elif self.window is not None and status == "applied" and rec.step_sec:
+            elif self.window is not None and status == "applied":
                 await self._hold_for_window(rec)
             if reply is None:
                 reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
@@ -553,13 +554,11 @@ class Coordinator:
         dtypes = {n: p.dtype for n, p in self.state.trainable.items()}
         return {n: p.detach().to(dtypes[n]).clone() for n, p in self.params.items()}
 
-    def _model_buffers(self) -> dict[str, torch.Tensor]:
-        """Every persistent buffer's current value, in the model's dtype."""
-        out = {}
-        for n, b in self.state.buffers.items():
-            master = self.buffers.get(n, b)
-            out[n] = master.detach().to(b.dtype).clone()
-        return out
+    def _model_buffers(self, synced_only: bool = False) -> dict[str, torch.Tensor]:
+        """The persistent buffers' current values (only the synced ones with ``synced_only``),
+        in the model's dtype."""
+        return {n: self.buffers.get(n, b).detach().to(b.dtype).clone() for n, b in self.state.buffers.items()
+                if not synced_only or n in self.buffers}
 
     def _state_snapshot(self) -> dict[str, torch.Tensor]:
         """The whole model state now (trainable, frozen, buffers) in the model's dtypes."""
@@ -567,7 +566,8 @@ class Coordinator:
         return {**self._replica_weights(), **frozen, **self._model_buffers()}
 
     def _final_weights(self) -> Weights:
-        return Weights(version=self.version, tensors={**self._replica_weights(), **self._model_buffers()})
+        return Weights(version=self.version,
+                       tensors={**self._replica_weights(), **self._model_buffers(synced_only=True)})
 
     def sync_model(self) -> None:
         """Write the master weights and buffers into ``model`` (for half-precision parameters
@@ -584,8 +584,8 @@ class Coordinator:
         """Full weights for ``rec`` (its shadow becomes them): the trainable parameters and the
         synced buffers, plus frozen parameters and constant buffers with ``everything`` (at
         registration: a worker's frozen backbone becomes the coordinator's)."""
-        synced = {n: v for n, v in self._model_buffers().items() if n in self.buffers}
-        snap = self._state_snapshot() if everything else {**self._replica_weights(), **synced}
+        snap = (self._state_snapshot() if everything
+                else {**self._replica_weights(), **self._model_buffers(synced_only=True)})
         master = self._flat_master()
         if rec.shadow is not None and rec.shadow.shape == master.shape:
             rec.shadow.copy_(master)  # reuse: a fresh big buffer costs page faults
@@ -624,6 +624,8 @@ class Coordinator:
         but no longer than ``aggregate_hold`` of this worker's own step: when the others keep
         up, its next gradient is then computed on the new weights (as in one process); when
         they are slower, it goes on with the weights as they are and fills the window itself."""
+        if rec.step_sec is None:
+            return  # its first gradient: how long it computes is not known yet
         limit = min(self.config.training.aggregate_hold * rec.step_sec, 5.0)
         if limit <= 0:
             return
@@ -667,20 +669,15 @@ class Coordinator:
         refusal = self._refusal(rec, msg, grads, buffer_changes)
         if refusal:
             return self._reject(rec, msg, refusal)
-        for name, p in self.params.items():  # no gradient: not stepped, decayed or moved
-            g = grads.get(name)
-            p.grad = None if g is None else g.to(p.dtype)
         rec.weight = self._sample_weight(msg.samples)
         if self.window is not None:
             self.window.add(grads, msg.samples * self._damping(staleness), msg.samples,
                             sparse=is_sparse(msg.codecs))
-            for p in self.params.values():
-                p.grad = None
             if self.window.samples >= self.config.training.aggregate_samples:
-                self._step_window()
+                mean, sparse = self.window.take()
+                self._adam(mean, self.base_lr, sparse)
         else:
-            self._adam(self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
-            self.version += 1
+            self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
         with torch.no_grad():  # in arrival order, as one process updates them batch by batch
             for name, change in buffer_changes.items():
                 master = self.buffers[name]
@@ -701,8 +698,12 @@ class Coordinator:
         self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
         return "applied"
 
-    def _adam(self, lr: float, sparse: bool) -> None:
-        """One optimizer step on the gradients in ``p.grad`` (then cleared)."""
+    def _adam(self, grads: Mapping[str, torch.Tensor], lr: float, sparse: bool) -> None:
+        """One update: an optimizer step on ``grads`` (a parameter without one is not stepped,
+        decayed or moved, as torch's optimizers skip ``grad is None``)."""
+        for name, p in self.params.items():
+            g = grads.get(name)
+            p.grad = None if g is None else g.to(p.dtype)
         if adam_step(self.optimizer, lr, sparse=sparse, hold=self.config.training.sparse_variance == "hold"):
             if not self.held_variance_steps:
                 log.info("top-k gradients from now on: Adam's second moment is held at what %d "
@@ -710,14 +711,6 @@ class Coordinator:
             self.held_variance_steps += 1
         for p in self.params.values():
             p.grad = None
-
-    def _step_window(self) -> None:
-        """Apply the aggregation window's mean gradient as one update."""
-        assert self.window is not None
-        mean, sparse = self.window.take()
-        for name, p in self.params.items():
-            p.grad = mean.get(name)
-        self._adam(self.base_lr, sparse)
         self.version += 1
 
     def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, torch.Tensor],
@@ -904,11 +897,11 @@ class Coordinator:
         log.info("version %d: %s", version, ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
 
     def _evaluate_snapshot(self, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
-        if self._eval_model is None:
-            self._eval_model = copy.deepcopy(self.model)
-        ModelState(self._eval_model).load(weights)
+        if self._eval_state is None:
+            self._eval_state = ModelState(copy.deepcopy(self.model))
+        self._eval_state.load(weights)
         assert self.evaluate_fn is not None
-        return self.evaluate_fn(self._eval_model)
+        return self.evaluate_fn(self._eval_state.model)
 
     def _event(self, kind: str, **data: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **data})
@@ -952,19 +945,21 @@ def _master_weights(
     :meth:`Coordinator._flat_master` concatenates.
     """
     ps = dict(trainable)
-    lowp: list[tuple[int, int, torch.dtype]] = []
+    # offsets in the flattened order, which _flat_master's concatenation keeps too
+    offsets = [0]
+    for p in ps.values():
+        offsets.append(offsets[-1] + p.numel())
+    lowp = [(off, p.numel(), p.dtype) for off, p in zip(offsets, ps.values())
+            if master_dtype(p.dtype) != p.dtype]
     if all(master_dtype(p.dtype) == torch.float32 and p.device.type == "cpu" for p in ps.values()):
         flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in ps.values()])
         masters: dict[str, torch.Tensor] = {}
-        offset = 0
         for (name, p), piece in zip(ps.items(), flat.split([p.numel() for p in ps.values()])):
             if p.dtype == torch.float32:
                 p.data = piece.view_as(p)
                 masters[name] = p
             else:
                 masters[name] = piece.view(p.shape)
-                lowp.append((offset, p.numel(), p.dtype))
-            offset += p.numel()
         return masters, flat, lowp
     masters = {}
     for name, p in ps.items():
@@ -973,10 +968,6 @@ def _master_weights(
         else:
             masters[name] = p.detach().to("cpu", master_dtype(p.dtype)).clone()
     return masters, None, lowp
-
-
-def _ema(old: float, new: float, keep: float = 0.8) -> float:
-    return new if old == 0 else keep * old + (1 - keep) * new
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:

@@ -50,6 +50,7 @@ from swarmtrain.modelstate import ModelState, buffer_changes, snapshot_buffers
 from swarmtrain.precision import LossScaler
 from swarmtrain.roles.common import (
     codec_for_step,
+    ema,
     pack_buffers,
     pack_compressed,
     payload_bytes,
@@ -429,7 +430,7 @@ class Worker:
                     future = loop.run_in_executor(self._pool, self._compute)
                 compressed, loss, samples, seconds, residual, changes = await future
                 self._record_speed(samples, seconds)
-                self.compute_sec = _ema(self.compute_sec, seconds)
+                self.compute_sec = ema(self.compute_sec, seconds)
                 await self._apply_ready()
                 if not compressed:  # float16 overflow: the loss scale was halved, compute again
                     continue
@@ -473,7 +474,7 @@ class Worker:
     def _note_round_trip(self, msg_id: int) -> None:
         sent = self._sent_at.pop(msg_id, None)
         if sent is not None:
-            self.round_trip_sec = _ema(self.round_trip_sec, time.monotonic() - sent)
+            self.round_trip_sec = ema(self.round_trip_sec, time.monotonic() - sent)
 
     async def _apply_ready(self) -> None:
         while not self._replies.empty():
@@ -500,7 +501,8 @@ class Worker:
                 values, rest = split_buffers(item.buffers, item.tensors, self.buffers)
                 deltas = unpack_compressed(item.codecs, rest, self.params)
                 self._add_deltas(deltas)
-                self.state.load(values)
+                if values:  # (split_buffers checked their shapes)
+                    self.state.load(values)
                 self.version = item.version
 
     def _add_deltas(self, deltas: Mapping[str, torch.Tensor]) -> None:
@@ -525,12 +527,10 @@ class Worker:
         missing = set(self.params) - set(tensors)
         if missing:
             raise ProtocolError("shape_mismatch", f"weights lack {sorted(missing)[:3]}")
-        own = self.state.full_state()
-        for name, t in tensors.items():
-            if name in own and tuple(t.shape) != tuple(own[name].shape):
-                raise ProtocolError("shape_mismatch", f"{name!r} arrived as {list(t.shape)}, the "
-                                    f"model's is {list(own[name].shape)}")
-        self.state.load(tensors)
+        try:
+            self.state.load(tensors)
+        except ValueError as exc:
+            raise ProtocolError("shape_mismatch", str(exc)) from None
         self.version = version
 
     # -- compute (runs on the compute thread) ----------------------------------------------
@@ -639,7 +639,3 @@ class Worker:
             "overlapping": self.overlaps(),
             "loss": math.nan,
         }
-
-
-def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
-    return new if old is None else keep * old + (1 - keep) * new

@@ -144,7 +144,6 @@ def _fuzz_coordinator(seed: int) -> tuple[Any, Any, dict[str, torch.Tensor], Any
     """An in-process digits coordinator on loopback with the fuzz timeouts and secret:
     ``(task, coordinator, its parameters, model fingerprint, compression keys)``."""
     from swarmtrain.config import CompressionConfig, load_coordinator_config
-    from swarmtrain.roles.common import fingerprint
     from swarmtrain.roles.coordinator import Coordinator
     from swarmtrain.tasks import DigitsTask
 
@@ -159,7 +158,7 @@ def _fuzz_coordinator(seed: int) -> tuple[Any, Any, dict[str, torch.Tensor], Any
     coord = Coordinator(task.build_model(), cfg, task_name="digits", secret=SECRET)
     params = {n: p.detach() for n, p in coord.params.items()}
     comp = {k: getattr(cfg.compression, k) for k in CompressionConfig.SHARED_KEYS}
-    return task, coord, params, fingerprint(coord.params.items()), comp
+    return task, coord, params, coord.state.fingerprint(), comp
 
 
 async def fuzz_coordinator(count: int = 300, *, seconds: float = math.inf, seed: int = 0,
