@@ -126,8 +126,13 @@ def test_a_late_joiner_loads_the_current_state_before_contributing(peers: Peers)
     # alone at first (min-peers 1) it trains by itself; the epoch that merges it into the
     # group starts from the group's state, not from its own
     first = next(e for e in joiner["events"] if e["event"] == "epoch" and e["members"] == 4)
-    assert first["round"] >= 10
-    assert joiner["inner_steps"] < sts[0]["inner_steps"]  # and contributed only after joining
+    assert first["round"] >= 10 and first["donor"] != joiner["peer_id"]
+    # the group's state, and the group's count of the samples behind it: every member loaded
+    # the same bytes (digest) at that epoch
+    same = [e for s in sts.values() if s for e in s["events"]
+            if e["event"] == "epoch" and e["epoch"] == first["epoch"]]
+    assert len(same) == 4 and len({e["digest"] for e in same}) == 1, same
+    assert first["work"] >= 10 * 3 * 5 * 32  # 10 rounds of 3 peers, 5 inner steps of 32
     assert len({s["checksum"] for s in sts.values() if s}) == 1  # all four end identical
 
 

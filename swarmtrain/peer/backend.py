@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -93,6 +94,11 @@ class PeerOptions:
     ring_timeout: float = 120.0
     reform_timeout: float = 60.0
     wire: str = "fp32"
+    #: ``majority``: a peer cut off from most of its group pauses instead of training a copy
+    #: that diverges; ``none``: every group trains (see :mod:`swarmtrain.peer.membership`)
+    quorum: str = "majority"
+    #: how often a peer that is not in this node's view is asked (cheaply) whether it is back
+    probe_interval: float = 1.0
     max_connections: int = 256
     max_connections_per_address: int = 32
     max_failed_auth: int = 10
@@ -122,8 +128,23 @@ class PeerBackend:
     #: all-reduces completed by the group, carried with the state: the member with the most
     #: is the donor of a new epoch (the CLI's trainer sets it to its round instead)
     rounds: int = 0
+    #: the training behind this node's state (samples, or member-collectives for callers of
+    #: :meth:`all_reduce`): carried with the state, it picks the donor when groups merge
+    work: int = 0
     #: REFORM requests refused: unsigned, or not signed by the member they name
     forged_reforms: int = 0
+    #: the digest of the state every member loaded at the start of :attr:`digest_epoch`
+    state_digest: str = ""
+    digest_epoch: int = 0
+    #: peers whose authenticated answer confirmed their id: only these count as candidates
+    _verified: dict[str, Candidate] = field(default_factory=dict)
+    _probe_next: dict[str, float] = field(default_factory=dict)
+    _probe_fails: dict[str, int] = field(default_factory=dict)
+    #: discovered peers that failed authentication (wrong secret?): address -> reason
+    unauthenticated: dict[str, str] = field(default_factory=dict)
+    _probing: set[str] = field(default_factory=set)
+    _stopping: bool = False
+    _wake_probe: asyncio.Event = field(default_factory=asyncio.Event)
     _state: list[torch.Tensor] | None = None
     _synced_epoch: int = 0
     #: sync_state has just run the round boundary: the step's collective does not run it again
@@ -138,8 +159,9 @@ class PeerBackend:
     bytes_sent: int = 0
     bytes_received: int = 0
     _closed_bytes: tuple[int, int] = (0, 0)
-    CLOSE_POLITELY_SEC: ClassVar[float] = 8.0  # goodbyes and closing connections
-    CLOSE_FORCE_SEC: ClassVar[float] = 4.0  # then cancelling whatever is left
+    GOODBYE_SEC: ClassVar[float] = 0.5  # telling the members we leave
+    CLOSE_POLITELY_SEC: ClassVar[float] = 1.0  # mDNS goodbyes and closing connections
+    CLOSE_FORCE_SEC: ClassVar[float] = 0.5  # then cancelling whatever is left
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -172,7 +194,8 @@ class PeerBackend:
         self.ring_address = (advertise or "127.0.0.1", self.listener.address[1])
         self.membership = Membership(self.identity, ring_address=self.ring_address,
                                      send=self.control.ask, rounds=lambda: self.rounds,
-                                     propose_timeout=o.propose_timeout)
+                                     work=lambda: self.work, propose_timeout=o.propose_timeout,
+                                     quorum=o.quorum, suspects=self._live_suspects)
         self.membership.on_install = self._epoch_installed
         self.control.membership = self.membership
         self.discovery: Discovery
@@ -184,6 +207,8 @@ class PeerBackend:
                       ring_port=self.listener.address[1], run=o.run, version=PROTOCOL_VERSION,
                       profile=o.profile, public_key=self.identity.public_key)
         await self.discovery.start(me)
+        self.discovery.add_listener(self._discovery_changed)
+        self._probe_task = asyncio.create_task(self._probe_forever(), name="swarm-peer-probe")
         log.info("peer %s of run %r: control port %d, ring port %d", self.identity.peer_id[:8],
                  o.run, self.port, self.listener.address[1])
 
@@ -204,10 +229,11 @@ class PeerBackend:
                 self._loop = None
 
     async def _close_async(self) -> None:
+        self._probe_task.cancel()
+        await self._say_goodbye()
         try:
             async with asyncio.timeout(self.CLOSE_POLITELY_SEC):
-                await self.discovery.stop()
-                await self.control.close()
+                await asyncio.gather(self.discovery.stop(), self.control.close())
         except TimeoutError:
             log.warning("peer shutdown: saying goodbye took over %.0f s; closing anyway",
                         self.CLOSE_POLITELY_SEC)
@@ -223,6 +249,18 @@ class PeerBackend:
         if rest:
             log.warning("peer shutdown: %d task(s) would not stop: %s", len(rest),
                         ", ".join(sorted(t.get_name() for t in rest)))
+
+    async def _say_goodbye(self) -> None:
+        """Tell every member we are leaving (a signed REFORM ``leave``), so none waits for our
+        heartbeats to stop and none counts us in a quorum; at most :attr:`GOODBYE_SEC`."""
+        v = self.view
+        if v is None or self.identity is None:
+            return
+        msg = self.membership.reform_request(v.epoch, "leave")
+        members = [c for p, c in self._candidates().items() if p in v.members]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.GOODBYE_SEC):
+                await asyncio.gather(*(self.control.ask(c, msg, self.GOODBYE_SEC) for c in members))
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         assert self._loop is not None, "call start() first"
@@ -253,11 +291,18 @@ class PeerBackend:
                         run=ans.run, version=PROTOCOL_VERSION, profile=ans.profile,
                         public_key=ans.public_key)
 
+    def _discovered(self) -> dict[str, Candidate]:
+        """Every peer discovery shows, authenticated or not (an advertisement proves nothing)."""
+        me = self.identity.peer_id if self.identity else ""
+        return {p.peer_id: Candidate(p.peer_id, p.host, p.port, p.ring_port)
+                for p in self.discovery.peers().values() if p.peer_id != me}
+
     def _candidates(self) -> dict[str, Candidate]:
-        """Peers to consider: those discovery shows, plus the current members it has not
-        shown yet (discovery can lag; liveness watches catch members that really died)."""
-        found = {p.peer_id: Candidate(p.peer_id, p.host, p.port, p.ring_port)
-                 for p in self.discovery.peers().values()}
+        """Peers to consider: those an authenticated answer confirmed (a stranger that only
+        advertises, or fails the handshake, never counts), plus the current members (their
+        ring and heartbeats are authenticated; liveness watches catch members that died)."""
+        found = dict(self._verified)
+        self._known.update(self._discovered())
         self._known.update(found)
         v = self.view
         for pid in v.members if v else ():
@@ -265,17 +310,107 @@ class PeerBackend:
                 found[pid] = self._known[pid]
         return found
 
+    def _discovery_changed(self) -> None:
+        """Discovery saw a peer come or go: probe now rather than at the next tick."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake_probe.set)
+
+    async def _probe_forever(self) -> None:
+        """Ask every discovered peer outside the current view who it is, cheaply and often
+        (every ``probe_interval``, backing off to 4 s while it does not answer): a peer is a
+        candidate once its authenticated answer confirms its id, and a suspect or a peer
+        cooling down after a failure is forgiven as soon as it answers again, so a mended link
+        or a resumed process is taken in within seconds."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wake_probe.wait(), self.options.probe_interval)
+            except TimeoutError:
+                pass
+            self._wake_probe.clear()
+            now = time.monotonic()
+            v = self.view
+            watched = set(v.members) if v is not None and self.membership.healthy else set()
+            targets = {**{p: c for p, c in self._known.items() if p not in watched},
+                       **{p: c for p, c in self._discovered().items() if p not in watched}}
+            for pid, c in targets.items():
+                if pid in self._probing or self._probe_next.get(pid, 0.0) > now:
+                    continue
+                self._probing.add(pid)
+                asyncio.create_task(self._probe_one(pid, c), name=f"swarm-peer-probe-{pid[:8]}")
+
+    async def _probe_one(self, pid: str, c: Candidate) -> None:
+        from swarmtrain.errors import AuthError
+        from swarmtrain.peer.identity import peer_id_of
+
+        try:
+            ans = await self.control.probe_detail(c.host, c.port,
+                                                  timeout=max(1.0, self.options.probe_interval))
+        finally:
+            self._probing.discard(pid)
+        where = f"{c.host}:{c.port}"
+        if isinstance(ans, PeerInfoMsg) and ans.peer_id == pid and ans.run == self.options.run \
+                and isinstance(ans.public_key, bytes) and peer_id_of(ans.public_key) == pid:
+            first = pid not in self._verified
+            self._verified[pid] = Candidate(pid, c.host, c.port, ans.ring_port)
+            self._probe_fails.pop(pid, None)
+            self._probe_next[pid] = time.monotonic() + self.options.probe_interval
+            self.unauthenticated.pop(where, None)
+            if self._suspects.pop(pid, None) is not None or first:
+                log.debug("peer %s at %s answers", pid[:8], where)
+            self.membership.forgive(pid)
+            return
+        fails = self._probe_fails[pid] = self._probe_fails.get(pid, 0) + 1
+        if isinstance(ans, AuthError):
+            # a stranger (another secret): invisible, asked again rarely; said once
+            if where not in self.unauthenticated:
+                log.warning("peer %s at %s failed authentication (%s): it is ignored; if it "
+                            "should take part, give both the same cluster secret", pid[:8], where, ans)
+            self.unauthenticated[where] = str(ans)
+            self._verified.pop(pid, None)
+            self._probe_next[pid] = time.monotonic() + 30.0
+            return
+        if isinstance(ans, PeerInfoMsg):
+            why = (f"it answers as {ans.peer_id[:8]} of run {ans.run!r}" if ans.peer_id != pid or
+                   ans.run != self.options.run else "its key does not match its id")
+            if where not in self.unauthenticated:
+                log.warning("peer advertised as %s at %s is ignored: %s", pid[:8], where, why)
+            self.unauthenticated[where] = why
+            self._verified.pop(pid, None)
+            self._probe_next[pid] = time.monotonic() + 30.0
+            return
+        self._probe_next[pid] = time.monotonic() + min(4.0, self.options.probe_interval * 2 ** (fails - 1))
+        if fails >= 2 and self._verified.pop(pid, None) is not None:
+            log.debug("peer %s at %s stopped answering: no longer a candidate", pid[:8], where)
+
     def wait_for_peers(self, min_peers: int, timeout: float) -> list[PeerInfo]:
-        """Block until ``min_peers`` other peers of this run are known.
+        """Block until ``min_peers`` other peers of this run are known and have proved, over
+        an authenticated connection, that they hold the cluster secret and their id's key.
 
         Raises:
-            SwarmTimeout: "found X of Y peers" after ``timeout`` seconds.
+            SwarmTimeout: "found X of Y peers" after ``timeout`` seconds (naming the peers
+                that failed authentication, if any).
         """
-        return self._call(self.discovery.wait_for_peers(min_peers, timeout), timeout + 5)
+        return self._call(self._wait_for_peers_async(min_peers, timeout), timeout + 5)
+
+    async def _wait_for_peers_async(self, min_peers: int, timeout: float) -> list[PeerInfo]:
+        deadline = time.monotonic() + timeout
+        while len(self._verified) < min_peers:
+            if time.monotonic() > deadline:
+                strangers = "; ".join(f"{w}: {why}" for w, why in self.unauthenticated.items())
+                raise SwarmTimeout("discovery", timeout,
+                                   f"found {len(self._verified)} of {min_peers} peers of run "
+                                   f"{self.options.run!r} that authenticate"
+                                   + (f" (ignored: {strangers})" if strangers else ""))
+            self._wake_probe.set()
+            await asyncio.sleep(0.1)
+        shown = self.discovery.peers()
+        return [shown[p] for p in self._verified if p in shown]
 
     def _member_lost(self, peer_id: str) -> None:
         """A watched member died or went silent: abort the ring so collectives fail fast."""
         self._suspects[peer_id] = time.monotonic() + 30.0
+        self.membership.healthy = False
+        self._probe_next.pop(peer_id, None)  # asked again at the next probe: is it back?
         with self._ring_lock:
             if self._ring is not None:
                 self._ring.close()
@@ -289,16 +424,37 @@ class PeerBackend:
                 self._ring.close()
 
     def _reform_requested(self, msg: Reform) -> None:
-        """A member's ring broke: abort ours too (our collective cannot finish either), so our
-        training loop recovers and, as proposer, agrees the next epoch."""
+        """A signed REFORM. ``broke``: a member's ring broke: abort ours too (our collective
+        cannot finish either), so our training loop recovers and, as proposer, agrees the next
+        epoch. ``join``: a peer is back and asks to be taken in: forgive it now. ``leave``: a
+        member is shutting down: it no longer counts in any quorum, and we stop waiting for it."""
         if not check_signature(msg):
             self.forged_reforms += 1
             log.warning("ignoring a REFORM that %s did not sign (unsigned or forged; %d so far)",
                         msg.peer_id[:8], self.forged_reforms)
             return
         v = self.view
+        if msg.kind == "join":
+            self._suspects.pop(msg.peer_id, None)
+            self.membership.forgive(msg.peer_id)
+            if msg.peer_id in self._known and msg.peer_id not in self._verified:
+                self._probe_next.pop(msg.peer_id, None)
+                self._wake_probe.set()
+            log.debug("peer %s asks to be taken in", msg.peer_id[:8])
+            return
+        if msg.kind == "leave":
+            log.info("peer %s is leaving", msg.peer_id[:8])
+            self.membership.on_leave(msg.peer_id)
+            self._suspects[msg.peer_id] = time.monotonic() + 30.0
+            self._verified.pop(msg.peer_id, None)
+            if v is not None and msg.peer_id in v.members:
+                with self._ring_lock:
+                    if self._ring is not None:
+                        self._ring.close()
+            return
         if v is not None and msg.peer_id in v.members and msg.epoch >= v.epoch:
             log.info("member %s reports epoch %d broke", msg.peer_id[:8], msg.epoch)
+            self.membership.healthy = False
             with self._ring_lock:
                 if self._ring is not None and self._ring.epoch <= msg.epoch:
                     self._ring.close()
@@ -332,17 +488,19 @@ class PeerBackend:
         epoch (members pick it up before their next collective). True if one was agreed."""
         return self._call(self._propose_async(), self.options.propose_timeout * 10 + 10)
 
-    async def _propose_async(self) -> bool:
+    async def _propose_async(self, *, renew: bool = False, known_epoch: int = 0) -> bool:
         self.membership.ready = True
-        cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
+        sus = self._live_suspects()
+        cands = {p: c for p, c in self._candidates().items() if p not in sus}
         m = self.membership
-        if m.leader(cands, self._live_suspects()) == m.me and m.needs_new_view(cands):
-            self._learn_own_address(cands)
-            # the first epoch waits for min_peers members: training starts with all of them
-            first = m.view is None
-            view = await m.propose(cands, min_members=self.options.min_peers if first else 1)
-            return view is not None
-        return False
+        if m.leader(cands, sus) != m.me or not (renew or m.needs_new_view(cands)):
+            return False
+        self._learn_own_address(cands)
+        # the first epoch waits for min_peers members: training starts with all of them
+        first, before = m.view is None, m.epoch
+        view = await m.propose(cands, known_epoch=known_epoch, renew=renew,
+                               min_members=self.options.min_peers if first else 1)
+        return view is not None and view.epoch != before
 
     def refresh(self, timeout: float | None = None) -> bool:
         """At a round boundary, before a collective: wait for the first epoch if there is none
@@ -357,9 +515,26 @@ class PeerBackend:
 
     async def _refresh_async(self) -> bool:
         self.membership.ready = True
+        if self.membership.view is None:
+            await self._await_first_probes()
         if not await self._propose_async() and self.membership.view is None:
-            await self._await_view(0)
+            await self._await_view(0, deadline=time.monotonic() + self.options.reform_timeout)
         return await self._ensure_ring()
+
+    async def _await_first_probes(self) -> None:
+        """Before the first epoch: let every peer discovery already shows answer (or fail)
+        once, so a newcomer to a running group joins it instead of training alone first.
+        At most :attr:`FIRST_PROBE_SEC`."""
+        deadline = time.monotonic() + self.FIRST_PROBE_SEC
+        while time.monotonic() < deadline:
+            pending = [p for p in self._discovered()
+                       if p not in self._verified and p not in self._probe_fails]
+            if not pending:
+                return
+            self._wake_probe.set()
+            await asyncio.sleep(0.05)
+
+    FIRST_PROBE_SEC: ClassVar[float] = 3.0
 
     def _learn_own_address(self, cands: dict[str, Candidate]) -> None:
         """The address others reach our ring listener at: configured, or the source address
@@ -378,28 +553,45 @@ class PeerBackend:
         self.ring_address = (mine, self.listener.address[1])
         self.membership.ring_address = self.ring_address
 
-    async def _await_view(self, above: int) -> None:
-        """Wait for a committed view with an epoch above ``above``; take over proposing if the
-        expected proposer stays silent."""
+    #: how often a paused peer says why it is not training
+    PAUSED_NOTE_SEC: ClassVar[float] = 10.0
+
+    async def _await_view(self, above: int, deadline: float | None) -> None:
+        """Wait for a committed view with an epoch above ``above``. As leader, propose it
+        (again every half second while no view that may train can be formed: *paused*); else
+        tell the leader our ring broke, or ask it to take us in, and treat it as gone if it is
+        silent. Without a ``deadline`` this waits for as long as it takes (a partition heals
+        when it heals) and says every :attr:`PAUSED_NOTE_SEC` why it is waiting."""
         m = self.membership
-        deadline = time.monotonic() + self.options.reform_timeout
+        noted = time.monotonic()
         while m.epoch <= above:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise SwarmTimeout("reform", self.options.reform_timeout,
-                                   f"no new epoch after epoch {above}; peers: {sorted(self._candidates())}")
-            cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
-            leader = m.leader(cands, self._live_suspects())
+                                   f"no new epoch after epoch {above}; authenticated peers: "
+                                   f"{sorted(p[:8] for p in self._verified) or 'none'}")
+            if self._stopping:
+                raise RingBroken("reform", None, "this peer is stopping")
+            if above and now - noted > self.PAUSED_NOTE_SEC:
+                noted = now
+                log.info("paused since epoch %d (no training): %s", above,
+                         m.paused_reason or "waiting for the group to take this peer in")
+            sus = self._live_suspects()
+            cands = {p: c for p, c in self._candidates().items() if p not in sus}
+            leader = m.leader(cands, sus)
             if leader == m.me:
-                if not await self._propose_async():
-                    await asyncio.sleep(0.5)  # not enough members ready yet
+                if not await self._propose_async(renew=above > 0, known_epoch=above):
+                    await asyncio.sleep(0.5)  # not enough members ready, or paused
                 continue
             m.changed.clear()
-            if above and leader in cands:  # tell the proposer our ring broke; it is gone if silent
-                answer = await self.control.ask(cands[leader], m.reform_request(above),
+            if leader in cands:  # tell the leader our ring broke, or that we are back
+                kind = "broke" if m.view is not None and leader in m.view.members else "join"
+                answer = await self.control.ask(cands[leader], m.reform_request(above, kind),
                                                 self.options.propose_timeout)
                 if answer is None:
-                    log.info("proposer %s does not answer: treating it as gone", leader[:8])
+                    log.info("leader %s does not answer: treating it as gone", leader[:8])
                     self._suspects[leader] = time.monotonic() + 30.0
+                    m.follow = None
                     continue
             try:
                 async with asyncio.timeout(self.options.propose_timeout * 3):
@@ -432,22 +624,43 @@ class PeerBackend:
                          timeout=self.options.ring_timeout, tls=self.tls)
 
     def recover(self, failed_epoch: int) -> None:
-        """After a broken ring: agree a new epoch without the lost peers and rebuild the ring."""
-        self._call(self._recover_async(failed_epoch), self.options.reform_timeout + 30)
+        """After a broken ring: agree a new epoch without the lost peers and rebuild the ring.
+        Waits as long as no view that may train can be formed (paused: a partition heals when
+        it heals), until :meth:`interrupt`.
+
+        Raises:
+            RingBroken: the new ring could not be formed, or :meth:`interrupt` was called.
+        """
+        self._call(self._recover_async(failed_epoch), self.FOREVER_SEC)
+
+    #: "no limit" for waits that end when the network or the user says so
+    FOREVER_SEC: ClassVar[float] = 365 * 86400.0
 
     async def _recover_async(self, failed_epoch: int) -> None:
         """A broken ring's epoch is spent (its connections are gone on some members): the
         next collective needs a view of a later epoch, even if nobody left — the proposer
         then commits the same members under a new epoch number."""
         m = self.membership
+        m.healthy = False
         if m.epoch <= failed_epoch:
-            cands = {p: c for p, c in self._candidates().items() if p not in self._live_suspects()}
-            if m.leader(cands, self._live_suspects()) == m.me:
-                self._learn_own_address(cands)
-                await m.propose(cands, known_epoch=failed_epoch, renew=True)
-            else:
-                await self._await_view(failed_epoch)
+            await self._await_view(failed_epoch, deadline=None)
         await self._ensure_ring()
+
+    def interrupt(self) -> None:
+        """Stop waiting (from any thread): a collective in progress and a paused recovery end
+        with :class:`RingBroken`, so the caller's loop can wind down (:meth:`close` next)."""
+        self._stopping = True
+        with self._ring_lock:
+            if self._ring is not None:
+                self._ring.close()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.membership.changed.set)
+
+    @property
+    def paused(self) -> bool:
+        """True while this peer waits for a view it may train in (its ring is broken and no
+        quorum is reachable)."""
+        return bool(self.membership.paused_reason) and not self.membership.healthy
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -507,18 +720,46 @@ class PeerBackend:
         raise AssertionError("unreachable")
 
     def _load_donor_state(self, ring: RingGroup) -> None:
-        """Broadcast the registered state (and the rounds counter) from the donor of the
-        ring's epoch. Received into a buffer first: a broken broadcast changes nothing."""
+        """Broadcast the registered state (and the rounds and work counters) from the donor
+        of the ring's epoch. Received into a buffer first: a broken broadcast changes nothing."""
         view = self._ring_view
         assert view is not None and view.epoch == ring.epoch and self._state is not None
-        parts = [torch.tensor([self.rounds], dtype=torch.int64), *self._state]
+        parts = [torch.tensor([self.rounds, self.work], dtype=torch.int64), *self._state]
         flat = state_bytes(parts)
-        ring.broadcast(flat, root=view.rank(view.donor))
+        self.broadcast_state(flat, ring)
         load_state_bytes(flat, parts)
-        self.rounds = int(parts[0])
+        self.rounds, self.work = int(parts[0][0]), int(parts[0][1])
         self._synced_epoch = ring.epoch
-        log.info("epoch %d: state of %d collective(s) loaded from donor %s", ring.epoch,
-                 self.rounds, view.donor[:8])
+        log.info("epoch %d: state of %d collective(s) loaded from donor %s (digest %s)", ring.epoch,
+                 self.rounds, view.donor[:8], self.state_digest)
+
+    def broadcast_state(self, flat: torch.Tensor, ring: RingGroup | None = None) -> str:
+        """Copy the epoch's donor's ``flat`` (uint8 bytes: :func:`state_bytes`) into every
+        member's, then check that every member holds the same bytes: each hashes what it
+        holds and the members compare the digests in one small all-reduce. Returns the digest
+        (also kept as :attr:`state_digest` for :attr:`digest_epoch`).
+
+        Raises:
+            RingBroken: a member died, or the digests differ (phase ``state_digest``; the
+                epoch is then spent and a new one re-sends the state).
+        """
+        import hashlib
+
+        ring = ring or self._current_ring()
+        view = self._ring_view
+        assert view is not None and view.epoch == ring.epoch
+        ring.broadcast(flat, root=view.rank(view.donor))
+        digest = hashlib.blake2b(flat.numpy().data, digest_size=8).digest()
+        b = torch.tensor(list(digest), dtype=torch.float32)
+        both = torch.cat([b, b * b])  # sum x, sum x^2: equal iff (sum x)^2 == W sum x^2
+        ring.all_reduce(both, "sum", wire="fp32")
+        w = ring.world_size
+        if not bool(torch.equal(both[:8] * both[:8], w * both[8:])):
+            raise RingBroken("state_digest", None, f"the members of epoch {ring.epoch} hold different "
+                             "state after the state broadcast; re-sending it in a new epoch")
+        self.state_digest, self.digest_epoch = digest.hex(), ring.epoch
+        self.membership.trained_in(ring.epoch)
+        return self.state_digest
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean", *, weight: float | None = None,
                    wire: str | None = None, retries: int = 5, boundary: bool = True,
@@ -583,7 +824,9 @@ class PeerBackend:
         for attempt in range(retries + 1):
             try:
                 ring = self._ready_ring(0)
-                return run(ring), ring
+                result = run(ring)
+                self.membership.trained_in(ring.epoch)
+                return result, ring
             except RingBroken as exc:
                 if attempt == retries:
                     raise
@@ -609,7 +852,12 @@ class PeerBackend:
         return {"peer_id": self.identity.peer_id if self.identity else "", "run": self.options.run,
                 "epoch": self.epoch, "members": list(v.members) if v else [],
                 "rank": v.rank(self.identity.peer_id) if v and self.identity else -1,
-                "world_size": self.world_size, "rounds": self.rounds,
+                "world_size": self.world_size, "rounds": self.rounds, "work": self.work,
+                "leader": self.membership.my_leader(), "healthy": self.membership.healthy,
+                "paused": self.paused, "paused_reason": self.membership.paused_reason,
+                "state_digest": self.state_digest, "digest_epoch": self.digest_epoch,
+                "authenticated_peers": sorted(self._verified),
+                "unauthenticated": dict(self.unauthenticated),
                 # frames served on the control port, by message type
                 "traffic": self.control.server.traffic() if self.control.server is not None else {},
                 # connections turned away (by reason) and failed handshakes, per listener

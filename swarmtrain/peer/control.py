@@ -119,7 +119,7 @@ class ControlPlane:
             return Status(status={"installed": installed, "epoch": m.epoch})
         if isinstance(msg, Reform):
             self.on_reform(msg)
-            return Status(status={"epoch": m.epoch})
+            return Status(status={"epoch": m.epoch, "leader": m.my_leader()})
         return Error(code="unexpected", fatal=False, message=f"a peer does not answer {msg.TYPE.name}")
 
     # -- asking ----------------------------------------------------------------------------
@@ -153,18 +153,31 @@ class ControlPlane:
 
     async def probe(self, host: str, port: int, timeout: float = 3.0) -> PeerInfoMsg | None:
         """Ask the node at host:port who it is (for static peer lists)."""
+        ans = await self.probe_detail(host, port, timeout)
+        return ans if isinstance(ans, PeerInfoMsg) else None
+
+    async def probe_detail(self, host: str, port: int, timeout: float = 3.0) -> PeerInfoMsg | SwarmError:
+        """Ask the node at host:port who it is, over an authenticated connection: its answer,
+        or what went wrong (:class:`~swarmtrain.errors.AuthError` if the secrets differ)."""
         try:
             conn = await connect(host, port, secret=self.secret, tls=self.tls, role="peer",
                                  limits=PEER_FRAME_LIMITS,
                                  timeouts=Timeouts(connect=timeout, handshake=timeout))
-        except (SwarmError, ConnectionError, OSError):
-            return None
+        except SwarmError as exc:
+            return exc
+        except (ConnectionError, OSError) as exc:
+            return SwarmError(f"cannot reach {host}:{port}: {exc}")
         try:
             await conn.send(PeerHello(run=self.run))
             ans = await conn.recv(timeout=timeout, phase="peer hello")
-            return ans if isinstance(ans, PeerInfoMsg) else None
-        except (SwarmError, ConnectionError):
-            return None
+            if isinstance(ans, PeerInfoMsg):
+                return ans
+            return SwarmError(f"{host}:{port} answered {ans.TYPE.name}: "
+                              f"{getattr(ans, 'message', '') or getattr(ans, 'code', '')}")
+        except SwarmError as exc:
+            return exc
+        except ConnectionError as exc:
+            return SwarmError(f"{host}:{port} closed the connection: {exc}")
         finally:
             await conn.close()
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmtrain.errors import SwarmTimeout
+from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.peer.backend import NonFiniteResult, PeerBackend, load_state_bytes, state_bytes
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy
@@ -58,9 +58,13 @@ class PeerTrainer:
     rounds_refused: int = 0
     run_log: RunLog | None = None
     _stop: bool = False
+    _round_weight: int = 0
 
     def stop(self) -> None:
+        """End the run (from any thread, e.g. a signal handler): a collective in progress or
+        a paused wait for the group ends at once."""
         self._stop = True
+        self.backend.interrupt()
 
     def run(self) -> None:
         pending: Contribution | None = None
@@ -69,7 +73,7 @@ class PeerTrainer:
         started = time.monotonic()
         while not self._stop and not (self.max_rounds and self.strategy.round >= self.max_rounds):
             if pending is None:
-                self.backend.propose_if_needed()
+                self._propose()
                 pending = self._screen(self.strategy.local_work())
             try:
                 if self.backend.refresh() or resync:
@@ -88,8 +92,14 @@ class PeerTrainer:
                 # the epoch of the ring that broke: a newer view may already be installed (its
                 # arrival is what closed our ring), and then there is nothing to agree
                 epoch = exc.epoch if exc.epoch is not None else self.backend.epoch
-                log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
-                            epoch, exc)
+                if self._stop:
+                    break
+                if self.backend.epoch > epoch:  # a new epoch (a join, a leave) closed it: routine
+                    log.info("round %d: epoch %d gave way to epoch %d", self.strategy.round, epoch,
+                             self.backend.epoch)
+                else:
+                    log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
+                                epoch, exc)
                 self._event("ring_broken", epoch=epoch, phase=exc.phase, round=self.strategy.round)
                 resync = True
                 broken += 1
@@ -102,25 +112,40 @@ class PeerTrainer:
                 continue
             if mean is not None:
                 self.strategy.apply_average(*mean)
+                self.backend.work += self._round_weight  # the samples every member put in
             self.samples += pending.samples if pending.weight > 0 else 0
             self.inner_steps += pending.steps if pending.weight > 0 else 0
             pending, broken = None, 0
             self.backend.rounds = self.strategy.round
             self._after_round(started)
 
+    def _propose(self) -> None:
+        """As leader, take in joiners and drop leavers at this boundary. A proposal that fails
+        (others kept winning, or the control thread was slow) costs nothing: the current
+        epoch goes on and the next boundary tries again."""
+        try:
+            self.backend.propose_if_needed()
+        except SwarmError as exc:
+            if self.backend.view is None:
+                raise
+            log.info("round %d: no new epoch agreed at this boundary (%s); going on",
+                     self.strategy.round, exc)
+
     def _sync_state(self, pending: Contribution) -> Contribution:
         """Load the donor's boundary state; keep our contribution only if it is for that round."""
         view = self.backend.view
         assert view is not None
-        state = self.strategy.boundary_state()
+        work = torch.tensor([self.backend.work], dtype=torch.int64)
+        state = [work, *self.strategy.boundary_state()]
         flat = state_bytes(state)  # as bytes: every dtype arrives exactly
-        self.backend.broadcast(flat, root=view.rank(view.donor))
+        digest = self.backend.broadcast_state(flat)  # and every member checks it holds the same
         load_state_bytes(flat, state)
+        self.backend.work = int(work)
         self.strategy.after_state_load()
         self._event("epoch", epoch=view.epoch, members=len(view.members), round=self.strategy.round,
-                    donor=view.donor)
-        log.info("epoch %d: %d member(s), state of round %d from %s", view.epoch, view.world_size,
-                 self.strategy.round, view.donor[:8])
+                    donor=view.donor, work=self.backend.work, digest=digest)
+        log.info("epoch %d: %d member(s), state of round %d (%d samples of training) from %s, digest %s",
+                 view.epoch, view.world_size, self.strategy.round, self.backend.work, view.donor[:8], digest)
         if pending.round != self.strategy.round:
             return self._nothing(pending, self.strategy.round)
         return pending
@@ -159,6 +184,7 @@ class PeerTrainer:
         # no retry inside the backend: a new epoch must start with the state sync (run())
         self.backend.all_reduce(buf, op="sum", retries=0, boundary=False, check_finite=True)
         total = float(buf[-1])
+        self._round_weight = max(0, round(total))
         if total <= 0:
             return None
         mean = buf[:-1].div_(total)

@@ -211,6 +211,7 @@ class Host:
         self._port = f"p-{name}"  # the bridge-side end of this host's veth pair
         self._procs: list[subprocess.Popen[Any]] = []
         self._rate: float | None = None
+        self._blocked: set[str] = set()
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, netns={self.netns!r}, address={self.address!r})"
@@ -304,6 +305,25 @@ class Host:
         """Reconnect the host after :meth:`cut`."""
         _cmd("ip", "-n", self._lan.switch_netns, "link", "set", self._port, "up")
 
+    def block(self, others: list[Host]) -> None:
+        """Lose every unicast IPv4 packet this host sends to ``others``: it routes them via a
+        gateway address nobody holds, so they wait for an ARP answer that never comes and are
+        dropped (connections time out; nothing is refused). Call it on both sides for a
+        two-way split. Multicast still crosses, so mDNS advertisements are heard from peers
+        that cannot be reached: the harder case, where an advertised peer must not count.
+        :meth:`unblock` removes it."""
+        for other in others:
+            if other.address not in self._blocked:
+                _cmd("ip", "-n", self.netns, "route", "add", f"{other.address}/32", "via",
+                     self._lan.nowhere, "dev", _HOST_IF)
+                self._blocked.add(other.address)
+
+    def unblock(self) -> None:
+        """Remove every :meth:`block` route of this host."""
+        for addr in sorted(self._blocked):
+            _cmd("ip", "-n", self.netns, "route", "del", f"{addr}/32")
+        self._blocked.clear()
+
 
 def _kill_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
     try:
@@ -368,6 +388,8 @@ class SimulatedLAN:
         self.subnet = f"{_SUBNET_PREFIX}.{k}.0/24"
         self.run_id = f"{os.getpid()}-{k:02x}"
         self.switch_netns = self._netns_name("sw")
+        #: an address on the LAN's subnet that no host holds (:meth:`Host.block` routes to it)
+        self.nowhere = f"{_SUBNET_PREFIX}.{k}.254"
         _register(self)
         try:
             self._build(n_hosts, k)
@@ -405,6 +427,19 @@ class SimulatedLAN:
             # Multicast (mDNS discovery) needs a route; it can only go onto this LAN.
             _cmd("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", _HOST_IF)
             self.hosts.append(host)
+
+    def split(self, *groups: list[int]) -> None:
+        """Partition the LAN: hosts (by index) in different groups cannot reach each other
+        (unicast is dropped in the switch, both ways: :meth:`Host.block`). :meth:`heal` ends it."""
+        for g in groups:
+            others = [self.hosts[i] for h in groups if h is not g for i in h]
+            for i in g:
+                self.hosts[i].block(others)
+
+    def heal(self) -> None:
+        """End every :meth:`split`."""
+        for h in self.hosts:
+            h.unblock()
 
     def __enter__(self) -> Self:
         return self

@@ -347,6 +347,11 @@ class Propose(Message):
     proposer: str
     members: list[str]
     addresses: dict[str, Any]
+    #: the training behind the proposer's state (samples) and the size of its working group
+    #: (0 if its ring is not working): a member of a healthy group led by another peer accepts
+    #: only a proposer of a larger working group, or of one as large whose state carries more
+    work: int = 0
+    group: int = 0
     public_key: bytes = b""
     signature: bytes = b""
 
@@ -361,6 +366,20 @@ class Accept(Message):
     ok: bool
     rounds: int
     reason: str = ""
+    #: the training behind this member's state (samples) and its working group's size (0 if
+    #: its ring is not working): they rank the donor
+    work: int = 0
+    group: int = 0
+    #: the views this member's quorum must respect: ``[epoch, [members...]]`` of the view it
+    #: has installed and of the last view it completed a collective in (empty: a newcomer)
+    anchors: list[Any] = field(default_factory=list)
+    #: on a refusal: a machine-readable reason (``follows``, ``stale_epoch``, ``promised``,
+    #: ``not_ready``, ``not_member``, ``bad_signature``)
+    code: str = ""
+    #: on a refusal with code ``follows``: the leader this member follows, and the highest
+    #: epoch it has seen (a proposer asks again above it)
+    leader: str = ""
+    seen: int = 0
     public_key: bytes = b""
     signature: bytes = b""
 
@@ -388,6 +407,9 @@ class Reform(Message):
     TYPE = MsgType.REFORM
     epoch: int
     peer_id: str
+    #: ``broke`` (my ring of ``epoch`` broke), ``join`` (I am back and not in your view:
+    #: include me at your next boundary) or ``leave`` (I am shutting down: do not wait for me)
+    kind: str = "broke"
     public_key: bytes = b""
     signature: bytes = b""
 
