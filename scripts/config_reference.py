@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from swarmtrain.config import CoordinatorConfig, WorkerConfig, _field_specs
+from swarmtrain.config import _TOML_TYPE_NAMES, CoordinatorConfig, PeerConfig, WorkerConfig, _field_specs
 
 
 def _allowed(meta: dict) -> str:
@@ -28,14 +28,17 @@ def reference() -> str:
              "An environment variable `SWARMTRAIN_<SECTION>__<KEY>` sets a key too (over the file,",
              "under the flags), e.g. `SWARMTRAIN_TRAINING__BATCH_SIZE=4`: handy in containers.", ""]
     for title, cls in (("Coordinator (`swarmtrain coordinator --config FILE`)", CoordinatorConfig),
-                       ("Worker (`swarmtrain worker --config FILE`)", WorkerConfig)):
+                       ("Worker (`swarmtrain worker --config FILE`)", WorkerConfig),
+                       ("Peer (`swarmtrain peer --config FILE`)", PeerConfig)):
         lines += [f"## {title}", ""]
         for f in dataclasses.fields(cls):
             section_cls = f.default_factory()  # type: ignore[misc]
-            lines += [f"### [{f.name}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-            for name, (_typ, meta) in _field_specs(type(section_cls)).items():
+            lines += [f"### [{f.name}]", "", "| key | type | default | allowed | meaning |",
+                      "|---|---|---|---|---|"]
+            for name, (typ, meta) in _field_specs(type(section_cls)).items():
                 default = getattr(section_cls, name)
-                row = f"| `{name}` | `{default!r}` | {_allowed(dict(meta))} | {meta.get('help', '')} |"
+                row = (f"| `{name}` | {_TOML_TYPE_NAMES[typ]} | `{default!r}` | {_allowed(dict(meta))} "
+                       f"| {meta.get('help', '')} |")
                 lines.append(row)
             lines.append("")
     return "\n".join(lines)

@@ -52,7 +52,9 @@ def _tls_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-ca", help="the cluster CA certificate (ca.pem)")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *, compression: bool = True) -> None:
+    """Flags of the training roles; ``compression=False`` leaves out --compression and
+    --topk-ratio (peer mode compresses its all-reduce with --wire instead)."""
     p.add_argument("--config", help="TOML config file (CLI flags override it)")
     p.add_argument("--secret-file", help="file holding the cluster secret (or set SWARMTRAIN_SECRET)")
     _tls_flags(p)
@@ -60,8 +62,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="run an open cluster with no secret (anyone who can reach the port can join)")
     p.add_argument("--task", help="digits, textlm, or package.module:factory")
     p.add_argument("--data", dest="data_path", help="JSONL data file replacing the task's built-in data")
-    p.add_argument("--compression", choices=["none", "fp16", "topk", "qsgd"])
-    p.add_argument("--topk-ratio", type=float)
+    if compression:
+        p.add_argument("--compression", choices=["none", "fp16", "topk", "qsgd"])
+        p.add_argument("--topk-ratio", type=float)
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="machine-readable JSON log lines")
     p.add_argument("--run-log", dest="run_log", metavar="PATH",
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--reconnect-delay", dest="reconnect_delay_sec", type=float)
 
     pe = sub.add_parser("peer", help="train with no coordinator: peers find each other and average")
-    _common(pe)
+    _common(pe, compression=False)
     pe.add_argument("--host", help="address to listen on (default 0.0.0.0)")
     pe.add_argument("--port", type=int, help="control port (default 7200; 0 = any free port)")
     pe.add_argument("--run", help="run name: only peers of the same run are joined")
@@ -128,10 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--mode", choices=["diloco", "step"])
     pe.add_argument("--inner-steps", type=int, help="DiLoCo: inner steps per round")
     pe.add_argument("--inner-seconds", type=float, help="DiLoCo: inner loop length in seconds")
-    pe.add_argument("--wire", choices=["fp32", "fp16", "int8"], help="all-reduce wire format")
+    pe.add_argument("--wire", choices=["fp32", "fp16", "int8"],
+                    help="all-reduce wire format: peer mode's compression (default fp32)")
     pe.add_argument("--max-rounds", type=int)
     pe.add_argument("--batch-size", type=int)
-    pe.add_argument("--threads", dest="num_threads", type=int)
+    pe.add_argument("--threads", dest="num_threads", type=int,
+                    help="torch threads (default 0 = the cores, shared out among the swarmtrain "
+                         "peers on this machine)")
     pe.add_argument("--lr", "--learning-rate", dest="learning_rate", type=float)
     pe.add_argument("--eval-every", type=int)
     pe.add_argument("--speed", type=float, help="run at this fraction of full speed")
@@ -403,8 +409,6 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from swarmtrain.config import load_peer_config
     from swarmtrain.session import run_peer
 
-    if args.compression or args.topk_ratio:
-        raise SwarmError("peer mode compresses with --wire fp16|int8, not --compression")
     cfg = load_peer_config(args.config, _overrides(args, _PEER))
     _setup_logging(cfg.logging.level, args.log_json)
     return run_peer(cfg, status_file=args.status_file)

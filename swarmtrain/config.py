@@ -1,4 +1,4 @@
-"""TOML configuration of the coordinator and the worker.
+"""TOML configuration of the coordinator, the worker and the peer.
 
 Each TOML section is a frozen dataclass; each field carries its help text and its allowed
 values in the field metadata, and one generic checker validates every field of every section
@@ -421,6 +421,11 @@ class PeerDiscoveryConfig(_Section):
     min_peers: int = _opt(1, "peers (including this one) to wait for before the first round", ge=1)
     discovery_timeout_sec: float = _opt(300.0, "longest wait for min_peers", gt=0.0)
     peers: str = _opt("", 'static list "host:port,host:port" for networks without multicast')
+    quorum: str = _opt("majority", "majority: a peer cut off from most of its group pauses instead of "
+                       "training a copy that diverges; none: every group trains, the larger "
+                       "working group's state wins the merge", choices=("majority", "none"))
+    probe_interval_sec: float = _opt(1.0, "how often a known peer outside the group is asked "
+                                     "whether it is back (backing off to 4x while it is not)", gt=0.0)
 
 
 @dataclass(frozen=True)
@@ -450,6 +455,14 @@ class PeerTrainingConfig(_Section):
 
 
 @dataclass(frozen=True)
+class PeerDataConfig(_Section):
+    """[data] of a peer (every peer samples the whole data set, in its own order: no shards)."""
+
+    SECTION = "data"
+    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)')
+
+
+@dataclass(frozen=True)
 class PeerConfig:
     """Everything ``swarmtrain peer`` is configured with."""
 
@@ -458,7 +471,7 @@ class PeerConfig:
     peer: PeerDiscoveryConfig = field(default_factory=PeerDiscoveryConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     training: PeerTrainingConfig = field(default_factory=PeerTrainingConfig)
-    data: WorkerDataConfig = field(default_factory=WorkerDataConfig)
+    data: PeerDataConfig = field(default_factory=PeerDataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -244,3 +247,117 @@ def test_check_finite_makes_every_member_refuse_a_non_finite_result(group: list[
     assert all(isinstance(o, str) and "NaN or Inf" in o for o in checked), checked
     outs = in_threads([lambda b=b: reduce(b, 1.0, True) for b in group])  # and the group goes on
     assert all(torch.equal(o, torch.full((64,), 3.0)) for o in outs)
+
+
+# --- the all-reduce keeps no copy of its input -------------------------------------------
+
+
+VICTIM = """
+import sys, time
+from swarmtrain.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.peer.identity import Identity
+port, others = int(sys.argv[1]), [int(p) for p in sys.argv[2].split(",")]
+opts = PeerOptions(run="backend-test", min_peers=3, host="127.0.0.1", port=port, mdns=False,
+                   static_peers=tuple(("127.0.0.1", p) for p in others), heartbeat_interval=0.3,
+                   heartbeat_timeout=3.0, propose_timeout=1.0, ring_timeout=10.0, reform_timeout=15.0)
+b = PeerBackend(opts, secret=sys.argv[3].encode(), identity=Identity.generate())
+b.start()
+b.wait_for_peers(2, timeout=20)
+b.refresh(timeout=30)
+print("joined", b.world_size, flush=True)
+time.sleep(600)  # never enters the all-reduce: it is killed while the others wait in it
+"""
+
+
+def test_a_member_killed_while_the_others_wait_in_the_all_reduce_they_retry_with_their_inputs() -> None:
+    ports = free_ports(3)
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, str(ports[2]), f"{ports[0]},{ports[1]}",
+                               SECRET.decode()], stdout=subprocess.PIPE, text=True)
+    survivors: list[PeerBackend] = []
+    try:
+        survivors += [start_peer(p, ports, Identity.generate(), min_peers=3) for p in ports[:2]]
+        for b in survivors:
+            b.wait_for_peers(2, timeout=20)
+        in_threads([lambda b=b: b.refresh(timeout=30) for b in survivors])
+        assert victim.stdout is not None and victim.stdout.readline().split() == ["joined", "3"]
+        inputs = [torch.randint(-1000, 1000, (100_003,)).float() for _ in survivors]
+        tensors = [x.clone() for x in inputs]
+        killer = threading.Timer(1.0, victim.kill)  # the survivors are inside the all-reduce by then
+        killer.start()
+        outs = in_threads([lambda b=b, t=t: b.all_reduce(t, "sum") for b, t in zip(survivors, tensors)])
+        killer.join()
+        for out, t in zip(outs, tensors):
+            assert out is t and torch.equal(t, inputs[0] + inputs[1])  # exactly the survivors' inputs
+        assert [b.world_size for b in survivors] == [2, 2]
+    finally:
+        victim.kill()
+        victim.wait(10)
+        for b in survivors:
+            b.close()
+
+
+def break_once_changed(b: PeerBackend) -> None:
+    """The current ring of ``b`` breaks right after its collective first writes the tensor
+    (every member has joined by then, so the others may have changed theirs too)."""
+    ring = b._current_ring()
+    pump = ring._pump
+
+    def pump_until_changed(op: Any) -> None:
+        received = op.received
+
+        def then_break(frame: Any, scale: float) -> None:
+            received(frame, scale)
+            if op.touched:
+                raise RingBroken("reduce_scatter", None, "injected once the tensor changed")
+
+        op.received = then_break
+        pump(op)
+
+    ring._pump = pump_until_changed  # type: ignore[method-assign]
+
+
+def test_a_ring_broken_after_a_tensor_changed_voids_the_retry_on_every_member(
+        group: list[PeerBackend]) -> None:
+    break_once_changed(group[1])
+    before = [b.rounds for b in group]
+
+    def reduce(b: PeerBackend) -> Any:
+        try:
+            return b.all_reduce(torch.ones(4096), "sum")
+        except RingBroken as exc:
+            return exc.phase  # (an exception returned would be re-raised by in_threads)
+
+    assert in_threads([lambda b=b: reduce(b) for b in group]) == ["retry"] * 3  # alike, nobody waits
+    assert [b.rounds for b in group] == before
+    outs = in_threads([lambda b=b: b.all_reduce(torch.ones(4096), "sum") for b in group])  # and it goes on
+    assert all(torch.equal(o, torch.full((4096,), 3.0)) for o in outs)
+
+
+def resident_peak_above(run: Callable[[], Any]) -> int:
+    """Bytes the process's resident set rose above its size before ``run`` at its peak."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak (VmHWM) to the current resident size
+    rss = status("VmRSS:")
+    run()
+    return status("VmHWM:") - rss
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_all_reduce_copies_nothing_for_its_retry(group: list[PeerBackend]) -> None:
+    n = 12_000_000  # 48 MB each: more than glibc ever reuses without mapping it afresh
+    tensors = [torch.full((n,), float(r)) for r in range(3)]
+    in_threads([lambda b=b, t=t: b.all_reduce(t, "sum") for b, t in zip(group, tensors)])  # scratch set up
+    calls: list[Callable[[PeerBackend, torch.Tensor], Any]] = [
+        lambda b, t: b.all_reduce(t, "mean"),  # the default retries, weighted or not
+        lambda b, t: b.all_reduce(t, "mean", weight=2.0),
+        lambda b, t: b.all_reduce(t, "sum", retries=0, boundary=False, check_finite=True),  # the trainer's
+    ]
+    for call in calls:
+        extra = resident_peak_above(lambda call=call: in_threads(
+            [lambda b=b, t=t: call(b, t) for b, t in zip(group, tensors)]))
+        assert extra < n, f"{extra / 1e6:.0f} MB resident above the start (bound: a quarter tensor)"
+    assert all(torch.equal(t, torch.full((n,), 9.0)) for t in tensors)  # 3 (sum), 3, 3, 3 x 3

@@ -1,10 +1,10 @@
-"""Peer mode on a simulated LAN: peers with no addresses find each other by mDNS, train
-together, survive a peer killed mid-all-reduce, take in a late joiner, ignore other runs."""
+"""Peer mode on a simulated LAN: peers survive a peer killed mid-all-reduce, take in a late
+joiner, ignore other runs (finding each other by mDNS, training together and partitions:
+``test_peer_partitions.py``)."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,42 +13,9 @@ from typing import Any
 import pytest
 
 from swarmtrain.testing import SimulatedLAN
-from swarmtrain.testing.procs import LanProcesses
+from swarmtrain.testing.partitions import PeerProcesses as Peers
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
-
-TOML = """
-[network]
-heartbeat_interval_sec = 0.5
-heartbeat_timeout_sec = 2.0
-propose_timeout_sec = 2.0
-ring_timeout_sec = 30.0
-reform_timeout_sec = 30.0
-"""
-
-
-class Peers(LanProcesses):
-    """Peer processes named by host index (``"0"``, ``"1"``, ...), one home directory each."""
-
-    def __init__(self, lan: SimulatedLAN, tmp: Path) -> None:
-        super().__init__(lan, tmp, {"SWARMTRAIN_SECRET": "peer-lan-secret"})
-        (tmp / "peer.toml").write_text(TOML)
-
-    def start_peer(self, host: int, *args: str, run: str = "lan-test") -> subprocess.Popen[Any]:
-        home = self.tmp / f"home{host}"
-        home.mkdir(exist_ok=True)
-        return self.start(str(host), host, "peer", "--config", str(self.tmp / "peer.toml"), "--task",
-                          "digits", "--run", run, "--threads", "1", "--batch-size", "32", *args,
-                          env={"SWARMTRAIN_HOME": str(home)})
-
-    def peer_status(self, host: int) -> dict[str, Any] | None:
-        return self.status(str(host))
-
-    def wait_peers(self, pred: Callable[[dict[int, dict[str, Any]]], bool], timeout: float, what: str,
-                   hosts: list[int]) -> dict[int, dict[str, Any]]:
-        sts = self.wait_all([str(h) for h in hosts], lambda s: pred({int(k): v for k, v in s.items()}),
-                            timeout, what)
-        return {int(k): v for k, v in sts.items()}
 
 
 @pytest.fixture
@@ -56,18 +23,6 @@ def peers(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: ig
     ps = Peers(lan_factory(5, rate_mbit=None), tmp_path)
     yield ps
     ps.stop_all()
-
-
-def test_four_peers_find_each_other_by_mdns_and_train_together(peers: Peers) -> None:
-    for h in range(4):  # no addresses, no ranks, no world size
-        peers.start_peer(h, "--min-peers", "4", "--mode", "step", "--max-rounds", "400",
-                         "--eval-every", "100")
-    peers.join(180)
-    sts = {h: peers.peer_status(h) for h in range(4)}
-    assert all(s is not None and s["round"] == 400 and s["world_size"] == 4 for s in sts.values()), sts
-    assert len({s["checksum"] for s in sts.values() if s}) == 1  # bit-identical replicas
-    acc = max((s["metrics"].get("accuracy", 0) for s in sts.values() if s), default=0)
-    assert acc > 0.9, sts
 
 
 def test_a_peer_killed_mid_allreduce_the_others_reform_and_go_on(peers: Peers) -> None:

@@ -5,6 +5,7 @@ a stranger with another secret and the lowest id changes nothing."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def test_every_partition_heals_into_one_group_with_the_training_sides_state(peer
     sums = {s["history"][i]["checksum"] for s in sts.values() if s
             for i in range(len(s["history"])) if s["history"][i]["round"] == last}
     assert len(sums) == 1, sums
+    # found by mDNS alone (no addresses, ranks or world size given), they learnt all along
+    acc = max(s["metrics"].get("accuracy", 0.0) for s in sts.values() if s)
+    assert acc > 0.9, acc
+    # a peer stopped with SIGTERM says goodbye: the others regroup without waiting out its
+    # heartbeats and without a warning (a leave is routine)
+    peers.procs[str(other)].send_signal(signal.SIGTERM)
+    assert peers.procs[str(other)].wait(timeout=20) == 0
+    rest = [h for h in hosts if h != other]
+    peers.wait_one_group(rest, 30, "the others without the peer that left")
+    for h in rest:
+        log = (peers.tmp / f"{h}.log").read_text()
+        after = log[log.rindex("is leaving"):]
+        assert "WARNING" not in after, after
 
 
 @pytest.mark.timeout(240)

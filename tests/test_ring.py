@@ -157,11 +157,15 @@ def test_int8_encoding_of_zeros_and_of_non_finite_values() -> None:
     assert np.isnan(out).all()  # loud: the whole segment, never silently finite
 
 
-def simulate(schedules: list[Schedule]) -> int:
+def simulate(schedules: list[Schedule], dies: dict[int, int] | None = None) -> int:
     """Run one collective's schedules with frames passed in memory, member r to member r+1,
     in order, each send only once its dependency is met. Returns the number of frames moved;
-    fails on a header mismatch or a deadlock (nobody can move)."""
+    fails on a header mismatch or a deadlock (nobody can move). ``dies``: member -> frames it
+    sends before it stops for good; the others then move what they can, and the run ends
+    when nobody can move."""
     world = len(schedules)
+    dies = dies or {}
+    sent = [0] * world
     inbox: list[collections.deque[tuple[bytes, bytes]]] = [collections.deque() for _ in range(world)]
     ins = [s.incoming() for s in schedules]
     outs = [s.outgoing() for s in schedules]
@@ -172,6 +176,9 @@ def simulate(schedules: list[Schedule]) -> int:
         progress = False
         for r, sched in enumerate(schedules):
             while (frame := want_out[r]) is not None and frame.after <= received[r]:
+                if sent[r] == dies.get(r, -1):
+                    break
+                sent[r] += 1
                 header, payload = sched.build(frame)
                 inbox[(r + 1) % world].append((bytes(header), bytes(payload)))
                 want_out[r] = next(outs[r], None)
@@ -180,15 +187,29 @@ def simulate(schedules: list[Schedule]) -> int:
                 header, payload = inbox[r].popleft()
                 assert header[:CHECKED_BYTES] == expected.expect
                 assert len(payload) == len(expected.payload)
+                sched.touched |= expected.into_caller
                 expected.payload[:] = payload
                 sched.received(expected, FrameHeader.unpack(header).scale)
                 received[r] += 1
                 moved += 1
                 want_in[r] = next(ins[r], None)
                 progress = True
+        if dies and not progress:
+            return moved
         assert progress, "deadlock"
     assert not any(inbox)
     return moved
+
+
+def schedules_of(xs: list[np.ndarray], codec: int = CODEC_FP32, segment_bytes: int = 64,
+                 **options: Any) -> list[Schedule]:
+    """One all-reduce schedule per member over ``xs`` (member r's array), each with its own
+    scratch; ``options`` go to every :class:`AllReduceSchedule`, a callable value is called
+    with the rank."""
+    return [AllReduceSchedule(seq=7, kind=1, rank=r, world=len(xs), flat=x, codec=codec,
+                              segment_bytes=segment_bytes, buffers=ScratchBuffers(segment_bytes),
+                              **{k: v(r) if callable(v) else v for k, v in options.items()})
+            for r, x in enumerate(xs)]
 
 
 @pytest.mark.parametrize("world,n,segment_bytes",
@@ -197,18 +218,82 @@ def simulate(schedules: list[Schedule]) -> int:
 def test_all_reduce_schedule_in_memory(world: int, n: int, segment_bytes: int, codec: int) -> None:
     xs = [x.numpy() for x in data(world, n, seed=2)]
     exact = sum(xs)
-    weights = [np.array([r + 1.0], np.float32) for r in range(world)]
-    schedules: list[Schedule] = [
-        AllReduceSchedule(seq=7, kind=1, rank=r, world=world, flat=xs[r], extra=weights[r], codec=codec,
-                          segment_bytes=segment_bytes, buffers=ScratchBuffers(segment_bytes))
-        for r in range(world)
-    ]
+    schedules = schedules_of(xs, codec, segment_bytes)
     simulate(schedules)
     for r in range(world):
         assert np.array_equal(xs[r], xs[0])  # bit-identical everywhere, whatever the codec
-        assert weights[r][0] == sum(range(1, world + 1))  # the weight slot is summed exactly
     tol = {CODEC_FP32: 1e-5, CODEC_FP16: 1e-2, CODEC_INT8: 0.1}[codec] * world
     assert np.allclose(xs[0], exact, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("world,n", [(2, 1), (3, 2), (4, 1001), (5, 3)])
+@pytest.mark.parametrize("codec", [CODEC_FP32, CODEC_INT8])
+def test_weighted_mean_schedule_divides_by_the_exact_weight_sum(world: int, n: int, codec: int) -> None:
+    xs = [x.numpy() for x in data(world, n, seed=3)]
+    exact = sum((r + 1) * x.astype(np.float64) for r, x in enumerate(xs)) / sum(range(1, world + 1))
+    schedules = schedules_of(xs, codec, weight=lambda r: float(r + 1))
+    simulate(schedules)
+    for s in schedules:
+        assert isinstance(s, AllReduceSchedule) and s.weight_total == sum(range(1, world + 1))  # exactly
+    assert all(np.array_equal(x, xs[0]) for x in xs)
+    tol = {CODEC_FP32: 1e-5, CODEC_INT8: 0.1}[codec] * world
+    assert np.allclose(xs[0], exact, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("world,n", [(2, 5), (3, 1000), (4, 1001), (5, 3)])
+@pytest.mark.parametrize("codec", [CODEC_FP32, CODEC_FP16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_no_input_changes_before_every_member_has_joined(world: int, n: int, codec: int,
+                                                          weighted: bool) -> None:
+    """The invariant a retry without a copy rests on: while some member has sent nothing,
+    every other member's array still holds its input, bit for bit; and whatever the point a
+    member dies at, an array whose schedule says untouched is unchanged."""
+    inputs = [x.numpy() for x in data(world, n, seed=4)]
+    options: dict[str, Any] = {"weight": lambda r: float(r + 1)} if weighted else {}
+    for keep in (True, False):
+        for dead in range(world):
+            for frames in [0, 1, 2, 3, 5, 8, 100]:
+                xs = [x.copy() for x in inputs]
+                schedules = schedules_of(xs, codec, keep_input=keep, **options)
+                simulate(schedules, dies={dead: frames})
+                for r, s in enumerate(schedules):
+                    if not s.touched:
+                        assert np.array_equal(xs[r], inputs[r]), (keep, dead, frames, r)
+                early = [s.touched for r, s in enumerate(schedules) if r != dead]  # (it still takes frames)
+                if frames == 0 and keep:
+                    assert not any(early), dead
+                elif frames == 0 and world > 2:
+                    assert any(early), dead  # summing in place, the member two after it has changed
+
+
+@pytest.mark.parametrize("world,n", [(2, 1), (3, 2), (4, 1001), (5, 3), (5, 1)])
+@pytest.mark.parametrize("codec", [CODEC_FP32, CODEC_INT8])
+def test_one_invalid_input_voids_the_result_on_every_member(world: int, n: int, codec: int) -> None:
+    for invalid in range(world):
+        xs = [x.numpy() for x in data(world, n)]
+        schedules = schedules_of(xs, codec, valid=lambda r, i=invalid: r != i)
+        simulate(schedules)
+        assert all(isinstance(s, AllReduceSchedule) and s.void for s in schedules), invalid
+    schedules = schedules_of([x.numpy() for x in data(world, n)], codec)
+    simulate(schedules)
+    assert not any(isinstance(s, AllReduceSchedule) and s.void for s in schedules)
+
+
+@pytest.mark.parametrize("world,n", [(2, 1), (3, 2), (4, 1001), (5, 3)])
+@pytest.mark.parametrize("codec,bad", [(CODEC_FP32, math.inf), (CODEC_FP32, math.nan), (CODEC_FP16, math.nan),
+                                       (CODEC_INT8, -math.inf)])
+def test_the_finite_check_gives_every_member_the_same_verdict(world: int, n: int, codec: int,
+                                                              bad: float) -> None:
+    for member, where in [(0, 0), (world - 1, n - 1), (world // 2, n // 2)]:
+        xs = [x.numpy() for x in data(world, n)]
+        xs[member][where] = bad
+        schedules = schedules_of(xs, codec, check_finite=True, mean=True)
+        simulate(schedules)
+        assert not any(isinstance(s, AllReduceSchedule) and s.finite for s in schedules), (member, where)
+        assert not np.isfinite(xs[0][where])
+    schedules = schedules_of([x.numpy() for x in data(world, n)], codec, check_finite=True)
+    simulate(schedules)
+    assert all(isinstance(s, AllReduceSchedule) and s.finite for s in schedules)
 
 
 @pytest.mark.parametrize("world,root", [(2, 1), (3, 0), (5, 3)])

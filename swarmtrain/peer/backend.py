@@ -143,7 +143,16 @@ class PeerBackend:
     #: discovered peers that failed authentication (wrong secret?): address -> reason
     unauthenticated: dict[str, str] = field(default_factory=dict)
     _probing: set[str] = field(default_factory=set)
+    _probe_tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    #: when each peer said goodbye: for LEAVING_SEC its answers are those of a process that is
+    #: shutting down; an answer after that is a restarted peer, welcome again
+    _left_at: dict[str, float] = field(default_factory=dict)
+    LEAVING_SEC: ClassVar[float] = 5.0
+    FORGET_AFTER_FAILS: ClassVar[int] = 150
     _stopping: bool = False
+    #: why the current ring was closed when nothing went wrong (a member said goodbye), so
+    #: the training loop reports it as routine; "" otherwise
+    routine_close: str = ""
     _wake_probe: asyncio.Event = field(default_factory=asyncio.Event)
     _state: list[torch.Tensor] | None = None
     _synced_epoch: int = 0
@@ -188,7 +197,8 @@ class PeerBackend:
             timeouts=Timeouts(handshake=o.propose_timeout, heartbeat_interval=o.heartbeat_interval,
                               heartbeat_timeout=o.heartbeat_timeout),
             info=self._info, status=self.status, on_member_lost=self._member_lost,
-            on_reform=self._reform_requested, server_limits=o.server_limits)
+            on_reform=self._reform_requested, server_limits=o.server_limits,
+            said_goodbye=lambda peer_id: peer_id in self.membership.left)
         self.port = await self.control.start(o.host, o.port)
         advertise = o.advertise_host or ("" if o.host in ("0.0.0.0", "::") else o.host)
         self.ring_address = (advertise or "127.0.0.1", self.listener.address[1])
@@ -252,7 +262,9 @@ class PeerBackend:
 
     async def _say_goodbye(self) -> None:
         """Tell every member we are leaving (a signed REFORM ``leave``), so none waits for our
-        heartbeats to stop and none counts us in a quorum; at most :attr:`GOODBYE_SEC`."""
+        heartbeats to stop and none counts us in a quorum; at most :attr:`GOODBYE_SEC`. From
+        here on proposals are refused (a leaving peer joins nothing)."""
+        self.membership.ready = False
         v = self.view
         if v is None or self.identity is None:
             return
@@ -336,7 +348,9 @@ class PeerBackend:
                 if pid in self._probing or self._probe_next.get(pid, 0.0) > now:
                     continue
                 self._probing.add(pid)
-                asyncio.create_task(self._probe_one(pid, c), name=f"swarm-peer-probe-{pid[:8]}")
+                task = asyncio.create_task(self._probe_one(pid, c), name=f"swarm-peer-probe-{pid[:8]}")
+                self._probe_tasks.add(task)  # the loop holds tasks weakly
+                task.add_done_callback(self._probe_tasks.discard)
 
     async def _probe_one(self, pid: str, c: Candidate) -> None:
         from swarmtrain.errors import AuthError
@@ -348,8 +362,12 @@ class PeerBackend:
         finally:
             self._probing.discard(pid)
         where = f"{c.host}:{c.port}"
+        left_at = self._left_at.get(pid)
+        if left_at is not None and time.monotonic() - left_at < self.LEAVING_SEC:
+            return  # it said goodbye and is shutting down: its last answers do not bring it back
         if isinstance(ans, PeerInfoMsg) and ans.peer_id == pid and ans.run == self.options.run \
                 and isinstance(ans.public_key, bytes) and peer_id_of(ans.public_key) == pid:
+            self._left_at.pop(pid, None)
             first = pid not in self._verified
             self._verified[pid] = Candidate(pid, c.host, c.port, ans.ring_port)
             self._probe_fails.pop(pid, None)
@@ -381,6 +399,11 @@ class PeerBackend:
         self._probe_next[pid] = time.monotonic() + min(4.0, self.options.probe_interval * 2 ** (fails - 1))
         if fails >= 2 and self._verified.pop(pid, None) is not None:
             log.debug("peer %s at %s stopped answering: no longer a candidate", pid[:8], where)
+        member = self.view is not None and pid in self.view.members
+        if fails >= self.FORGET_AFTER_FAILS and pid not in self._discovered() and not member:
+            # silent for about ten minutes and no longer advertised: stop asking
+            for table in (self._known, self._probe_next, self._probe_fails, self._left_at):
+                table.pop(pid, None)
 
     def wait_for_peers(self, min_peers: int, timeout: float) -> list[PeerInfo]:
         """Block until ``min_peers`` other peers of this run are known and have proved, over
@@ -395,6 +418,9 @@ class PeerBackend:
     async def _wait_for_peers_async(self, min_peers: int, timeout: float) -> list[PeerInfo]:
         deadline = time.monotonic() + timeout
         while len(self._verified) < min_peers:
+            conflict = self.discovery.conflict
+            if conflict:  # another process advertises our id: waiting cannot help
+                raise SwarmError(conflict)
             if time.monotonic() > deadline:
                 strangers = "; ".join(f"{w}: {why}" for w, why in self.unauthenticated.items())
                 raise SwarmTimeout("discovery", timeout,
@@ -419,6 +445,7 @@ class PeerBackend:
         """A newer epoch supersedes the current ring: abort it, so a member still inside a
         collective of the old epoch fails fast and moves on instead of waiting for peers
         that have already left that ring."""
+        self.listener.supersede(self.options.run, view.epoch)  # a ring still forming gives up
         with self._ring_lock:
             if self._ring is not None and self._ring.epoch < view.epoch:
                 self._ring.close()
@@ -444,12 +471,14 @@ class PeerBackend:
             return
         if msg.kind == "leave":
             log.info("peer %s is leaving", msg.peer_id[:8])
+            self._left_at[msg.peer_id] = time.monotonic()
             self.membership.on_leave(msg.peer_id)
             self._suspects[msg.peer_id] = time.monotonic() + 30.0
             self._verified.pop(msg.peer_id, None)
             if v is not None and msg.peer_id in v.members:
                 with self._ring_lock:
                     if self._ring is not None:
+                        self.routine_close = f"member {msg.peer_id[:8]} left"
                         self._ring.close()
             return
         if v is not None and msg.peer_id in v.members and msg.epoch >= v.epoch:
@@ -612,6 +641,7 @@ class PeerBackend:
         ring = await loop.run_in_executor(None, self._build_ring, v)
         with self._ring_lock:
             old, self._ring, self._ring_view = self._ring, ring, v
+            self.routine_close = ""
         if old is not None:
             self._account(old, closing=True)
             old.close()
@@ -767,30 +797,55 @@ class PeerBackend:
         """All-reduce ``tensor`` in place over the current members; on a broken ring, agree a
         new epoch and retry with the original input (at most ``retries`` times).
 
+        No copy of ``tensor`` is kept for a retry: with ``retries`` no member writes its tensor
+        before every member has joined the collective (``keep_input``, see
+        :class:`~swarmtrain.peer.wireformat.AllReduceSchedule`), so a ring that breaks before
+        that (an epoch that moved on, a member lost or a REFORM between collectives) leaves
+        every input as it was, and the retry reduces exactly the callers' inputs. A ring that
+        breaks later leaves partial sums in some tensors: those members still take part in
+        the next attempt, so nobody waits for them, but its result is void on every member,
+        and every member raises :class:`RingBroken` (phase ``retry``): skip the step
+        everywhere. ``retries=0`` (the CLI's trainer) sums in place from the first frame.
+
         Args:
             op: ``sum`` or ``mean``; with ``weight``, the result is Σ wᵢxᵢ / Σ wᵢ.
             wire: ``fp32``, ``fp16`` or ``int8`` (default: the options').
             boundary: first run the round boundary (:meth:`refresh`: joiners are taken in and
                 leavers dropped). The CLI's trainer passes False: it runs its own boundary.
             check_finite: raise :class:`NonFiniteResult` if the result holds NaN or Inf
-                (otherwise it is returned as it is; every member gets the same bits).
+                (otherwise it is returned as it is; every member gets the same bits). Costs
+                one read of the 1/W of the result each member owns, while it is in cache.
 
         Raises:
-            RingBroken: after ``retries`` failures. NonFiniteResult: see ``check_finite``.
+            RingBroken: after ``retries`` failures, or phase ``retry`` (see above); ``tensor``
+                is then undefined. NonFiniteResult: see ``check_finite``.
         """
         if boundary and not self._at_boundary:
             self.refresh()
         self._at_boundary = False
-        original = tensor.clone()
+        intact = True  # every attempt so far left ``tensor`` holding the caller's input
 
         def reduce(ring: RingGroup) -> torch.Tensor:
-            out = ring.all_reduce(tensor, op, weight=weight, wire=wire or self.options.wire)
+            nonlocal intact
+            try:
+                out = ring.all_reduce(tensor, op, weight=weight, wire=wire or self.options.wire,
+                                      check_finite=check_finite, valid=intact, keep_input=retries > 0)
+            except RingBroken:
+                intact = intact and ring.input_intact
+                raise
             self._account(ring)
             return out
 
-        out, ring = self._retrying("the all-reduce", reduce, retries, lambda: tensor.copy_(original))
+        out, ring = self._retrying("the all-reduce", reduce, retries)
+        if ring.result_void:
+            log.warning("epoch %d: the retried all-reduce is void (a member's input was already part "
+                        "reduced); no member uses it", ring.epoch)
+            raise RingBroken("retry", None, f"the all-reduce of epoch {ring.epoch} is void on every "
+                             "member: a member's tensor held partial sums of an attempt that broke, not "
+                             "its input; skip this step")
         self.rounds += 1
-        if check_finite and not bool(torch.isfinite(out).all()):
+        self.work += ring.world_size  # member-collectives, unless the caller counts its own
+        if check_finite and not ring.result_finite:
             raise NonFiniteResult(f"the all-reduce result of epoch {ring.epoch} holds NaN or Inf: a "
                                   "member contributed a non-finite value; skip this step everywhere")
         return out
@@ -816,8 +871,7 @@ class PeerBackend:
         self._at_boundary = False
         self._retrying("the barrier", lambda ring: ring.barrier(), retries)
 
-    def _retrying(self, what: str, run: Callable[[RingGroup], T], retries: int,
-                  before_retry: Callable[[], object] = lambda: None) -> tuple[T, RingGroup]:
+    def _retrying(self, what: str, run: Callable[[RingGroup], T], retries: int) -> tuple[T, RingGroup]:
         """``run`` on the current ring (its epoch's state loaded first); on a broken ring,
         agree a new epoch and run again, at most ``retries`` more times. One retry loop: the
         state load and the collective share it."""
@@ -832,7 +886,6 @@ class PeerBackend:
                     raise
                 epoch = exc.epoch if exc.epoch is not None else self.epoch
                 log.warning("epoch %d ring broke in %s (%s); re-forming", epoch, what, exc)
-                before_retry()
                 self.recover(epoch)
         raise AssertionError("unreachable")
 

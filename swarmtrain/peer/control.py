@@ -68,6 +68,8 @@ class ControlPlane:
     status: Callable[[], dict[str, Any]]
     on_member_lost: Callable[[str], None]
     on_reform: Callable[[Reform], None] = lambda msg: None
+    #: True for a member that announced it is leaving (its closing connection is routine)
+    said_goodbye: Callable[[str], bool] = lambda peer_id: False
     tls: TLSConfig | None = None
     server_limits: ServerLimits = ServerLimits()
     membership: Membership | None = None
@@ -199,6 +201,9 @@ class ControlPlane:
             reason = conn.close_reason
         except (SwarmError, ConnectionError, OSError, TimeoutError) as exc:
             reason = exc
-        log.warning("lost member %s (%s)", c.peer_id[:8], reason)
+        if self.said_goodbye(c.peer_id):
+            log.info("member %s has left", c.peer_id[:8])
+        else:
+            log.warning("lost member %s (%s)", c.peer_id[:8], reason)
         self._pool.pop(c.peer_id, None)
         self.on_member_lost(c.peer_id)

@@ -11,16 +11,26 @@ that crashes cannot say goodbye; its address records carry a short TTL (``host_t
 known peers are re-resolved (from cache while fresh, by query once stale), so it vanishes
 after about ``host_ttl + resolve_timeout`` seconds. Discovery is not the failure detector of
 a training round, though: the membership layer's timeouts are.
+
+Two processes started with one identity (one ``identity.key``) advertise one name. mDNS
+probing catches that only if the first one's records arrive while the second probes; so a
+record of our own name carrying other ports is caught too: it is logged as an error naming
+the id and the fix, and :meth:`Discovery.wait_for_peers` raises it (:attr:`Discovery.conflict`).
+
+A network link that goes down makes python-zeroconf's sends fail (ENETUNREACH,
+EADDRNOTAVAIL...); those are logged as one line without a traceback (a warning once per
+socket, then at debug), not as the traceback python-zeroconf attaches to them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import ifaddr
@@ -34,7 +44,7 @@ from zeroconf import (
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from swarmtrain.errors import ConfigError, SwarmError, SwarmTimeout
-from swarmtrain.peer.identity import PUBLIC_KEY_BYTES, peer_id_of
+from swarmtrain.peer.identity import KEY_FILE, PUBLIC_KEY_BYTES, config_dir, peer_id_of
 
 __all__ = [
     "DEFAULT_PORT",
@@ -46,6 +56,8 @@ __all__ = [
     "decode_txt",
     "encode_txt",
     "parse_peer_list",
+    "peers_on_this_host",
+    "shared_identity_message",
 ]
 
 log = logging.getLogger(__name__)
@@ -145,6 +157,39 @@ def decode_txt(properties: Mapping[bytes, bytes | None], host: str) -> PeerInfo 
     return info
 
 
+def shared_identity_message(peer_id: str, where: str = "") -> str:
+    """What to tell the user when another process advertises `peer_id`, ours, at `where`
+    (``host:port``; "" when unknown)."""
+    return (
+        f"another peer already advertises peer id {peer_id} (this peer's) "
+        f"{f'at {where}' if where else 'on this network'}: two peers share one identity, one "
+        f"{KEY_FILE} (by default {config_dir() / KEY_FILE}: $SWARMTRAIN_HOME, else "
+        "$XDG_CONFIG_HOME/swarmtrain, else ~/.config/swarmtrain); give each peer its own "
+        "directory with SWARMTRAIN_HOME=DIR (a new identity is made there on first start)"
+    )
+
+
+def peers_on_this_host(
+    peers: Iterable[PeerInfo], local: Sequence[ipaddress.IPv4Interface] | None = None
+) -> list[PeerInfo]:
+    """Those of `peers` whose address is one of this host's (`local`, by default this host's
+    IPv4 interface addresses) or a loopback address: other processes on this machine.
+
+    A peer known by a host name other than ``localhost`` is not counted (no lookups here), nor
+    one in another network namespace (a container) of this machine.
+    """
+    mine = {n.ip for n in (_local_ipv4_networks() if local is None else local)}
+    out = []
+    for p in peers:
+        try:
+            ip = ipaddress.ip_address("127.0.0.1" if p.host == "localhost" else p.host)
+        except ValueError:
+            continue
+        if ip.is_loopback or ip in mine:
+            out.append(p)
+    return out
+
+
 def parse_peer_list(text: str) -> list[tuple[str, int]]:
     """Parse ``"10.0.0.2:7200,10.0.0.3,[fd00::3]:7201,pi.local"`` (port 7200 by default).
 
@@ -190,6 +235,9 @@ class Discovery(ABC):
         self._peers: dict[str, PeerInfo] = {}
         self._listeners: list[Callable[[], None]] = []
         self._changed = asyncio.Event()
+        #: set (to the message) when another process advertises our peer id
+        self.conflict: str | None = None
+        self._started = False
 
     @abstractmethod
     async def start(self, me: PeerInfo) -> None:
@@ -214,12 +262,15 @@ class Discovery(ABC):
             The known peers, sorted by peer id, as soon as there are enough.
         Raises:
             SwarmTimeout: phase ``discovery``, saying "found X of Y peers" and what to check.
+            SwarmError: another process advertises this peer's id (:attr:`conflict`).
         """
         if self._me is None:
             raise SwarmError("wait_for_peers before start()")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while len(self._peers) < min_peers:
+            if self.conflict is not None:
+                raise SwarmError(self.conflict)
             changed = self._changed
             try:
                 async with asyncio.timeout(max(0.0, deadline - loop.time())):
@@ -245,6 +296,16 @@ class Discovery(ABC):
             return False
         return True
 
+    def _report_conflict(self, other: PeerInfo) -> None:
+        """`other` carries our peer id but is not us: say so once, loudly, and wake waiters."""
+        if self.conflict is not None:
+            return
+        self.conflict = shared_identity_message(other.peer_id, f"{other.host}:{other.port}")
+        if self._started:  # while start() probes, the error it raises says it
+            log.error("%s", self.conflict)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def _set_peers(self, peers: dict[str, PeerInfo]) -> None:
         """Replace the known peers; tell the listeners if anything changed."""
         if peers == self._peers:
@@ -269,6 +330,42 @@ class Discovery(ABC):
 def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("discovery task %s failed", task.get_name(), exc_info=task.exception())
+
+
+#: send/receive errors of a network that went away: a link down, an address removed
+_NETWORK_ERRNOS = frozenset({errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTUNREACH, errno.EHOSTDOWN,
+                             errno.EADDRNOTAVAIL, errno.ENODEV, errno.ENOBUFS, errno.EPERM})
+
+
+class _ZeroconfNetworkErrors(logging.Filter):
+    """Turns python-zeroconf's log records of expected network errors into one line.
+
+    python-zeroconf logs a failed send or receive (``Error with socket ...``) with the
+    exception's traceback, as a warning the first time per socket and at debug afterwards.
+    For the errors of a link that went down the traceback says nothing useful: the record
+    keeps its level and loses the traceback, and says what it means. Other records, and
+    other exceptions, pass unchanged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS:
+            record.msg = (f"mDNS: {record.getMessage()} (a network link is down or an address went "
+                          "away; discovery goes on and recovers when it is back)")
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+_ZEROCONF_FILTER = _ZeroconfNetworkErrors()
+
+
+def _quiet_zeroconf_network_errors() -> None:
+    """Install the filter on python-zeroconf's logger (every module of it logs there); idempotent."""
+    zeroconf_log = logging.getLogger("zeroconf")
+    if _ZEROCONF_FILTER not in zeroconf_log.filters:
+        zeroconf_log.addFilter(_ZEROCONF_FILTER)
 
 
 def _local_ipv4_networks() -> list[ipaddress.IPv4Interface]:
@@ -343,6 +440,7 @@ class MdnsDiscovery(Discovery):
             SwarmError: `me` is malformed, or another node advertises the same peer id (two
                 processes sharing one identity directory).
         """
+        _quiet_zeroconf_network_errors()
         self._local = _local_ipv4_networks()
         addresses = self._interfaces or _default_addresses(me.host, self._local)
         problem = _problem(replace(me, host=addresses[0]))
@@ -367,10 +465,10 @@ class MdnsDiscovery(Discovery):
             await (await self._azc.async_register_service(info))
         except NonUniqueNameException:
             await self.stop()
-            raise SwarmError(
-                f"another node on this network already advertises peer id {me.peer_id}: two "
-                "processes share one identity; give each its own SWARMTRAIN_HOME"
-            ) from None
+            raise SwarmError(self.conflict or shared_identity_message(me.peer_id)) from None
+        self._started = True
+        if self.conflict is not None:
+            log.error("%s", self.conflict)
         self._liveness = asyncio.create_task(self._check_liveness(), name="mdns-liveness")
         self._liveness.add_done_callback(_log_crash)
 
@@ -435,12 +533,22 @@ class MdnsDiscovery(Discovery):
             peer = decode_txt(info.properties, host or "")
             if peer is None or host is None or peer.peer_id != peer_id:
                 log.debug("ignoring service %r: bad records (host %s)", name, host)
+            elif self._is_impostor_of_me(peer):
+                self._report_conflict(peer)
             elif self._acceptable(peer):
                 self._candidates.add(peer_id)
                 self._put(peer)
         finally:
             if self._resolving.get(peer_id) is asyncio.current_task():
                 del self._resolving[peer_id]
+
+    def _is_impostor_of_me(self, peer: PeerInfo) -> bool:
+        """Whether `peer`, well-formed and with a key hashing to its id, is another process
+        advertising our id: our own records carry our ports (the ring port is a free port
+        the kernel chose, so two processes nearly always differ in it)."""
+        me = self._me
+        return (me is not None and peer.peer_id == me.peer_id
+                and (peer.port, peer.ring_port) != (me.port, me.ring_port))
 
     async def _lookup(self, name: str) -> AsyncServiceInfo | None:
         if self._azc is None:

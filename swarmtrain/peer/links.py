@@ -321,6 +321,17 @@ class RingListener:
             for key in [k for k in self._parked if k[0] == ring_id and k[1] < epoch]:
                 self._unpark(key).close()
 
+    def supersede(self, ring_id: str, epoch: int) -> None:
+        """A newer `epoch` of `ring_id` is agreed (from any thread): a ring of an older epoch
+        still waiting in :meth:`claim` gives up at once instead of waiting out its timeout for a
+        member that has moved on, and older connections are refused from now on."""
+        with self._cond:
+            if epoch > self._newest_epoch.get(ring_id, 0):
+                self._newest_epoch[ring_id] = epoch
+                for key in [k for k in self._parked if k[0] == ring_id and k[1] < epoch]:
+                    self._unpark(key).close()
+            self._cond.notify_all()
+
     def claim(self, ring_id: str, epoch: int, from_rank: int, timeout: float) -> socket.socket:
         """Take the connection `from_rank` opened to us for (`ring_id`, `epoch`), waiting for it.
 
@@ -335,6 +346,9 @@ class RingListener:
                 remaining = deadline - time.monotonic()
                 if self._closed:
                     raise RingBroken("connect", from_rank, "the ring listener was closed")
+                newest = self._newest_epoch.get(ring_id, epoch)
+                if newest > epoch:
+                    raise RingBroken("connect", from_rank, f"epoch {epoch} was superseded by epoch {newest}")
                 if remaining <= 0:
                     raise RingBroken("connect", from_rank,
                                      f"rank {from_rank} did not connect to us within {timeout:g} s")

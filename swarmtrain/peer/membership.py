@@ -46,7 +46,7 @@ import msgpack
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.peer.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
-from swarmtrain.wire import Accept, Commit, Message, Propose, Reform
+from swarmtrain.wire import Accept, Commit, Message, Propose, Reform, Status
 
 __all__ = ["Anchor", "Candidate", "Membership", "QUORUM_RULES", "View", "check_signature", "has_quorum",
            "plan_view", "signed_bytes"]
@@ -404,7 +404,7 @@ class Membership:
             SwarmError: after several rounds of refusals (another proposer keeps winning).
         """
         epoch = max(self.epoch, self._accepted[0], known_epoch) + 1
-        for _ in range(5):
+        for attempt in range(5):
             wanted = sorted(self.wanted(candidates))
             asked = [candidates[p] for p in wanted if p != self.me]
             addresses: dict[str, list[Any]] = {
@@ -468,8 +468,20 @@ class Membership:
             commit = _sign(self.identity, Commit(
                 epoch=epoch, proposer=self.me, members=members,
                 addresses={p: addresses[p] for p in members}, donor=donor))
-            await asyncio.gather(*(self.send(candidates[p], commit, self.propose_timeout)
-                                   for p in members if p != self.me))
+            others = [p for p in members if p != self.me]
+            acks = await asyncio.gather(*(self.send(candidates[p], commit, self.propose_timeout)
+                                          for p in others))
+            missing = [p for p, a in zip(others, acks)
+                       if not (isinstance(a, Status) and a.status.get("installed") is True)]
+            if missing and attempt < 4:
+                # a member accepted and then did not install (gone, or promised elsewhere):
+                # its ring would never form; supersede this epoch at once without it
+                for p in missing:
+                    self._cooldown[p] = time.monotonic() + 2.0
+                log.info("epoch %d: %d member(s) did not install it; proposing again without them",
+                         epoch, len(missing))
+                epoch += 1
+                continue
             self._install(View(epoch, tuple(members),
                                {p: (str(addresses[p][0]), int(addresses[p][1])) for p in members}, donor,
                                self.me))

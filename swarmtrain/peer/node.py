@@ -97,6 +97,9 @@ class PeerTrainer:
                 if self.backend.epoch > epoch:  # a new epoch (a join, a leave) closed it: routine
                     log.info("round %d: epoch %d gave way to epoch %d", self.strategy.round, epoch,
                              self.backend.epoch)
+                elif self.backend.routine_close:
+                    log.info("round %d: %s; re-forming epoch %d's group", self.strategy.round,
+                             self.backend.routine_close, epoch)
                 else:
                     log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
                                 epoch, exc)
@@ -182,7 +185,11 @@ class PeerTrainer:
         w = pending.weight
         buf = torch.cat([pending.flat * w, flags * w, torch.tensor([w])])
         # no retry inside the backend: a new epoch must start with the state sync (run())
-        self.backend.all_reduce(buf, op="sum", retries=0, boundary=False, check_finite=True)
+        work = self.backend.work  # counted here in samples, once the mean is applied (run())
+        try:
+            self.backend.all_reduce(buf, op="sum", retries=0, boundary=False, check_finite=True)
+        finally:
+            self.backend.work = work
         total = float(buf[-1])
         self._round_weight = max(0, round(total))
         if total <= 0:
@@ -206,6 +213,12 @@ class PeerTrainer:
             evaluated = True
             log.info("round %d (epoch %d, %d peers): %s", r, self.backend.epoch, self.backend.world_size,
                      ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+        elif view is not None and (r % self.eval_every == 0 or r == self.max_rounds):
+            # every rank reports progress; held-out metrics are computed once, by rank 0
+            who = f"; held-out metrics come from rank 0 ({view.members[0][:8]})" if self.evaluate else ""
+            log.info("round %d (epoch %d, %d peers, rank %d): train loss %.4f, %d samples%s", r,
+                     self.backend.epoch, self.backend.world_size, self.backend.rank, self.strategy.last_loss,
+                     self.samples, who)
         self.history.append({"time": time.time(), "elapsed": time.monotonic() - started, "round": r,
                              "epoch": self.backend.epoch, "world_size": self.backend.world_size,
                              "loss": self.strategy.last_loss, "bytes_sent": self.backend.bytes_sent,

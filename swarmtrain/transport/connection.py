@@ -340,8 +340,12 @@ class Connection:
         self._proto._mark_closed(reason)
         self.transport.abort()
         for t in self._tasks:
-            if t is not asyncio.current_task():
+            if t is not asyncio.current_task() and not t.done():
                 t.cancel()
+                # the loop holds tasks weakly: a dropped connection's cancelled tasks must
+                # live until they have run their cancellation, or they are destroyed pending
+                _CANCELLED.add(t)
+                t.add_done_callback(_CANCELLED.discard)
 
     async def _cancel_tasks(self) -> None:
         me = asyncio.current_task()
@@ -349,6 +353,10 @@ class Connection:
         for t in others:
             t.cancel()
         await asyncio.gather(*others, return_exceptions=True)
+
+
+#: tasks of aborted connections, kept until they finish (see :meth:`Connection.abort`)
+_CANCELLED: set[asyncio.Task[Any]] = set()
 
 
 def peer_name(transport: asyncio.BaseTransport) -> str:
