@@ -12,6 +12,7 @@ import torch
 from swarmtrain.transport import auth, connect
 from swarmtrain.transport.endpoints import HANDSHAKE_LIMITS, ServerLimits
 from swarmtrain.wire import PREAMBLE, Auth, Challenge, Error, Gradients, Hello, Message, Welcome
+from swarmtrain.wire.frame import PROTOCOL_VERSION
 from tests.test_ps_inprocess import SECRET, coordinator
 from tests.test_transport import HOST, RawPeer, echo, eventually, run, serving
 
@@ -38,15 +39,15 @@ def test_before_the_handshake_a_frame_may_carry_no_tensors_and_only_a_small_head
         async with serving(echo, secret=KEY) as srv:
             # a HELLO announcing a 64 MiB payload: refused from the preamble, nothing allocated
             peer = await RawPeer.open(srv.port)
-            peer.send(PREAMBLE.pack(b"SWRM", 1, int(Hello.TYPE), 0, 10, 64 << 20))
+            peer.send(PREAMBLE.pack(b"SWRM", PROTOCOL_VERSION, int(Hello.TYPE), 0, 10, 64 << 20))
             err = await _first_error(peer)
             assert err.code == "oversize_payload" and str(HANDSHAKE_LIMITS.max_payload_bytes) in err.message
             peer = await RawPeer.open(srv.port)
-            peer.send(PREAMBLE.pack(b"SWRM", 1, int(Hello.TYPE), 0, 1 << 20, 0))
+            peer.send(PREAMBLE.pack(b"SWRM", PROTOCOL_VERSION, int(Hello.TYPE), 0, 1 << 20, 0))
             assert (await _first_error(peer)).code == "oversize_header"
             # an authenticated client may then send big frames
             conn = await connect(HOST, srv.port, secret=KEY, role="worker")
-            big = Welcome(session="x" * 100_000)
+            big = Welcome(session="x" * 100_000, proof=b"")
             await conn.send(big)
             assert await conn.recv(timeout=10) == big
             await conn.close()
@@ -114,7 +115,7 @@ def test_a_recorded_handshake_cannot_be_replayed() -> None:
             first.send(Hello(role="worker", nonce=nc))
             ch = await first.recv()
             assert isinstance(ch, Challenge)
-            recorded = Auth(proof=auth.client_proof(KEY, nc, ch.nonce))
+            recorded = Auth(proof=auth.client_proof(KEY, auth.Transcript("worker", nc, ch.nonce)))
             first.send(recorded)
             assert isinstance(await first.recv(), Welcome)
             first.close()
@@ -139,7 +140,8 @@ def test_a_worker_frame_larger_than_the_model_allows_is_refused_before_allocatio
             model_bytes = sum(p.numel() * 4 for p in c.params.values())
             peer = await RawPeer.open(c.port)
             assert isinstance(await peer.client_handshake(SECRET), Welcome)
-            peer.send(PREAMBLE.pack(b"SWRM", 1, int(Gradients.TYPE), 0, 10, 2 * model_bytes + (2 << 20)))
+            peer.send(PREAMBLE.pack(b"SWRM", PROTOCOL_VERSION, int(Gradients.TYPE), 0, 10,
+                                    2 * model_bytes + (2 << 20)))
             err = await _first_error(peer)
             assert err.code == "oversize_payload"
             assert c.version == 0 and all(torch.equal(before[n], p) for n, p in c.params.items())

@@ -40,6 +40,7 @@ from swarmtrain.wire import (
     StatusRequest,
     Welcome,
 )
+from swarmtrain.wire.frame import PROTOCOL_VERSION
 from tests.test_limits import _first_error
 from tests.test_peer_backend import in_threads, started_group
 from tests.test_ring_tls import node
@@ -158,7 +159,7 @@ async def _raw_client(port: int, role: str) -> RawPeer:
     peer.send(Hello(role=role, nonce=nc))
     ch = await peer.recv()
     assert isinstance(ch, Challenge)
-    peer.send(Auth(proof=auth.client_proof(SECRET, nc, ch.nonce)))
+    peer.send(Auth(proof=auth.client_proof(SECRET, auth.Transcript(role, nc, ch.nonce))))
     assert isinstance(await peer.recv(), Welcome)
     return peer
 
@@ -173,7 +174,7 @@ def test_control_frames_over_the_role_limit_close_only_that_connection() -> None
             good = await connect(HOST, port, secret=SECRET, role="peer")
             # a peer frame announcing a tensor payload: peers send none, refused from the preamble
             peer = await _raw_client(port, "peer")
-            peer.send(PREAMBLE.pack(b"SWRM", 1, int(PeerHello.TYPE), 0, 10, 1 << 20))
+            peer.send(PREAMBLE.pack(b"SWRM", PROTOCOL_VERSION, int(PeerHello.TYPE), 0, 10, 1 << 20))
             assert (await _first_error(peer)).code == "oversize_payload"
             # a command from ctl is small: a 100 KB one is refused, a peer may send that much
             ctl = await connect(HOST, port, secret=SECRET, role="ctl")

@@ -29,6 +29,7 @@ from swarmtrain.wire import (
     Welcome,
     encode_bytes,
 )
+from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 TASK = DigitsTask()
 DATA = TASK.load_data()
@@ -124,7 +125,7 @@ def _raw_session(port: int) -> socket.socket:
     s.sendall(encode_bytes(Hello(role="worker", nonce=nc)))
     ch = _read_msg(s)
     assert isinstance(ch, Challenge)
-    s.sendall(encode_bytes(Auth(proof=auth.client_proof(SECRET, nc, ch.nonce))))
+    s.sendall(encode_bytes(Auth(proof=auth.client_proof(SECRET, auth.Transcript("worker", nc, ch.nonce)))))
     assert isinstance(_read_msg(s), Welcome)
     return s
 
@@ -142,7 +143,8 @@ def _read_msg(s: socket.socket) -> Any:
             d.feed(chunk)
 
 
-def _frame(mtype: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"SWRM", version: int = 1,
+def _frame(mtype: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"SWRM",
+           version: int = PROTOCOL_VERSION,
            flags: int = 0, plen: int | None = None) -> bytes:
     return PREAMBLE.pack(magic, version, mtype, flags, len(header),
                          len(payload) if plen is None else plen) + header + payload
@@ -158,8 +160,8 @@ MALFORMED = {
     "unsupported_version": _frame(GRAD, _hdr({}), version=9),
     "unknown_type": _frame(99, _hdr({})),
     "bad_flags": _frame(GRAD, _hdr({}), flags=4),
-    "oversize_header": PREAMBLE.pack(b"SWRM", 1, GRAD, 0, 1 << 30, 0),
-    "oversize_payload": PREAMBLE.pack(b"SWRM", 1, GRAD, 0, 10, 1 << 40),
+    "oversize_header": PREAMBLE.pack(b"SWRM", PROTOCOL_VERSION, GRAD, 0, 1 << 30, 0),
+    "oversize_payload": PREAMBLE.pack(b"SWRM", PROTOCOL_VERSION, GRAD, 0, 10, 1 << 40),
     "bad_header": _frame(GRAD, b"\xc1\xc1\xc1"),
     "descriptor_out_of_range": _frame(GRAD, _hdr(
         {"msg_id": 1, "version": 0, "samples": 1, "loss": 0.0, "codecs": {}},

@@ -38,6 +38,7 @@ from swarmtrain.wire import (
     StageSync,
     encode_bytes,
 )
+from swarmtrain.wire.frame import PROTOCOL_VERSION
 from tests.test_pipeline_core import FAST, SECRET, _raw_exchange, _run, _server
 from tests.test_transport import eventually
 
@@ -64,8 +65,8 @@ def test_an_oversize_pipeline_frame_closes_only_that_connection(caplog: pytest.L
         try:
             good = await connect("127.0.0.1", s.port, secret=SECRET, role="pipeline", timeouts=FAST)
             # 257 MiB announced in the preamble: refused before anything is allocated
-            answer = await _raw_exchange(s.port, PREAMBLE.pack(b"SWRM", 1, int(StageForward.TYPE), 0, 10,
-                                                               257 << 20))
+            answer = await _raw_exchange(s.port, PREAMBLE.pack(b"SWRM", PROTOCOL_VERSION,
+                                                               int(StageForward.TYPE), 0, 10, 257 << 20))
             assert isinstance(answer, Error) and answer.code == "oversize_payload", answer
             assert str(256 << 20) in answer.message
             await eventually(lambda: "--max-request-mb, now 256" in caplog.text, what="the stage's hint")

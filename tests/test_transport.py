@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -43,6 +44,7 @@ from swarmtrain.wire import (
     Welcome,
     encode_bytes,
 )
+from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,19 +153,21 @@ class RawPeer:
         ch = await self.recv()
         assert isinstance(ch, Challenge)
         key = secret if proof_secret is None else proof_secret
-        self.send(Auth(proof=auth.client_proof(key, nc, ch.nonce)))
+        self.send(Auth(proof=auth.client_proof(key, auth.Transcript("worker", nc, ch.nonce,
+                                                                    open_cluster=ch.open_cluster))))
         return await self.recv()
 
     async def server_handshake(self, secret: bytes | None) -> None:
         hello = await self.recv()
         assert isinstance(hello, Hello)
-        ns = auth.new_nonce()
-        self.send(Challenge(nonce=ns, proof=auth.server_proof(secret, hello.nonce, ns),
-                            open_cluster=secret is None))
+        t = auth.Transcript(hello.role, hello.nonce, auth.new_nonce(), node=hello.node,
+                            software=hello.software, open_cluster=secret is None)
+        self.send(Challenge(nonce=t.server_nonce, proof=auth.server_proof(secret, t),
+                            open_cluster=t.open_cluster))
         reply = await self.recv()
         assert isinstance(reply, Auth)
-        assert auth.proofs_equal(reply.proof, auth.client_proof(secret, hello.nonce, ns))
-        self.send(Welcome(session="raw"))
+        assert auth.proofs_equal(reply.proof, auth.client_proof(secret, t))
+        self.send(Welcome(session="raw", proof=auth.welcome_proof(secret, t, "raw")))
 
     def close(self) -> None:
         self.writer.close()
@@ -195,18 +199,40 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --- authentication primitives ------------------------------------------------------------
 
 
+def _documented_mac(key: bytes, label: bytes, *fields: bytes) -> bytes:
+    """The MAC exactly as docs/protocol.md writes it, independently of transport/auth.py."""
+    data = b"".join(struct.pack("<H", len(f)) + f for f in (b"swarmtrain handshake", label, *fields))
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
 def test_hmac_proofs_match_the_documented_construction_and_vectors() -> None:
     """docs/protocol.md gives the MAC inputs and these vectors; keep them true."""
     nc, ns, key = bytes(range(32)), bytes(range(32, 64)), b"example-secret"
-    server = auth.server_proof(key, nc, ns)
-    client = auth.client_proof(key, nc, ns)
-    assert server == hmac.new(key, b"swarmtrain/1 server" + nc + ns, hashlib.sha256).digest()
-    assert client == hmac.new(key, b"swarmtrain/1 client" + ns + nc, hashlib.sha256).digest()
-    assert server.hex() == "0633fce20fe77bcece53d8b52cdf89512abca9c895a9989d2f69c530b36b9f6c"
-    assert client.hex() == "8f9dd76b83251b0ace21c072ab13937f1dd87458377c50190e091e9ed3c40273"
-    assert auth.server_proof(None, nc, ns).hex() == (
-        "77e018d11ebbb4116b226c0b979235f6d371b3c9639acf4e8edc93a1d195a914")
-    assert server != client and auth.server_proof(b"other", nc, ns) != server
+    t = auth.Transcript("worker", nc, ns, node="w1", software="swarmtrain test")
+    fields = (b"\x02", b"worker", b"w1", b"swarmtrain test", nc, ns, b"\x00")
+    server, client = auth.server_proof(key, t), auth.client_proof(key, t)
+    welcome = auth.welcome_proof(key, t, "0123456789abcdef")
+    assert server == _documented_mac(key, b"server", *fields)
+    assert client == _documented_mac(key, b"client", *fields)
+    assert welcome == _documented_mac(key, b"welcome", *fields, b"0123456789abcdef")
+    assert server.hex() == "54923ee3b53ec50573d8c3ba007fb667741a548c1d22c1ae2bf9da3bb9ea3905"
+    assert client.hex() == "497c9ee1ae2eef02e05c0e8688fd2a3af947be3386d20cf9550aa1d108fea229"
+    assert welcome.hex() == "8130037c91c2de415dcfbe722a0e8e5b956f20fbe85836e3161fac6426bdacbe"
+    open_t = dataclasses.replace(t, open_cluster=True)
+    assert auth.server_proof(None, open_t).hex() == (
+        "05a63eea490642fe4efbced6a760cc683b017d0263e2c697cd511199a947afc0")
+    announcement = struct.pack("<QIH", 7, 1, 4) + b"ring"
+    ring_s = auth.ring_server_proof(key, 2, nc, ns)
+    ring_c = auth.ring_client_proof(key, 2, nc, ns, announcement)
+    assert ring_s == _documented_mac(key, b"ring server", b"\x02", nc, ns)
+    assert ring_c == _documented_mac(key, b"ring client", b"\x02", nc, ns, announcement)
+    assert ring_s.hex() == "fa4ab35f936bd50b363f554937f3a1d4fefded0ff554eb968895b27def6d6f3c"
+    assert ring_c.hex() == "b4087e9ca8270e2a9c241ed3108a16bfc70292dfd6b11f949a0f3d29731f199a"
+    # every claimed field changes the proof
+    for change in ({"role": "ctl"}, {"node": "w2"}, {"software": "x"}, {"open_cluster": True},
+                   {"version": 1}, {"client_nonce": ns}, {"server_nonce": nc}):
+        assert auth.server_proof(key, dataclasses.replace(t, **change)) != server  # type: ignore[arg-type]
+    assert server != client and auth.server_proof(b"other", t) != server
     assert len(auth.new_nonce()) == auth.NONCE_BYTES == 32
     assert auth.new_nonce() != auth.new_nonce()
 
@@ -391,7 +417,7 @@ def test_garbage_after_the_handshake_closes_the_connection_with_an_error() -> No
         async with serving(handler) as srv:
             peer = await RawPeer.open(srv.port)
             assert isinstance(await peer.client_handshake(None), Welcome)
-            peer.send(b"SWRM\x01\xee" + bytes(14))  # unknown message type
+            peer.send(b"SWRM" + bytes([PROTOCOL_VERSION, 0xEE]) + bytes(14))  # unknown message type
             got = await peer.read_to_eof()
             peer.close()
             errors = [(m.code, m.fatal) for m in got if isinstance(m, Error)]
@@ -410,7 +436,7 @@ def test_client_that_never_completes_the_handshake_is_closed(stall: str) -> None
         async with serving(idle, secret=b"alpha", timeouts=quick) as srv:
             peer = await RawPeer.open(srv.port)
             if stall == "half_a_preamble":
-                peer.send(b"SWRM\x01")
+                peer.send(b"SWRM" + bytes([PROTOCOL_VERSION]))
             elif stall == "hello_only":
                 peer.send(Hello(role="worker", nonce=auth.new_nonce()))
             got = await peer.read_to_eof(timeout=10)

@@ -109,7 +109,7 @@ SAMPLES: dict[MsgType, Message] = {
     MsgType.HELLO: Hello(role="worker", nonce=bytes(range(32)), software="swarmtrain 0.1.0"),
     MsgType.CHALLENGE: Challenge(nonce=b"\x00" * 32, proof=b"\xff" * 32, open_cluster=True),
     MsgType.AUTH: Auth(proof=b"\x01\x02" * 16),
-    MsgType.WELCOME: Welcome(session="a1b2c3d4"),
+    MsgType.WELCOME: Welcome(session="a1b2c3d4", proof=bytes(range(32))),
     MsgType.REGISTER: Register(
         worker_id="pi-4",
         task="digits",
@@ -432,7 +432,7 @@ _F32 = struct.pack("<4f", 1, 2, 3, 4) + bytes(48)
 MALFORMED: dict[str, tuple[bytes, str]] = {
     "bad magic": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, magic=b"HTTP"), "bad_magic"),
     "http request": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad_magic"),
-    "unknown version": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, version=2),
+    "unknown version": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, version=3),
                         "unsupported_version"),
     "version zero": (_frame(MsgType.PAUSE, {"f": {}, "t": []}, version=0), "unsupported_version"),
     "unknown type": (_frame(99, {"f": {}, "t": []}), "unknown_type"),
@@ -513,7 +513,7 @@ def test_malformed_frame_after_a_good_one(case: str) -> None:
 
 def test_error_messages_name_what_was_wrong() -> None:
     assert "HTTP" in str(_refused(MALFORMED["bad magic"][0], "bad_magic"))
-    assert "version 2" in str(_refused(MALFORMED["unknown version"][0], "unsupported_version"))
+    assert "version 3" in str(_refused(MALFORMED["unknown version"][0], "unsupported_version"))
     assert "version" in str(_refused(MALFORMED["missing required field"][0], "missing_field"))
     assert "complex64" in str(_refused(MALFORMED["bad dtype name"][0], "bad_dtype"))
 
@@ -716,14 +716,14 @@ def test_protocol_errors_are_split_by_blame() -> None:
 def test_the_worked_example_in_the_protocol_doc() -> None:
     data = encode_bytes(Weights(version=1, tensors={"w": torch.tensor([1.0, -2.0])}))
     expected = bytes.fromhex(
-        "5357524d 01 0c 0000 1f000000 4000000000000000"  # preamble
+        "5357524d 02 0c 0000 1f000000 4000000000000000"  # preamble
         "82 a166 81 a776657273696f6e 01"  # {"f": {"version": 1},
         "a174 91 95 a177 a7666c6f61743332 9102 00 08"  # "t": [["w", "float32", [2], 0, 8]]}
         "0000803f 000000c0" + "00" * 56  # 1.0, -2.0, padding
     )
     assert data == expected
     beat = bytes.fromhex(
-        "5357524d 01 18 0000 1b000000 0000000000000000"
+        "5357524d 02 18 0000 1b000000 0000000000000000"
         "82 a166 82 a474696d65 cb3fe0000000000000 a473746570 03 a174 90"
     )
     assert encode_bytes(Heartbeat(time=0.5, step=3)) == beat
@@ -745,7 +745,7 @@ def test_constants_match_the_protocol_doc() -> None:
         "STAGE_INFER": 54, "STAGE_SYNC": 55, "STAGE_ERROR": 56,
     }
     assert PREAMBLE.format == "<4sBBHIQ" and PREAMBLE.size == 20
-    assert MAGIC == b"SWRM" and PROTOCOL_VERSION == 1 and ALIGN == 64
+    assert MAGIC == b"SWRM" and PROTOCOL_VERSION == 2 and ALIGN == 64
     assert Limits() == Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 30,
                               max_tensors=16384)
     itemsizes = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}

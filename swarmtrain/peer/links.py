@@ -7,12 +7,22 @@ will use them has built its group, so the listener parks authenticated connectio
 are claimed, for a bounded time and in bounded number.
 
 Handshake on a new connection (client = the dialling side; both directions authenticated
-with the cluster secret, fresh nonces each, as in :mod:`swarmtrain.transport.auth`)::
+with the cluster secret over the transcript, fresh nonces each, as in
+:mod:`swarmtrain.transport.auth`)::
 
-    client -> server   MAGIC, client nonce (32)
-    server -> client   MAGIC, server nonce (32), server proof (32)
-    client -> server   client proof (32), epoch u64, from_rank u32, len u16, ring_id (utf-8)
-    server -> client   status u8 (0 = accepted; else why it was refused)
+    client -> server   MAGIC, client nonce nc (32)
+    server -> client   MAGIC, server nonce ns (32), server proof (32) = MAC("ring server", v, nc, ns)
+    client -> server   client proof (32) = MAC("ring client", v, nc, ns, A), announcement A =
+                       epoch u64, from_rank u32, len u16, ring_id (utf-8)
+    server -> client   status u8 (0 = accepted; else why it was refused: :data:`REFUSALS`)
+
+``v`` is the ring link version (the last byte of MAGIC). The client's proof binds its
+announcement, so a relay without the secret can neither change the epoch, rank or ring a
+dialler claims nor splice two sessions. An opening with another version (or no MAGIC) is
+answered MAGIC and a status byte, padded to the length of a server hello, and closed: a
+dialler of another release reads a clear refusal instead of timing out. Only an opening that
+looks like TLS (this listener has TLS off) is closed without a word: nothing can be said to it
+in plain text.
 
 After that the link carries only ring frames (see :mod:`swarmtrain.peer.wireformat`), from
 the client to the server; the reverse direction is unused.
@@ -33,7 +43,13 @@ import time
 from collections import Counter, OrderedDict
 
 from swarmtrain.errors import SwarmError
-from swarmtrain.transport.auth import NONCE_BYTES, client_proof, new_nonce, proofs_equal, server_proof
+from swarmtrain.transport.auth import (
+    NONCE_BYTES,
+    new_nonce,
+    proofs_equal,
+    ring_client_proof,
+    ring_server_proof,
+)
 from swarmtrain.transport.endpoints import Admission, ServerLimits
 from swarmtrain.transport.tls import (
     KEYS_HELP,
@@ -44,23 +60,31 @@ from swarmtrain.transport.tls import (
 )
 from swarmtrain.wire.frame import looks_like_tls
 
-__all__ = ["RingBroken", "RingListener", "dial", "tune_socket"]
+__all__ = ["REFUSALS", "RingBroken", "RingListener", "dial", "tune_socket"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"STRING\x00\x01"  # swarmtrain ring link, version 1
+RING_VERSION = 2
+MAGIC = b"STRING\x00" + bytes([RING_VERSION])  # swarmtrain ring link, and its version
 _PROOF_BYTES = 32
+_SERVER_HELLO_BYTES = len(MAGIC) + NONCE_BYTES + _PROOF_BYTES
 _ANNOUNCE = struct.Struct("<QIH")  # epoch, from_rank, len(ring_id)
 MAX_RING_ID_BYTES = 256
 
 ACCEPTED = 0
-_REFUSALS = {
-    1: "authentication failed: the listener does not accept our cluster secret",
+#: every status byte a ring listener refuses a handshake with, and what it means
+REFUSALS = {
+    1: "authentication failed: the listener does not accept our cluster secret (a different "
+       "secret, or a relay changed the handshake)",
     2: "stale epoch: the listener has already moved on to a newer epoch of this ring",
     3: "the listener has too many connections waiting to be claimed",
     4: "malformed announcement",
+    5: "unsupported version: the listener speaks another ring link version (run the same "
+       "swarmtrain release on every machine)",
+    6: "not a ring link opening: the listener did not find its MAGIC",
 }
 _REFUSED_AUTH, _REFUSED_STALE, _REFUSED_BUSY, _REFUSED_BAD = 1, 2, 3, 4
+_REFUSED_VERSION, _REFUSED_OPENING = 5, 6
 
 SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -184,18 +208,24 @@ def _client_handshake(
     tune_socket(sock)
     client_nonce = new_nonce()
     sock.sendall(MAGIC + client_nonce)
-    reply = recv_exact(sock, len(MAGIC) + NONCE_BYTES + _PROOF_BYTES)
+    reply = recv_exact(sock, _SERVER_HELLO_BYTES)
+    if reply[: len(MAGIC) - 1] == MAGIC[:-1] and reply[len(MAGIC) - 1] != RING_VERSION:
+        raise RingBroken("connect", peer, f"{where} speaks ring link version {reply[len(MAGIC) - 1]}, "
+                         f"this node {RING_VERSION}: run the same swarmtrain release on every machine")
     if reply[: len(MAGIC)] != MAGIC:
         raise RingBroken("connect", peer, f"{where} is not a swarmtrain ring listener")
     server_nonce = reply[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
-    if not proofs_equal(reply[-_PROOF_BYTES:], server_proof(secret, client_nonce, server_nonce)):
+    theirs = reply[-_PROOF_BYTES:]
+    if not proofs_equal(theirs, ring_server_proof(secret, RING_VERSION, client_nonce, server_nonce)):
         raise RingBroken("connect", peer, f"authentication failed: the listener at {where} does not know "
-                         "our cluster secret (every member needs the same one)")
-    proof = client_proof(secret, client_nonce, server_nonce)
-    sock.sendall(proof + _ANNOUNCE.pack(epoch, from_rank, len(rid)) + rid)
+                         "our cluster secret (every member needs the same one), or a relay changed the "
+                         "handshake")
+    announcement = _ANNOUNCE.pack(epoch, from_rank, len(rid)) + rid
+    proof = ring_client_proof(secret, RING_VERSION, client_nonce, server_nonce, announcement)
+    sock.sendall(proof + announcement)
     status = recv_exact(sock, 1)[0]
     if status != ACCEPTED:
-        raise RingBroken("connect", peer, f"refused by {where}: " + _REFUSALS.get(status, f"status {status}"))
+        raise RingBroken("connect", peer, f"refused by {where}: " + REFUSALS.get(status, f"status {status}"))
 
 
 class _Deadline:
@@ -451,15 +481,18 @@ class RingListener:
         if not parked:
             conn.close()
 
-    def _refuse(self, conn: socket.socket, code: int, counter: str, address: str, *, failed: bool) -> bool:
+    def _refuse(self, conn: socket.socket, code: int, counter: str, address: str, *, failed: bool,
+                opening: bool = False) -> bool:
         """Count, log and answer a refusal; `failed`: it counts as a failed handshake of `address`."""
         self.admission.note_refused(counter)
         if failed:
             self.admission.note_failed_handshake(address)
         log.warning("ring listener %s: refused a connection from %s: %s", self.address, address,
-                    _REFUSALS[code])
+                    REFUSALS[code])
         try:
-            conn.sendall(bytes([code]))
+            # an opening is answered as long as a server hello, so that any dialler reads it whole
+            conn.sendall(MAGIC + bytes([code]).ljust(_SERVER_HELLO_BYTES - len(MAGIC), b"\0")
+                         if opening else bytes([code]))
         except OSError:
             pass
         return False
@@ -470,22 +503,28 @@ class RingListener:
         conn.settimeout(self._handshake_timeout)
         hello = recv_exact(conn, len(MAGIC) + NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
-            self.admission.note_failed_handshake(address)
             if self._tls_context is None and looks_like_tls(hello):
+                self.admission.note_failed_handshake(address)
                 self.admission.note_refused("tls")
                 log.warning("ring listener %s: refused a connection: it speaks TLS and this node has "
                             "TLS off: set [security] tls_cert, tls_key and tls_ca here too, or remove "
                             "them there", self.address)
-            return False
+                return False
+            if hello[: len(MAGIC) - 1] == MAGIC[:-1]:
+                return self._refuse(conn, _REFUSED_VERSION, "version", address, failed=True, opening=True)
+            return self._refuse(conn, _REFUSED_OPENING, "malformed", address, failed=True, opening=True)
         client_nonce = hello[len(MAGIC) :]
         server_nonce = new_nonce()
-        conn.sendall(MAGIC + server_nonce + server_proof(self._secret, client_nonce, server_nonce))
+        conn.sendall(MAGIC + server_nonce + ring_server_proof(self._secret, RING_VERSION, client_nonce,
+                                                              server_nonce))
         head = recv_exact(conn, _PROOF_BYTES + _ANNOUNCE.size)
         epoch, from_rank, rid_len = _ANNOUNCE.unpack(head[_PROOF_BYTES:])
         if rid_len > MAX_RING_ID_BYTES:
             return self._refuse(conn, _REFUSED_BAD, "malformed", address, failed=True)
         rid = recv_exact(conn, rid_len)
-        if not proofs_equal(head[:_PROOF_BYTES], client_proof(self._secret, client_nonce, server_nonce)):
+        announcement = head[_PROOF_BYTES:] + rid
+        if not proofs_equal(head[:_PROOF_BYTES], ring_client_proof(self._secret, RING_VERSION, client_nonce,
+                                                                   server_nonce, announcement)):
             return self._refuse(conn, _REFUSED_AUTH, "auth", address, failed=True)
         try:
             ring_id = rid.decode()

@@ -838,13 +838,18 @@ class Coordinator:
         with contextlib.suppress(SwarmError):
             while True:
                 msg = await conn.recv()
+                if not isinstance(msg, StatusRequest):
+                    # who asked, for the log and the events: the address and the node id it claimed
+                    log.info("ctl %s from %s%s", msg.TYPE.name, conn.peer,
+                             f" (node {conn.node})" if conn.node else "")
+                    self._event("ctl", action=msg.TYPE.name.lower(), address=conn.peer, node=conn.node)
                 if isinstance(msg, StatusRequest):
                     await conn.send(Status(status=self.status()))
                 elif isinstance(msg, Pause):
-                    await self.set_paused(True)
+                    await self.set_paused(True, source=conn.peer)
                     await conn.send(Status(status=self.status()))
                 elif isinstance(msg, Resume):
-                    await self.set_paused(False)
+                    await self.set_paused(False, source=conn.peer)
                     await conn.send(Status(status=self.status()))
                 elif isinstance(msg, CheckpointMsg):
                     await conn.send(await self.checkpoint())
@@ -856,10 +861,11 @@ class Coordinator:
                     await conn.send(Error(code="unexpected", fatal=False,
                                           message=f"ctl may not send {msg.TYPE.name}"))
 
-    async def set_paused(self, paused: bool) -> None:
-        """Pause (workers stop computing, keep their connection) or resume the cluster."""
+    async def set_paused(self, paused: bool, *, source: str = "") -> None:
+        """Pause (workers stop computing, keep their connection) or resume the cluster;
+        ``source`` says who asked (the ctl's address), recorded in the event."""
         self.paused = paused
-        self._event("paused" if paused else "resumed")
+        self._event("paused" if paused else "resumed", **({"source": source} if source else {}))
         msg: Message = Pause() if paused else Resume()
         await asyncio.gather(*(self._send(r, msg) for r in self._connected()), return_exceptions=True)
 

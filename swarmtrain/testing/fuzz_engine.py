@@ -161,7 +161,9 @@ async def send_input(port: int, inp: FuzzInput, skip: tuple[type[Message], ...],
             if not isinstance(ch, Challenge):
                 raise NodeFault(f"expected CHALLENGE, got {ch}")
             if inp.phase == "auth":
-                writer.write(encode_bytes(Auth(proof=auth.client_proof(SECRET, nc, ch.nonce))))
+                transcript = auth.Transcript(role=inp.role, node="", software="", client_nonce=nc,
+                                             server_nonce=ch.nonce, open_cluster=ch.open_cluster)
+                writer.write(encode_bytes(Auth(proof=auth.client_proof(SECRET, transcript))))
                 if not isinstance(welcome := await _next_msg(reader, dec, (Heartbeat,), deadline), Welcome):
                     raise NodeFault(f"expected WELCOME, got {welcome}")
         writer.write(inp.prelude + inp.data)

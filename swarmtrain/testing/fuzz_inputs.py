@@ -21,6 +21,7 @@ import torch
 
 from swarmtrain.errors import ProtocolError
 from swarmtrain.wire import PREAMBLE, Auth, Decoder, Hello, Limits, Message, encode_bytes
+from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 __all__ = ["FuzzInput", "Mutator", "Seeds", "Prelude", "delivers", "make_input", "nan_tensor"]
 
@@ -42,7 +43,8 @@ class FuzzInput:
 
 
 
-def _frame(mtype: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"SWRM", version: int = 1,
+def _frame(mtype: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"SWRM",
+           version: int = PROTOCOL_VERSION,
            flags: int = 0, hlen: int | None = None, plen: int | None = None) -> bytes:
     return PREAMBLE.pack(magic, version, mtype, flags, len(header) if hlen is None else hlen,
                          len(payload) if plen is None else plen) + header + payload

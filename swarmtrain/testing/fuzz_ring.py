@@ -50,6 +50,7 @@ from swarmtrain.peer.links import (
     ACCEPTED,
     MAGIC,
     MAX_RING_ID_BYTES,
+    RING_VERSION,
     RingBroken,
     RingListener,
     dial,
@@ -74,7 +75,7 @@ from swarmtrain.testing.fuzz_engine import (
     run_inputs,
     source_address,
 )
-from swarmtrain.transport.auth import NONCE_BYTES, client_proof, proofs_equal, server_proof
+from swarmtrain.transport.auth import NONCE_BYTES, proofs_equal, ring_client_proof, ring_server_proof
 
 __all__ = ["RingInput", "fuzz_ring", "make_ring_input"]
 
@@ -214,7 +215,8 @@ def make_ring_input(seed: int, index: int) -> RingInput:
         op = rng.choice(["magic", "version", "truncated", "tls", "http", "noise", "empty"])
         flip = rng.randrange(len(MAGIC))
         data = {"magic": lambda: bytes(b ^ 0x20 if i == flip else b for i, b in enumerate(hello)),
-                "version": lambda: MAGIC[:-1] + bytes([rng.choice([0, 2, 255])]) + hello[len(MAGIC):],
+                "version": lambda: MAGIC[:-1] + bytes([rng.choice([0, RING_VERSION - 1, 255])])
+                + hello[len(MAGIC):],
                 "truncated": lambda: hello[:rng.randrange(len(hello))],
                 "tls": lambda: b"\x16\x03\x01\x02\x00" + rng.randbytes(rng.randrange(35, 300)),
                 "http": lambda: b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b" " * 20,
@@ -287,8 +289,14 @@ def _reaction(sock: socket.socket) -> str:
     return f"status:{got[0]}"
 
 
-def _proof(mode: str, client_nonce: bytes, server_nonce: bytes, theirs: bytes) -> bytes:
-    ok = client_proof(SECRET, client_nonce, server_nonce)
+def _announced(announce: bytes) -> bytes:
+    """The announcement as the listener reads it (up to its declared ring_id length), which the
+    client's proof covers; what follows is not part of it."""
+    return announce[:_ANNOUNCE.size + _ANNOUNCE.unpack_from(announce)[2]]
+
+
+def _proof(mode: str, client_nonce: bytes, server_nonce: bytes, theirs: bytes, announce: bytes) -> bytes:
+    ok = ring_client_proof(SECRET, RING_VERSION, client_nonce, server_nonce, announce)
     return {"ok": ok, "random": bytes(b ^ 0x5A for b in ok), "zero": bytes(_PROOF_BYTES),
             "reflect": theirs, "short": ok[:16]}[mode]
 
@@ -383,11 +391,12 @@ class _RingTarget:
             raise NodeFault(f"the listener answered a valid opening with {reply!r}")
         client_nonce, server_nonce = inp.hello[len(MAGIC):], reply[len(MAGIC):len(MAGIC) + NONCE_BYTES]
         theirs = reply[-_PROOF_BYTES:]
-        if not proofs_equal(theirs, server_proof(SECRET, client_nonce, server_nonce)):
+        if not proofs_equal(theirs, ring_server_proof(SECRET, RING_VERSION, client_nonce, server_nonce)):
             raise NodeFault("the listener's proof does not match the cluster secret")
         if inp.where == "hello":
             return self._finish(sock, inp.tail, inp.half_close)
-        sock.sendall(_proof(inp.proof, client_nonce, server_nonce, theirs) + inp.announce)
+        proof = _proof(inp.proof, client_nonce, server_nonce, theirs, _announced(inp.announce))
+        sock.sendall(proof + inp.announce)
         if inp.where == "announce":
             outcome = self._finish(sock, b"", inp.half_close)
             if outcome == _PARKED:  # parked: take it back, so that junk does not pile up

@@ -1,6 +1,13 @@
-"""Cluster-secret authentication: an HMAC-SHA256 challenge–response that proves to each
-side that the other knows the secret, without sending it. Fresh 32-byte nonces from both
-sides make every proof single-use, so a recorded handshake cannot be replayed.
+"""Cluster-secret authentication: HMAC-SHA256 proofs over the handshake transcript, so each
+side proves it knows the secret without sending it, *and* that it saw the same handshake.
+
+Every proof covers a domain string, a direction label, the protocol version, everything the
+client claims (role, node id, software) and both fresh 32-byte nonces (see
+:class:`Transcript`). So a recorded handshake cannot be replayed (the nonces are new), a
+relay without the secret cannot change what a client claims (the role is in the proof), a
+proof cannot be reflected back (the labels differ per direction) and two sessions cannot be
+spliced (each proof names both of its session's nonces). Every field is length-prefixed, so
+no two different transcripts are the same bytes.
 
 An open cluster (no secret) is an explicit choice: both sides then use the empty key,
 which authenticates nothing but keeps one code path.
@@ -11,29 +18,83 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import struct
+from dataclasses import dataclass
 
-__all__ = ["NONCE_BYTES", "new_nonce", "server_proof", "client_proof", "proofs_equal", "secret_hint"]
+from swarmtrain.wire.frame import PROTOCOL_VERSION
+
+__all__ = ["NONCE_BYTES", "DOMAIN", "Transcript", "new_nonce", "mac", "server_proof", "client_proof",
+           "welcome_proof", "ring_server_proof", "ring_client_proof", "proofs_equal", "secret_hint",
+           "SECRET_HELP"]
 
 NONCE_BYTES = 32
-_DOMAIN = b"swarmtrain/1 "
+DOMAIN = b"swarmtrain handshake"
+_LEN = struct.Struct("<H")
 
 
 def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def _mac(secret: bytes | None, *parts: bytes) -> bytes:
-    return hmac.new(secret or b"", _DOMAIN + b"".join(parts), hashlib.sha256).digest()
+def mac(secret: bytes | None, label: bytes, *fields: bytes) -> bytes:
+    """HMAC-SHA256 keyed with the secret (empty for an open cluster) over ``DOMAIN``, ``label``
+    and ``fields``, each preceded by its length (u16 LE)."""
+    data = b"".join(_LEN.pack(len(f)) + f for f in (DOMAIN, label, *fields))
+    return hmac.new(secret or b"", data, hashlib.sha256).digest()
 
 
-def server_proof(secret: bytes | None, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """What the server sends to prove it knows the secret."""
-    return _mac(secret, b"server", client_nonce, server_nonce)
+@dataclass(frozen=True)
+class Transcript:
+    """What a transport handshake authenticates: HELLO's claims, CHALLENGE's answer and the
+    protocol version both sides speak.
+
+    Attributes:
+        role: ``HELLO.role``.
+        client_nonce: ``HELLO.nonce``.
+        server_nonce: ``CHALLENGE.nonce``.
+        node: ``HELLO.node`` (the node id the client claims; empty if none).
+        software: ``HELLO.software``.
+        open_cluster: ``CHALLENGE.open_cluster``.
+        version: the protocol version (every frame's preamble carries it too).
+    """
+
+    role: str
+    client_nonce: bytes
+    server_nonce: bytes
+    node: str = ""
+    software: str = ""
+    open_cluster: bool = False
+    version: int = PROTOCOL_VERSION
+
+    def fields(self) -> tuple[bytes, ...]:
+        return (bytes([self.version]), self.role.encode(), self.node.encode(), self.software.encode(),
+                self.client_nonce, self.server_nonce, bytes([self.open_cluster]))
 
 
-def client_proof(secret: bytes | None, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """What the client sends to prove it knows the secret (bound to the server's nonce)."""
-    return _mac(secret, b"client", server_nonce, client_nonce)
+def server_proof(secret: bytes | None, t: Transcript) -> bytes:
+    """CHALLENGE.proof: the server knows the secret and answers this very HELLO."""
+    return mac(secret, b"server", *t.fields())
+
+
+def client_proof(secret: bytes | None, t: Transcript) -> bytes:
+    """AUTH.proof: the client knows the secret and claims exactly what HELLO said."""
+    return mac(secret, b"client", *t.fields())
+
+
+def welcome_proof(secret: bytes | None, t: Transcript, session: str) -> bytes:
+    """WELCOME.proof: the server accepted this session (binds the session id too)."""
+    return mac(secret, b"welcome", *t.fields(), session.encode())
+
+
+def ring_server_proof(secret: bytes | None, version: int, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The ring listener's proof (``version``: the ring link's, the last byte of its magic)."""
+    return mac(secret, b"ring server", bytes([version]), client_nonce, server_nonce)
+
+
+def ring_client_proof(secret: bytes | None, version: int, client_nonce: bytes, server_nonce: bytes,
+                      announcement: bytes) -> bytes:
+    """The ring dialler's proof, binding its announcement (epoch, rank, ring id) as sent."""
+    return mac(secret, b"ring client", bytes([version]), client_nonce, server_nonce, announcement)
 
 
 def proofs_equal(a: bytes, b: bytes) -> bool:

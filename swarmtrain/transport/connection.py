@@ -178,6 +178,8 @@ class Connection:
         self.received_by_type = protocol.received_by_type  # counted as frames are decoded
         self.received_bytes_by_type = protocol.received_bytes_by_type
         self.session = ""
+        #: the node id the other side claimed in its (authenticated) HELLO; empty if none
+        self.node = ""
 
     # -- sending ---------------------------------------------------------------------------
 

@@ -1,14 +1,19 @@
 """Opening connections: the authenticated handshake, a server and a client.
 
-Handshake (client C, server S), each step under ``timeouts.handshake``::
+Handshake (client C, server S), each step under ``timeouts.handshake``; T is the transcript
+(protocol version, HELLO's role, node, software and nonce nc, CHALLENGE's nonce ns and
+open_cluster: :class:`~swarmtrain.transport.auth.Transcript`)::
 
-    C → S  HELLO      role, client nonce
-    S → C  CHALLENGE  server nonce, server proof = HMAC(secret, "server" | nc | ns)
-    C → S  AUTH       client proof = HMAC(secret, "client" | ns | nc)    (after checking S's proof)
-    S → C  WELCOME    session id
+    C → S  HELLO      role, node, software, nc
+    S → C  CHALLENGE  ns, open_cluster, server proof = MAC(secret, "server", T)
+    C → S  AUTH       client proof = MAC(secret, "client", T)      (after checking S's proof)
+    S → C  WELCOME    session, proof = MAC(secret, "welcome", T, session)
 
-Either side that finds the other's proof wrong sends ERROR ``auth_failed`` saying so and
-closes. The protocol version is checked by every frame's preamble.
+So a relay without the secret can change nothing either side says (the role, the node id, a
+nonce) and cannot splice two sessions or reflect a proof: the proofs stop matching. Every
+refusal of a handshake sends a coded ``ERROR`` (:data:`HANDSHAKE_ERRORS`, or the framing code
+of a malformed frame, e.g. ``unsupported_version`` from another release) and closes. The
+protocol version is checked by every frame's preamble, and bound into the proofs.
 
 Until the handshake has authenticated the other side, a frame may carry at most
 :data:`HANDSHAKE_LIMITS` (a small header, no tensors): a stranger cannot make a node allocate
@@ -48,8 +53,8 @@ from swarmtrain.transport.tls import (
 )
 from swarmtrain.wire import Auth, Challenge, Error, Hello, Limits, Message, Welcome
 
-__all__ = ["HANDSHAKE_LIMITS", "Admission", "Server", "ServerLimits", "start_server", "connect",
-           "is_loopback_host", "require_secret", "peer_ip", "payload_limit"]
+__all__ = ["HANDSHAKE_ERRORS", "HANDSHAKE_LIMITS", "Admission", "Server", "ServerLimits", "start_server",
+           "connect", "is_loopback_host", "require_secret", "peer_ip", "payload_limit"]
 
 log = logging.getLogger("swarmtrain.transport")
 
@@ -77,46 +82,73 @@ class ServerLimits:
     auth_window_sec: float = 60.0
 
 
+#: every code a transport handshake refusal sends in its ``ERROR`` (besides the framing codes
+#: of :mod:`swarmtrain.wire.frame`, e.g. ``unsupported_version``), and what it means
+HANDSHAKE_ERRORS: dict[str, str] = {
+    "auth_failed": "the other side's proof is wrong: a different or missing secret, or a relay "
+                   "changed the handshake on the way",
+    "bad_handshake": "a message out of order during the handshake, or a nonce not 32 bytes long",
+    "handshake_timeout": "a handshake step did not arrive in time",
+    "too_many_connections": "the server holds its maximum of connections (in total or from this address)",
+    "auth_rate_limited": "too many failed handshakes from this address lately",
+}
+
+
+class _Refused(AuthError):
+    """A handshake refusal: ``code`` (a key of :data:`HANDSHAKE_ERRORS`) goes in the ``ERROR``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 async def _expect(conn: Connection, kind: type[Message], timeout: float) -> Message:
     msg = await conn.recv(timeout=timeout, phase="handshake")
     if isinstance(msg, Error):
-        raise AuthError(msg.message)
+        raise AuthError(f"{conn.peer} refused the handshake: {msg.message} [{msg.code}]")
     if not isinstance(msg, kind):
-        raise AuthError(f"expected {kind.TYPE.name} during the handshake, got {msg.TYPE.name}")
+        raise _Refused("bad_handshake",
+                       f"expected {kind.TYPE.name} during the handshake, got {msg.TYPE.name}")
     return msg
 
 
 async def _server_handshake(conn: Connection, secret: bytes | None) -> str:
-    """Authenticate a client; returns the role it declared."""
+    """Authenticate a client; returns the role it declared (its node id goes to ``conn.node``).
+
+    Raises:
+        AuthError: the handshake failed; a refusal of ours carries a ``code`` for the ``ERROR``.
+    """
     t = conn.timeouts.handshake
     hello = await _expect(conn, Hello, t)
     assert isinstance(hello, Hello)
     if len(hello.nonce) != auth.NONCE_BYTES:
-        raise AuthError(f"client nonce must be {auth.NONCE_BYTES} bytes")
-    ns = auth.new_nonce()
-    await conn.send(Challenge(nonce=ns, proof=auth.server_proof(secret, hello.nonce, ns),
-                              open_cluster=secret is None))
+        raise _Refused("bad_handshake", f"client nonce must be {auth.NONCE_BYTES} bytes")
+    transcript = auth.Transcript(role=hello.role, node=hello.node, software=hello.software,
+                                 client_nonce=hello.nonce, server_nonce=auth.new_nonce(),
+                                 open_cluster=secret is None)
+    await conn.send(Challenge(nonce=transcript.server_nonce, proof=auth.server_proof(secret, transcript),
+                              open_cluster=transcript.open_cluster))
     reply = await _expect(conn, Auth, t)
     assert isinstance(reply, Auth)
-    if not auth.proofs_equal(reply.proof, auth.client_proof(secret, hello.nonce, ns)):
-        why = (
+    if not auth.proofs_equal(reply.proof, auth.client_proof(secret, transcript)):
+        raise _Refused("auth_failed", (
             f"authentication failed: the {hello.role} at {conn.peer} does not know this cluster's "
-            f"secret (wrong or missing secret); {auth.SECRET_HELP}"
-        )
-        await conn.close(Error(code="auth_failed", message=why))
-        raise AuthError(why)
+            f"secret (wrong or missing secret), or a relay changed its handshake; {auth.SECRET_HELP}"))
     conn.session = _secrets.token_hex(8)
-    await conn.send(Welcome(session=conn.session))
+    conn.node = hello.node
+    await conn.send(Welcome(session=conn.session, proof=auth.welcome_proof(secret, transcript, conn.session)))
     return hello.role
 
 
-async def _client_handshake(conn: Connection, secret: bytes | None, role: str) -> None:
+async def _client_handshake(conn: Connection, secret: bytes | None, role: str, node: str = "") -> None:
     t = conn.timeouts.handshake
-    nc = auth.new_nonce()
-    await conn.send(Hello(role=role, nonce=nc, software=f"swarmtrain {__version__}"))
+    hello = Hello(role=role, nonce=auth.new_nonce(), software=f"swarmtrain {__version__}", node=node)
+    await conn.send(hello)
     ch = await _expect(conn, Challenge, t)
     assert isinstance(ch, Challenge)
-    if not auth.proofs_equal(ch.proof, auth.server_proof(secret, nc, ch.nonce)):
+    transcript = auth.Transcript(role=role, node=node, software=hello.software, client_nonce=hello.nonce,
+                                 server_nonce=ch.nonce, open_cluster=ch.open_cluster)
+    if not auth.proofs_equal(ch.proof, auth.server_proof(secret, transcript)):
         if ch.open_cluster:
             why = (f"{conn.peer} runs an open cluster (no secret) but this node has a secret; "
                    "remove the secret here or give the coordinator the same one")
@@ -124,12 +156,16 @@ async def _client_handshake(conn: Connection, secret: bytes | None, role: str) -
             why = f"{conn.peer} requires a cluster secret and this node has none; {auth.SECRET_HELP}"
         else:
             why = (f"authentication failed: {conn.peer} has a different cluster secret "
-                   f"(wrong secret); {auth.SECRET_HELP}")
+                   f"(wrong secret), or a relay changed the handshake; {auth.SECRET_HELP}")
         await conn.close(Error(code="auth_failed", message=why))
         raise AuthError(why)
-    await conn.send(Auth(proof=auth.client_proof(secret, nc, ch.nonce)))
+    await conn.send(Auth(proof=auth.client_proof(secret, transcript)))
     welcome = await _expect(conn, Welcome, t)
     assert isinstance(welcome, Welcome)
+    if not auth.proofs_equal(welcome.proof, auth.welcome_proof(secret, transcript, welcome.session)):
+        why = f"authentication failed: the WELCOME from {conn.peer} does not prove this session"
+        await conn.close(Error(code="auth_failed", message=why))
+        raise AuthError(why)
     conn.session = welcome.session
 
 
@@ -385,9 +421,9 @@ async def start_server(
             except (SwarmError, ConnectionError) as exc:
                 state.admission.note_failed_handshake(address)
                 log.warning("refused connection from %s: %s", conn.peer, exc)
-                if isinstance(exc, ProtocolError) or isinstance(exc, SwarmTimeout):
-                    await conn.close(Error(code=getattr(exc, "code", "handshake_timeout"),
-                                           message=str(exc)))
+                code = _refusal_code(exc)
+                if code is not None:
+                    await conn.close(Error(code=code, message=str(exc)))
                 return
             conn.set_inbound_limits((role_limits or {}).get(role, limits))
             conn.start_heartbeats()
@@ -411,6 +447,7 @@ async def connect(
     *,
     secret: bytes | None,
     role: str,
+    node: str = "",
     timeouts: Timeouts = Timeouts(),
     limits: Limits = Limits(),
     send_queue_size: int = 64,
@@ -421,6 +458,12 @@ async def connect(
     With ``tls``, a mutual TLS handshake comes first: the server's certificate must be
     signed by the cluster CA ``tls.ca``, and we present ``tls.cert``. The secret handshake
     then runs inside TLS.
+
+    Args:
+        role: what this client is to the server (``worker``, ``ctl``, ``peer``, ``stage``,
+            ``pipeline``); the handshake's proofs cover it, so no relay can change it.
+        node: the node id this client claims, if any (covered by the proofs too; the server
+            keeps it as ``conn.node`` and logs it with what this connection does).
 
     Raises:
         SwarmTimeout: connecting or the handshake took too long (phase named).
@@ -449,7 +492,10 @@ async def connect(
         raise ConnectionLost(f"cannot connect to {where}: {exc.strerror or exc}") from exc
     conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
     try:
-        await _client_handshake(conn, secret, role)
+        await _client_handshake(conn, secret, role, node)
+    except _Refused as exc:  # the server broke the handshake's order: say so, as it would
+        await conn.close(Error(code=exc.code, message=str(exc)))
+        raise
     except ConnectionLost as exc:
         await conn.close()
         err = closed_in_handshake(where, exc, tls, answered=bool(conn.received_by_type))
@@ -462,6 +508,16 @@ async def connect(
     conn.set_inbound_limits(limits)
     conn.start_heartbeats()
     return conn
+
+
+def _refusal_code(exc: BaseException) -> str | None:
+    """The ``ERROR`` code that refuses a failed server handshake; None when there is no one
+    left to tell (the client hung up or refused us itself)."""
+    if isinstance(exc, _Refused | ProtocolError):
+        return exc.code
+    if isinstance(exc, SwarmTimeout):
+        return "handshake_timeout"
+    return None
 
 
 _TRAFFIC_KINDS = ("messages_in", "messages_out", "bytes_in", "bytes_out")

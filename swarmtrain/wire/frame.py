@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 MAGIC = b"SWRM"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PREAMBLE = struct.Struct("<4sBBHIQ")
 
 

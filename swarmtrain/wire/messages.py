@@ -117,17 +117,20 @@ class Message:
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """Client → server: opens the handshake with a fresh nonce."""
+    """Client → server: opens the handshake with a fresh nonce and what the client claims to be
+    (``role``, and ``node``, its node id if it has one); both proofs cover every field."""
 
     TYPE = MsgType.HELLO
     role: str
     nonce: bytes
     software: str = ""
+    node: str = ""
 
 
 @dataclass(frozen=True)
 class Challenge(Message):
-    """Server → client: the server's nonce and its proof that it knows the cluster secret."""
+    """Server → client: the server's nonce and its proof (over the whole transcript) that it
+    knows the cluster secret."""
 
     TYPE = MsgType.CHALLENGE
     nonce: bytes
@@ -137,7 +140,7 @@ class Challenge(Message):
 
 @dataclass(frozen=True)
 class Auth(Message):
-    """Client → server: the client's proof that it knows the cluster secret."""
+    """Client → server: the client's proof (over the whole transcript) that it knows the secret."""
 
     TYPE = MsgType.AUTH
     proof: bytes
@@ -145,10 +148,11 @@ class Auth(Message):
 
 @dataclass(frozen=True)
 class Welcome(Message):
-    """Server → client: authentication succeeded."""
+    """Server → client: authentication succeeded; ``proof`` binds ``session`` to the transcript."""
 
     TYPE = MsgType.WELCOME
     session: str
+    proof: bytes
 
 
 # --- parameter server ------------------------------------------------------------------
