@@ -150,6 +150,7 @@ class PeerBackend:
     LEAVING_SEC: ClassVar[float] = 5.0
     FORGET_AFTER_FAILS: ClassVar[int] = 150
     _stopping: bool = False
+    _goodbye_said: bool = False
     #: why the current ring was closed when nothing went wrong (a member said goodbye), so
     #: the training loop reports it as routine; "" otherwise
     routine_close: str = ""
@@ -266,8 +267,9 @@ class PeerBackend:
         here on proposals are refused (a leaving peer joins nothing)."""
         self.membership.ready = False
         v = self.view
-        if v is None or self.identity is None:
+        if v is None or self.identity is None or self._goodbye_said:
             return
+        self._goodbye_said = True
         msg = self.membership.reform_request(v.epoch, "leave")
         members = [c for p, c in self._candidates().items() if p in v.members]
         with contextlib.suppress(TimeoutError):
@@ -680,6 +682,10 @@ class PeerBackend:
         """Stop waiting (from any thread): a collective in progress and a paused recovery end
         with :class:`RingBroken`, so the caller's loop can wind down (:meth:`close` next)."""
         self._stopping = True
+        if self._loop is not None:
+            # goodbye first: the members then read our ring closing as a leave, not a failure
+            with contextlib.suppress(SwarmError, concurrent.futures.CancelledError, RuntimeError):
+                self._call(self._say_goodbye(), self.GOODBYE_SEC + 1.0)
         with self._ring_lock:
             if self._ring is not None:
                 self._ring.close()
