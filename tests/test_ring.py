@@ -752,13 +752,13 @@ if mode == "gloo":
 else:
     x = torch.randn(4_000_000)
     print("ready", flush=True)
-    start = None
-    try:
+    start, first = time.monotonic(), True  # a member may still be in its first all-reduce
+    try:                                     # when the victim dies (rank 0 said "running")
         while True:
             group.all_reduce(x, "mean")
-            if start is None and mode == "survivor":
+            if first and mode == "survivor":
                 print("running", flush=True)
-            start = time.monotonic()
+            start, first = time.monotonic(), False
     except RingBroken as exc:
         print(json.dumps({"phase": exc.phase, "peer": exc.peer, "detail": exc.detail,
                           "seconds": time.monotonic() - start}), flush=True)
