@@ -34,10 +34,10 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from swarmtrain.errors import SwarmError, SwarmTimeout
+from swarmtrain.errors import AuthError, SwarmError, SwarmTimeout
 from swarmtrain.peer.control import ControlPlane
 from swarmtrain.peer.discovery import Discovery, MdnsDiscovery, PeerInfo, StaticDiscovery
-from swarmtrain.peer.identity import Identity
+from swarmtrain.peer.identity import Identity, peer_id_of
 from swarmtrain.peer.membership import Candidate, Membership, View, check_signature
 from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
@@ -355,9 +355,6 @@ class PeerBackend:
                 task.add_done_callback(self._probe_tasks.discard)
 
     async def _probe_one(self, pid: str, c: Candidate) -> None:
-        from swarmtrain.errors import AuthError
-        from swarmtrain.peer.identity import peer_id_of
-
         try:
             ans = await self.control.probe_detail(c.host, c.port,
                                                   timeout=max(1.0, self.options.probe_interval))

@@ -282,10 +282,11 @@ class Membership:
     def trained_in(self, epoch: int) -> None:
         """A collective of ``epoch`` completed here: its view is now this node's trained anchor."""
         v = self.view
-        if v is not None and v.epoch == epoch and (self.trained is None or self.trained.epoch != epoch):
+        if v is None or v.epoch != epoch:
+            return
+        if self.trained is None or self.trained.epoch != epoch:
             self.trained = Anchor(epoch, frozenset(v.members), True)
-        if v is not None and v.epoch == epoch:
-            self.healthy = True
+        self.healthy = True
 
     def my_leader(self) -> str:
         """Whom this node follows in its current view: its proposer while not suspected, else
