@@ -43,7 +43,6 @@ import datetime
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from _util import machine, md_table, write_results
+
+from swarmtrain.testing.local import free_ports
 
 HERE = Path(__file__).resolve()
 SECRET = b"bench-allreduce"
@@ -145,16 +146,6 @@ def member(args: argparse.Namespace) -> None:
 # --- the driver ------------------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    """`n` distinct free ports on 127.0.0.1 (all bound at once, so none comes back twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _member_argv(rank: int, world: int, store: str, peers: list[str], tls_peers: list[str], numel: int,
@@ -218,7 +209,7 @@ def _summary(
 def run_loopback(worlds: list[int], numel: int, rounds: int, warmup: int, keys: str) -> dict[int, Any]:
     results = {}
     for world in worlds:
-        store_port, *ports = _free_ports(1 + 2 * world)
+        store_port, *ports = free_ports(1 + 2 * world)
         store = f"127.0.0.1:{store_port}"
         peers = [f"127.0.0.1:{p}" for p in ports[:world]]
         tls_peers = [f"127.0.0.1:{p}" for p in ports[world:]]

@@ -241,6 +241,9 @@ class CoordinatorNetworkConfig(_Section):
     max_failed_auth: int = _opt(
         10, "failed handshakes from one address within a minute before it is refused for a minute",
         ge=1)
+    ctl_slots: int = _opt(
+        4, "connections beyond max_connections kept for `swarmtrain ctl` (any other role is "
+        "refused there once authenticated)", ge=0)
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,23 @@ class CoordinatorTrainingConfig(_Section):
         "median of the workers' median recent norms, checked after 20 gradients; no single "
         "worker can drag it far, and honest large norms still count, so it cannot collapse over "
         "a long run); 0 = off", ge=0.0)
+    robust: str = _opt(
+        "none", "how the gradients of one step are combined so that no single worker steers the "
+        "model (docs/robustness.md): 'none' = sample-weighted mean; 'clip', 'trimmed_mean' or "
+        "'median' = a window with one slot (one vote) per worker, closed once robust_quorum "
+        "workers are in, then the slots' mean after clipping each to the median slot norm, their "
+        "coordinate-wise trimmed mean, or their coordinate-wise median",
+        choices=("none", "clip", "trimmed_mean", "median"))
+    robust_trim: float = _opt(
+        0.2, "with robust = 'trimmed_mean': fraction of the slots cut at each end of every "
+        "coordinate (at least one from 3 slots on)", ge=0.0, lt=0.5)
+    robust_quorum: int = _opt(
+        0, "with a robust mode: distinct workers a window needs before it closes (0 = max(3, a "
+        "majority of the connected workers), never more than are connected)", ge=0)
+    robust_wait_sec: float = _opt(
+        2.0, "with a robust mode: a window that has its samples but not its quorum closes anyway "
+        "after this long, so training goes on when workers are few or slow (such a window is "
+        "only as robust as the workers in it)", gt=0.0)
     max_bad_in_row: int = _opt(
         5, "disconnect a worker whose gradients were refused this many times in a row", ge=1)
 
@@ -445,6 +465,15 @@ class PeerTrainingConfig(_Section):
     outer_lr: float = _opt(0.7, "DiLoCo outer Nesterov learning rate", gt=0.0)
     outer_momentum: float = _opt(0.9, "DiLoCo outer Nesterov momentum", ge=0.0, lt=1.0)
     wire: str = _opt("fp32", "all-reduce wire format", choices=("fp32", "fp16", "int8"))
+    robust: str = _opt(
+        "none", "how the members' contributions of a round are combined so that no single peer "
+        "steers the model (docs/robustness.md): 'none' = weighted mean by all-reduce; 'clip', "
+        "'trimmed_mean' or 'median' = every contribution is gathered (fp32, world_size x the "
+        "all-reduce's bytes) and every member computes the same robust combination, one vote "
+        "per member", choices=("none", "clip", "trimmed_mean", "median"))
+    robust_trim: float = _opt(
+        0.2, "with robust = 'trimmed_mean': fraction of the members cut at each end of every "
+        "coordinate (at least one from 3 members on)", ge=0.0, lt=0.5)
     max_rounds: int = _opt(0, "stop after this many rounds (0 = run until stopped)", ge=0)
     eval_every: int = _opt(10, "rounds between held-out evaluations (by rank 0)", ge=1)
     speed: float = _opt(1.0, "fraction of full speed (throttle to rehearse a slow machine)",

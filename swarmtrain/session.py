@@ -295,7 +295,7 @@ def _build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer, CoreShare]:
         return task.evaluate(m if device.type == "cpu" else copy.deepcopy(m).cpu(), data)
 
     trainer = PeerTrainer(backend, strategy, max_rounds=t.max_rounds, evaluate=evaluate,
-                          eval_every=t.eval_every)
+                          eval_every=t.eval_every, robust=t.robust, robust_trim=t.robust_trim)
     return backend, trainer, share
 
 

@@ -60,6 +60,8 @@ def print_status(status: dict[str, Any], console: Console | None = None) -> None
                   f"duplicates {stats.get('duplicates', 0)}  rejected {stats.get('rejected', 0)}  "
                   f"workers {status.get('workers_connected', 0)} connected / "
                   f"min {status.get('min_workers')}")
+    if refusals := status.get("refusals"):
+        console.print("refused " + "  ".join(f"{reason} {n}" for reason, n in sorted(refusals.items())))
     rows = [_worker_cells(w) for w in status.get("workers", [])]
     if not rows:
         console.print("no workers have joined yet")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -56,3 +58,40 @@ def _runs_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     """Every run started by a test (in-process or as a child process) writes its default
     ("auto") run log and exported model under a temporary directory, not ./runs."""
     monkeypatch.setenv("SWARMTRAIN_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
+
+
+# --- running side by side (pytest-xdist) -------------------------------------------------
+#
+# The suite runs on two xdist workers. A test whose assertion depends on having the machine's
+# cores to itself (a ratio of speeds, a recovery bound) is marked ``serial``: it waits until
+# the other worker's current test ends, and the other worker starts nothing new until it is
+# done. Two locks: a gate (a serial test holds it exclusively, so no new test slips in while
+# it waits) and the run lock (shared by ordinary tests, exclusive for a serial one). Taken
+# outside pytest-timeout's timer, so waiting for a long serial test does not count against a
+# test's own timeout.
+
+
+def _lock_dir() -> str | None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return None if run is None else os.path.join(tempfile.gettempdir(), f"swarmtrain-tests-{run}")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    where = _lock_dir()
+    if where is None:  # not under xdist: nothing runs beside us
+        yield
+        return
+    os.makedirs(where, exist_ok=True)
+    serial = item.get_closest_marker("serial") is not None
+    with open(os.path.join(where, "gate"), "a") as gate, open(os.path.join(where, "run"), "a") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        fcntl.flock(run, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        if not serial:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
+            if serial:
+                fcntl.flock(gate, fcntl.LOCK_UN)

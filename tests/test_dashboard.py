@@ -77,7 +77,9 @@ def test_dashboard_shows_the_workers_state_and_a_live_loss_chart() -> None:
         c = coordinator(**{"training.min_workers": 2, "training.max_steps": 0,
                            "training.eval_interval_sec": 1.0})
         await c.start()
-        http = await serve_coordinator(c, "127.0.0.1", 0)
+        # a snapshot per request: Chromium's virtual time polls faster than real time, and its
+        # 8 s of polling must see 8 s of changing status
+        http = await serve_coordinator(c, "127.0.0.1", 0, max_age=0)
         # throttled workers: the run must still be going while Chromium polls it
         ws = [worker(c.port, **{"training.worker_id": name, "training.speed": speed})
               for name, speed in (("laptop-a", 0.2), ("desktop-b", 0.4))]

@@ -16,6 +16,8 @@ from swarmtrain.roles.worker import Worker
 from swarmtrain.testing.procs import swarm_cmd
 from tests.test_ps_inprocess import DATA, TASK, coordinator, worker
 
+pytestmark = [pytest.mark.serial]  # speed ratios: the machine's cores to itself (conftest.py)
+
 BIG = {"training.batch_size": 256, "training.accumulation_steps": 4}  # compute-dominated steps
 
 

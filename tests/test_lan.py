@@ -194,6 +194,7 @@ def test_cut_host_is_unreachable_until_restored(lan_factory: MakeLan) -> None:
 
 
 @netns
+@pytest.mark.serial  # measures throughput against the shaped rate
 def test_rate_limit_holds_in_both_directions(lan_factory: MakeLan) -> None:
     lan = lan_factory(2)
     free, limited = lan.hosts
@@ -206,6 +207,7 @@ def test_rate_limit_holds_in_both_directions(lan_factory: MakeLan) -> None:
 
 
 @netns
+@pytest.mark.serial
 def test_lan_wide_rate_and_its_removal(lan_factory: MakeLan) -> None:
     lan = lan_factory(2, rate_mbit=40)
     ratio = _measure_mbit(lan.hosts[0], lan.hosts[1], 4_000_000) / 40

@@ -57,7 +57,8 @@ def test_before_the_handshake_a_frame_may_carry_no_tensors_and_only_a_small_head
 
 def test_connection_caps_hold_while_other_addresses_still_get_in() -> None:
     async def scenario() -> None:
-        limits = ServerLimits(max_connections=6, max_per_address=3)
+        # no ctl reserve here (test_refusal_counters covers it): a full server refuses at once
+        limits = ServerLimits(max_connections=6, max_per_address=3, ctl_slots=0)
         async with serving(echo, secret=KEY, server_limits=limits) as srv:
             hogs = [await _from("127.0.0.2", srv.port) for _ in range(3)]  # mid-handshake, idle
             await eventually(lambda: len(srv.connections) == 3, what="three held")

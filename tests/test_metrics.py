@@ -31,6 +31,7 @@ from swarmtrain.ops import (
     serve_stage,
 )
 from swarmtrain.ops.http import BadRequest, Response
+from swarmtrain.ops.serve import STATUS_MAX_AGE
 from swarmtrain.peer.backend import PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.node import PeerTrainer
@@ -107,9 +108,11 @@ def test_coordinator_metrics_expose_the_named_series_during_a_real_run() -> None
                 version = c.version
                 while c.version < version + 20:
                     await asyncio.sleep(0.05)
+            await asyncio.sleep(STATUS_MAX_AGE)  # the pages serve a snapshot this old at most
             second = parse((await aget(http.port, "/metrics"))[2])
             await asyncio.wait_for(c.shutdown_cluster("test done"), 30)
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            await asyncio.sleep(STATUS_MAX_AGE)
             final = parse((await aget(http.port, "/metrics"))[2])
             status = json.loads((await aget(http.port, "/api/status"))[2])
             status["history"] = json.loads((await aget(http.port, "/api/history"))[2])
@@ -266,6 +269,7 @@ def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
             t.run()
 
         in_threads([lambda t=t: run(t) for t in trainers], timeout=90)  # re-raises a peer's error
+        time.sleep(STATUS_MAX_AGE)  # past the snapshot `before` read (a fast run is over sooner)
         after = parse(get(http.port, "/metrics")[2])
         status = json.loads(get(http.port, "/api/status")[2])
         page = get(http.port, "/")
@@ -288,6 +292,11 @@ def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
     assert math.isfinite(value(after, "swarmtrain_loss"))
     assert value(after, "swarmtrain_listener_failed_handshakes_total", listener="ring") >= 1
     assert value(after, "swarmtrain_listener_failed_handshakes_total", listener="control") == 0
+    # the junk ring handshake in the table of every refusal, named as a control server names it
+    refused = by_label(after, "swarmtrain_refusals_total", "reason")
+    assert refused.get("bad_handshake", 0) + refused.get("unsupported_version", 0) >= 1, refused
+    assert not {"malformed", "version", "auth"} & set(refused), refused
+    assert set(status["refusals"]) >= set(refused)  # /api/status carries the same table
     assert value(after, "swarmtrain_rounds_refused_total") == 0
     assert value(after, "swarmtrain_nonfinite_local_total") == 0
     assert status["node"] == "peer" and len(status["members"]) == 2 and status["round"] == rounds

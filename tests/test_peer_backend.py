@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,43 +24,15 @@ from swarmtrain.peer.backend import NonFiniteResult, PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.membership import Candidate, Membership
 from swarmtrain.peer.ring import RingBroken
+from swarmtrain.testing.local import free_ports, in_threads
 from swarmtrain.wire import Reform
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = b"backend-test-secret"
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
-def in_threads(fns: list[Callable[[], Any]], timeout: float = 60) -> list[Any]:
-    """Run each function in its own thread; their results (an exception is re-raised)."""
-    results: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), f"a peer is still inside the call after {timeout} s"
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ def _check(r: Recovery, bound: float) -> None:
     assert r.to_first_round < bound, r  # one group again, training, within the stated bound
 
 
+@pytest.mark.serial  # asserts recovery bounds
 @pytest.mark.timeout(420)
 def test_every_partition_heals_into_one_group_with_the_training_sides_state(peers: PeerProcesses) -> None:
     hosts = [0, 1, 2, 3]
@@ -45,23 +46,25 @@ def test_every_partition_heals_into_one_group_with_the_training_sides_state(peer
     leader = peers.lowest(hosts)
     other = next(h for h in hosts if h != leader)
 
-    r = peers.drill("non-leader cut 15 s", hosts, [other], duration=15,
+    # Each fault lasts 4-6x the 2 s heartbeat timeout (so the group re-forms without the
+    # missing peers and the probes back off); benchmarks/bench_partitions.py runs the long ones.
+    r = peers.drill("non-leader cut 8 s", hosts, [other], duration=8,
                     fault=lan.hosts[other].cut, mend=lan.hosts[other].restore)
     _check(r, 15)
-    r = peers.drill("leader cut 15 s", hosts, [leader], duration=15,
+    r = peers.drill("leader cut 8 s", hosts, [leader], duration=8,
                     fault=lan.hosts[leader].cut, mend=lan.hosts[leader].restore)
     _check(r, 15)
     # 2|2: exactly one half goes on, the one holding the lowest id of the group
     low = [leader, next(h for h in hosts if h not in (leader, other))]
     high = [h for h in hosts if h not in low]
-    r = peers.drill("2+2 split 20 s", hosts, high, duration=20,
+    r = peers.drill("2+2 split 10 s", hosts, high, duration=10,
                     fault=lambda: lan.split(low, high), mend=lan.heal)
     _check(r, 15)
-    r = peers.drill("link flapping 5x", hosts, [other], duration=0,
-                    fault=lambda: peers.flap(other, 5, down=3.0, up=1.5), mend=lambda: None)
+    r = peers.drill("link flapping 3x", hosts, [other], duration=0,
+                    fault=lambda: peers.flap(other, 3, down=3.0, up=1.5), mend=lambda: None)
     assert len(r.digests) == 1 and r.merged_work >= r.majority_work, r
     assert r.to_first_round < 15, r
-    r = peers.drill("SIGSTOP 30 s", hosts, [other], duration=30,
+    r = peers.drill("SIGSTOP 12 s", hosts, [other], duration=12,
                     fault=lambda: peers.stop_process(other), mend=lambda: peers.continue_process(other))
     _check(r, 15)
     # and the weights are the same on all four after every round since

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-__all__ = ["CONTENT_TYPE", "STALENESS_BUCKETS", "CoordinatorCollector", "PeerCollector",
+__all__ = ["CONTENT_TYPE", "STALENESS_BUCKETS", "CoordinatorCollector", "HttpCollector", "PeerCollector",
            "StageCollector", "StatusCollector", "registry_for", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,6 +47,18 @@ def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
     return CounterMetricFamily(f"swarmtrain_{name}", doc, value=_num(value))
+
+
+def _refusals(st: Mapping[str, Any]) -> CounterMetricFamily:
+    """``swarmtrain_refusals_total{reason=...}``: everything the node refused, by reason code
+    (the status's ``refusals``, whose reasons are bounded by
+    :class:`~swarmtrain.transport.refusals.RefusalCounter`)."""
+    fam = CounterMetricFamily("swarmtrain_refusals", "connections and messages refused, by reason "
+                              "(handshake codes, connection caps, TLS, malformed frames, bad messages)",
+                              labels=["reason"])
+    for reason, n in sorted(dict(st.get("refusals") or {}).items()):
+        fam.add_metric([str(reason)], _num(n))
+    return fam
 
 
 def _heldout(st: Mapping[str, Any]) -> GaugeMetricFamily:
@@ -99,6 +111,7 @@ class CoordinatorCollector(StatusCollector):
         yield from _worker_families(list(st.get("workers") or []))
         yield _staleness(dict(st.get("staleness_counts") or {}))
         yield from _traffic(dict(st.get("traffic") or {}))
+        yield _refusals(st)
 
 
 def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -185,6 +198,7 @@ class PeerCollector(StatusCollector):
             failed.add_metric([listener], _num(st.get(f"{listener}_failed_handshakes", 0)))
         yield refused
         yield failed
+        yield _refusals(st)
 
 
 class StageCollector(StatusCollector):
@@ -232,12 +246,33 @@ class StageCollector(StatusCollector):
         refused.add_metric(["outbound"], _num(out.get("refused")))
         yield from (fill, size, packets_in, packets_out, dropped, refused)
         yield from _traffic(dict(st.get("traffic") or {}))
+        yield _refusals(st)
 
 
-def registry_for(collector: Collector) -> CollectorRegistry:
-    """A registry of its own holding just ``collector``."""
+class HttpCollector(Collector):
+    """``swarmtrain_http_responses_total{code=...}``: the answers of the node's HTTP port by
+    status code (``503``: busy; ``400``, ``408``, ``414``, ``431``: bad requests).
+
+    Args:
+        answered: the server's count of answers by status code (read on its own thread).
+    """
+
+    def __init__(self, answered: Mapping[int, int]) -> None:
+        self.answered = answered
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("swarmtrain_http_responses", "answers of the ops HTTP port, by "
+                                  "status code (503: busy)", labels=["code"])
+        for code, n in sorted(dict(self.answered).items()):
+            fam.add_metric([str(code)], _num(n))
+        yield fam
+
+
+def registry_for(collector: Collector, *more: Collector) -> CollectorRegistry:
+    """A registry of its own holding just ``collector`` (and ``more``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    for c in (collector, *more):
+        registry.register(c)
     return registry
 
 

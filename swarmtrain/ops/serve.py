@@ -4,6 +4,11 @@ A coordinator and a stage serve on their own event loop; a peer serves from a th
 own (its training loop is synchronous and its control loop must keep answering heartbeats).
 The port is read-only but carries no secret: bind it to a trusted interface (the default
 is 127.0.0.1).
+
+``/api/status`` and ``/metrics`` serve a snapshot of the node's status at most
+:data:`STATUS_MAX_AGE` seconds old (:class:`CachedStatus`), and each page is rendered once
+per snapshot: however many requests arrive, the node builds its status and the pages at most
+a few times a second, and its training does not slow down.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -20,6 +25,7 @@ from swarmtrain.ops.http import HttpServer, Response, Routes, ThreadedHttpServer
 from swarmtrain.ops.metrics import (
     CONTENT_TYPE,
     CoordinatorCollector,
+    HttpCollector,
     PeerCollector,
     StageCollector,
     StatusCollector,
@@ -33,10 +39,56 @@ if TYPE_CHECKING:
     from swarmtrain.pipeline.stage import StageServer
     from swarmtrain.roles.coordinator import Coordinator
 
-__all__ = ["StatusHistory", "dashboard_html", "routes_for", "serve_coordinator", "serve_peer",
-           "serve_stage"]
+__all__ = ["STATUS_MAX_AGE", "CachedStatus", "StatusHistory", "dashboard_html", "routes_for",
+           "serve_coordinator", "serve_peer", "serve_stage"]
 
 Status = Callable[[], Mapping[str, Any]]
+
+STATUS_MAX_AGE = 0.5
+"""Seconds a status snapshot served over HTTP may be old."""
+
+
+class CachedStatus:
+    """A node's ``status()``, built at most once every ``max_age`` seconds.
+
+    Called from one thread (the HTTP server's loop); the snapshot it returns is shared, so
+    callers must not change it.
+
+    Args:
+        status: the node's status function.
+        max_age: seconds a snapshot is served before the next call builds a new one.
+    """
+
+    def __init__(self, status: Status, max_age: float = STATUS_MAX_AGE) -> None:
+        self.status = status
+        self.max_age = max_age
+        #: snapshots built so far (how often ``status`` has run)
+        self.builds = 0
+        self._value: Mapping[str, Any] | None = None
+        self._at = 0.0
+
+    def __call__(self) -> Mapping[str, Any]:
+        now = time.monotonic()
+        if self._value is None or now - self._at >= self.max_age:
+            self._value = self.status()
+            self._at = now
+            self.builds += 1
+        return self._value
+
+
+class _PerSnapshot:
+    """``build(snapshot)``, computed once per snapshot of a :class:`CachedStatus`."""
+
+    def __init__(self, status: CachedStatus, build: Callable[[Mapping[str, Any]], bytes]) -> None:
+        self.status, self.build = status, build
+        self._snapshot: Mapping[str, Any] | None = None
+        self._body = b""
+
+    def __call__(self) -> bytes:
+        snapshot = self.status()
+        if snapshot is not self._snapshot:
+            self._snapshot, self._body = snapshot, self.build(snapshot)
+        return self._body
 
 
 class StatusHistory:
@@ -74,44 +126,60 @@ def dashboard_html() -> bytes:
     return resources.files("swarmtrain.ops").joinpath("dashboard.html").read_bytes()
 
 
-def routes_for(kind: str, status: Status, collector: StatusCollector, *,
-               history: StatusHistory | None) -> Routes:
+def routes_for(kind: str, status: Status, collector: Callable[[Status], StatusCollector], *,
+               history: StatusHistory | None, max_age: float = STATUS_MAX_AGE,
+               answered: Counter[int] | None = None) -> Routes:
     """The routes of a node: ``/metrics``, ``/api/status`` and, given a ``history``, the
     dashboard at ``/`` and the history it starts from at ``/api/history``.
+
+    ``/metrics`` and ``/api/status`` read one :class:`CachedStatus` of ``status`` (at most
+    ``max_age`` seconds old), and each renders its page once per snapshot; ``/api/history``
+    is rendered at most once every ``max_age`` seconds too.
 
     Args:
         kind: ``"coordinator"``, ``"peer"`` or ``"stage"`` (added to the status as ``node``).
         status: the node's status function.
-        collector: the metrics collector reading that status.
+        collector: the metrics collector class (or factory) to read the cached status with.
         history: the sampled history (None = no dashboard).
+        max_age: seconds a status snapshot may be served (0: build one for every request).
+        answered: the HTTP server's answers by status code, for ``/metrics``
+            (``swarmtrain_http_responses_total``; None = not shown).
     """
-    registry = registry_for(collector)
+    cached = CachedStatus(status, max_age)
+    registry = registry_for(collector(cached), *([HttpCollector(answered)] if answered is not None else []))
+    metrics_body = _PerSnapshot(cached, lambda _: render(registry))
+    status_body = _PerSnapshot(cached, lambda st: json.dumps(
+        json_safe({**st, "node": kind, "server_time": time.time()}), allow_nan=False).encode())
 
     async def metrics() -> Response:
-        return 200, CONTENT_TYPE, render(registry)
+        return 200, CONTENT_TYPE, metrics_body()
 
     async def api_status() -> Response:
-        body = json.dumps(json_safe({**status(), "node": kind, "server_time": time.time()}),
-                          allow_nan=False)
-        return 200, "application/json", body.encode()
+        return 200, "application/json", status_body()
 
     routes: Routes = {"/metrics": metrics, "/api/status": api_status}
     if history is not None:
         page, points = dashboard_html(), history.points
+        history_body = _PerSnapshot(CachedStatus(lambda: {"points": list(points)}, max_age),
+                                    lambda h: json.dumps(json_safe(h["points"]), allow_nan=False).encode())
 
         async def index() -> Response:
             return 200, "text/html; charset=utf-8", page
 
         async def api_history() -> Response:
-            return 200, "application/json", json.dumps(json_safe(list(points)), allow_nan=False).encode()
+            return 200, "application/json", history_body()
 
         routes["/"] = index
         routes["/api/history"] = api_history
     return routes
 
 
-async def serve_coordinator(coord: Coordinator, host: str, port: int) -> HttpServer:
+async def serve_coordinator(coord: Coordinator, host: str, port: int, *,
+                            max_age: float = STATUS_MAX_AGE) -> HttpServer:
     """Serve a coordinator's metrics, status and dashboard on the running loop.
+
+    Args:
+        max_age: seconds a status snapshot may be served (see :class:`CachedStatus`).
 
     Raises:
         SwarmError: the address cannot be bound.
@@ -119,8 +187,10 @@ async def serve_coordinator(coord: Coordinator, host: str, port: int) -> HttpSer
     # not coord.status(): that summarises every worker, the events and the traffic each time
     history = StatusHistory(lambda: {"loss": coord.loss_ema, "metrics": coord.metrics,
                                      "samples": sum(r.samples for r in coord.workers.values())})
-    server = HttpServer(routes_for("coordinator", coord.status, CoordinatorCollector(coord.status),
-                                   history=history), background=[history.run])
+    answered: Counter[int] = Counter()
+    server = HttpServer(routes_for("coordinator", coord.status, CoordinatorCollector, history=history,
+                                   max_age=max_age, answered=answered),
+                        background=[history.run], answered=answered)
     await server.start(host, port)
     return server
 
@@ -131,7 +201,9 @@ async def serve_stage(stage: StageServer, host: str, port: int) -> HttpServer:
     Raises:
         SwarmError: the address cannot be bound.
     """
-    server = HttpServer(routes_for("stage", stage.status, StageCollector(stage.status), history=None))
+    answered: Counter[int] = Counter()
+    server = HttpServer(routes_for("stage", stage.status, StageCollector, history=None, answered=answered),
+                        answered=answered)
     await server.start(host, port)
     return server
 
@@ -144,7 +216,8 @@ def serve_peer(trainer: PeerTrainer, host: str, port: int) -> ThreadedHttpServer
     """
     status = trainer.status
     history = StatusHistory(status)
-    server = ThreadedHttpServer(routes_for("peer", status, PeerCollector(status), history=history),
-                                background=[history.run])
+    answered: Counter[int] = Counter()
+    server = ThreadedHttpServer(routes_for("peer", status, PeerCollector, history=history, answered=answered),
+                                background=[history.run], answered=answered)
     server.start(host, port)
     return server

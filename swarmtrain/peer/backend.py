@@ -42,6 +42,7 @@ from swarmtrain.peer.membership import Candidate, Membership, View, check_signat
 from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
 from swarmtrain.transport.endpoints import ServerLimits
+from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg, Reform
 
@@ -71,6 +72,10 @@ class NonFiniteResult(SwarmError):
     """An all-reduce result holds NaN or Inf (asked for with ``check_finite=True``): some
     member contributed a non-finite value. Every member holds the same reduced bits, so every
     member raises alike and can skip the step alike."""
+
+
+#: the ring listener's refusal names that mean what a control server's ERROR codes say
+_RING_REASONS = {"auth": "auth_failed", "malformed": "bad_handshake", "version": "unsupported_version"}
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,9 @@ class PeerBackend:
     work: int = 0
     #: REFORM requests refused: unsigned, or not signed by the member they name
     forged_reforms: int = 0
+    #: messages refused, by reason code (count with ``backend.refusals.count("out_of_range")``);
+    #: ``status()["refusals"]`` adds what the control server and the ring listener turned away
+    refusals: RefusalCounter = field(default_factory=RefusalCounter)
     #: the digest of the state every member loaded at the start of :attr:`digest_epoch`
     state_digest: str = ""
     digest_epoch: int = 0
@@ -922,4 +930,17 @@ class PeerBackend:
                 "ring_refused": self.listener.admission.refusals(),
                 "ring_failed_handshakes": self.listener.admission.failed_handshakes,
                 "forged_reforms": self.forged_reforms,
+                # everything refused, by reason: both listeners' connections and messages
+                "refusals": self.all_refusals(),
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+
+    def all_refusals(self) -> dict[str, int]:
+        """What this peer refused, by reason, in the codes of the control server's ERRORs:
+        the control server's and the ring listener's connections (the ring's own names
+        ``auth``, ``malformed`` and ``version`` counted as ``auth_failed``, ``bad_handshake``
+        and ``unsupported_version``), messages (:attr:`refusals`) and forged REFORMs."""
+        server = self.control.server
+        ring = [{_RING_REASONS.get(why, why): n} for why, n in self.listener.admission.refusals().items()]
+        forged = [{"forged_reform": self.forged_reforms}] if self.forged_reforms else []
+        control = [server.refused] if server is not None else []
+        return merge_refusals([self.refusals, *ring, *forged, *control])

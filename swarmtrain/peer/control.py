@@ -99,10 +99,16 @@ class ControlPlane:
         if role not in ("peer", "ctl"):
             await conn.close(Error(code="bad_role", message=f"this is a peer; role {role!r} is not served"))
             return
+        assert self.server is not None
+        note = self.server.admission.note_refused  # counted with what the server turned away
+        conn.count_refusals_with(note)  # messages with a field out of range
         with contextlib.suppress(SwarmError, ConnectionError):
             while True:
                 msg = await conn.recv()
-                await conn.send(self._answer(msg))
+                answer = self._answer(msg)
+                if isinstance(answer, Error):
+                    note(answer.code)
+                await conn.send(answer)
 
     def _answer(self, msg: Message) -> Message:
         m = self.membership

@@ -40,7 +40,7 @@ import ssl
 import struct
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.transport.auth import (
@@ -51,6 +51,7 @@ from swarmtrain.transport.auth import (
     ring_server_proof,
 )
 from swarmtrain.transport.endpoints import Admission, ServerLimits
+from swarmtrain.transport.refusals import RefusalCounter
 from swarmtrain.transport.tls import (
     KEYS_HELP,
     TLS_NEEDED_HERE,
@@ -323,7 +324,7 @@ class RingListener:
         self._thread.start()
 
     @property
-    def refused(self) -> Counter[str]:
+    def refused(self) -> RefusalCounter:
         """Connections turned away, by reason: ``auth``, ``malformed``, ``tls`` (failed
         handshakes), ``stale``, ``busy`` (authenticated, not parked), ``too_many_connections``
         ``auth_rate_limited`` (see :class:`ServerLimits`) and ``too_many_handshakes`` (closed at

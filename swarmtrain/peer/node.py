@@ -19,6 +19,7 @@ from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.peer.backend import NonFiniteResult, PeerBackend, load_state_bytes, state_bytes
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy
+from swarmtrain.roles.aggregation import ROBUST_MODES, MemberScores, robust_combine
 from swarmtrain.runlog import RunLog
 
 __all__ = ["PeerTrainer"]
@@ -37,6 +38,10 @@ class PeerTrainer:
         strategy: :class:`StepAveraging` or :class:`DiLoCo`.
         evaluate: held-out evaluation, run every ``eval_every`` rounds by rank 0.
         status_file: rewritten with this peer's status after every round.
+        robust: ``none`` (the weighted mean, by all-reduce) or ``clip``, ``trimmed_mean``,
+            ``median``: every member's contribution is gathered and combined with one vote
+            each (:meth:`_gather_robust`, docs/robustness.md).
+        robust_trim: the trimmed mean's fraction cut at each end.
 
     Attributes:
         nonfinite_local: rounds whose own contribution was NaN/Inf (sent as zero, weight 0).
@@ -57,6 +62,14 @@ class PeerTrainer:
     nonfinite_local: int = 0
     rounds_refused: int = 0
     run_log: RunLog | None = None
+    robust: str = "none"
+    robust_trim: float = 0.2
+    #: gathered contributions dropped for holding NaN or Inf (robust modes), over all rounds
+    nonfinite_dropped: int = 0
+    #: robust modes: each member's agreement with the combinations, for the current epoch
+    #: (every member starts it afresh at each epoch, so all of them decide alike)
+    scores: MemberScores = field(default_factory=MemberScores)
+    _scores_epoch: int = -1
     _stop: bool = False
     _round_weight: int = 0
 
@@ -180,6 +193,8 @@ class PeerTrainer:
             NonFiniteResult: the reduced sum (one pass over it, before anything is applied)
                 holds NaN or Inf; every member then holds the same bits and refuses alike.
         """
+        if self.robust != "none":
+            return self._gather_robust(pending)
         flags = pending.flags if pending.flags is not None else torch.ones(self.strategy.flag_count)
         # the flags next to the weight: values of the same size, also on a lossy wire
         w = pending.weight
@@ -197,6 +212,61 @@ class PeerTrainer:
         mean = buf[:-1].div_(total)
         n = pending.flat.numel()
         return mean[:n], mean[n:]
+
+    def _gather_robust(self, pending: Contribution) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every member's contribution gathered to every member, combined with one vote each.
+
+        The gather is the ring's all-reduce SUM (fp32 wire) of a ``world x row`` buffer in
+        which each member fills only its own row: adding zeros is exact, so every member ends
+        with every row bit for bit — world_size x the bytes of the plain all-reduce. A row is
+        the contribution, its flags, 1 (a vote; 0 for a member with nothing this round) and
+        its claimed weight. Rows holding NaN or Inf are dropped (identically everywhere), so
+        one member cannot void rounds. The combination (:func:`robust_combine`) is
+        deterministic, so every member applies the same bits; a parameter is stepped if any
+        voting member computed it, with the combination over all voters.
+        """
+        if self.robust not in ROBUST_MODES[1:]:
+            raise ValueError(f"robust must be one of {ROBUST_MODES}, got {self.robust!r}")
+        flags = pending.flags if pending.flags is not None else torch.ones(self.strategy.flag_count)
+        n, f = pending.flat.numel(), flags.numel()
+        size, rank = self.backend.world_size, self.backend.rank
+        rows = torch.zeros(size, n + f + 2)
+        if pending.weight > 0:
+            rows[rank, :n] = pending.flat
+            rows[rank, n:n + f] = flags
+            rows[rank, -2:] = torch.tensor([1.0, pending.weight])
+        work = self.backend.work
+        try:
+            self.backend.all_reduce(rows.view(-1), op="sum", wire="fp32", retries=0, boundary=False)
+        finally:
+            self.backend.work = work
+        finite = torch.isfinite(rows).all(dim=1)
+        self.nonfinite_dropped += int((~finite & (rows[:, -2] != 0)).sum())
+        voters = [i for i in range(size) if bool(finite[i]) and float(rows[i, -2]) > 0]
+        if not voters:
+            self._round_weight = 0
+            return None
+        weights = sorted(float(rows[i, -1]) for i in voters)
+        cap = weights[(len(weights) - 1) // 2]  # claims count up to the lower median's
+        self._round_weight = max(0, round(sum(min(w, cap) for w in weights)))
+        if self._scores_epoch != self.backend.epoch:
+            self.scores, self._scores_epoch = MemberScores(), self.backend.epoch
+        view = self.backend.view
+        keys = {i: (view.members[i] if view is not None else str(i)) for i in voters}
+        members = [(keys[i], {"flat": rows[i, :n]}) for i in voters]
+        voting = [members[i][1] for i in self.scores.voting([k for k, _ in members])]
+        combined = robust_combine(voting, self.robust, trim=self.robust_trim)["flat"]
+        left, back = self.scores.update(members)
+        for peer in left:
+            self._event("member_excluded", peer=peer, agreement=self.scores.mean(peer))
+            self.backend.refusals.count("member_excluded")
+            log.warning("peer %s is left out of the robust combination: its contributions pull against "
+                        "the others' (mean cosine %.3f); check its data and code, or stop it if it is "
+                        "not yours", str(peer)[:8], self.scores.mean(peer))
+        for peer in back:
+            self._event("member_readmitted", peer=peer)
+        shares = (rows[voters, n:n + f].sum(dim=0) > 0).to(torch.float32)
+        return combined, shares
 
     def _event(self, kind: str, **data: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **data})
@@ -243,6 +313,7 @@ class PeerTrainer:
         return {**self.backend.status(), "round": self.strategy.round, "samples": self.samples,
                 "inner_steps": self.inner_steps, "metrics": self.metrics,
                 "nonfinite_local": self.nonfinite_local, "rounds_refused": self.rounds_refused,
+                "robust": self.scores.summary() if self.robust != "none" else {},
                 "loss": self.strategy.last_loss if math.isfinite(self.strategy.last_loss) else None,
                 "checksum": self.checksum(), "events": self.events[-50:],
                 "history": self.history[-2000:]}

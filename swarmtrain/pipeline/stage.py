@@ -52,6 +52,7 @@ from swarmtrain.pipeline.partition import LossFn
 from swarmtrain.pipeline.replicas import ReplicaSync
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
 from swarmtrain.transport.endpoints import ServerLimits, payload_limit, peer_ip
+from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Error,
@@ -230,6 +231,9 @@ class StageServer:
         self.refused = 0
         self.bad_input = 0  # requests refused for what they carried, all senders
         self.sender_disconnects = 0
+        #: requests refused, by their STAGE_ERROR code (``overloaded``, ``bad_input``...);
+        #: ``status()["refusals"]`` adds the connections the server turned away
+        self.refusals = RefusalCounter()
         self._senders: dict[Connection, _Sender] = {}  # open connections being served
         self._sender_log: OrderedDict[str, dict[str, Any]] = OrderedDict()  # by address, bounded
         self._senders_lock = threading.Lock()  # the compute threads count refusals too
@@ -333,6 +337,8 @@ class StageServer:
             "bad_input": self.bad_input, "sender_disconnects": self.sender_disconnects,
             "senders": senders,
             "failed_handshakes": 0 if self._server is None else self._server.failed_handshakes,
+            # everything refused, by reason: connections (handshakes, caps) and requests
+            "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),
             "traffic": self._server.traffic() if self._server is not None else {},
             "inbound": dataclasses.asdict(self.inbound.metrics()),
             "infer_inbound": dataclasses.asdict(self.infer_inbound.metrics()),
@@ -354,6 +360,7 @@ class StageServer:
             await conn.close(Error(code="bad_role", message=f"a stage server serves roles {_ROLES}, "
                                    f"not {role!r}"))
             return
+        conn.count_refusals_with(self.refusals.count)  # messages with a field out of range
         with self._senders_lock:
             self._senders[conn] = _Sender(peer_ip(conn.transport))  # as the connection limits count it
         try:
@@ -394,6 +401,8 @@ class StageServer:
         """Count a refusal that ``conn``'s input earned (an answered request starts the count
         again); True once it has ``max_bad_in_row`` in a row, when the caller must
         :meth:`_disconnect` it (True once per connection). Any thread."""
+        if isinstance(answer, StageError):
+            self.refusals.count(answer.code)
         refused = isinstance(answer, StageError) and answer.code in _SENDERS_FAULT
         if not refused and not isinstance(answer, StageResult | StageGrad | StageSync):
             return False

@@ -16,15 +16,49 @@ samples so that unequal machines fill it unequally).
 Per parameter, the mean is over the gradients that carried it: a parameter unused by one
 batch (a skipped branch) is averaged over the batches that used it, and one no gradient of
 the window carried is not stepped.
+
+**Robust windows** (``training.robust``, :class:`RobustWindow`): the plain window trusts
+every gradient's claimed samples and its values, so one member can steer the step. A robust
+window keeps one *slot per worker* — a worker's several gradients in one window average into
+its slot (staleness-damped, not sample-weighted), so a fast or lying worker has one vote — and
+combines the slots with :func:`robust_combine` (coordinate-wise median, coordinate-wise
+trimmed mean, or the mean after clipping every slot's norm to the median slot norm of *this*
+window: a reference recomputed from the current slots, so no history can be ratcheted). Top-k
+gradients arrive densified (zeros where nothing was sent) and enter their slot so; the median
+of mostly-zero coordinates is zero, which is why ``docs/robustness.md`` advises the clip mode
+with top-k. See ``docs/robustness.md`` for what each mode costs and does not stop.
+
+**Members that pull against the others are left out** (:class:`MemberScores`). A robust
+combination bounds what one member can do per step, but a member sending honest-sized vectors
+in a bad direction (a sign-flipped gradient) still biases each coordinate's median or trimmed
+mean by a fraction of the honest spread, every step, and that bias wins as the honest
+gradients shrink near the optimum. So every combination also scores each member: the cosine
+of its slot with the sum of the *other* members' slots, each first scaled down to the median
+slot norm (so a liar among the others weighs no more than an honest member, and no member is
+compared with itself: a member's own share of the combination would make even a liar look
+agreeable). An honest member's cosine is positive on average, and about zero when the
+gradients are all noise (near an optimum); a member whose mean cosine over its last rounds is
+*significantly* below a small margin under zero (``mean + z * stderr < -margin``) takes no
+part in the next combinations until it is no longer so (it is still scored). The margin is
+what keeps an honest member of a pure-noise phase from ever being left out by chance over a
+long run (``tests/test_robust.py``: 100,000 combinations); the price is that a liar whose
+vectors agree with the others' less than ``-margin`` on average goes uncaught. The score is a plain
+function of the current slots, never of a reference the member could move over time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import time
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
-__all__ = ["GradientWindow"]
+__all__ = ["ROBUST_MODES", "GradientWindow", "MemberScores", "RobustWindow", "robust_combine", "trim_count"]
+
+ROBUST_MODES = ("none", "clip", "trimmed_mean", "median")
+"""Values of ``training.robust``: how the members' gradients of one step are combined."""
 
 
 class GradientWindow:
@@ -57,3 +91,265 @@ class GradientWindow:
         self.samples = self.gradients = 0
         self._sparse = False
         return mean, sparse
+
+
+def trim_count(members: int, trim: float) -> int:
+    """Values dropped at each end of a coordinate by the trimmed mean of ``members`` values:
+    ``floor(trim x members)``, at least 1 from 3 members on (with ``trim`` > 0), and never so
+    many that nothing is left."""
+    if trim <= 0 or members < 3:
+        return 0
+    return min(max(1, math.floor(trim * members)), (members - 1) // 2)
+
+
+def _middle(sorted_values: torch.Tensor) -> torch.Tensor:
+    """The median along dim 0 of values sorted along dim 0 (the mean of the two middle ones
+    for an even count: torch.median would return the lower one, which is biased)."""
+    k = sorted_values.shape[0]
+    if k % 2:
+        return sorted_values[k // 2].clone()
+    return (sorted_values[k // 2 - 1] + sorted_values[k // 2]) / 2
+
+
+def robust_combine(members: Sequence[Mapping[str, torch.Tensor]], mode: str, *,
+                   trim: float = 0.2) -> dict[str, torch.Tensor]:
+    """Combine the members' gradients (name -> float32 tensor; a member may lack a name)
+    with one vote each. Deterministic: the same inputs give the same bits.
+
+    Args:
+        members: one mapping per member, in a fixed order.
+        mode: ``clip`` (mean after scaling every member whose global L2 norm is over the
+            lower median of the members' norms down to it), ``trimmed_mean`` (per coordinate, drop
+            :func:`trim_count` values at each end, average the rest) or ``median`` (per
+            coordinate). Per name, only the members that carry it take part.
+        trim: the trimmed mean's fraction cut at each end.
+
+    Returns:
+        The combined gradient of every name some member carried.
+
+    Raises:
+        ValueError: ``mode`` is not one of these three (``none`` is the plain window's).
+    """
+    if mode not in ROBUST_MODES[1:]:
+        raise ValueError(f"robust mode must be one of {ROBUST_MODES[1:]}, got {mode!r}")
+    names = list(dict.fromkeys(n for m in members for n in m))
+    scales = [1.0] * len(members)
+    if mode == "clip" and members:
+        norms = [math.sqrt(sum(float(g.double().pow(2).sum()) for g in m.values())) for m in members]
+        # the lower median: of two members, the smaller norm (the mean of the two middle ones
+        # would let one liar of two raise the reference to half its own norm)
+        ref = sorted(norms)[(len(norms) - 1) // 2]
+        scales = [ref / n if n > ref else 1.0 for n in norms]
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        carriers = [(i, m[name]) for i, m in enumerate(members) if name in m]
+        if mode == "clip":
+            total = torch.zeros_like(carriers[0][1])
+            for i, g in carriers:
+                total.add_(g, alpha=scales[i])
+            out[name] = total / len(carriers)
+            continue
+        stacked = torch.stack([g for _, g in carriers]).sort(dim=0).values
+        if mode == "median":
+            out[name] = _middle(stacked)
+        else:
+            t = trim_count(len(carriers), trim)
+            out[name] = stacked[t:len(carriers) - t].mean(dim=0)
+    return out
+
+
+def _agreements(members: Sequence[Mapping[str, torch.Tensor]]) -> list[float]:
+    """For each member, the cosine of its gradient with the sum of the others' gradients,
+    each scaled down to the median of the members' norms (float64, fixed order). 0.0 for a
+    member alone, or where a norm is zero or not finite."""
+    k = len(members)
+    if k < 2:
+        return [0.0] * k
+    names = list(dict.fromkeys(n for m in members for n in m))
+    flat = [torch.cat([m[n].reshape(-1).double() if n in m else
+                       torch.zeros(next(x[n] for x in members if n in x).numel(), dtype=torch.float64)
+                       for n in names]) for m in members]
+    norms = [float(v.norm()) for v in flat]
+    if not all(math.isfinite(x) for x in norms):
+        return [0.0] * k
+    ordered = sorted(norms)
+    ref = ordered[k // 2] if k % 2 else 0.5 * (ordered[k // 2 - 1] + ordered[k // 2])
+    scaled = [v * (ref / n) if n > ref else v for v, n in zip(flat, norms)]
+    total = torch.stack(scaled).sum(dim=0)
+    out = []
+    for v, s, n in zip(flat, scaled, norms):
+        others = total - s
+        m = float(others.norm())
+        out.append(float(v @ others) / (n * m) if n > 0 and m > 0 else 0.0)
+    return out
+
+
+class MemberScores:
+    """Each member's agreement with the robust combinations, and who is left out of them.
+
+    Args:
+        rounds: cosines kept per member (its last ``rounds`` combinations).
+        min_rounds: a member is never left out before it has this many.
+        z: how many standard errors below ``-margin`` its mean cosine must be to be left out.
+        margin: how far below zero the mean cosine must be at least.
+
+    Deterministic (float64 sums in a fixed order), so peers that score the same rows decide
+    the same. Members not seen for ``4 x rounds`` combinations are forgotten.
+    """
+
+    def __init__(self, *, rounds: int = 64, min_rounds: int = 8, z: float = 4.0,
+                 margin: float = 0.05) -> None:
+        if (rounds < 2 or not 2 <= min_rounds <= rounds or not (math.isfinite(z) and z > 0)
+                or not 0 <= margin < 1):
+            raise ValueError(f"need 2 <= min_rounds <= rounds, z > 0 and 0 <= margin < 1; got "
+                             f"rounds={rounds}, min_rounds={min_rounds}, z={z}, margin={margin}")
+        self.rounds, self.min_rounds, self.z, self.margin = rounds, min_rounds, z, margin
+        self._cosines: dict[Hashable, deque[float]] = {}
+        self._seen: dict[Hashable, int] = {}
+        self._excluded: set[Hashable] = set()
+        self.combinations = 0
+        #: times a member was left out (each start of an exclusion counts once)
+        self.exclusions = 0
+
+    def excluded(self) -> frozenset[Hashable]:
+        """The members left out of the next combination."""
+        return frozenset(self._excluded)
+
+    def voting(self, keys: Sequence[Hashable]) -> list[int]:
+        """Which of a combination's members (by index) vote in it: all but the ones left out,
+        unless that would leave no more than half of them (a majority always decides)."""
+        kept = [i for i, k in enumerate(keys) if k not in self._excluded]
+        return kept if 2 * len(kept) > len(keys) else list(range(len(keys)))
+
+    def mean(self, member: Hashable) -> float:
+        """The member's mean cosine over its kept rounds (NaN if it has none)."""
+        values = self._cosines.get(member)
+        return math.fsum(values) / len(values) if values else math.nan
+
+    def update(self, members: Sequence[tuple[Hashable, Mapping[str, torch.Tensor]]]
+               ) -> tuple[list[Hashable], list[Hashable]]:
+        """Score every member of one combination against the others; returns who is newly
+        left out and who is taken back (both in ``members``' order)."""
+        self.combinations += 1
+        left: list[Hashable] = []
+        back: list[Hashable] = []
+        for (key, _), agreement in zip(members, _agreements([g for _, g in members])):
+            kept = self._cosines.setdefault(key, deque(maxlen=self.rounds))
+            kept.append(agreement)
+            self._seen[key] = self.combinations
+            out = self._pulls_against(kept)
+            if out and key not in self._excluded:
+                self._excluded.add(key)
+                self.exclusions += 1
+                left.append(key)
+            elif not out and key in self._excluded:
+                self._excluded.discard(key)
+                back.append(key)
+        for key in [k for k, at in self._seen.items() if self.combinations - at > 4 * self.rounds]:
+            self._cosines.pop(key, None)
+            self._seen.pop(key, None)
+            self._excluded.discard(key)
+        return left, back
+
+    def _pulls_against(self, kept: deque[float]) -> bool:
+        n = len(kept)
+        if n < self.min_rounds:
+            return False
+        mean = math.fsum(kept) / n
+        var = math.fsum((c - mean) ** 2 for c in kept) / (n - 1)
+        return mean + self.z * math.sqrt(var / n) < -self.margin
+
+    def summary(self) -> dict[str, object]:
+        """For status: the members left out and every member's mean cosine (rounded)."""
+        return {"excluded": sorted(map(str, self._excluded)), "exclusions": self.exclusions,
+                "agreement": {str(k): round(self.mean(k), 4) for k in self._cosines}}
+
+
+class _Slot:
+    """One worker's gradients of the window: a damping-weighted sum per parameter."""
+
+    __slots__ = ("sums", "weights", "samples")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, float] = {}
+        self.samples = 0
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        return {n: s / self.weights[n] for n, s in self.sums.items() if self.weights[n] > 0}
+
+
+class RobustWindow:
+    """A window of one slot per worker, combined robustly when it closes (``training.robust``).
+
+    Args:
+        params: the master parameters (name -> tensor): names and dtypes of the slots.
+        mode: ``clip``, ``trimmed_mean`` or ``median`` (see :func:`robust_combine`).
+        trim: the trimmed mean's fraction cut at each end.
+
+    Memory: one model-sized float32 buffer per worker with a gradient in the open window.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], mode: str, *, trim: float = 0.2) -> None:
+        if mode not in ROBUST_MODES[1:]:
+            raise ValueError(f"robust mode must be one of {ROBUST_MODES[1:]}, got {mode!r}")
+        self.mode = mode
+        self.trim = trim
+        self._dtypes = {n: p.dtype for n, p in params.items()}
+        self._slots: dict[str, _Slot] = {}
+        #: gradients in the open window (a :class:`GradientWindow` has the same attribute)
+        self.gradients = 0
+        #: samples the open window's gradients claim (each counted as its sender said)
+        self.samples = 0
+        self._sparse = False
+        self.opened_at = 0.0  # time.monotonic() of the open window's first gradient
+        #: who agrees with the combinations; members pulling against them are left out
+        self.scores = MemberScores()
+        #: (newly left out, taken back) by the last :meth:`take`
+        self.last_changes: tuple[list[Hashable], list[Hashable]] = ([], [])
+
+    @property
+    def members(self) -> int:
+        """Distinct workers with a gradient in the open window."""
+        return len(self._slots)
+
+    def counted_samples(self) -> int:
+        """The open window's samples with no slot counted above the median slot's: a worker
+        claiming huge sample counts cannot close windows alone."""
+        counts = sorted(s.samples for s in self._slots.values())
+        if not counts:
+            return 0
+        cap = counts[(len(counts) - 1) // 2]  # the lower median: a liar of two cannot raise it
+        return sum(min(c, cap) for c in counts)
+
+    def add(self, worker: str, grads: Mapping[str, torch.Tensor], weight: float, samples: int,
+            *, sparse: bool) -> None:
+        """Add ``weight`` x each of ``grads`` into ``worker``'s slot; count ``samples``."""
+        if not self._slots:
+            self.opened_at = time.monotonic()
+        slot = self._slots.setdefault(worker, _Slot())
+        for name, g in grads.items():
+            g = g.to(self._dtypes[name])
+            if name in slot.sums:
+                slot.sums[name].add_(g, alpha=weight)
+                slot.weights[name] += weight
+            else:
+                slot.sums[name] = g * weight
+                slot.weights[name] = weight
+        slot.samples += samples
+        self.samples += samples
+        self.gradients += 1
+        self._sparse = self._sparse or sparse
+
+    def take(self) -> tuple[dict[str, torch.Tensor], bool]:
+        """The robust combination of the slots (in the order the workers first sent) and
+        whether any gradient was sparse; the window starts empty again."""
+        means = [(worker, s.mean()) for worker, s in self._slots.items()]
+        voting = [means[i][1] for i in self.scores.voting([w for w, _ in means])]
+        combined = robust_combine(voting, self.mode, trim=self.trim)
+        self.last_changes = self.scores.update(means)
+        sparse = self._sparse
+        self._slots = {}
+        self.gradients = self.samples = 0
+        self._sparse = False
+        return combined, sparse

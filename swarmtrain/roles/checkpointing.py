@@ -105,6 +105,8 @@ class CoordinatorCheckpointer:
             "loss_ema": None if math.isnan(coord.loss_ema) else coord.loss_ema,
             "samples_ema": coord._samples_ema,
             "workers": {w: r.last_msg_id for w, r in coord.workers.items()},
+            # which node's key owns each worker id (absent from checkpoints before it)
+            "worker_nodes": {w: r.node for w, r in coord.workers.items() if r.node},
             "screen": coord.screen.state_dict(),
         }
         return tensors, meta
@@ -151,6 +153,9 @@ class CoordinatorCheckpointer:
 
         for wid, last in meta.get("workers", {}).items():
             coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0, last_msg_id=int(last))
+        for wid, node in meta.get("worker_nodes", {}).items():
+            if wid in coord.workers:
+                coord.workers[wid].node = str(node)
         self.last_saved_version = coord.version
         coord._event("resumed", step=coord.version, path=str(ckpt.path))
         log.info("resumed from %s at version %d", ckpt.path, coord.version)

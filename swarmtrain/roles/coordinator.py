@@ -43,7 +43,7 @@ from swarmtrain.errors import (
 )
 from swarmtrain.modelstate import ModelState, master_dtype
 from swarmtrain.roles.adam import adam_step, is_sparse, make_adam, variance_steps
-from swarmtrain.roles.aggregation import GradientWindow
+from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.common import (
     FUSED,
     check_compression_match,
@@ -61,6 +61,7 @@ from swarmtrain.roles.shards import ShardPlanner
 from swarmtrain.runlog import RunLog
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
 from swarmtrain.transport.endpoints import ServerLimits, payload_limit, require_secret
+from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.wire import (
     Assign,
     CheckpointMsg,
@@ -136,6 +137,12 @@ class WorkerRecord:
     buffers_version: int = -1
     #: its shard set changed while it (or another) was registering: an ASSIGN is owed
     assign_pending: bool = False
+    #: micro-batches per gradient it registered: with ``batch_size``, the most samples one
+    #: of its gradients may claim
+    accumulation_steps: int = 1
+    #: the verified node id (peer id of its identity key) this worker id belongs to; "" until
+    #: a worker with a key registers it (then only that node may use the id)
+    node: str = ""
 
     @property
     def connected(self) -> bool:
@@ -165,6 +172,14 @@ class WorkerRecord:
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
             "loss": self.loss, "last_seen_sec": time.monotonic() - self.last_seen,
         }
+
+
+class WorkerIdTaken(SwarmError):
+    """A REGISTER names a worker id that belongs to another node's identity key."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
 
 
 class Coordinator:
@@ -224,8 +239,11 @@ class Coordinator:
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
         #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
         self.screen = NormScreen(t.outlier_norm_factor)
-        #: bounded asynchrony: gradients summed until they hold aggregate_samples samples
-        self.window = GradientWindow(self.params) if t.aggregate_samples else None
+        #: bounded asynchrony: gradients summed until they hold aggregate_samples samples; with
+        #: training.robust, one slot per worker combined robustly (docs/robustness.md)
+        self.window: GradientWindow | RobustWindow | None = (
+            RobustWindow(self.params, t.robust, trim=t.robust_trim) if t.robust != "none"
+            else GradientWindow(self.params) if t.aggregate_samples else None)
         self._updated = asyncio.Event()  # set (and replaced) whenever an update is applied
         self.num_shards = t.num_shards or max(t.min_workers, 1)
         self.shard_plan = ShardPlanner(self.num_shards)
@@ -234,6 +252,9 @@ class Coordinator:
         self.running = False
         self.paused = False
         self.stats = {"applied": 0, "stale": 0, "duplicates": 0, "rejected": 0}
+        #: messages refused before they reached training (a field out of range, a worker id of
+        #: another node, a registration that does not fit, a message the role may not send), by code
+        self.refused_messages: Counter[str] = Counter()
         self.staleness_counts: Counter[int] = Counter()  # applied gradients by staleness
         self.held_variance_steps = 0  # sparse gradients applied with Adam's second moment held
         c = cfg.compression
@@ -251,6 +272,9 @@ class Coordinator:
         self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
         self._eval_state: ModelState | None = None  # a copy of the model to evaluate on
         self._server: Server | None = None
+        #: messages refused, by reason code (count with ``self.refusals.count("out_of_range")``);
+        #: ``status()["refusals"]`` adds the connections the server turned away
+        self.refusals = RefusalCounter()
         self._stop = asyncio.Event()
         self._finished = False
         self._started_at = time.monotonic()
@@ -280,7 +304,7 @@ class Coordinator:
             send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
             server_limits=ServerLimits(max_connections=net.max_connections,
                                        max_per_address=net.max_connections_per_address,
-                                       max_failed_auth=net.max_failed_auth))
+                                       max_failed_auth=net.max_failed_auth, ctl_slots=net.ctl_slots))
         self._tasks.append(asyncio.create_task(self._eval_loop()))
         self._event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
@@ -294,12 +318,13 @@ class Coordinator:
 
     def _role_limits(self) -> dict[str, Limits]:
         """What a frame from each role may carry: a worker's gradient is at most the model's
-        size twice over (:func:`payload_limit`), a control client sends no tensors."""
+        size twice over (:func:`payload_limit`); a control client's commands are a few bytes,
+        so 64 KiB of header and of payload (docs/security.md)."""
         return {
             "worker": Limits(max_header_bytes=1 << 20,
                              max_payload_bytes=payload_limit([*self.params.values(), *self.buffers.values()]),
                              max_tensors=4 * len(self.params) + len(self.buffers) + 64),
-            "ctl": Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 16, max_tensors=16),
+            "ctl": Limits(max_header_bytes=1 << 16, max_payload_bytes=1 << 16, max_tensors=16),
         }
 
     async def run(self) -> None:
@@ -366,15 +391,31 @@ class Coordinator:
         else:
             await conn.close(Error(code="bad_role", message=f"unknown role {role!r}"))
 
+    def _count_refused(self, code: str) -> None:
+        """A message refused by code (a field out of range, a worker id of another node, a
+        registration that does not fit, a message the role may not send): counted in
+        ``refused_messages`` and with every refusal (``refusals``)."""
+        self.refused_messages[code] += 1
+        self.refusals.count(code)
+
     async def _serve_worker(self, conn: Connection) -> None:
+        conn.count_refusals_with(self._count_refused)  # its messages with a field out of range
         try:
             msg = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
             if not isinstance(msg, Register):
                 raise RemoteProtocolError("unexpected", f"expected REGISTER, got {msg.TYPE.name}")
             rec = self._register(conn, msg)
+        except WorkerIdTaken as exc:
+            log.warning("refused worker at %s: %s", conn.peer, exc)
+            self._count_refused("worker_id_taken")
+            self._event("worker_refused", worker=exc.worker_id, address=conn.peer, node=conn.node,
+                        reason="worker_id_taken")
+            await conn.close(Error(code="worker_id_taken", message=str(exc)))
+            return
         except (ModelMismatch, ConfigError) as exc:
             log.warning("refused worker at %s: %s", conn.peer, exc)
             code = "model_mismatch" if isinstance(exc, ModelMismatch) else "config_mismatch"
+            self._count_refused(code)
             await conn.close(Error(code=code, message=str(exc)))
             return
         except SwarmError as exc:
@@ -414,6 +455,15 @@ class Coordinator:
             raise ConfigError(f"shard_index {msg.shard_index} is out of range: this cluster has "
                               f"{self.num_shards} shards (0..{self.num_shards - 1}, or -1 for automatic)")
         rec = self.workers.get(msg.worker_id)
+        if rec is not None and rec.node and rec.node != conn.node:
+            # the id belongs to another node's key: the live worker is not touched
+            live = rec.conn is not None and not rec.conn.is_closed
+            holder = f"connected from {rec.address}" if live else "not connected now"
+            this = f"node {conn.node}" if conn.node else "a client without an identity key"
+            raise WorkerIdTaken(msg.worker_id,
+                f"worker id {msg.worker_id!r} belongs to node {rec.node} ({holder}), and this is "
+                f"{this}: give this worker another --worker-id, or stop the other one (a worker "
+                "keeps its node key in its config directory, identity.key)")
         if rec is not None and rec.conn is not None and not rec.conn.is_closed and rec.conn is not conn:
             log.info("worker %s reconnected; closing its old connection", msg.worker_id)
             assert rec.conn is not None
@@ -431,7 +481,9 @@ class Coordinator:
             self.workers[msg.worker_id] = rec
             self._forget_old_workers()
         rec.conn, rec.address, rec.hardware, rec.welcomed = conn, conn.peer, msg.hardware, False
+        rec.node = rec.node or conn.node  # bound to the first verified node that registers it
         rec.batch_size, rec.samples_per_sec, rec.shard_index = msg.batch_size, msg.samples_per_sec, shard
+        rec.accumulation_steps = msg.accumulation_steps
         rec.shards = shards
         rec.first_applied_pending = True
         rec.joined_at = time.monotonic()
@@ -439,10 +491,11 @@ class Coordinator:
         rec.buffers_version = -1
         rec.bad_in_row = 0  # a worker disconnected for its gradients starts afresh
         rec.last_seen = time.monotonic()
-        self._event("joined", worker=rec.worker_id, address=conn.peer, shard=shard,
+        self._event("joined", worker=rec.worker_id, address=conn.peer, node=conn.node, shard=shard,
                     profile=msg.hardware.get("profile", "?"))
-        log.info("worker %s joined from %s (profile %s, batch %d, %.0f samples/s, shard %d/%d)",
-                 rec.worker_id, conn.peer, msg.hardware.get("profile", "?"), msg.batch_size,
+        log.info("worker %s joined from %s (node %s, profile %s, batch %d x %d, %.0f samples/s, "
+                 "shard %d/%d)", rec.worker_id, conn.peer, conn.node or "unverified",
+                 msg.hardware.get("profile", "?"), msg.batch_size, msg.accumulation_steps,
                  msg.samples_per_sec, shard, self.num_shards)
         return rec
 
@@ -532,8 +585,10 @@ class Coordinator:
         elif isinstance(msg, StatusRequest):
             await self._send(rec, Status(status=self.status()))
         elif isinstance(msg, Error):
-            log.warning("worker %s reports: %s [%s]", rec.worker_id, msg.message, msg.code)
+            # a remote text, shortened: a long one is slow to format and floods the log
+            log.warning("worker %s reports: %.300s [%s]", rec.worker_id, msg.message, msg.code)
         else:
+            self._count_refused("unexpected")
             await self._send(rec, Error(code="unexpected", fatal=False,
                                         message=f"a worker may not send {msg.TYPE.name}"))
 
@@ -634,22 +689,27 @@ class Coordinator:
                 await self._updated.wait()
 
     def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message | None]:
+        # Only an applied gradient moves the training state (weights, versions, last_msg_id,
+        # the worker's loss); a duplicate, stale or refused one moves its own counter and the
+        # traffic counts (gradients received, bytes up) alone.
         rec.gradients += 1
         rec.bytes_up += payload_bytes(msg.tensors)
-        rec.residual_norm = msg.residual_norm
         staleness = self.version - msg.version
         if msg.msg_id <= rec.last_msg_id:
             status = "duplicate"
             rec.duplicates += 1
             self.stats["duplicates"] += 1
+            self.refusals.count("duplicate_gradient")
         elif staleness > self.config.training.max_staleness or staleness < 0:
-            status = "stale"
+            status = "stale"  # dropped: a resend of it is stale again, never applied
             rec.stale += 1
-            rec.last_msg_id = msg.msg_id
             self.stats["stale"] += 1
+            self.refusals.count("stale_gradient")
         else:
             status = self._apply_checked(rec, msg, staleness)
-        rec.loss = msg.loss
+        if status == "applied":
+            rec.loss = msg.loss
+            rec.residual_norm = msg.residual_norm
         if self.window is not None and status == "applied" and self.window.gradients:
             return status, None  # in an open window: answered once it closes (or the hold ends)
         return status, self._reply(rec, msg.msg_id, status)
@@ -669,14 +729,23 @@ class Coordinator:
         refusal = self._refusal(rec, msg, grads, buffer_changes)
         if refusal:
             return self._reject(rec, msg, refusal)
-        rec.weight = self._sample_weight(msg.samples)
-        if self.window is not None:
+        if isinstance(self.window, RobustWindow):
+            rec.weight = 1.0  # one vote, whatever it claims
+            self.window.add(rec.worker_id, grads, self._damping(staleness), msg.samples,
+                            sparse=is_sparse(msg.codecs))
+            if self._robust_window_closes(self.window):
+                combined, sparse = self.window.take()
+                self._adam(combined, self.base_lr, sparse)
+                self._report_exclusions(*self.window.last_changes)
+        elif self.window is not None:
+            rec.weight = self._sample_weight(msg.samples)
             self.window.add(grads, msg.samples * self._damping(staleness), msg.samples,
                             sparse=is_sparse(msg.codecs))
             if self.window.samples >= self.config.training.aggregate_samples:
                 mean, sparse = self.window.take()
                 self._adam(mean, self.base_lr, sparse)
         else:
+            rec.weight = self._sample_weight(msg.samples)
             self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
         with torch.no_grad():  # in arrival order, as one process updates them batch by batch
             for name, change in buffer_changes.items():
@@ -720,6 +789,11 @@ class Coordinator:
         screen says the norm is far above what this cluster's gradients look like."""
         if msg.samples <= 0 or not math.isfinite(msg.loss):
             return f"{msg.samples} samples, loss {msg.loss}: a gradient needs samples and a finite loss"
+        most = rec.batch_size * rec.accumulation_steps  # 0: not registered since a restore
+        if most and msg.samples > most:
+            return (f"it claims {msg.samples} samples, but this worker registered batch_size "
+                    f"{rec.batch_size} x accumulation_steps {rec.accumulation_steps} = {most} at most "
+                    "per gradient")
         if not grads:
             return "the message carries no parameter's gradient"
         for name in grads:
@@ -761,8 +835,10 @@ class Coordinator:
         rec.rejected += 1
         rec.bad_in_row += 1
         rec.last_refusal = why
-        rec.last_msg_id = msg.msg_id
+        # last_msg_id stays: a refused gradient changes nothing but the refusal counts (else a
+        # hostile msg_id would make the worker's real gradients look like duplicates)
         self.stats["rejected"] += 1
+        self.refusals.count("rejected_gradient")
         return "rejected"
 
     async def _disconnect_bad_sender(self, rec: WorkerRecord) -> None:
@@ -770,12 +846,44 @@ class Coordinator:
                f"{rec.last_refusal}); check the worker's model, data and swarmtrain version")
         log.error("worker %s %s", rec.worker_id, why)
         self._event("worker_refused", worker=rec.worker_id, reason=why)
+        self.refusals.count("too_many_bad_gradients")
         if rec.conn is not None:
             await rec.conn.close(Error(code="too_many_bad_gradients", message=why))
 
     def _damping(self, staleness: int) -> float:
         """A gradient ``staleness`` updates behind moves the weights 1/staleness as far."""
         return 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
+
+    def _report_exclusions(self, left: list[Any], back: list[Any]) -> None:
+        """Say which workers a robust window left out (their gradients pull against the
+        others': docs/robustness.md) or took back; each exclusion is a refusal."""
+        assert isinstance(self.window, RobustWindow)
+        for worker in left:
+            self.refusals.count("member_excluded")
+            self._event("member_excluded", worker=str(worker), agreement=self.window.scores.mean(worker))
+            log.warning("worker %s is left out of the robust combination: its gradients pull against the "
+                        "others' (mean cosine %.3f over its last rounds); check its data and code, or "
+                        "stop it if it is not yours", worker, self.window.scores.mean(worker))
+        for worker in back:
+            self._event("member_readmitted", worker=str(worker))
+            log.info("worker %s agrees with the others again; its gradients count again", worker)
+
+    def robust_quorum(self) -> int:
+        """Distinct workers a robust window needs: ``robust_quorum``, or max(3, a majority of
+        the connected workers); never more than are connected (at least 1)."""
+        connected = sum(1 for r in list(self.workers.values()) if r.connected)  # list(): one step
+        q = self.config.training.robust_quorum or max(3, connected // 2 + 1)
+        return max(1, min(q, connected))
+
+    def _robust_window_closes(self, window: RobustWindow) -> bool:
+        """A robust window closes once it holds ``aggregate_samples`` samples (no slot counted
+        above the median slot) from a quorum of workers, or after ``robust_wait_sec`` with
+        the samples but not the quorum (a lone or slow cluster still trains)."""
+        t = self.config.training
+        if window.counted_samples() < t.aggregate_samples:
+            return False
+        return (window.members >= self.robust_quorum()
+                or time.monotonic() - window.opened_at >= t.robust_wait_sec)
 
     def _sample_weight(self, samples: int) -> float:
         """Fair aggregation: a gradient's step is weighted by the samples behind it, relative to
@@ -835,6 +943,7 @@ class Coordinator:
     # -- control, evaluation, status -------------------------------------------------------
 
     async def _serve_ctl(self, conn: Connection) -> None:
+        conn.count_refusals_with(self._count_refused)
         with contextlib.suppress(SwarmError):
             while True:
                 msg = await conn.recv()
@@ -858,6 +967,7 @@ class Coordinator:
                     await self.shutdown_cluster(msg.reason or "shutdown requested")
                     return
                 else:
+                    self._count_refused("unexpected")
                     await conn.send(Error(code="unexpected", fatal=False,
                                           message=f"ctl may not send {msg.TYPE.name}"))
 
@@ -923,6 +1033,7 @@ class Coordinator:
             "finished": self._finished, "task": self.task_name,
             "min_workers": self.config.training.min_workers, "num_shards": self.num_shards,
             "workers_connected": len(self._connected()), "stats": dict(self.stats),
+            "refused_messages": dict(self.refused_messages),
             "held_variance_steps": self.held_variance_steps,
             "uptime_sec": time.monotonic() - self._started_at,
             "raw_bytes_per_step": self.raw_bytes_per_step,
@@ -930,6 +1041,10 @@ class Coordinator:
             "events": list(self.events)[-20:],
             "staleness_counts": {str(k): n for k, n in sorted(dict(self.staleness_counts).items())},
             "traffic": self._server.traffic() if self._server is not None else {},
+            # everything refused, by reason: connections (handshakes, caps) and messages
+            "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),
+            # robust windows: who is left out, and each worker's agreement with the combinations
+            "robust": (self.window.scores.summary() if isinstance(self.window, RobustWindow) else {}),
         }
 
 

@@ -18,6 +18,17 @@ that neither slow, honest convergence nor one lying worker can move it far:
   max(sqrt(factor), 4)`` of the previous reference. A liar among two workers then drives the
   reference at most to ``honest * spread`` (up) or ``honest / spread`` (down), the fixed
   points of ``r' = (honest + min(liar, r + log spread)) / 2`` in the log domain.
+* **A vote is earned, and lapses.** A worker's median enters the reference only once its
+  window holds ``votes_after`` norms (8 by default), and a worker not heard from for
+  ``32 x max(window, workers)`` norms is forgotten. Before this, every id voted from its
+  first norm and was never forgotten, so an insider that registered a fresh worker id for
+  each gradient (issue #17: 40 gradients, each far above the last) outvoted the honest
+  workers with 40 one-norm "medians" and walked the reference up by ``spread`` per gradient
+  — nothing was clipped, and one 1e18 gradient froze Adam (its second moment) for tens of
+  thousands of steps.
+  One-shot ids now never vote; an id must keep sending to keep its vote, and it still has
+  one vote however often it sends. (While no window has earned a vote — a cluster's first
+  few norms — all of them vote.)
 * **Warm-up.** Until ``warmup`` norms have been seen in total nothing is clipped (there is no
   reference yet; :meth:`NormScreen.reference` is 0.0). The first reference is the plain
   median of medians.
@@ -88,12 +99,13 @@ def _next_reference(sorted_values: list[float], ref: float, step: float) -> floa
 class _Window:
     """One worker's last ``size`` log-norms, in arrival order and sorted."""
 
-    __slots__ = ("order", "sorted", "median")
+    __slots__ = ("order", "sorted", "median", "last")
 
     def __init__(self, size: int) -> None:
         self.order: deque[float] = deque(maxlen=size)
         self.sorted: list[float] = []
         self.median = 0.0
+        self.last = 0  # the screen's norm count when this window was last added to
 
     def add(self, value: float) -> None:
         if len(self.order) == self.order.maxlen:
@@ -110,21 +122,28 @@ class NormScreen:
         factor: clip above this many times the reference; 0 disables the screen.
         window: log-norms kept per worker.
         warmup: norms seen in total before anything is clipped.
+        votes_after: norms a worker's window must hold before its median votes (at most
+            ``window``).
 
     Raises:
-        ValueError: ``factor`` negative or not finite, ``window`` < 1 or ``warmup`` < 0.
+        ValueError: ``factor`` negative or not finite, ``window`` < 1, ``warmup`` < 0 or
+            ``votes_after`` < 1.
     """
 
-    def __init__(self, factor: float, *, window: int = 32, warmup: int = 20) -> None:
+    def __init__(self, factor: float, *, window: int = 32, warmup: int = 20,
+                 votes_after: int = 8) -> None:
         if not math.isfinite(factor) or factor < 0:
             raise ValueError(f"factor must be a finite number >= 0 (0 = off), got {factor!r}")
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window!r}")
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {warmup!r}")
+        if votes_after < 1:
+            raise ValueError(f"votes_after must be >= 1, got {votes_after!r}")
         self.factor = float(factor)
         self.window = int(window)
         self.warmup = int(warmup)
+        self.votes_after = min(int(votes_after), self.window)
         #: how far (as a ratio) one update may move a middle median from the reference
         self.spread = max(math.sqrt(self.factor), 4.0)
         self._log_factor = math.log(self.factor) if self.factor > 0 else 0.0
@@ -134,7 +153,8 @@ class NormScreen:
         self._seen = 0  # norms recorded in total
         self._ref: float | None = None  # log of the reference, None while warming up
         self._workers: dict[str, _Window] = {}  # insertion order = least recently heard first
-        self._medians: list[float] = []  # every worker's median, sorted
+        self._medians: list[float] = []  # the medians of the windows that vote, sorted
+        self._young: list[float] = []  # the medians of those that do not vote yet, sorted
 
     def reference(self) -> float:
         """The current reference norm; 0.0 while warming up (or when disabled)."""
@@ -163,12 +183,14 @@ class NormScreen:
         if self._ref is not None and value > self._ref + self._log_factor:
             scale = min(1.0, math.exp(self._ref + self._log_factor - value))
             self.clipped += 1
-        self._record(worker, value)
         self._seen += 1
+        self._record(worker, value)
+        self._expire()
+        voters = self._medians or sorted(self._medians + self._young)
         if self._ref is not None:
-            self._ref = _next_reference(self._medians, self._ref, self._log_spread)
+            self._ref = _next_reference(voters, self._ref, self._log_spread)
         elif self._seen >= self.warmup:
-            self._ref = _middle(self._medians)
+            self._ref = _middle(voters)
         return scale
 
     def forget(self, worker: str) -> None:
@@ -176,7 +198,14 @@ class NormScreen:
         reference keeps its value until the next :meth:`check`."""
         win = self._workers.pop(worker, None)
         if win is not None:
-            del self._medians[bisect_left(self._medians, win.median)]
+            self._unlist(win)
+
+    def _votes(self, win: _Window) -> bool:
+        return len(win.order) >= self.votes_after
+
+    def _unlist(self, win: _Window) -> None:
+        medians = self._medians if self._votes(win) else self._young
+        del medians[bisect_left(medians, win.median)]
 
     def _record(self, worker: str, value: float) -> None:
         win = self._workers.pop(worker, None)  # re-inserted last: most recently heard
@@ -185,10 +214,21 @@ class NormScreen:
                 self.forget(next(iter(self._workers)))
             win = _Window(self.window)
         else:
-            del self._medians[bisect_left(self._medians, win.median)]
+            self._unlist(win)
         win.add(value)
+        win.last = self._seen
         self._workers[worker] = win
-        insort(self._medians, win.median)
+        insort(self._medians if self._votes(win) else self._young, win.median)
+
+    def _expire(self) -> None:
+        """Forget the workers not heard from for ``32 x max(window, workers)`` norms (the
+        least recently heard come first, so this is O(1) per call, amortised)."""
+        limit = 32 * max(self.window, len(self._workers))
+        while self._workers:
+            oldest = next(iter(self._workers))
+            if self._seen - self._workers[oldest].last <= limit:
+                return
+            self.forget(oldest)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: the windows (log-norms, oldest first), reference and counters."""
@@ -216,6 +256,7 @@ class NormScreen:
                         raise ValueError(f"log-norm {v!r} of worker {w!r} is not finite")
                     win.add(v)
                 if win.order:
+                    win.last = seen
                     workers[str(w)] = win
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not a NormScreen state: {exc}") from exc
@@ -223,4 +264,5 @@ class NormScreen:
             raise ValueError(f"not a NormScreen state: seen {seen}, clipped {clipped}, "
                              f"reference_log {ref}")
         self._seen, self.clipped, self._ref, self._workers = seen, clipped, ref, workers
-        self._medians = sorted(win.median for win in workers.values())
+        self._medians = sorted(win.median for win in workers.values() if self._votes(win))
+        self._young = sorted(win.median for win in workers.values() if not self._votes(win))

@@ -47,6 +47,7 @@ from swarmtrain.errors import (
     SwarmTimeout,
 )
 from swarmtrain.modelstate import ModelState, buffer_changes, snapshot_buffers
+from swarmtrain.peer.identity import Identity
 from swarmtrain.precision import LossScaler
 from swarmtrain.roles.common import (
     codec_for_step,
@@ -96,6 +97,28 @@ _Computed = tuple[dict[str, Compressed], float, int, float, float, dict[str, tor
 _RETRYABLE_REFUSALS = frozenset({"too_many_bad_gradients"})
 
 
+_MAX_SAMPLES_PER_SEC = Register.BOUNDS["samples_per_sec"].hi or 0.0
+_MAX_LOSS = Gradients.BOUNDS["loss"].hi or 0.0
+
+
+def _wire_float(x: float) -> float:
+    """``x`` as GRADIENTS carries it: a loss or norm that is not finite or beyond the wire's
+    bound (a diverged step) goes as NaN, which the coordinator refuses as "no finite loss"."""
+    return x if math.isfinite(x) and abs(x) <= _MAX_LOSS else math.nan
+
+
+def _node_identity() -> Identity:
+    """The node's persistent identity key (as a peer's), or an ephemeral one if the config
+    directory cannot hold it: the worker id then belongs to this process only."""
+    try:
+        return Identity.load_or_create()
+    except SwarmError as exc:
+        log.warning("%s; using a throwaway identity key: this worker's id cannot be reclaimed by "
+                    "a restarted worker until the coordinator forgets it (set SWARMTRAIN_HOME to a "
+                    "writable directory to keep the key)", exc)
+        return Identity.generate()
+
+
 class _ShutdownRequested(SwarmError):
     """The coordinator said SHUTDOWN: wakes any wait of the training loop."""
 
@@ -134,6 +157,7 @@ class Worker:
         task_name: str = "",
         secret: bytes | None = None,
         sample_bytes: int | None = None,
+        identity: Identity | None = None,
         **overrides: Any,
     ) -> None:
         cfg = config or load_worker_config()
@@ -160,6 +184,8 @@ class Worker:
         self.buffers = self.state.synced_buffers
         self.scaler = LossScaler.for_model(self.params.values())
         self.worker_id = t.worker_id or f"w-{_secrets.token_hex(4)}"
+        #: this machine's node key: the coordinator binds the worker id to its peer id
+        self.identity = identity or _node_identity()
         self.randomness = OwnRandomness(worker_seed(t.seed, self.worker_id), loader_generators(data),
                                         cuda=self.device.type == "cuda")
         self._cycled = CycledIterable(data)  # type: ignore[arg-type]
@@ -211,6 +237,8 @@ class Worker:
         self._conn: Connection | None = None
         self._gen = torch.Generator().manual_seed(t.seed)
         self.shutdown_reason = ""
+        self._largest_batch = 0  # samples of the largest batch computed (a DataLoader's may vary)
+        self._claim_cap = 0  # the most samples a gradient may claim, as registered
 
     # -- public ----------------------------------------------------------------------------
 
@@ -249,7 +277,7 @@ class Worker:
                 try:
                     conn = await connect(
                         net.coordinator_host, net.coordinator_port, secret=self.secret, tls=self.tls,
-                        role="worker",
+                        role="worker", identity=self.identity,
                         timeouts=Timeouts(connect=net.connect_timeout_sec,
                                           handshake=net.handshake_timeout_sec,
                                           heartbeat_interval=net.heartbeat_interval_sec,
@@ -319,11 +347,16 @@ class Worker:
         await conn.send(Register(
             worker_id=self.worker_id, task=self.task_name,
             fingerprint=self.state.fingerprint(), hardware=self.hw.to_dict(),
-            batch_size=self.plan.batch_size, accumulation_steps=self.plan.accumulation_steps,
+            # the most samples a gradient of ours claims is batch x accumulation: a DataLoader's
+            # batches may be larger than the plan's (the largest seen is registered)
+            batch_size=max(self.plan.batch_size, self._largest_batch),
+            accumulation_steps=self.plan.accumulation_steps,
             shard_index=self.config.data.shard_index,
             compression={k: getattr(comp, k) for k in comp.SHARED_KEYS},
-            samples_per_sec=self.samples_per_sec, last_msg_id=self.msg_id,
+            samples_per_sec=min(max(self.samples_per_sec, 0.0), _MAX_SAMPLES_PER_SEC)
+            if math.isfinite(self.samples_per_sec) else 0.0, last_msg_id=self.msg_id,
         ))
+        self._claim_cap = max(self.plan.batch_size, self._largest_batch) * self.plan.accumulation_steps
         ack = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
         if isinstance(ack, Error):
             raise RefusedError(ack.code, ack.message)
@@ -388,7 +421,7 @@ class Worker:
                 elif isinstance(msg, Error):
                     if msg.fatal:
                         raise RefusedError(msg.code, msg.message)
-                    log.warning("coordinator reports: %s [%s]", msg.message, msg.code)
+                    log.warning("coordinator reports: %.300s [%s]", msg.message, msg.code)
                 self._changed.set()
         except (SwarmError, ConnectionError) as exc:
             self._broken = exc
@@ -434,6 +467,13 @@ class Worker:
                 await self._apply_ready()
                 if not compressed:  # float16 overflow: the loss scale was halved, compute again
                     continue
+                if samples > self._claim_cap:
+                    # the data's batches are larger than registered (a DataLoader's own batch
+                    # size): the coordinator would refuse this claim, so register them first
+                    raise ConnectionLost(
+                        f"a gradient of {samples} samples is more than the {self._claim_cap} this "
+                        f"worker registered (batch_size x accumulation_steps); registering again "
+                        f"with batches of {self._largest_batch}")
                 while self._inflight >= max(1, limit):
                     await self._apply_next()
                 if self._stopped:
@@ -450,7 +490,8 @@ class Worker:
                 self.bytes_up += payload_bytes(tensors)
                 self._sent_at[self.msg_id] = time.monotonic()
                 await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
-                                          loss=loss, codecs=codecs, residual_norm=residual,
+                                          loss=_wire_float(loss), codecs=codecs,
+                                          residual_norm=_wire_float(residual),
                                           buffers=buffer_names, tensors=tensors))
                 self._inflight += 1
                 self.steps += 1
@@ -573,7 +614,9 @@ class Worker:
             self.model.zero_grad(set_to_none=True)
             self.loss_fn(self.model, batch_to(batch, self.device)).backward()
             self.throttle.pause(cpu)
-            return _batch_len(batch)
+            n = _batch_len(batch)
+            self._largest_batch = max(self._largest_batch, n)
+            return n
 
         try:
             return hardware.probe_speed(step, seconds=self.config.training.probe_seconds)
@@ -594,7 +637,9 @@ class Worker:
             loss = self.loss_fn(self.model, batch_to(batch, self.device))
             (loss * (self.scaler.scale / accum)).backward()
             total_loss += float(loss.detach())
-            samples += _batch_len(batch)
+            n = _batch_len(batch)
+            samples += n
+            self._largest_batch = max(self._largest_batch, n)
         changes = buffer_changes(self.buffers, before)
         # only what was computed travels: a frozen parameter, or one unused on this step, has
         # no gradient and must not be stepped as if it had a zero one

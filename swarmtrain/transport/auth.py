@@ -9,6 +9,10 @@ proof cannot be reflected back (the labels differ per direction) and two session
 spliced (each proof names both of its session's nonces). Every field is length-prefixed, so
 no two different transcripts are the same bytes.
 
+A client with a node identity (an Ed25519 key, :class:`swarmtrain.peer.identity.Identity`)
+also signs the transcript (:func:`identity_statement`): the server then knows that
+``HELLO.node`` is the peer id of a key the client holds, not just a name it typed.
+
 An open cluster (no secret) is an explicit choice: both sides then use the empty key,
 which authenticates nothing but keeps one code path.
 """
@@ -24,8 +28,8 @@ from dataclasses import dataclass
 from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 __all__ = ["NONCE_BYTES", "DOMAIN", "Transcript", "new_nonce", "mac", "server_proof", "client_proof",
-           "welcome_proof", "ring_server_proof", "ring_client_proof", "proofs_equal", "secret_hint",
-           "SECRET_HELP"]
+           "welcome_proof", "identity_statement", "ring_server_proof", "ring_client_proof", "proofs_equal",
+           "secret_hint", "SECRET_HELP"]
 
 NONCE_BYTES = 32
 DOMAIN = b"swarmtrain handshake"
@@ -79,6 +83,13 @@ def server_proof(secret: bytes | None, t: Transcript) -> bytes:
 def client_proof(secret: bytes | None, t: Transcript) -> bytes:
     """AUTH.proof: the client knows the secret and claims exactly what HELLO said."""
     return mac(secret, b"client", *t.fields())
+
+
+def identity_statement(t: Transcript) -> bytes:
+    """What a client with a node identity signs (Ed25519) in AUTH: this very transcript, under
+    its own label, so the signature proves that the key behind ``t.node`` took part in this
+    session (both nonces are fresh) and cannot serve any other session, direction or purpose."""
+    return b"".join(_LEN.pack(len(f)) + f for f in (DOMAIN, b"node identity", *t.fields()))
 
 
 def welcome_proof(secret: bytes | None, t: Transcript, session: str) -> bytes:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.received_bytes_by_type: Counter[str] = Counter()
         self._bytes_counted = 0  # decoder.bytes_received already attributed to a message
         self.peer_step = 0
+        #: messages dropped for a field out of range, by code
+        self.refused_messages: Counter[str] = Counter()
+        #: also told each refused message's code (see :meth:`Connection.count_refusals_with`)
+        self.on_refused: Callable[[str], None] | None = None
+        self._refusals = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -97,9 +103,28 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self.peer_step = msg.step
                 continue
             self.inbox.put_nowait(msg)
+        while (refused := self.decoder.next_refusal()) is not None:
+            self._refuse_message(refused)
         if self.inbox.qsize() >= self.max_pending and not self._reading_paused and self.transport:
             self._reading_paused = True
             self.transport.pause_reading()
+
+    def _refuse_message(self, exc: RemoteProtocolError) -> None:
+        """A sound frame whose message the decoder dropped (a field out of range): count it,
+        tell the peer (non-fatal: the stream goes on) while its replies do not pile up."""
+        self.refused_messages[exc.code] += 1
+        if self.on_refused is not None:
+            self.on_refused(exc.code)
+        self._refusals += 1
+        if self._refusals <= 3:  # a flood of them is counted, not logged line by line
+            log.warning("refused a message from %s: %s", self._peer(), exc)
+        if (self.transport is not None and not self.transport.is_closing() and self._can_write.is_set()
+                and self.transport.get_write_buffer_size() < _GATHER_BYTES):
+            with contextlib.suppress(Exception):
+                self.transport.write(b"".join(encode(Error(code=exc.code, message=str(exc), fatal=False))))
+
+    def _peer(self) -> str:
+        return peer_name(self.transport) if self.transport is not None else "?"
 
     def _refuse(self, exc: RemoteProtocolError) -> None:
         """Tell the peer what was wrong with its frame, then close (the stream can't resync)."""
@@ -178,7 +203,8 @@ class Connection:
         self.received_by_type = protocol.received_by_type  # counted as frames are decoded
         self.received_bytes_by_type = protocol.received_bytes_by_type
         self.session = ""
-        #: the node id the other side claimed in its (authenticated) HELLO; empty if none
+        #: the other side's node id, verified: the peer id of the identity key it proved in
+        #: the handshake (AUTH's signature); empty if it proved none
         self.node = ""
 
     # -- sending ---------------------------------------------------------------------------
@@ -310,6 +336,19 @@ class Connection:
     def close_reason(self) -> BaseException | None:
         """Why the connection closed (None while open)."""
         return self._proto.close_reason
+
+    @property
+    def refused_messages(self) -> Counter[str]:
+        """Messages from the peer dropped unseen for a field out of range, by code."""
+        return self._proto.refused_messages
+
+    def count_refusals_with(self, count: Callable[[str], None]) -> None:
+        """Call ``count(code)`` for each message of the peer refused from now on, and for those
+        refused so far (a role counts them with its others, e.g. ``RefusalCounter.count``)."""
+        for code, n in self._proto.refused_messages.items():
+            for _ in range(n):
+                count(code)
+        self._proto.on_refused = count
 
     def set_inbound_limits(self, limits: Limits) -> None:
         """Bound the frames received from now on (raised once the handshake has succeeded)."""

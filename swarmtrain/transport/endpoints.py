@@ -7,7 +7,12 @@ open_cluster: :class:`~swarmtrain.transport.auth.Transcript`)::
     C → S  HELLO      role, node, software, nc
     S → C  CHALLENGE  ns, open_cluster, server proof = MAC(secret, "server", T)
     C → S  AUTH       client proof = MAC(secret, "client", T)      (after checking S's proof)
+                      [public_key, signature = Ed25519(key, identity_statement(T))]
     S → C  WELCOME    session, proof = MAC(secret, "welcome", T, session)
+
+A client with a node identity key proves it in AUTH: the server checks that ``node`` is the
+peer id of ``public_key`` and that the signature verifies (``bad_identity`` otherwise), and
+only then keeps ``node`` as ``conn.node``. A client without a key gets an empty ``conn.node``.
 
 So a relay without the secret can change nothing either side says (the role, the node id, a
 nonce) and cannot splice two sessions or reflect a proof: the proofs stop matching. Every
@@ -19,7 +24,9 @@ Until the handshake has authenticated the other side, a frame may carry at most
 :data:`HANDSHAKE_LIMITS` (a small header, no tensors): a stranger cannot make a node allocate
 more than a few kilobytes. A server also caps its connections (in total and per address)
 and stops accepting an address whose handshakes keep failing (:class:`ServerLimits`, kept by
-:class:`Admission`, which the peers' ring listener uses too).
+:class:`Admission`, which the peers' ring listener uses too); a few slots past the cap are kept
+for ``ctl`` (:attr:`ServerLimits.ctl_slots`). Every connection turned away is counted by
+reason (:class:`~swarmtrain.transport.refusals.RefusalCounter`).
 """
 
 from __future__ import annotations
@@ -41,9 +48,19 @@ if TYPE_CHECKING:
     import torch
 
 from swarmtrain import __version__
-from swarmtrain.errors import AuthError, ConfigError, ConnectionLost, ProtocolError, SwarmError, SwarmTimeout
+from swarmtrain.errors import (
+    AuthError,
+    ConfigError,
+    ConnectionLost,
+    ProtocolError,
+    RemoteProtocolError,
+    SwarmError,
+    SwarmTimeout,
+)
+from swarmtrain.peer.identity import Identity, peer_id_of, verify
 from swarmtrain.transport import auth
 from swarmtrain.transport.connection import Connection, FrameProtocol, Timeouts, peer_name
+from swarmtrain.transport.refusals import RefusalCounter
 from swarmtrain.transport.tls import (
     PendingTLS,
     TLSConfig,
@@ -74,12 +91,19 @@ class ServerLimits:
         max_failed_auth: failed handshakes from one address within ``auth_window_sec``
             after which that address is refused until the window has passed.
         auth_window_sec: the window of ``max_failed_auth``.
+        ctl_slots: connections kept beyond ``max_connections`` for a ``ctl`` (an operator's
+            ``swarmtrain ctl``), so a full server can still be inspected and stopped. The
+            role is known only once the handshake has authenticated it: a connection in one
+            of these slots that turns out not to be a ``ctl`` is refused then
+            (``too_many_connections``). ``max_per_address`` and ``max_failed_auth`` hold
+            for them too, so the addresses filling the server cannot take them as well.
     """
 
     max_connections: int = 256
     max_per_address: int = 32
     max_failed_auth: int = 10
     auth_window_sec: float = 60.0
+    ctl_slots: int = 4
 
 
 #: every code a transport handshake refusal sends in its ``ERROR`` (besides the framing codes
@@ -91,6 +115,8 @@ HANDSHAKE_ERRORS: dict[str, str] = {
     "handshake_timeout": "a handshake step did not arrive in time",
     "too_many_connections": "the server holds its maximum of connections (in total or from this address)",
     "auth_rate_limited": "too many failed handshakes from this address lately",
+    "bad_identity": "the client's identity proof is wrong: its public key's peer id is not the node "
+                    "id it claims, or its signature over the handshake does not verify",
 }
 
 
@@ -134,13 +160,42 @@ async def _server_handshake(conn: Connection, secret: bytes | None) -> str:
         raise _Refused("auth_failed", (
             f"authentication failed: the {hello.role} at {conn.peer} does not know this cluster's "
             f"secret (wrong or missing secret), or a relay changed its handshake; {auth.SECRET_HELP}"))
+    conn.node = _verified_node(conn, hello, reply, transcript)
     conn.session = _secrets.token_hex(8)
-    conn.node = hello.node
     await conn.send(Welcome(session=conn.session, proof=auth.welcome_proof(secret, transcript, conn.session)))
     return hello.role
 
 
-async def _client_handshake(conn: Connection, secret: bytes | None, role: str, node: str = "") -> None:
+def _verified_node(conn: Connection, hello: Hello, reply: Auth, t: auth.Transcript) -> str:
+    """The node id the client proved with its key (AUTH's public key and signature), or ""
+    for a client that sent no key (its HELLO.node is then an unverified claim, dropped).
+
+    Raises:
+        _Refused: ``bad_identity``: a key whose peer id is not HELLO.node, or a signature
+            that does not verify.
+    """
+    if not reply.public_key and not reply.signature:
+        return ""
+    try:
+        keyed = peer_id_of(reply.public_key)
+    except ValueError:
+        keyed = ""
+    if not keyed or keyed != hello.node:
+        raise _Refused("bad_identity", (
+            f"the {hello.role} at {conn.peer} claims node {hello.node[:40]!r} but its key's peer id "
+            f"is {keyed or 'none (not a 32-byte Ed25519 key)'}: a node id is the peer id of its "
+            "identity key"))
+    if not verify(reply.public_key, auth.identity_statement(t), reply.signature):
+        raise _Refused("bad_identity", (
+            f"the {hello.role} at {conn.peer} signed the handshake with a signature its key "
+            f"(node {hello.node}) does not verify: a forged or damaged identity proof"))
+    return hello.node
+
+
+async def _client_handshake(conn: Connection, secret: bytes | None, role: str, node: str = "",
+                            identity: Identity | None = None) -> None:
+    if identity is not None:
+        node = identity.peer_id
     t = conn.timeouts.handshake
     hello = Hello(role=role, nonce=auth.new_nonce(), software=f"swarmtrain {__version__}", node=node)
     await conn.send(hello)
@@ -159,7 +214,11 @@ async def _client_handshake(conn: Connection, secret: bytes | None, role: str, n
                    f"(wrong secret), or a relay changed the handshake; {auth.SECRET_HELP}")
         await conn.close(Error(code="auth_failed", message=why))
         raise AuthError(why)
-    await conn.send(Auth(proof=auth.client_proof(secret, transcript)))
+    if identity is not None:  # prove the node id with the key: the server then takes it as verified
+        await conn.send(Auth(proof=auth.client_proof(secret, transcript), public_key=identity.public_key,
+                             signature=identity.sign(auth.identity_statement(transcript))))
+    else:
+        await conn.send(Auth(proof=auth.client_proof(secret, transcript)))
     welcome = await _expect(conn, Welcome, t)
     assert isinstance(welcome, Welcome)
     if not auth.proofs_equal(welcome.proof, auth.welcome_proof(secret, transcript, welcome.session)):
@@ -177,17 +236,22 @@ class Admission:
 
     Args:
         limits: the caps to enforce.
+        refusals: where to count refusals (a role's own counter, shared with its other
+            refusals); a new one by default.
     """
 
-    def __init__(self, limits: ServerLimits = ServerLimits()) -> None:
+    def __init__(self, limits: ServerLimits = ServerLimits(), refusals: RefusalCounter | None = None) -> None:
         self.limits = limits
         #: connections turned away, by reason (``too_many_connections``, ``auth_rate_limited``,
-        #: or whatever the owner counts with :meth:`note_refused`)
-        self.refused: Counter[str] = Counter()
+        #: the code of a failed handshake given to :meth:`note_failed_handshake`, or whatever
+        #: the owner counts with :meth:`note_refused`)
+        self.refused: RefusalCounter = refusals if refusals is not None else RefusalCounter()
         self.failed_handshakes = 0
         self._lock = threading.Lock()
         #: connection slots held per address
         self._open_by_address: Counter[str] = Counter()
+        #: slots of the ``ctl`` reserve (:attr:`ServerLimits.ctl_slots`) held per address
+        self._ctl_by_address: Counter[str] = Counter()
         #: recent failed handshakes, only of addresses that have some (pruned as they age out)
         self._failures: dict[str, deque[float]] = {}
 
@@ -196,52 +260,78 @@ class Admission:
         (counted in :attr:`refused`). A taken slot is given back with :meth:`release`."""
         with self._lock:
             refusal = self._refusal(address)
-            if refusal is not None:
-                self.refused[refusal[0]] += 1
-            else:
+            if refusal is None:
                 self._open_by_address[address] += 1
-            return refusal
+        if refusal is not None:
+            self.refused.count(refusal[0])
+        return refusal
 
-    def release(self, address: str) -> None:
-        """Give back a slot taken with :meth:`reserve`."""
+    def reserve_or_ctl(self, address: str) -> tuple[bool, tuple[str, str] | None]:
+        """As :meth:`reserve`, but when only the total cap is reached, take a slot of the
+        ``ctl`` reserve instead (:attr:`ServerLimits.ctl_slots`) if one is free.
+
+        Returns:
+            ``(ctl_only, refusal)``: ``ctl_only`` says the slot taken is a reserve one (the
+            connection must authenticate as ``ctl``); ``refusal`` is (code, message) when no
+            slot was taken. Give the slot back with ``release(address, ctl_only=...)``.
+        """
+        ctl_only = False
         with self._lock:
-            self._open_by_address[address] -= 1
-            if self._open_by_address[address] <= 0:
-                del self._open_by_address[address]
+            refusal = self._refusal(address)
+            if refusal is None:
+                self._open_by_address[address] += 1
+            elif (refusal[0] == "too_many_connections" and self._refusal(address, total=False) is None
+                  and self._ctl_by_address.total() < self.limits.ctl_slots):
+                self._ctl_by_address[address] += 1
+                ctl_only, refusal = True, None
+        if refusal is not None:
+            self.refused.count(refusal[0])
+        return ctl_only, refusal
+
+    def release(self, address: str, *, ctl_only: bool = False) -> None:
+        """Give back a slot taken with :meth:`reserve` (or :meth:`reserve_or_ctl`)."""
+        with self._lock:
+            held = self._ctl_by_address if ctl_only else self._open_by_address
+            held[address] -= 1
+            if held[address] <= 0:
+                del held[address]
 
     def admit(self, address: str) -> tuple[str, str] | None:
         """(code, message) when a new connection from ``address`` must be refused (takes nothing)."""
         with self._lock:
             return self._refusal(address)
 
-    def note_failed_handshake(self, address: str) -> None:
-        """Record a failed handshake of ``address`` (wrong secret, garbage, a refused certificate...)."""
+    def note_failed_handshake(self, address: str, reason: str | None = None) -> None:
+        """Record a failed handshake of ``address`` (wrong secret, garbage, a refused
+        certificate...); given a ``reason`` (the refusal's code), count it in :attr:`refused`."""
         with self._lock:
             self.failed_handshakes += 1
             recent = self._failures.setdefault(address, deque(maxlen=self.limits.max_failed_auth))
             recent.append(time.monotonic())
+        if reason is not None:
+            self.refused.count(reason)
 
     def note_refused(self, reason: str) -> None:
         """Count a refusal the owner decided itself (e.g. the ring listener's ``stale``)."""
-        with self._lock:
-            self.refused[reason] += 1
+        self.refused.count(reason)
 
     def refusals(self) -> dict[str, int]:
         """A snapshot of :attr:`refused` (safe while other threads count)."""
-        with self._lock:
-            return dict(self.refused)
+        return self.refused.snapshot()
 
     def open_connections(self, address: str | None = None) -> int:
-        """Slots held now, by ``address`` or in total."""
+        """Slots held now (the ``ctl`` reserve's included), by ``address`` or in total."""
         with self._lock:
-            return self._open_by_address.total() if address is None else self._open_by_address[address]
+            if address is None:
+                return self._open_by_address.total() + self._ctl_by_address.total()
+            return self._open_by_address[address] + self._ctl_by_address[address]
 
-    def _refusal(self, address: str) -> tuple[str, str] | None:
+    def _refusal(self, address: str, *, total: bool = True) -> tuple[str, str] | None:
         lim = self.limits
-        if self._open_by_address.total() >= lim.max_connections:
+        if total and self._open_by_address.total() >= lim.max_connections:
             return "too_many_connections", (
                 f"the server holds its maximum of {lim.max_connections} connections; try again later")
-        if self._open_by_address[address] >= lim.max_per_address:
+        if self._open_by_address[address] + self._ctl_by_address[address] >= lim.max_per_address:
             return "too_many_connections", (
                 f"{address} already holds {lim.max_per_address} connections (the most one address "
                 "may); close some first")
@@ -284,9 +374,14 @@ class Server:
         return self.admission.limits
 
     @property
-    def refused(self) -> Counter[str]:
-        """Connections turned away before the handshake, by reason."""
+    def refused(self) -> RefusalCounter:
+        """Connections turned away, by reason: over a cap, locked out, or a failed handshake
+        by its code (``auth_failed``, ``tls``...); see :meth:`refusals`."""
         return self.admission.refused
+
+    def refusals(self) -> dict[str, int]:
+        """:attr:`refused` now, ``{reason: count}``."""
+        return self.admission.refusals()
 
     @property
     def failed_handshakes(self) -> int:
@@ -331,6 +426,7 @@ async def start_server(
     server_limits: ServerLimits = ServerLimits(),
     role_limits: Mapping[str, Limits] | None = None,
     tls: TLSConfig | None = None,
+    refusals: RefusalCounter | None = None,
 ) -> Server:
     """Listen on host:port; each authenticated connection runs ``handler(conn, role)``.
 
@@ -341,6 +437,13 @@ async def start_server(
     With ``tls``, every connection must first pass a mutual TLS handshake (the client's
     certificate signed by the cluster CA); one that fails is logged, counted in
     ``failed_handshakes`` and closed, and the server goes on serving the others.
+
+    Every connection turned away is counted by reason in ``refusals`` (or the server's own
+    counter, :attr:`Server.refused`): ``too_many_connections``, ``auth_rate_limited``, a
+    failed handshake by the code of its ``ERROR`` (``handshake_closed`` when the client
+    hung up first), ``tls``, and an authenticated connection closed for a malformed frame by
+    its framing code. When the total cap is reached, ``server_limits.ctl_slots`` more
+    connections may start a handshake, and only a ``ctl`` keeps its slot.
 
     Raises:
         SwarmError: the address cannot be bound (in use, no such address).
@@ -359,19 +462,19 @@ async def start_server(
         return proto
 
     async def _in_slot(address: str, who: str, refuse: Callable[[str, str], Awaitable[None]],
-                       serve: Callable[[], Awaitable[None]]) -> None:
-        """Take a connection slot of ``address`` and ``serve``, giving the slot back after;
-        or, over a limit, ``refuse(code, message)``."""
+                       serve: Callable[[bool], Awaitable[None]]) -> None:
+        """Take a connection slot of ``address`` and ``serve(ctl_only)``, giving the slot back
+        after; or, over a limit, ``refuse(code, message)``."""
         assert state is not None
-        refusal = state.admission.reserve(address)
+        ctl_only, refusal = state.admission.reserve_or_ctl(address)
         if refusal is not None:
             log.warning("refused connection from %s: %s", who, refusal[1])
             await refuse(*refusal)
             return
         try:
-            await serve()
+            await serve(ctl_only)
         finally:
-            state.admission.release(address)
+            state.admission.release(address, ctl_only=ctl_only)
 
     async def _serve_plain(proto: FrameProtocol) -> None:
         await asyncio.sleep(0)  # let connection_made run
@@ -382,7 +485,7 @@ async def start_server(
         async def refuse(code: str, message: str) -> None:
             await conn.close(Error(code=code, message=message), timeout=1.0)
 
-        await _in_slot(address, conn.peer, refuse, lambda: _serve_one(conn, address))
+        await _in_slot(address, conn.peer, refuse, lambda ctl_only: _serve_one(conn, address, ctl_only))
 
     async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
         address = peer_ip(tcp)
@@ -390,9 +493,11 @@ async def start_server(
         async def refuse(code: str, message: str) -> None:
             tcp.abort()  # before paying for a TLS handshake; nothing can be said in plain text
 
-        await _in_slot(address, peer_name(tcp), refuse, lambda: _tls_then_serve(tcp, proto, address))
+        await _in_slot(address, peer_name(tcp), refuse,
+                       lambda ctl_only: _tls_then_serve(tcp, proto, address, ctl_only))
 
-    async def _tls_then_serve(tcp: asyncio.Transport, proto: FrameProtocol, address: str) -> None:
+    async def _tls_then_serve(tcp: asyncio.Transport, proto: FrameProtocol, address: str,
+                              ctl_only: bool) -> None:
         assert state is not None and server_tls is not None
         transport: asyncio.Transport | None = None
         why = "it closed the connection before the TLS handshake ended"
@@ -404,40 +509,54 @@ async def start_server(
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             why = server_refusal_reason(exc, timeouts.handshake)
         if transport is None:
-            state.admission.note_failed_handshake(address)
+            state.admission.note_failed_handshake(address, "tls")
             log.warning("refused connection from %s: %s", peer_name(tcp), why)
             tcp.abort()
             return
         proto.connection_made(transport)
-        await _serve_one(Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits), address)
+        await _serve_one(Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits),
+                         address, ctl_only)
 
-    async def _serve_one(conn: Connection, address: str) -> None:
-        """The secret handshake and the handler, on a connection holding a slot."""
+    async def _serve_one(conn: Connection, address: str, ctl_only: bool = False) -> None:
+        """The secret handshake and the handler, on a connection holding a slot (of the
+        ``ctl`` reserve when ``ctl_only``: any other role is refused once authenticated)."""
         assert state is not None
         state.connections.add(conn)
+        served = False
         try:
             try:
                 role = await _server_handshake(conn, secret)
             except (SwarmError, ConnectionError) as exc:
-                state.admission.note_failed_handshake(address)
-                log.warning("refused connection from %s: %s", conn.peer, exc)
                 code = _refusal_code(exc)
+                state.admission.note_failed_handshake(address, code or "handshake_closed")
+                log.warning("refused connection from %s: %s", conn.peer, exc)
                 if code is not None:
                     await conn.close(Error(code=code, message=str(exc)))
                 return
+            if ctl_only and role != "ctl":
+                state.admission.note_refused("too_many_connections")
+                why = (f"the server holds its maximum of {state.limits.max_connections} connections "
+                       f"(its last {state.limits.ctl_slots} are kept for ctl); try again later")
+                log.warning("refused %s connection from %s: %s", role, conn.peer, why)
+                await conn.close(Error(code="too_many_connections", message=why))
+                return
             conn.set_inbound_limits((role_limits or {}).get(role, limits))
             conn.start_heartbeats()
+            served = True
             await handler(conn, role)
         finally:
             state.retire(conn)
             await conn.close()
+            reason = conn.close_reason
+            if served and isinstance(reason, RemoteProtocolError) and not isinstance(reason, ConnectionLost):
+                state.admission.note_refused(reason.code)  # a malformed frame of a connection served
 
     try:
         srv = await loop.create_server(factory, host, port, reuse_address=True)
     except OSError as exc:
         raise SwarmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
                          "is another coordinator running there? choose another --port") from exc
-    state = Server(srv, set(), Admission(server_limits))
+    state = Server(srv, set(), Admission(server_limits, refusals))
     return state
 
 
@@ -452,6 +571,7 @@ async def connect(
     limits: Limits = Limits(),
     send_queue_size: int = 64,
     tls: TLSConfig | None = None,
+    identity: Identity | None = None,
 ) -> Connection:
     """Connect and authenticate; heartbeats start once the handshake succeeds.
 
@@ -462,8 +582,11 @@ async def connect(
     Args:
         role: what this client is to the server (``worker``, ``ctl``, ``peer``, ``stage``,
             ``pipeline``); the handshake's proofs cover it, so no relay can change it.
-        node: the node id this client claims, if any (covered by the proofs too; the server
-            keeps it as ``conn.node`` and logs it with what this connection does).
+        node: the node id this client claims, if any (covered by the proofs too). Without
+            ``identity`` the claim is unverified and the server does not keep it.
+        identity: this node's key: ``node`` becomes its peer id and AUTH carries the public
+            key and a signature over the transcript, so the server keeps ``conn.node`` as a
+            verified id (a coordinator binds worker ids to it).
 
     Raises:
         SwarmTimeout: connecting or the handshake took too long (phase named).
@@ -492,7 +615,7 @@ async def connect(
         raise ConnectionLost(f"cannot connect to {where}: {exc.strerror or exc}") from exc
     conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
     try:
-        await _client_handshake(conn, secret, role, node)
+        await _client_handshake(conn, secret, role, node, identity)
     except _Refused as exc:  # the server broke the handshake's order: say so, as it would
         await conn.close(Error(code=exc.code, message=str(exc)))
         raise

@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 
 from swarmtrain.errors import LocalProtocolError, RemoteProtocolError, TruncatedFrame
-from swarmtrain.wire.messages import Message, MsgType, message_from_fields
+from swarmtrain.wire.messages import Message, MsgType, OutOfRange, message_from_fields
 from swarmtrain.wire.tensors import layout_tensors, rebuild_tensors
 
 __all__ = [
@@ -59,10 +59,27 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+def _informational(obj: Any) -> Any:
+    """``obj`` with every int msgpack cannot carry turned into a float (for STATUS only)."""
+    if isinstance(obj, dict):
+        return {k: _informational(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_informational(v) for v in obj]
+    if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
+        return float(obj)
+    return obj
+
+
 def _pack_header(msg: Message, descs: list[Any]) -> bytes:
     try:
         return msgpack.packb({"f": msg.fields(), "t": descs}, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
+    except OverflowError:
+        if msg.TYPE != MsgType.STATUS:
+            raise LocalProtocolError("unencodable",
+                                     f"{msg.TYPE.name} has an int msgpack cannot carry") from None
+        # a status is informational: a counter past 2^64 goes as a float rather than not at all
+        return msgpack.packb({"f": _informational(msg.fields()), "t": descs}, use_bin_type=True)
+    except (TypeError, ValueError) as exc:
         raise LocalProtocolError(
             "unencodable", f"{msg.TYPE.name} has a field msgpack cannot carry: {exc}"
         ) from exc
@@ -108,12 +125,16 @@ class Decoder:
     """Incremental frame decoder; no I/O.
 
     After a :class:`RemoteProtocolError` the stream cannot be resynchronised: the decoder
-    stays broken and every later call raises the same error.
+    stays broken and every later call raises the same error. The exception is a sound frame
+    whose message has a field out of range (:class:`OutOfRange`, outside the handshake): it
+    is dropped, kept for :meth:`next_refusal`, and decoding goes on.
     """
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self.limits = limits
         self._ready: deque[Message] = deque()
+        #: well-framed messages dropped for a field out of range (the stream went on)
+        self.refused: deque[OutOfRange] = deque(maxlen=256)
         self._error: RemoteProtocolError | None = None
         self._start(_PRE, bytearray(PREAMBLE.size))
         self._mtype = MsgType.HEARTBEAT
@@ -230,6 +251,13 @@ class Decoder:
         try:
             tensors = rebuild_tensors(self._descs, payload, self.limits.max_tensors)
             msg = message_from_fields(self._mtype, self._fields, tensors)
+        except OutOfRange as exc:
+            if exc.fatal:
+                raise self._fail(exc) from None
+            # a sound frame with a value out of range: dropped, the stream goes on
+            self.refused.append(exc)
+            self._start(_PRE, bytearray(PREAMBLE.size))
+            return
         except RemoteProtocolError as exc:
             raise self._fail(exc) from None
         except (TypeError, ValueError) as exc:
@@ -242,6 +270,10 @@ class Decoder:
     def next_message(self) -> Message | None:
         """The next complete message, or None if more bytes are needed."""
         return self._ready.popleft() if self._ready else None
+
+    def next_refusal(self) -> OutOfRange | None:
+        """The next message dropped for a field out of range (:class:`OutOfRange`), if any."""
+        return self.refused.popleft() if self.refused else None
 
     @property
     def mid_frame(self) -> bool:

@@ -2,14 +2,16 @@
 
 Each message class has a :class:`MsgType` and plain fields (int, float, str, bool, bytes,
 list, dict) that travel in the msgpack header; messages that carry tensors have a
-``tensors`` field that travels in the payload. Decoding checks every field's presence and
-type, so roles only ever see well-typed messages.
+``tensors`` field that travels in the payload. Decoding checks every field's presence, type
+and range (:class:`Bound`: a class's ``BOUNDS`` declare its fields' ranges, the rest get
+:data:`DEFAULT_BOUNDS`), so roles only ever see well-typed messages with sane numbers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,6 +57,13 @@ __all__ = [
     "StageSync",
     "StageError",
     "MESSAGE_CLASSES",
+    "HANDSHAKE_TYPES",
+    "Bound",
+    "DEFAULT_BOUNDS",
+    "MAX_INT",
+    "MAX_TEXT",
+    "OutOfRange",
+    "bound_of",
     "message_from_fields",
 ]
 
@@ -98,11 +107,115 @@ class MsgType(enum.IntEnum):
     STAGE_ERROR = 56
 
 
+#: the largest int a field takes unless it declares otherwise: every int a float64 holds
+#: exactly (JSON, JavaScript and sums of many of them stay exact and encodable)
+MAX_INT = 2**53 - 1
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a header field's value must be in; checked when a message is decoded.
+
+    Attributes:
+        lo: the smallest value of an int or float field (inclusive; None: no lower bound).
+        hi: the largest value (inclusive; None: no upper bound).
+        max_len: at most this many characters (str), bytes (bytes) or items (list, dict).
+        items: the bound of each int or float item of a list field.
+        nan_ok: a float field may be NaN (meaning "no value", e.g. a diverged loss); floats
+            are otherwise always finite.
+    """
+
+    lo: float | None = None
+    hi: float | None = None
+    max_len: int | None = None
+    items: Bound | None = None
+    nan_ok: bool = False
+
+    def describe(self) -> str:
+        """The bound as docs/protocol.md lists it, e.g. ``0 <= x <= 2^53-1``."""
+        parts = []
+        if self.lo is not None and self.hi is not None:
+            parts.append(f"{_num(self.lo)} <= x <= {_num(self.hi)}")
+        elif self.lo is not None:
+            parts.append(f"x >= {_num(self.lo)}")
+        elif self.hi is not None:
+            parts.append(f"x <= {_num(self.hi)}")
+        if self.nan_ok:
+            parts.append("or NaN")
+        if self.max_len is not None:
+            parts.append(f"len <= {_num(self.max_len)}")
+        if self.items is not None:
+            parts.append(f"items {self.items.describe()}")
+        return ", ".join(parts)
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) or float(x).is_integer() and abs(x) < 2**63:
+        n = int(x)
+        for k in range(10, 64):
+            if abs(n) == 2**k:
+                return f"{'-' if n < 0 else ''}2^{k}"
+            if abs(n) == 2**k - 1:
+                return f"{'-' if n < 0 else ''}2^{k}-1"
+        if abs(n) < 10**7:
+            return str(n)
+    return f"{float(x):g}"
+
+
+#: the bound of a field whose class declares none, by its type
+DEFAULT_BOUNDS: dict[type, Bound] = {
+    int: Bound(lo=0, hi=MAX_INT),
+    float: Bound(lo=-1e30, hi=1e30),
+    str: Bound(max_len=1 << 20),
+    bytes: Bound(max_len=1 << 20),
+    list: Bound(max_len=1 << 16),
+    dict: Bound(max_len=1 << 16),
+}
+
+
+#: characters of an error's text at most (a longer one is cut where it is built): whatever a
+#: remote side sends ends up in log lines
+MAX_TEXT = 8192
+
+
+def _cut(text: Any) -> Any:
+    if isinstance(text, str) and len(text) > MAX_TEXT:
+        return text[:MAX_TEXT - 3] + "..."
+    return text
+
+
+class OutOfRange(RemoteProtocolError):
+    """A well-formed message with a field outside its :class:`Bound` (code ``out_of_range``).
+
+    The frame itself was sound, so the stream goes on: the message is dropped unseen by the
+    role, and the sender is told. ``fatal`` only for the handshake's messages.
+
+    Attributes:
+        message_type, field: which field of which message.
+        value: the offending value, shortened for messages.
+        bound: the field's bound, as :meth:`Bound.describe` says it.
+    """
+
+    def __init__(self, message_type: MsgType, field_name: str, value: Any, bound: Bound, what: str) -> None:
+        shown = repr(value)
+        if len(shown) > 40:
+            shown = shown[:37] + "..."
+        super().__init__("out_of_range", f"{message_type.name} field '{field_name}' is out of range: "
+                                         f"{what} {shown}, the protocol allows {bound.describe()}")
+        self.message_type = message_type
+        self.field = field_name
+        self.value = shown
+        self.bound = bound.describe()
+        self.fatal = message_type in HANDSHAKE_TYPES
+
+
 @dataclass(frozen=True)
 class Message:
-    """Base of all messages; ``TYPE`` is the frame's type byte."""
+    """Base of all messages; ``TYPE`` is the frame's type byte; ``BOUNDS`` the ranges of the
+    fields that do not take :data:`DEFAULT_BOUNDS`."""
 
     TYPE: ClassVar[MsgType]
+    BOUNDS: ClassVar[Mapping[str, Bound]] = {}
 
     def fields(self) -> dict[str, Any]:
         """The header fields (everything but ``tensors``)."""
@@ -121,6 +234,8 @@ class Hello(Message):
     (``role``, and ``node``, its node id if it has one); both proofs cover every field."""
 
     TYPE = MsgType.HELLO
+    BOUNDS = {"role": Bound(max_len=64), "nonce": Bound(max_len=1024), "software": Bound(max_len=256),
+              "node": Bound(max_len=128)}
     role: str
     nonce: bytes
     software: str = ""
@@ -133,6 +248,7 @@ class Challenge(Message):
     knows the cluster secret."""
 
     TYPE = MsgType.CHALLENGE
+    BOUNDS = {"nonce": Bound(max_len=1024), "proof": Bound(max_len=1024)}
     nonce: bytes
     proof: bytes
     open_cluster: bool = False
@@ -140,10 +256,16 @@ class Challenge(Message):
 
 @dataclass(frozen=True)
 class Auth(Message):
-    """Client → server: the client's proof (over the whole transcript) that it knows the secret."""
+    """Client → server: the client's proof (over the whole transcript) that it knows the secret,
+    and, from a client with a node identity, its Ed25519 ``public_key`` (whose peer id is
+    ``HELLO.node``) and its ``signature`` over the transcript: the server then takes ``node``
+    as verified."""
 
     TYPE = MsgType.AUTH
+    BOUNDS = {"proof": Bound(max_len=1024), "public_key": Bound(max_len=64), "signature": Bound(max_len=128)}
     proof: bytes
+    public_key: bytes = b""
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -163,6 +285,10 @@ class Register(Message):
     """Worker → coordinator: who I am, what model I hold and what I can do."""
 
     TYPE = MsgType.REGISTER
+    BOUNDS = {
+        "batch_size": Bound(lo=1, hi=1 << 20), "accumulation_steps": Bound(lo=1, hi=1 << 12),
+        "shard_index": Bound(lo=-1, hi=1 << 20), "samples_per_sec": Bound(lo=0.0, hi=1e9),
+        "hardware": Bound(max_len=64), "compression": Bound(max_len=64)}
     worker_id: str
     task: str
     fingerprint: list[Any]
@@ -180,6 +306,8 @@ class RegisterAck(Message):
     """Coordinator → worker: accepted; the shard to train on and whether training runs."""
 
     TYPE = MsgType.REGISTER_ACK
+    BOUNDS = {"shard_index": Bound(lo=-1, hi=1 << 20), "num_shards": Bound(lo=1, hi=1 << 20),
+              "shards": Bound(max_len=1 << 16, items=Bound(lo=0, hi=1 << 20))}
     worker_id: str
     shard_index: int
     num_shards: int
@@ -211,6 +339,9 @@ class Gradients(Message):
     """
 
     TYPE = MsgType.GRADIENTS
+    BOUNDS = {
+        "samples": Bound(lo=0, hi=1 << 40), "loss": Bound(lo=-1e30, hi=1e30, nan_ok=True),
+        "residual_norm": Bound(lo=0.0, hi=1e30, nan_ok=True)}
     msg_id: int
     version: int
     samples: int
@@ -234,6 +365,7 @@ class Update(Message):
     """
 
     TYPE = MsgType.UPDATE
+    BOUNDS = {"status": Bound(max_len=32)}
     msg_id: int
     version: int
     status: str
@@ -250,6 +382,8 @@ class Assign(Message):
     """Coordinator → worker: train on these shards from now on (workers came or went)."""
 
     TYPE = MsgType.ASSIGN
+    BOUNDS = {"shards": Bound(max_len=1 << 16, items=Bound(lo=0, hi=1 << 20)),
+              "num_shards": Bound(lo=1, hi=1 << 20)}
     shards: list[int]
     num_shards: int
 
@@ -273,12 +407,14 @@ class Resume(Message):
 @dataclass(frozen=True)
 class Shutdown(Message):
     TYPE = MsgType.SHUTDOWN
+    BOUNDS = {"reason": Bound(max_len=MAX_TEXT)}
     reason: str = ""
 
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
     TYPE = MsgType.HEARTBEAT
+    BOUNDS = {"time": Bound(lo=0.0, hi=1e12)}
     time: float
     step: int = 0
 
@@ -288,20 +424,29 @@ class CheckpointMsg(Message):
     """A request to checkpoint now (empty ``path``), or the answer naming the file written."""
 
     TYPE = MsgType.CHECKPOINT
+    BOUNDS = {"path": Bound(max_len=4096), "message": Bound(max_len=MAX_TEXT)}
     path: str = ""
     step: int = 0
     ok: bool = True
     message: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", _cut(self.message))
+
 
 @dataclass(frozen=True)
 class Error(Message):
-    """Either side: what was wrong. ``fatal`` errors are followed by closing the connection."""
+    """Either side: what was wrong. ``fatal`` errors are followed by closing the connection.
+    A ``message`` longer than :data:`MAX_TEXT` is cut to it when the error is built."""
 
     TYPE = MsgType.ERROR
+    BOUNDS = {"code": Bound(max_len=64), "message": Bound(max_len=MAX_TEXT)}
     code: str
     message: str
     fatal: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", _cut(self.message))
 
 
 @dataclass(frozen=True)
@@ -314,6 +459,7 @@ class Status(Message):
     """The coordinator's status: step, loss, version, workers (a msgpack-able dict)."""
 
     TYPE = MsgType.STATUS
+    BOUNDS = {"status": Bound(max_len=256)}
     status: dict[str, Any]
 
 
@@ -333,6 +479,7 @@ class PeerInfoMsg(Message):
     """A peer's identity and addresses; ``peer_id`` must be the hash of ``public_key``."""
 
     TYPE = MsgType.PEER_INFO
+    BOUNDS = {"ring_port": Bound(lo=0, hi=65535)}
     peer_id: str
     public_key: bytes
     ring_port: int
@@ -347,6 +494,7 @@ class Propose(Message):
     """Proposer → member: the next epoch's members (peer ids in ring order) and ring addresses."""
 
     TYPE = MsgType.PROPOSE
+    BOUNDS = {"members": Bound(max_len=4096), "group": Bound(lo=0, hi=1 << 16)}
     epoch: int
     proposer: str
     members: list[str]
@@ -365,6 +513,7 @@ class Accept(Message):
     """Member → proposer: accept (or refuse, with ``ok`` false and a reason) a proposal."""
 
     TYPE = MsgType.ACCEPT
+    BOUNDS = {"group": Bound(lo=0, hi=1 << 16)}
     epoch: int
     peer_id: str
     ok: bool
@@ -394,6 +543,7 @@ class Commit(Message):
     state to all before the first round."""
 
     TYPE = MsgType.COMMIT
+    BOUNDS = {"members": Bound(max_len=4096)}
     epoch: int
     proposer: str
     members: list[str]
@@ -418,6 +568,10 @@ class Reform(Message):
     signature: bytes = b""
 
 
+#: a stage answers a negative micro-batch id itself (``bad_input``, naming the request)
+_MICROBATCH = Bound(lo=-MAX_INT, hi=MAX_INT)
+
+
 # --- pipeline mode: stage servers -------------------------------------------------------
 # Every request carries ``req``, a per-connection request id the answer repeats, so one
 # connection can have many requests in flight and answers may come back in any order.
@@ -431,6 +585,7 @@ class StageForward(Message):
     """
 
     TYPE = MsgType.STAGE_FORWARD
+    BOUNDS = {"priority": Bound(lo=0, hi=255), "microbatch": _MICROBATCH}
     req: int
     session: str
     microbatch: int
@@ -449,6 +604,7 @@ class StageResult(Message):
     """
 
     TYPE = MsgType.STAGE_RESULT
+    BOUNDS = {"microbatch": _MICROBATCH}
     req: int
     session: str
     microbatch: int
@@ -461,6 +617,7 @@ class StageBackward(Message):
     """Trainer → stage: the gradient ``grad`` of the stage output of an earlier forward."""
 
     TYPE = MsgType.STAGE_BACKWARD
+    BOUNDS = {"microbatch": _MICROBATCH}
     req: int
     session: str
     microbatch: int
@@ -473,6 +630,7 @@ class StageGrad(Message):
     stage 0). ``duplicate``: the backward had been applied before and was not applied again."""
 
     TYPE = MsgType.STAGE_GRAD
+    BOUNDS = {"microbatch": _MICROBATCH}
     req: int
     session: str
     microbatch: int
@@ -485,6 +643,7 @@ class StageInfer(Message):
     """Client → stage: forward of ``x`` without gradients (generation, evaluation)."""
 
     TYPE = MsgType.STAGE_INFER
+    BOUNDS = {"priority": Bound(lo=0, hi=255)}
     req: int
     session: str
     priority: int = 10
@@ -509,9 +668,13 @@ class StageError(Message):
     """Stage → client: request ``req`` failed (``code``, ``message``); the connection stays open."""
 
     TYPE = MsgType.STAGE_ERROR
+    BOUNDS = {"code": Bound(max_len=64), "message": Bound(max_len=MAX_TEXT)}
     req: int
     code: str
     message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", _cut(self.message))
 
 
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
@@ -523,6 +686,10 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         StageForward, StageResult, StageBackward, StageGrad, StageInfer, StageSync, StageError,
     )
 }
+
+
+#: the handshake's messages: a field out of range there ends the connection (nothing to go on with)
+HANDSHAKE_TYPES = frozenset({MsgType.HELLO, MsgType.CHALLENGE, MsgType.AUTH, MsgType.WELCOME})
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -541,6 +708,45 @@ _HINTS: dict[type[Message], dict[str, Any]] = {
 }
 
 
+def bound_of(cls: type[Message], name: str) -> Bound | None:
+    """The bound of field ``name`` of ``cls``: declared in ``cls.BOUNDS``, else the default of
+    its type (None for a bool)."""
+    if name in cls.BOUNDS:
+        return cls.BOUNDS[name]
+    hint = _HINTS[cls][name]
+    return DEFAULT_BOUNDS.get(typing.get_origin(hint) or hint)
+
+
+_BOUNDS_OF: dict[type[Message], dict[str, Bound | None]] = {
+    cls: {f.name: bound_of(cls, f.name) for f in dataclasses.fields(cls) if f.name != "tensors"}
+    for cls in MESSAGE_CLASSES.values()
+}
+
+
+def _check_number(mtype: MsgType, name: str, value: int | float, bound: Bound) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value) and bound.nan_ok:
+            return
+        raise OutOfRange(mtype, name, value, bound, "not a finite number:")
+    if (bound.lo is not None and value < bound.lo) or (bound.hi is not None and value > bound.hi):
+        raise OutOfRange(mtype, name, value, bound, "value")
+
+
+def _check_bound(mtype: MsgType, name: str, value: Any, bound: Bound) -> None:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        _check_number(mtype, name, value, bound)
+        return
+    if bound.max_len is not None and isinstance(value, str | bytes | list | dict) \
+            and len(value) > bound.max_len:
+        raise OutOfRange(mtype, name, f"<{len(value)} long>", bound, "length")
+    if bound.items is not None and isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, int | float) and not isinstance(item, bool):
+                _check_number(mtype, f"{name}[{i}]", item, bound.items)
+
+
 def message_from_fields(
     mtype: MsgType, fields: Mapping[str, Any], tensors: dict[str, torch.Tensor]
 ) -> Message:
@@ -549,6 +755,7 @@ def message_from_fields(
     Unknown extra fields are ignored (a newer peer may add optional ones).
 
     Raises:
+        OutOfRange: a field is outside its :class:`Bound` (the frame was sound).
         RemoteProtocolError: a required field is missing or has the wrong type, or tensors
             arrived on a message type that carries none.
     """
@@ -573,6 +780,9 @@ def message_from_fields(
             )
         if hints[f.name] is float:
             value = float(value)
+        bound = _BOUNDS_OF[cls][f.name]
+        if bound is not None:
+            _check_bound(mtype, f.name, value, bound)
         kwargs[f.name] = value
     if tensors and "tensors" not in kwargs:
         raise RemoteProtocolError("unexpected_tensors", f"{mtype.name} messages carry no tensors")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import math
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.tasks import Shard, TaskData, evaluation_mode
-from tests.test_peer_backend import free_ports  # loopback ports free a moment ago
+from swarmtrain.testing.local import free_ports, in_threads
 
 __all__ = ["Case", "Outcome", "free_ports", "state_problems", "train_one_process", "train_peer",
            "train_pipeline", "train_ps"]
@@ -220,24 +219,6 @@ def train_ps(case: Case, data: TaskData | None = None, *, workers: int = 2, time
 # --- (c) peer mode --------------------------------------------------------------------------
 
 
-def _in_threads(fns: list[Callable[[], Any]], timeout: float) -> None:
-    errors: list[BaseException] = []
-
-    def run(fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        if t.is_alive():
-            raise TimeoutError(f"a peer was still training after {timeout} s")
-    if errors:
-        raise errors[0]
 
 
 def train_peer(case: Case, data: TaskData | None = None, *, mode: Literal["step", "diloco"] = "step",
@@ -284,7 +265,7 @@ def train_peer(case: Case, data: TaskData | None = None, *, mode: Literal["step"
             b.start()
         for b in backends:
             b.wait_for_peers(peers - 1, timeout=30)
-        _in_threads([t.run for t in trainers], timeout)
+        in_threads([t.run for t in trainers], timeout)
     finally:
         for b in backends:
             b.close()
