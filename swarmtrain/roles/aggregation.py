@@ -39,7 +39,9 @@ compared with itself: a member's own share of the combination would make even a 
 agreeable). An honest member's cosine is positive on average, and about zero when the
 gradients are all noise (near an optimum); a member whose mean cosine over its last rounds is
 *significantly* below a small margin under zero (``mean + z * stderr < -margin``) takes no
-part in the next combinations until it is no longer so (it is still scored). The margin is
+part in the next combinations, until its mean cosine is back at zero or above (it is still
+scored; the gap between the two tests keeps a liar near the margin from flapping in and
+out). The margin is
 what keeps an honest member of a pure-noise phase from ever being left out by chance over a
 long run (``tests/test_robust.py``: 100,000 combinations); the price is that a liar whose
 vectors agree with the others' less than ``-margin`` on average goes uncaught. The score is a plain
@@ -237,13 +239,13 @@ class MemberScores:
             kept = self._cosines.setdefault(key, deque(maxlen=self.rounds))
             kept.append(agreement)
             self._seen[key] = self.combinations
-            out = self._pulls_against(kept)
-            if out and key not in self._excluded:
-                self._excluded.add(key)
-                self.exclusions += 1
-                left.append(key)
-            elif not out and key in self._excluded:
-                self._excluded.discard(key)
+            if key not in self._excluded:
+                if self._pulls_against(kept):
+                    self._excluded.add(key)
+                    self.exclusions += 1
+                    left.append(key)
+            elif math.fsum(kept) >= 0.0:  # back once it agrees on average again (hysteresis:
+                self._excluded.discard(key)  # a liar near the margin does not flap in and out)
                 back.append(key)
         for key in [k for k, at in self._seen.items() if self.combinations - at > 4 * self.rounds]:
             self._cosines.pop(key, None)
