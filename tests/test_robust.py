@@ -179,6 +179,25 @@ def test_a_sign_flipped_member_is_left_out_within_a_few_rounds_and_honest_ones_n
     assert scores.exclusions == 1  # left out once, not once per round
 
 
+def test_a_left_out_member_is_taken_back_only_once_it_agrees_again() -> None:
+    """Hysteresis: a liar whose agreement hovers just above the margin (-0.04 > -0.05) stays
+    out; it was taken back at once before (a CI run saw one flap in and out five times)."""
+    scores = MemberScores()
+
+    def rounds(n: int, c: float) -> None:  # the liar's cosine with the others' sum is c exactly
+        liar = torch.tensor([c, (1 - c * c) ** 0.5])
+        for _ in range(n):
+            scores.update([*((f"h{i}", {"w": torch.tensor([1.0, 0.0])}) for i in range(4)),
+                           ("liar", {"w": liar})])
+
+    rounds(20, -0.3)
+    assert scores.excluded() == {"liar"}
+    rounds(scores.rounds, -0.04)  # its whole history now says -0.04: not significant, still < 0
+    assert scores.excluded() == {"liar"} and scores.exclusions == 1
+    rounds(scores.rounds, 0.1)
+    assert scores.excluded() == frozenset() and scores.exclusions == 1
+
+
 def test_honest_members_are_never_left_out_over_100000_combinations_as_the_signal_fades() -> None:
     """The long-run guard: an honest member's agreement with the others is positive on average
     however small the shared gradient gets (down to pure noise), so no honest member is ever
