@@ -90,6 +90,21 @@ def test_a_window_gives_one_vote_per_worker_however_often_or_much_it_claims() ->
     assert win.members == 0 and win.gradients == 0 and win.counted_samples() == 0
 
 
+def test_a_left_out_worker_neither_fills_a_window_nor_counts_toward_its_quorum() -> None:
+    """Its slot must not take an honest one's place: windows close on voting members."""
+    win = RobustWindow({"g": torch.zeros(2)}, "clip")
+    honest = {"a": [1.0, 0.1], "b": [1.0, -0.1], "c": [1.0, 0.2], "d": [1.0, -0.2]}
+    for _ in range(12):  # the liar pulls against the four others until it is left out
+        for w, g in honest.items():
+            win.add(w, {"g": torch.tensor(g)}, 1.0, 32, sparse=False)
+        win.add("liar", {"g": torch.tensor([-1.0, 0.0])}, 1.0, 32, sparse=False)
+        win.take()
+    assert win.scores.excluded() == {"liar"}
+    win.add("liar", {"g": torch.tensor([-1.0, 0.0])}, 1.0, 32, sparse=False)
+    win.add("a", {"g": torch.tensor([1.0, 0.1])}, 1.0, 32, sparse=False)
+    assert win.members == 1 and win.counted_samples() == 32
+
+
 # -- the screen's reference: the ratchet of issue #17 -------------------------------------
 
 def _honest_rounds(screen: NormScreen, rng: random.Random, rounds: int) -> None:

@@ -312,13 +312,18 @@ class RobustWindow:
 
     @property
     def members(self) -> int:
-        """Distinct workers with a gradient in the open window."""
-        return len(self._slots)
+        """Distinct workers with a gradient in the open window, not counting those left out
+        (a window closes on voting members: a liar's slot must not take an honest one's
+        place in it)."""
+        out = self.scores.excluded()
+        return sum(1 for w in self._slots if w not in out)
 
     def counted_samples(self) -> int:
-        """The open window's samples with no slot counted above the median slot's: a worker
-        claiming huge sample counts cannot close windows alone."""
-        counts = sorted(s.samples for s in self._slots.values())
+        """The open window's samples with no slot counted above the median slot's (a worker
+        claiming huge sample counts cannot close windows alone), left-out workers' not
+        counted."""
+        out = self.scores.excluded()
+        counts = sorted(s.samples for w, s in self._slots.items() if w not in out)
         if not counts:
             return 0
         cap = counts[(len(counts) - 1) // 2]  # the lower median: a liar of two cannot raise it
