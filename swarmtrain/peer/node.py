@@ -134,6 +134,19 @@ class PeerTrainer:
             pending, broken = None, 0
             self.backend.rounds = self.strategy.round
             self._after_round(started)
+        if not self._stop and self.max_rounds and self.strategy.round >= self.max_rounds:
+            self._finish_together()
+
+    def _finish_together(self) -> None:
+        """After the last round, wait until every member is done with it before leaving: a
+        member that returned from the last all-reduce and closed its links at once could cut
+        another member off its final chunk, and that member would then void the round that
+        this one applied (the run would end with two different models). Best effort: a
+        member that is gone or a broken ring ends it."""
+        try:
+            self.backend.barrier(retries=0)
+        except (RingBroken, SwarmError) as exc:
+            log.info("round %d: the others could not be waited for at the end (%s)", self.strategy.round, exc)
 
     def _propose(self) -> None:
         """As leader, take in joiners and drop leavers at this boundary. A proposal that fails
