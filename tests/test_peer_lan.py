@@ -88,7 +88,8 @@ def test_a_late_joiner_loads_the_current_state_before_contributing(peers: Peers)
             if e["event"] == "epoch" and e["epoch"] == first["epoch"]]
     assert len(same) == 4 and len({e["digest"] for e in same}) == 1, same
     assert first["work"] >= 10 * 3 * 5 * 32  # 10 rounds of 3 peers, 5 inner steps of 32
-    ends = {h: (s["round"], s["epoch"], s["checksum"], s.get("history", [])[-3:]) for h, s in sts.items() if s}
+    ends = {h: (s["round"], s["epoch"], s["checksum"], s.get("history", [])[-3:])
+            for h, s in sts.items() if s}
     assert len({s["checksum"] for s in sts.values() if s}) == 1, ends  # all four end identical
 
 
