@@ -477,8 +477,8 @@ class PeerBackend:
             log.debug("peer %s asks to be taken in", msg.peer_id[:8])
             return
         if msg.kind == "leave":
+            self._left_at[msg.peer_id] = time.monotonic()  # first: the trainer reads it (left_recently)
             log.info("peer %s is leaving", msg.peer_id[:8])
-            self._left_at[msg.peer_id] = time.monotonic()
             self.membership.on_leave(msg.peer_id)
             self._suspects[msg.peer_id] = time.monotonic() + 30.0
             self._verified.pop(msg.peer_id, None)
@@ -518,6 +518,17 @@ class PeerBackend:
     @property
     def epoch(self) -> int:
         return self.membership.epoch
+
+    def left_recently(self) -> str:
+        """A member of the current view that said goodbye in the last LEAVING_SEC ("" if
+        none): a ring that breaks then broke because of a leave (the members close their
+        rings as they hear of it), even if this node's own ring was not closed for it yet."""
+        v = self.view
+        now = time.monotonic()
+        for peer, at in list(self._left_at.items()):
+            if now - at < self.LEAVING_SEC and (v is None or peer in v.members):
+                return peer
+        return ""
 
     def propose_if_needed(self) -> bool:
         """At the start of a round: if this node leads and peers came or went, agree a new

@@ -110,9 +110,9 @@ class PeerTrainer:
                 if self.backend.epoch > epoch:  # a new epoch (a join, a leave) closed it: routine
                     log.info("round %d: epoch %d gave way to epoch %d", self.strategy.round, epoch,
                              self.backend.epoch)
-                elif self.backend.routine_close:
-                    log.info("round %d: %s; re-forming epoch %d's group", self.strategy.round,
-                             self.backend.routine_close, epoch)
+                elif self.backend.routine_close or self.backend.left_recently():
+                    why = self.backend.routine_close or f"member {self.backend.left_recently()[:8]} left"
+                    log.info("round %d: %s; re-forming epoch %d's group", self.strategy.round, why, epoch)
                 else:
                     log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
                                 epoch, exc)
