@@ -143,7 +143,7 @@ def test_out_of_range_fields_and_overclaimed_samples_are_refused_and_change_no_s
                 assert isinstance(err, Error) and err.code == "out_of_range" and not err.fatal, (msg, err)
                 assert msg.TYPE.name in err.message and "allows" in err.message
                 assert _same(_state(c, "w"), before), msg
-                assert c.refused_messages["out_of_range"] == n == c.refusals["out_of_range"]
+                assert c.status()["refusals"]["out_of_range"] == n
             # a claim over what the worker registered (32 x 2): a rejected gradient, counted
             before = _state(c, "w")
             for samples in (10**12, 65):
@@ -164,7 +164,7 @@ def test_out_of_range_fields_and_overclaimed_samples_are_refused_and_change_no_s
             # and the status (what the huge sample counts broke) encodes and reaches ctl
             reply = await ctl_request(HOST, c.port, "status", secret=SECRET, timeout=10)
             assert isinstance(reply, Status)
-            assert reply.status["refused_messages"] == {"out_of_range": len(wire_cases)}
+            assert reply.status["refusals"] == {"out_of_range": len(wire_cases), "rejected_gradient": 2}
             await conn.send(StatusRequest())
             await conn.close()
         finally:
@@ -265,7 +265,7 @@ def test_another_node_cannot_take_a_live_worker_id_but_its_own_node_can() -> Non
                 assert isinstance(answer, Error) and answer.code == "worker_id_taken"
                 assert real.identity.peer_id in answer.message and "--worker-id" in answer.message
                 await conn.close()
-            assert c.refused_messages["worker_id_taken"] == 2 == c.refusals["worker_id_taken"]
+            assert c.refusals["worker_id_taken"] == 2 == c.status()["refusals"]["worker_id_taken"]
             # the live worker was not kicked, and its updates go on
             steps = rec.steps
             await eventually(lambda: rec.steps >= steps + 5, "the real worker keeps training")

@@ -138,7 +138,7 @@ class PeerBackend:
     work: int = 0
     #: REFORM requests refused: unsigned, or not signed by the member they name
     forged_reforms: int = 0
-    #: messages refused, by reason code (count with ``backend.refusals.count("out_of_range")``);
+    #: what this peer refused itself, by reason code (``backend.refusals.count("code")``);
     #: ``status()["refusals"]`` adds what the control server and the ring listener turned away
     refusals: RefusalCounter = field(default_factory=RefusalCounter)
     #: the digest of the state every member loaded at the start of :attr:`digest_epoch`

@@ -101,7 +101,6 @@ class ControlPlane:
             return
         assert self.server is not None
         note = self.server.admission.note_refused  # counted with what the server turned away
-        conn.count_refusals_with(note)  # messages with a field out of range
         with contextlib.suppress(SwarmError, ConnectionError):
             while True:
                 msg = await conn.recv()

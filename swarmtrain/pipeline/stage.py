@@ -360,7 +360,6 @@ class StageServer:
             await conn.close(Error(code="bad_role", message=f"a stage server serves roles {_ROLES}, "
                                    f"not {role!r}"))
             return
-        conn.count_refusals_with(self.refusals.count)  # messages with a field out of range
         with self._senders_lock:
             self._senders[conn] = _Sender(peer_ip(conn.transport))  # as the connection limits count it
         try:

@@ -252,9 +252,6 @@ class Coordinator:
         self.running = False
         self.paused = False
         self.stats = {"applied": 0, "stale": 0, "duplicates": 0, "rejected": 0}
-        #: messages refused before they reached training (a field out of range, a worker id of
-        #: another node, a registration that does not fit, a message the role may not send), by code
-        self.refused_messages: Counter[str] = Counter()
         self.staleness_counts: Counter[int] = Counter()  # applied gradients by staleness
         self.held_variance_steps = 0  # sparse gradients applied with Adam's second moment held
         c = cfg.compression
@@ -272,8 +269,9 @@ class Coordinator:
         self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
         self._eval_state: ModelState | None = None  # a copy of the model to evaluate on
         self._server: Server | None = None
-        #: messages refused, by reason code (count with ``self.refusals.count("out_of_range")``);
-        #: ``status()["refusals"]`` adds the connections the server turned away
+        #: what this role refused, by reason code (``rejected_gradient``, ``worker_id_taken``...);
+        #: ``status()["refusals"]`` adds what the server counted: connections turned away and
+        #: messages dropped for a field out of range
         self.refusals = RefusalCounter()
         self._stop = asyncio.Event()
         self._finished = False
@@ -391,15 +389,7 @@ class Coordinator:
         else:
             await conn.close(Error(code="bad_role", message=f"unknown role {role!r}"))
 
-    def _count_refused(self, code: str) -> None:
-        """A message refused by code (a field out of range, a worker id of another node, a
-        registration that does not fit, a message the role may not send): counted in
-        ``refused_messages`` and with every refusal (``refusals``)."""
-        self.refused_messages[code] += 1
-        self.refusals.count(code)
-
     async def _serve_worker(self, conn: Connection) -> None:
-        conn.count_refusals_with(self._count_refused)  # its messages with a field out of range
         try:
             msg = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
             if not isinstance(msg, Register):
@@ -407,7 +397,7 @@ class Coordinator:
             rec = self._register(conn, msg)
         except WorkerIdTaken as exc:
             log.warning("refused worker at %s: %s", conn.peer, exc)
-            self._count_refused("worker_id_taken")
+            self.refusals.count("worker_id_taken")
             self._event("worker_refused", worker=exc.worker_id, address=conn.peer, node=conn.node,
                         reason="worker_id_taken")
             await conn.close(Error(code="worker_id_taken", message=str(exc)))
@@ -415,7 +405,7 @@ class Coordinator:
         except (ModelMismatch, ConfigError) as exc:
             log.warning("refused worker at %s: %s", conn.peer, exc)
             code = "model_mismatch" if isinstance(exc, ModelMismatch) else "config_mismatch"
-            self._count_refused(code)
+            self.refusals.count(code)
             await conn.close(Error(code=code, message=str(exc)))
             return
         except SwarmError as exc:
@@ -588,7 +578,7 @@ class Coordinator:
             # a remote text, shortened: a long one is slow to format and floods the log
             log.warning("worker %s reports: %.300s [%s]", rec.worker_id, msg.message, msg.code)
         else:
-            self._count_refused("unexpected")
+            self.refusals.count("unexpected")
             await self._send(rec, Error(code="unexpected", fatal=False,
                                         message=f"a worker may not send {msg.TYPE.name}"))
 
@@ -597,7 +587,8 @@ class Coordinator:
             await rec.conn.send(msg)
 
     def _connected(self) -> list[WorkerRecord]:
-        return [r for r in self.workers.values() if r.connected]
+        # list() first: the apply thread asks too (robust_quorum) while the loop may register
+        return [r for r in list(self.workers.values()) if r.connected]
 
     # -- the apply path (runs on the single apply thread) ---------------------------------
 
@@ -871,7 +862,7 @@ class Coordinator:
     def robust_quorum(self) -> int:
         """Distinct workers a robust window needs: ``robust_quorum``, or max(3, a majority of
         the connected workers); never more than are connected (at least 1)."""
-        connected = sum(1 for r in list(self.workers.values()) if r.connected)  # list(): one step
+        connected = len(self._connected())
         q = self.config.training.robust_quorum or max(3, connected // 2 + 1)
         return max(1, min(q, connected))
 
@@ -943,7 +934,6 @@ class Coordinator:
     # -- control, evaluation, status -------------------------------------------------------
 
     async def _serve_ctl(self, conn: Connection) -> None:
-        conn.count_refusals_with(self._count_refused)
         with contextlib.suppress(SwarmError):
             while True:
                 msg = await conn.recv()
@@ -967,7 +957,7 @@ class Coordinator:
                     await self.shutdown_cluster(msg.reason or "shutdown requested")
                     return
                 else:
-                    self._count_refused("unexpected")
+                    self.refusals.count("unexpected")
                     await conn.send(Error(code="unexpected", fatal=False,
                                           message=f"ctl may not send {msg.TYPE.name}"))
 
@@ -1033,7 +1023,6 @@ class Coordinator:
             "finished": self._finished, "task": self.task_name,
             "min_workers": self.config.training.min_workers, "num_shards": self.num_shards,
             "workers_connected": len(self._connected()), "stats": dict(self.stats),
-            "refused_messages": dict(self.refused_messages),
             "held_variance_steps": self.held_variance_steps,
             "uptime_sec": time.monotonic() - self._started_at,
             "raw_bytes_per_step": self.raw_bytes_per_step,

@@ -337,11 +337,6 @@ class Connection:
         """Why the connection closed (None while open)."""
         return self._proto.close_reason
 
-    @property
-    def refused_messages(self) -> Counter[str]:
-        """Messages from the peer dropped unseen for a field out of range, by code."""
-        return self._proto.refused_messages
-
     def count_refusals_with(self, count: Callable[[str], None]) -> None:
         """Call ``count(code)`` for each message of the peer refused from now on, and for those
         refused so far (a role counts them with its others, e.g. ``RefusalCounter.count``)."""

@@ -541,6 +541,7 @@ async def start_server(
                 await conn.close(Error(code="too_many_connections", message=why))
                 return
             conn.set_inbound_limits((role_limits or {}).get(role, limits))
+            conn.count_refusals_with(state.admission.note_refused)  # messages out of range, every role
             conn.start_heartbeats()
             served = True
             await handler(conn, role)

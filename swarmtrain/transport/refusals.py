@@ -1,10 +1,12 @@
 """Refusals counted by reason: what an operator reads on ``/metrics`` and in ``ctl status``.
 
-Every role keeps one :class:`RefusalCounter` (``Coordinator.refusals``, ``StageServer.refusals``,
-``PeerBackend.refusals``): its servers count the connections they turn away into it (a failed
-handshake by its ``ERROR`` code, ``too_many_connections``, ``auth_rate_limited``, ``tls``, a
-malformed frame by its framing code) and the role counts the messages it refuses
-(``out_of_range``, a rejected gradient...) with :meth:`RefusalCounter.count`.
+Every server (:func:`~swarmtrain.transport.endpoints.start_server`) keeps one, in its
+``Admission``: the connections it turns away (a failed handshake by its ``ERROR`` code,
+``too_many_connections``, ``auth_rate_limited``, ``tls``, a malformed frame by its framing
+code) and the messages of its connections dropped for a field out of range
+(``out_of_range``). Each role keeps one more for what it refuses itself
+(``Coordinator.refusals``: a rejected gradient, ``worker_id_taken``...; ``StageServer.refusals``,
+``PeerBackend.refusals``), and its status adds the two.
 
 A reason is a short code (``[a-z][a-z0-9_]*``, at most :data:`MAX_REASON_CHARS`), the same
 codes the ``ERROR`` messages carry. The counter keeps at most :data:`MAX_REASONS` distinct
