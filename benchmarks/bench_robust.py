@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from _util import machine, md_table, write_results
 
-from swarmtrain.roles.aggregation import robust_combine
+from swarmtrain.roles.aggregation import GradientWindow, RobustWindow, robust_combine
 from swarmtrain.testing.attackers import ATTACKS, run_peers, run_ps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the conformance zoo's gpt2
@@ -123,23 +123,47 @@ def bench_peers(rounds: int, mode: str, attacks: tuple[str, ...], modes: tuple[s
     return data, table, cost
 
 
-def bench_combine(numel: int = 1_000_000, slots: int = 5, iters: int = 5) -> tuple[dict[str, Any], str]:
+def bench_combine(numel: int = 1_000_000, slots: int = 5, iters: int = 9) -> tuple[dict[str, Any], str]:
+    """Per mode, the coordinator's whole cost of one window of ``slots`` workers: each gradient
+    added (``RobustWindow.add``) and the window closed (``take``: the slots' means, the
+    combination and the member scores), against the plain window (``GradientWindow``) doing
+    the same; beside it the combination alone."""
     gen = torch.Generator().manual_seed(0)
     members = [{"g": torch.randn(numel, generator=gen)} for _ in range(slots)]
+    params = {"g": torch.zeros(numel)}
 
-    def plain() -> Any:
-        return {"g": torch.stack([m["g"] for m in members]).mean(dim=0)}
-
-    fns = {"none (mean)": plain, **{m: (lambda m=m: robust_combine(members, m)) for m in MODES[1:]}}
-    out: dict[str, float] = {}
-    for name, fn in fns.items():
+    def timed(fn: Any) -> float:  # the median call (the first one not counted)
         fn()
-        t0 = time.perf_counter()
+        times = []
         for _ in range(iters):
+            t0 = time.perf_counter()
             fn()
-        out[name] = (time.perf_counter() - t0) / iters
-    rows = [[n, f"{t * 1e3:.1f} ms", f"{t / out['none (mean)']:.1f}x"] for n, t in out.items()]
-    return out, md_table([f"combine {slots} slots x {numel:,} float32", "time", "vs mean"], rows)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    plain = GradientWindow(params)  # made once: its buffers are reused window after window
+    windows = {mode: RobustWindow(params, mode) for mode in MODES[1:]}
+
+    def plain_window() -> None:
+        for m in members:
+            plain.add(m, 1.0, 32, sparse=False)
+        plain.take()
+
+    def robust_window(mode: str) -> None:
+        win = windows[mode]
+        for i, m in enumerate(members):
+            win.add(f"w{i}", m, 1.0, 32, sparse=False)
+        win.take()
+
+    out: dict[str, dict[str, float]] = {"none (mean)": {"window": timed(plain_window)}}
+    for mode in MODES[1:]:
+        out[mode] = {"window": timed(lambda mode=mode: robust_window(mode)),
+                     "combine": timed(lambda mode=mode: robust_combine(members, mode))}
+    base = out["none (mean)"]["window"]
+    rows = [[n, f"{t['window'] * 1e3:.1f} ms", f"{t['window'] / base:.1f}x",
+             f"{t['combine'] * 1e3:.1f} ms" if "combine" in t else "-"] for n, t in out.items()]
+    return out, md_table([f"one window of {slots} workers x {numel:,} float32 (adds + take)", "time",
+                          "vs the plain window", "of which the combination"], rows)
 
 
 def main() -> None:
@@ -206,7 +230,7 @@ Cells: final held-out loss (ratio to the clean run of the same mode) / accuracy.
 
 {diloco_cost}
 
-## Coordinator: the cost of combining one window
+## Coordinator: the cost of one window
 
 {combine_table}
 {hf_md}"""

@@ -90,6 +90,26 @@ def test_a_window_gives_one_vote_per_worker_however_often_or_much_it_claims() ->
     assert win.members == 0 and win.gradients == 0 and win.counted_samples() == 0
 
 
+@pytest.mark.parametrize("mode", ["clip", "trimmed_mean", "median"])
+def test_a_windows_slots_are_reused_without_leaking_into_the_next_or_into_the_last_result(mode: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    rows = [[{"g": torch.randn(6, generator=gen)} for _ in range(4)] for _ in range(2)]
+    reused = RobustWindow({"g": torch.zeros(6)}, mode)
+    results, copies = [], []
+    for window in rows:
+        for i, grads in enumerate(window):  # w0 sends twice in the first window only
+            reused.add(f"w{i}", grads, 1.0, 32, sparse=False)
+        if window is rows[0]:
+            reused.add("w0", {"g": torch.ones(6)}, 0.5, 32, sparse=False)
+        results.append(reused.take()[0]["g"])
+        copies.append(results[-1].clone())  # as it was when the window closed
+    fresh = RobustWindow({"g": torch.zeros(6)}, mode)
+    for i, grads in enumerate(rows[1]):
+        fresh.add(f"w{i}", grads, 1.0, 32, sparse=False)
+    assert torch.equal(results[1], fresh.take()[0]["g"])  # the second window knows nothing of the first
+    assert torch.equal(results[0], copies[0])  # and the first result was not written over
+
+
 def test_a_left_out_worker_neither_fills_a_window_nor_counts_toward_its_quorum() -> None:
     """Its slot must not take an honest one's place: windows close on voting members."""
     win = RobustWindow({"g": torch.zeros(2)}, "clip")

@@ -29,23 +29,23 @@ of mostly-zero coordinates is zero, which is why ``docs/robustness.md`` advises 
 with top-k. See ``docs/robustness.md`` for what each mode costs and does not stop.
 
 **Members that pull against the others are left out** (:class:`MemberScores`). A robust
-combination bounds what one member can do per step, but a member sending honest-sized vectors
-in a bad direction (a sign-flipped gradient) still biases each coordinate's median or trimmed
-mean by a fraction of the honest spread, every step, and that bias wins as the honest
-gradients shrink near the optimum. So every combination also scores each member: the cosine
-of its slot with the sum of the *other* members' slots, each first scaled down to the median
-slot norm (so a liar among the others weighs no more than an honest member, and no member is
-compared with itself: a member's own share of the combination would make even a liar look
-agreeable). An honest member's cosine is positive on average, and about zero when the
-gradients are all noise (near an optimum); a member whose mean cosine over its last rounds is
-*significantly* below a small margin under zero (``mean + z * stderr < -margin``) takes no
-part in the next combinations, until its mean cosine is back at zero or above (it is still
-scored; the gap between the two tests keeps a liar near the margin from flapping in and
-out). The margin is
-what keeps an honest member of a pure-noise phase from ever being left out by chance over a
-long run (``tests/test_robust.py``: 100,000 combinations); the price is that a liar whose
-vectors agree with the others' less than ``-margin`` on average goes uncaught. The score is a plain
-function of the current slots, never of a reference the member could move over time.
+combination bounds what one member can do per step, but a member sending honest-sized
+vectors in a bad direction (a sign-flipped gradient) still biases each coordinate's median
+or trimmed mean by a fraction of the honest spread, every step, and that bias wins as the
+honest gradients shrink near the optimum. So every combination also scores each member: the
+cosine of its slot with the sum of the *other* members' slots, each first scaled down as
+``clip`` scales it, to the lower median slot norm (so a liar among the others weighs no more
+than an honest member, and no member is compared with itself: a member's own share of the
+combination would make even a liar look agreeable). An honest member's cosine is positive on
+average, and about zero when the gradients are all noise (near an optimum); a member whose
+mean cosine over its last rounds is *significantly* below a small margin under zero (``mean
++ z * stderr < -margin``) takes no part in the next combinations, until its mean cosine is
+back at zero or above (it is still scored; the gap between the two tests keeps a liar near
+the margin from flapping in and out). The margin is what keeps an honest member of a pure-
+noise phase from ever being left out by chance over a long run (``tests/test_robust.py``:
+100,000 combinations); the price is that a liar whose mean cosine with the others stays
+above ``-margin`` goes uncaught. The score is a plain function of the current
+slots, never of a reference the member could move over time.
 """
 
 from __future__ import annotations
@@ -135,13 +135,7 @@ def robust_combine(members: Sequence[Mapping[str, torch.Tensor]], mode: str, *,
     if mode not in ROBUST_MODES[1:]:
         raise ValueError(f"robust mode must be one of {ROBUST_MODES[1:]}, got {mode!r}")
     names = list(dict.fromkeys(n for m in members for n in m))
-    scales = [1.0] * len(members)
-    if mode == "clip" and members:
-        norms = [math.sqrt(sum(float(g.double().pow(2).sum()) for g in m.values())) for m in members]
-        # the lower median: of two members, the smaller norm (the mean of the two middle ones
-        # would let one liar of two raise the reference to half its own norm)
-        ref = sorted(norms)[(len(norms) - 1) // 2]
-        scales = [ref / n if n > ref else 1.0 for n in norms]
+    scales = _clip_scales(_norms(members)) if mode == "clip" else [1.0] * len(members)
     out: dict[str, torch.Tensor] = {}
     for name in names:
         carriers = [(i, m[name]) for i, m in enumerate(members) if name in m]
@@ -160,29 +154,51 @@ def robust_combine(members: Sequence[Mapping[str, torch.Tensor]], mode: str, *,
     return out
 
 
+def _norms(members: Sequence[Mapping[str, torch.Tensor]]) -> list[float]:
+    """Each member's global L2 norm (over all its names; inf if it overflows float32)."""
+    return [math.sqrt(sum(float(torch.dot(g.reshape(-1), g.reshape(-1))) for g in m.values()))
+            for m in members]
+
+
+def _clip_scales(norms: Sequence[float]) -> list[float]:
+    """The factor that brings each norm down to the lower median of ``norms`` (1 for those at
+    or below it): of two members, the smaller norm, so one liar of two cannot raise the
+    reference (the mean of the two middle ones would put it at half the liar's)."""
+    if not norms:
+        return []
+    ref = sorted(norms)[(len(norms) - 1) // 2]
+    return [ref / n if n > ref else 1.0 for n in norms]
+
+
 def _agreements(members: Sequence[Mapping[str, torch.Tensor]]) -> list[float]:
     """For each member, the cosine of its gradient with the sum of the others' gradients,
-    each scaled down to the median of the members' norms (float64, fixed order). 0.0 for a
-    member alone, or where a norm is zero or not finite."""
+    each scaled down as ``clip`` scales it (:func:`_clip_scales`). 0.0 for a member alone,
+    or where a norm is zero or not finite.
+
+    One pass over the data per member and name, no copies: with S the sum of the scaled
+    gradients, d_i = g_i . S and q_i = |g_i|^2, the others' sum is S - s_i g_i, so
+    g_i . others = d_i - s_i q_i and |others|^2 = |S|^2 - 2 s_i d_i + s_i^2 q_i.
+    Deterministic: the same members in the same order give the same bits.
+    """
     k = len(members)
-    if k < 2:
+    norms = _norms(members)
+    if k < 2 or not all(math.isfinite(n) for n in norms):
         return [0.0] * k
-    names = list(dict.fromkeys(n for m in members for n in m))
-    flat = [torch.cat([m[n].reshape(-1).double() if n in m else
-                       torch.zeros(next(x[n] for x in members if n in x).numel(), dtype=torch.float64)
-                       for n in names]) for m in members]
-    norms = [float(v.norm()) for v in flat]
-    if not all(math.isfinite(x) for x in norms):
-        return [0.0] * k
-    ordered = sorted(norms)
-    ref = ordered[k // 2] if k % 2 else 0.5 * (ordered[k // 2 - 1] + ordered[k // 2])
-    scaled = [v * (ref / n) if n > ref else v for v, n in zip(flat, norms)]
-    total = torch.stack(scaled).sum(dim=0)
+    scales = _clip_scales(norms)
+    dots, total_sq = [0.0] * k, 0.0
+    for name in dict.fromkeys(n for m in members for n in m):
+        carriers = [(i, m[name].reshape(-1)) for i, m in enumerate(members) if name in m]
+        total = torch.zeros_like(carriers[0][1])
+        for i, g in carriers:
+            total.add_(g, alpha=scales[i])
+        total_sq += float(torch.dot(total, total))
+        for i, g in carriers:
+            dots[i] += float(torch.dot(g, total))
     out = []
-    for v, s, n in zip(flat, scaled, norms):
-        others = total - s
-        m = float(others.norm())
-        out.append(float(v @ others) / (n * m) if n > 0 and m > 0 else 0.0)
+    for d, s, n in zip(dots, scales, norms):
+        others_sq = total_sq - 2 * s * d + s * s * n * n
+        mine = d - s * n * n
+        out.append(mine / (n * math.sqrt(others_sq)) if n > 0 and others_sq > 0 else 0.0)
     return out
 
 
@@ -195,7 +211,7 @@ class MemberScores:
         z: how many standard errors below ``-margin`` its mean cosine must be to be left out.
         margin: how far below zero the mean cosine must be at least.
 
-    Deterministic (float64 sums in a fixed order), so peers that score the same rows decide
+    Deterministic (the same operations in a fixed order), so peers that score the same rows decide
     the same. Members not seen for ``4 x rounds`` combinations are forgotten.
     """
 
@@ -268,17 +284,37 @@ class MemberScores:
 
 
 class _Slot:
-    """One worker's gradients of the window: a damping-weighted sum per parameter."""
+    """One worker's gradients of the window: a damping-weighted sum per parameter, in buffers
+    kept from window to window (a fresh model-sized buffer per worker and window costs page
+    faults: as much as the combination itself at 1M parameters)."""
 
-    __slots__ = ("sums", "weights", "samples")
+    __slots__ = ("buffers", "weights", "samples")
 
     def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        #: the weight summed into each parameter's buffer in this window (absent: unused)
         self.weights: dict[str, float] = {}
         self.samples = 0
 
+    def add(self, name: str, g: torch.Tensor, weight: float) -> None:
+        if name in self.weights:
+            self.buffers[name].add_(g, alpha=weight)
+            self.weights[name] += weight
+            return
+        buf = self.buffers.get(name)
+        if buf is None:
+            self.buffers[name] = g * weight
+        else:
+            torch.mul(g, weight, out=buf)
+        self.weights[name] = weight
+
     def mean(self) -> dict[str, torch.Tensor]:
-        return {n: s / self.weights[n] for n, s in self.sums.items() if self.weights[n] > 0}
+        """The mean per parameter, in place: valid until the slot is used again."""
+        return {n: self.buffers[n].div_(w) for n, w in self.weights.items() if w > 0}
+
+    def reset(self) -> None:
+        self.weights = {}
+        self.samples = 0
 
 
 class RobustWindow:
@@ -289,7 +325,8 @@ class RobustWindow:
         mode: ``clip``, ``trimmed_mean`` or ``median`` (see :func:`robust_combine`).
         trim: the trimmed mean's fraction cut at each end.
 
-    Memory: one model-sized float32 buffer per worker with a gradient in the open window.
+    Memory: one model-sized float32 buffer per worker with a gradient in a window, kept for
+    the next windows (at most as many as the most workers one window has held).
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], mode: str, *, trim: float = 0.2) -> None:
@@ -299,10 +336,9 @@ class RobustWindow:
         self.trim = trim
         self._dtypes = {n: p.dtype for n, p in params.items()}
         self._slots: dict[str, _Slot] = {}
+        self._free: list[_Slot] = []  # slots of earlier windows, their buffers reused
         #: gradients in the open window (a :class:`GradientWindow` has the same attribute)
         self.gradients = 0
-        #: samples the open window's gradients claim (each counted as its sender said)
-        self.samples = 0
         self._sparse = False
         self.opened_at = 0.0  # time.monotonic() of the open window's first gradient
         #: who agrees with the combinations; members pulling against them are left out
@@ -334,17 +370,12 @@ class RobustWindow:
         """Add ``weight`` x each of ``grads`` into ``worker``'s slot; count ``samples``."""
         if not self._slots:
             self.opened_at = time.monotonic()
-        slot = self._slots.setdefault(worker, _Slot())
+        slot = self._slots.get(worker)
+        if slot is None:
+            slot = self._slots[worker] = self._free.pop() if self._free else _Slot()
         for name, g in grads.items():
-            g = g.to(self._dtypes[name])
-            if name in slot.sums:
-                slot.sums[name].add_(g, alpha=weight)
-                slot.weights[name] += weight
-            else:
-                slot.sums[name] = g * weight
-                slot.weights[name] = weight
+            slot.add(name, g.to(self._dtypes[name]), weight)
         slot.samples += samples
-        self.samples += samples
         self.gradients += 1
         self._sparse = self._sparse or sparse
 
@@ -355,8 +386,11 @@ class RobustWindow:
         voting = [means[i][1] for i in self.scores.voting([w for w, _ in means])]
         combined = robust_combine(voting, self.mode, trim=self.trim)
         self.last_changes = self.scores.update(means)
-        sparse = self._sparse
+        sparse = self._sparse  # the combination is fresh tensors: the slots may be reused now
+        for slot in self._slots.values():
+            slot.reset()
+            self._free.append(slot)
         self._slots = {}
-        self.gradients = self.samples = 0
+        self.gradients = 0
         self._sparse = False
         return combined, sparse
