@@ -13,7 +13,7 @@ from swarmtrain.peer.backend import PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.node import PeerTrainer
 from swarmtrain.peer.training import Contribution, DiLoCo, flatten
-from tests.test_peer_backend import free_ports, in_threads
+from swarmtrain.testing.local import free_ports, run_peer_trainers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,15 +92,7 @@ def test_by_wall_time_a_fast_peer_does_more_inner_steps_and_weighs_more() -> Non
         strat = _Recorded(model, _loss, _batches(10 + i, 64), lr=0.01, weight_decay=0.0, inner_seconds=0.4,
                           speed=speeds[i])
         trainers.append(PeerTrainer(b, strat, max_rounds=rounds))
-    try:
-        for b in backends:
-            b.start()
-        for b in backends:
-            b.wait_for_peers(1, timeout=20)
-        in_threads([t.run for t in trainers], timeout=60)  # re-raises a trainer's error
-    finally:
-        for b in backends:
-            b.close()
+    run_peer_trainers(trainers, timeout=60, wait=20)  # re-raises a trainer's error
     fast, slow = (t.strategy for t in trainers)
     assert isinstance(fast, _Recorded) and isinstance(slow, _Recorded)
     for r in range(rounds):

@@ -21,7 +21,7 @@ from swarmtrain.peer.backend import PeerBackend, PeerOptions
 from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.node import PeerTrainer
 from swarmtrain.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
-from tests.test_peer_backend import free_ports, in_threads
+from swarmtrain.testing.local import free_ports, run_peer_trainers
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -56,15 +56,7 @@ def _train_on_ring(strategies: list[Strategy], rounds: int, run: str) -> list[Pe
     backends = [PeerBackend(o, secret=b"model-state-test-secret", identity=Identity.generate())
                 for o in options]
     trainers = [PeerTrainer(b, s, max_rounds=rounds) for b, s in zip(backends, strategies)]
-    try:
-        for b in backends:
-            b.start()
-        for b in backends:
-            b.wait_for_peers(len(backends) - 1, timeout=20)
-        in_threads([t.run for t in trainers], timeout=60)  # re-raises a trainer's error
-    finally:
-        for b in backends:
-            b.close()
+    run_peer_trainers(trainers, timeout=60, wait=20)  # re-raises a trainer's error
     for t in trainers:
         assert t.strategy.round == rounds
     return trainers

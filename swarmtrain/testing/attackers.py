@@ -34,7 +34,7 @@ from swarmtrain.roles.coordinator import Coordinator
 from swarmtrain.roles.worker import Worker
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.tasks.base import Shard
-from swarmtrain.testing.local import free_ports, in_threads
+from swarmtrain.testing.local import free_ports, run_peer_trainers
 
 __all__ = ["ATTACKS", "HONEST", "AttackingWorker", "attack_factor", "attacked_strategy",
            "run_peers", "run_ps"]
@@ -212,13 +212,5 @@ def run_peers(robust: str, attack: str | None, *, rounds: int = 100, mode: str =
         if i == HONEST and attack is not None:
             attacked_strategy(strat, attack)
         trainers.append(PeerTrainer(b, strat, max_rounds=rounds, robust=robust))
-    try:
-        for b in backends:
-            b.start()
-        for b in backends:
-            b.wait_for_peers(n - 1, timeout=30)
-        in_threads([t.run for t in trainers], timeout)
-    finally:
-        for b in backends:
-            b.close()
+    run_peer_trainers(trainers, timeout)
     return dict(task.evaluate(trainers[0].strategy.model, data)), trainers

@@ -6,9 +6,12 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["free_ports", "in_threads"]
+if TYPE_CHECKING:
+    from swarmtrain.peer.node import PeerTrainer
+
+__all__ = ["free_ports", "in_threads", "run_peer_trainers"]
 
 
 def free_ports(n: int) -> list[int]:
@@ -51,3 +54,19 @@ def in_threads(fns: Sequence[Callable[[], Any]], timeout: float = 60, what: str 
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+def run_peer_trainers(trainers: Sequence[PeerTrainer], timeout: float = 60, *, wait: float = 30) -> None:
+    """Start every trainer's backend, wait until each sees all the others (``wait`` seconds),
+    run the trainers side by side in threads (a trainer's error is re-raised here) and close
+    every backend, whatever happened."""
+    backends = [t.backend for t in trainers]
+    try:
+        for b in backends:
+            b.start()
+        for b in backends:
+            b.wait_for_peers(len(backends) - 1, timeout=wait)
+        in_threads([t.run for t in trainers], timeout, what="a peer's training")
+    finally:
+        for b in backends:
+            b.close()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.tasks import Shard, TaskData, evaluation_mode
-from swarmtrain.testing.local import free_ports, in_threads
+from swarmtrain.testing.local import free_ports, run_peer_trainers
 
 __all__ = ["Case", "Outcome", "free_ports", "state_problems", "train_one_process", "train_peer",
            "train_pipeline", "train_ps"]
@@ -260,15 +260,7 @@ def train_peer(case: Case, data: TaskData | None = None, *, mode: Literal["step"
                               inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum)
         trainers.append(PeerTrainer(backend, strategy, max_rounds=rounds))
     started = time.monotonic()
-    try:
-        for b in backends:
-            b.start()
-        for b in backends:
-            b.wait_for_peers(peers - 1, timeout=30)
-        in_threads([t.run for t in trainers], timeout)
-    finally:
-        for b in backends:
-            b.close()
+    run_peer_trainers(trainers, timeout)
     seconds = time.monotonic() - started
     by_rank = sorted(zip(backends, trainers), key=lambda bt: bt[0].rank)
     states = [t.strategy.model.state_dict() for _, t in by_rank]
