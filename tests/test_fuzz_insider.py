@@ -188,11 +188,11 @@ def test_a_workers_long_error_message_does_not_stall_the_coordinator(tmp_path: P
     console handler's wrapping of a 60 kB word blocked its event loop for seconds (6 kB: 0.6 s,
     20 kB: over 8 s), past the honest workers' heartbeat timeout (they dropped and
     reconnected; ctl timed out)."""
-    from swarmtrain.testing.fuzz_insider import SECRET, Case, Insider, digits_parameters, status_of
+    from swarmtrain.testing.fuzz_insider import SECRET, Case, Insider, status_of
+    from swarmtrain.testing.fuzz_insider_cases import digits_register
     from swarmtrain.testing.procs import start_coordinator, tail
-    from swarmtrain.wire import Error, Register
+    from swarmtrain.wire import Error
 
-    _, fp, comp = digits_parameters()
     coord, port = start_coordinator(
         tmp_path,
         "--task",
@@ -207,19 +207,7 @@ def test_a_workers_long_error_message_does_not_stall_the_coordinator(tmp_path: P
     )
 
     def register(wid: str) -> bytes:
-        return encode_bytes(
-            Register(
-                worker_id=wid,
-                task="digits",
-                fingerprint=fp,
-                hardware={},
-                batch_size=32,
-                accumulation_steps=1,
-                shard_index=-1,
-                compression=comp,
-                samples_per_sec=1.0,
-            )
-        )
+        return encode_bytes(digits_register(wid))
 
     async def main() -> tuple[str, str]:
         insider = Insider(port, register)
@@ -251,8 +239,9 @@ def test_a_gradient_refused_as_stale_moves_no_message_id() -> None:
     from swarmtrain.testing.fuzz_engine import FUZZ_TIMEOUTS
     from swarmtrain.testing.fuzz_engine import SECRET as FUZZ_SECRET
     from swarmtrain.testing.fuzz_insider import gradient
+    from swarmtrain.testing.fuzz_insider_cases import digits_register
     from swarmtrain.transport import connect
-    from swarmtrain.wire import Register, RegisterAck, Update
+    from swarmtrain.wire import RegisterAck, Update
 
     async def main() -> list[str]:
         _, coord, params, fp, comp = _fuzz_coordinator(0)
@@ -262,19 +251,7 @@ def test_a_gradient_refused_as_stale_moves_no_message_id() -> None:
             conn = await connect(
                 "127.0.0.1", coord.port, secret=FUZZ_SECRET, role="worker", timeouts=FUZZ_TIMEOUTS
             )
-            await conn.send(
-                Register(
-                    worker_id="insider",
-                    task="digits",
-                    fingerprint=fp,
-                    hardware={},
-                    batch_size=32,
-                    accumulation_steps=1,
-                    shard_index=-1,
-                    compression=comp,
-                    samples_per_sec=1.0,
-                )
-            )
+            await conn.send(digits_register("insider"))
             while not isinstance(ack := await conn.recv(timeout=10), RegisterAck):
                 pass
             statuses = []

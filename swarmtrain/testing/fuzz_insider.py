@@ -47,7 +47,7 @@ from swarmtrain.testing.fuzz_insider_cases import (
     HOSTILE_INTS,
     Case,
     coordinator_cases,
-    digits_parameters,
+    digits_register,
     gradient,
     hostile,
     peer_cases,
@@ -71,7 +71,6 @@ from swarmtrain.testing.fuzz_insider_engine import (
 )
 from swarmtrain.testing.procs import tail
 from swarmtrain.wire import (
-    Register,
     Shutdown,
     encode_bytes,
 )
@@ -118,7 +117,6 @@ def refusal_counting_pending(report: InsiderReport) -> str | None:
 async def _coordinator_campaign(
     procs: Processes, report: InsiderReport, n_random: int, target_steps: int
 ) -> None:
-    shapes, fp, comp = digits_parameters()
     # The configuration that claims to withstand insiders (docs/robustness.md): one vote per
     # worker per step. Under robust = "none" the ratchet's gradients, clipped by the outlier
     # screen at 1000x its reference, still reach Adam and inflate its second moment for
@@ -161,15 +159,7 @@ async def _coordinator_campaign(
         await asyncio.sleep(0.2)
     before = await status()
 
-    def register(wid: str) -> bytes:
-        return encode_bytes(
-            Register(
-                worker_id=wid, task="digits", fingerprint=fp, hardware={"profile": "insider"}, batch_size=32,
-                accumulation_steps=1, shard_index=-1, compression=comp, samples_per_sec=100.0,
-            )
-        )
-
-    insider = Insider(port, register)
+    insider = Insider(port, lambda wid: encode_bytes(digits_register(wid)))
     cases = coordinator_cases(random.Random(report.seed), n_random, ("w0", "w1"))
     await run_cases(procs, report, insider, cases, lambda: status_of(port, "ctl"))
     after = await status()

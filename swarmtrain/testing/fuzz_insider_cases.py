@@ -50,7 +50,7 @@ from swarmtrain.wire import (
 )
 
 __all__ = [
-    "INSIDER_LIMITS", "digits_parameters",
+    "INSIDER_LIMITS", "digits_parameters", "digits_register",
     "HOSTILE_FLOATS", "HOSTILE_INTS", "HOSTILE_STRS", "Case", "Frame", "coordinator_cases", "gf",
     "gradient", "hostile", "peer_cases", "stage_cases",
 ]
@@ -155,6 +155,7 @@ def _random_field_cases(
     return out
 
 
+@functools.cache
 def digits_parameters() -> tuple[dict[str, tuple[int, ...]], list[list[Any]], dict[str, Any]]:
     from swarmtrain.config import CompressionConfig, load_coordinator_config
     from swarmtrain.modelstate import ModelState
@@ -165,6 +166,18 @@ def digits_parameters() -> tuple[dict[str, tuple[int, ...]], list[list[Any]], di
     cfg = load_coordinator_config()
     comp = {k: getattr(cfg.compression, k) for k in CompressionConfig.SHARED_KEYS}
     return shapes, ModelState(model).fingerprint(), comp
+
+
+def digits_register(worker_id: str = "insider", **over: Any) -> Register:
+    """The REGISTER a digits worker with the default compression sends (``over`` replaces
+    fields): what an insider needs to be taken in as a worker."""
+    _, fp, comp = digits_parameters()
+    fields: dict[str, Any] = {
+        "worker_id": worker_id, "task": "digits", "fingerprint": fp, "hardware": {"profile": "insider"},
+        "batch_size": 32, "accumulation_steps": 1, "shard_index": -1, "compression": comp,
+        "samples_per_sec": 100.0,
+    }
+    return Register(**{**fields, **over})
 
 
 def gradient(
@@ -190,15 +203,10 @@ def gradient(
 
 def coordinator_cases(rng: random.Random, n_random: int, live: tuple[str, str]) -> list[Case]:
     """The issue's cases (fixed, names start with ``!``), then ``n_random`` drawn ones."""
-    shapes, fp, comp = digits_parameters()
+    shapes, _, _ = digits_parameters()
 
     def reg(**kw: Any) -> Register:
-        base = {
-            "worker_id": "insider-r", "task": "digits", "fingerprint": fp, "hardware": {"profile": "insider"},
-            "batch_size": 32, "accumulation_steps": 1, "shard_index": -1, "compression": comp,
-            "samples_per_sec": 100.0,
-        }
-        return Register(**{**base, **kw})
+        return digits_register(**{"worker_id": "insider-r", **kw})
 
     g = functools.partial(gradient, shapes)
     nan_g = dataclasses.replace(
