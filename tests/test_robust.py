@@ -270,6 +270,8 @@ def test_peers_gather_and_combine_identically_and_a_scaled_liar_does_not_steer()
     assert len({flatten(t.strategy.params).numpy().tobytes() for t in trainers}) == 1
     assert len({tuple(t.scores.summary()["excluded"]) for t in trainers}) == 1  # type: ignore[arg-type]
     assert len(trainers[0].scores.excluded()) == 1 and flipped["accuracy"] >= 0.9
+    # and its samples are not counted as trained: the last round's are the 4 honest batches
+    assert {t._round_weight for t in trainers} == {HONEST * 32}
     assert flipped["loss"] <= 1.1 * clean["loss"], (clean, flipped)
 
 

@@ -19,7 +19,7 @@ from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.peer.backend import NonFiniteResult, PeerBackend, load_state_bytes, state_bytes
 from swarmtrain.peer.ring import RingBroken
 from swarmtrain.peer.training import Contribution, Strategy
-from swarmtrain.roles.aggregation import ROBUST_MODES, MemberScores, robust_combine
+from swarmtrain.roles.aggregation import ROBUST_MODES, MemberScores, capped_total, robust_combine
 from swarmtrain.runlog import RunLog
 
 __all__ = ["PeerTrainer"]
@@ -259,16 +259,16 @@ class PeerTrainer:
         if not voters:
             self._round_weight = 0
             return None
-        weights = sorted(float(rows[i, -1]) for i in voters)
-        cap = weights[(len(weights) - 1) // 2]  # claims count up to the lower median's
-        self._round_weight = max(0, round(sum(min(w, cap) for w in weights)))
         if self._scores_epoch != self.backend.epoch:
             self.scores, self._scores_epoch = MemberScores(), self.backend.epoch
         view = self.backend.view
-        keys = {i: (view.members[i] if view is not None else str(i)) for i in voters}
-        members = [(keys[i], {"flat": rows[i, :n]}) for i in voters]
-        voting = [members[i][1] for i in self.scores.voting([k for k, _ in members])]
-        combined = robust_combine(voting, self.robust, trim=self.robust_trim)["flat"]
+        members = [(view.members[i] if view is not None else str(i), {"flat": rows[i, :n]}) for i in voters]
+        # the rows that vote (not the members left out): the combination, the samples and the
+        # parameters stepped are theirs alone
+        voting = [voters[j] for j in self.scores.voting([k for k, _ in members])]
+        self._round_weight = capped_total([float(rows[i, -1]) for i in voting])
+        combined = robust_combine([{"flat": rows[i, :n]} for i in voting], self.robust,
+                                  trim=self.robust_trim)["flat"]
         left, back = self.scores.update(members)
         for peer in left:
             self._event("member_excluded", peer=peer, agreement=self.scores.mean(peer))
@@ -278,7 +278,7 @@ class PeerTrainer:
                         "not yours", str(peer)[:8], self.scores.mean(peer))
         for peer in back:
             self._event("member_readmitted", peer=peer)
-        shares = (rows[voters, n:n + f].sum(dim=0) > 0).to(torch.float32)
+        shares = (rows[voting, n:n + f].sum(dim=0) > 0).to(torch.float32)
         return combined, shares
 
     def _event(self, kind: str, **data: Any) -> None:

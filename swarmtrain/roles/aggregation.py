@@ -57,7 +57,8 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
-__all__ = ["ROBUST_MODES", "GradientWindow", "MemberScores", "RobustWindow", "robust_combine", "trim_count"]
+__all__ = ["ROBUST_MODES", "GradientWindow", "MemberScores", "RobustWindow", "capped_total", "robust_combine",
+           "trim_count"]
 
 ROBUST_MODES = ("none", "clip", "trimmed_mean", "median")
 """Values of ``training.robust``: how the members' gradients of one step are combined."""
@@ -93,6 +94,16 @@ class GradientWindow:
         self.samples = self.gradients = 0
         self._sparse = False
         return mean, sparse
+
+
+def capped_total(claims: Sequence[float]) -> int:
+    """The members' claimed samples summed with none counted above the lower median claim:
+    one member claiming huge counts adds no more than a typical member (and a liar of two
+    cannot raise the cap)."""
+    if not claims:
+        return 0
+    cap = sorted(claims)[(len(claims) - 1) // 2]
+    return max(0, round(sum(min(c, cap) for c in claims)))
 
 
 def trim_count(members: int, trim: float) -> int:
@@ -359,11 +370,7 @@ class RobustWindow:
         claiming huge sample counts cannot close windows alone), left-out workers' not
         counted."""
         out = self.scores.excluded()
-        counts = sorted(s.samples for w, s in self._slots.items() if w not in out)
-        if not counts:
-            return 0
-        cap = counts[(len(counts) - 1) // 2]  # the lower median: a liar of two cannot raise it
-        return sum(min(c, cap) for c in counts)
+        return capped_total([s.samples for w, s in self._slots.items() if w not in out])
 
     def add(self, worker: str, grads: Mapping[str, torch.Tensor], weight: float, samples: int,
             *, sparse: bool) -> None:

@@ -344,19 +344,19 @@ class Worker:
     async def _session(self, conn: Connection) -> None:
         self._reset_session()
         comp = self.config.compression
+        # the most samples a gradient of ours claims is batch x accumulation: a DataLoader's
+        # batches may be larger than the plan's (the largest seen is registered)
+        batch = max(self.plan.batch_size, self._largest_batch)
         await conn.send(Register(
             worker_id=self.worker_id, task=self.task_name,
             fingerprint=self.state.fingerprint(), hardware=self.hw.to_dict(),
-            # the most samples a gradient of ours claims is batch x accumulation: a DataLoader's
-            # batches may be larger than the plan's (the largest seen is registered)
-            batch_size=max(self.plan.batch_size, self._largest_batch),
-            accumulation_steps=self.plan.accumulation_steps,
+            batch_size=batch, accumulation_steps=self.plan.accumulation_steps,
             shard_index=self.config.data.shard_index,
             compression={k: getattr(comp, k) for k in comp.SHARED_KEYS},
             samples_per_sec=min(max(self.samples_per_sec, 0.0), _MAX_SAMPLES_PER_SEC)
             if math.isfinite(self.samples_per_sec) else 0.0, last_msg_id=self.msg_id,
         ))
-        self._claim_cap = max(self.plan.batch_size, self._largest_batch) * self.plan.accumulation_steps
+        self._claim_cap = batch * self.plan.accumulation_steps
         ack = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
         if isinstance(ack, Error):
             raise RefusedError(ack.code, ack.message)
