@@ -17,6 +17,7 @@ import struct
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,10 +134,13 @@ class _RawClient:
         assert isinstance(ch, Challenge)
         return hello, ch
 
-    def auth(self, hello: Hello, ch: Challenge) -> None:
+    def auth(self, hello: Hello, ch: Challenge, **fields: Any) -> None:
+        """AUTH with the right proof for this transcript, and ``fields`` (values, or callables
+        of the transcript: e.g. a forged identity signature)."""
         t = auth.Transcript(hello.role, hello.nonce, ch.nonce, node=hello.node, software=hello.software,
                             open_cluster=ch.open_cluster)
-        self.send(Auth(proof=auth.client_proof(SECRET, t)))
+        extra = {k: (v(t) if callable(v) else v) for k, v in fields.items()}
+        self.send(Auth(proof=auth.client_proof(SECRET, t), **extra))
 
     def close(self) -> None:
         self.writer.close()

@@ -24,13 +24,9 @@ from swarmtrain.roles.ctl import ctl_request
 from swarmtrain.roles.worker import Worker
 from swarmtrain.transport import Connection, auth, connect, start_server
 from swarmtrain.wire import (
-    Auth,
-    Challenge,
-    Decoder,
     Error,
     Gradients,
     Heartbeat,
-    Hello,
     Message,
     Register,
     RegisterAck,
@@ -39,9 +35,9 @@ from swarmtrain.wire import (
     Update,
     Weights,
     Welcome,
-    encode_bytes,
 )
 from swarmtrain.wire.messages import MAX_INT
+from tests.test_handshake_binding import _RawClient
 from tests.test_ps_inprocess import SECRET, coordinator, worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -318,34 +314,16 @@ def test_worker_id_bindings_survive_a_checkpoint(tmp_path: Path) -> None:
 # --- the identity proof in the handshake ------------------------------------------------------
 
 
-class _Raw:
-    """A client that knows the secret and builds its own AUTH (a forger's tool)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer, self.dec = reader, writer, Decoder()
-
-    async def recv(self) -> Message | None:
-        while (msg := self.dec.next_message()) is None:
-            data = await asyncio.wait_for(self.reader.read(1 << 16), 10)
-            if not data:
-                return None
-            self.dec.feed(data)
-        return msg
-
-    async def handshake(self, port: int, node: str, **auth_fields: Any) -> Message | None:
-        """HELLO claiming ``node``, then AUTH with a correct secret proof and ``auth_fields``;
-        ``auth_fields`` may be a callable of the transcript."""
-        self.reader, self.writer = await asyncio.open_connection(HOST, port)
-        hello = Hello(role="worker", nonce=auth.new_nonce(), software="raw", node=node)
-        self.writer.write(encode_bytes(hello))
-        ch = await self.recv()
-        assert isinstance(ch, Challenge)
-        t = auth.Transcript("worker", hello.nonce, ch.nonce, node=node, software="raw")
-        extra = {k: (v(t) if callable(v) else v) for k, v in auth_fields.items()}
-        self.writer.write(encode_bytes(Auth(proof=auth.client_proof(SECRET, t), **extra)))
-        answer = await self.recv()
-        self.writer.close()
-        return answer
+async def _handshake(port: int, node: str, **auth_fields: Any) -> Message | None:
+    """HELLO claiming ``node``, then AUTH with a correct secret proof and ``auth_fields`` (a
+    forger's: values, or callables of the transcript); the server's answer."""
+    raw = await _RawClient.open(port)
+    try:
+        hello, ch = await raw.hello("worker", node)
+        raw.auth(hello, ch, **auth_fields)
+        return await raw.recv()
+    finally:
+        raw.close()
 
 
 def test_a_forged_or_mismatched_identity_is_refused_with_a_code() -> None:
@@ -366,7 +344,6 @@ def test_a_forged_or_mismatched_identity_is_refused_with_a_code() -> None:
 
         srv = await start_server(HOST, 0, handler, secret=SECRET)
         try:
-            raw = _Raw(*await asyncio.open_connection(HOST, srv.port))
             forged = {
                 "another key's": dict(public_key=other.public_key, signature=sign(other)),
                 "a signature by another key": dict(public_key=me.public_key, signature=sign(other)),
@@ -376,10 +353,10 @@ def test_a_forged_or_mismatched_identity_is_refused_with_a_code() -> None:
                 "a signature without a key": dict(signature=sign(me)),
             }
             for why, fields in forged.items():
-                answer = await raw.handshake(srv.port, me.peer_id, **fields)
+                answer = await _handshake(srv.port, me.peer_id, **fields)
                 assert isinstance(answer, Error) and answer.code == "bad_identity", (why, answer)
             assert nodes == []
-            answer = await raw.handshake(srv.port, me.peer_id, public_key=me.public_key, signature=sign(me))
+            answer = await _handshake(srv.port, me.peer_id, public_key=me.public_key, signature=sign(me))
             assert isinstance(answer, Welcome)
             # a client without a key still gets in, but its claimed node is not kept
             conn = await connect(HOST, srv.port, secret=SECRET, role="worker", node=me.peer_id)
@@ -405,9 +382,8 @@ def test_a_relay_cannot_swap_in_its_own_key() -> None:
 
         srv = await start_server(HOST, 0, handler, secret=SECRET)
         try:
-            raw = _Raw(*await asyncio.open_connection(HOST, srv.port))
-            answer = await raw.handshake(srv.port, me.peer_id, public_key=relay_key.public_key,
-                                         signature=lambda t: relay_key.sign(auth.identity_statement(t)))
+            answer = await _handshake(srv.port, me.peer_id, public_key=relay_key.public_key,
+                                      signature=lambda t: relay_key.sign(auth.identity_statement(t)))
             assert isinstance(answer, Error) and answer.code == "bad_identity"
             with pytest.raises(AuthError):
                 await connect(HOST, srv.port, secret=b"not the secret", role="worker", identity=me)
