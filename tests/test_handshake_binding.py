@@ -23,6 +23,7 @@ import pytest
 
 from swarmtrain.errors import AuthError
 from swarmtrain.peer import links
+from swarmtrain.peer.identity import Identity
 from swarmtrain.peer.links import MAGIC, REFUSALS, RingBroken, RingListener, dial, recv_exact
 from swarmtrain.roles.ctl import ctl_request
 from swarmtrain.transport import Connection, auth, connect, start_server
@@ -215,7 +216,12 @@ def test_the_issue_attack_a_relay_cannot_pause_a_coordinator(tmp_path: Path) -> 
 
 
 def test_a_ctl_action_is_logged_and_recorded_with_its_source(tmp_path: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+                                                             caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the address and the node id the ctl proved with this machine's key."""
+    monkeypatch.setenv("SWARMTRAIN_HOME", str(tmp_path / "home"))
+    node = Identity.load_or_create().peer_id
+
     async def scenario() -> None:
         c = make_coordinator(tmp_path, **{"checkpointing.interval": 0})
         await c.start()
@@ -229,8 +235,8 @@ def test_a_ctl_action_is_logged_and_recorded_with_its_source(tmp_path: Path,
         ctl = [e for e in c.events if e["event"] == "ctl"]
         assert len(paused) == 1 and paused[0]["source"].startswith("127.0.0.1:")
         assert ctl == [{"time": ctl[0]["time"], "event": "ctl", "action": "pause",
-                        "address": paused[0]["source"], "node": ""}]
-        assert f"ctl PAUSE from {paused[0]['source']}" in caplog.text
+                        "address": paused[0]["source"], "node": node}]
+        assert f"ctl PAUSE from {paused[0]['source']} (node {node})" in caplog.text
 
     run(scenario())
 

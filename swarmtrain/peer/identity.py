@@ -11,6 +11,7 @@ node's private key, because everything it says about membership is signed
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 from collections.abc import Mapping
@@ -22,7 +23,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from swarmtrain.errors import SwarmError
 
-__all__ = ["KEY_FILE", "PUBLIC_KEY_BYTES", "Identity", "config_dir", "peer_id_of", "verify"]
+log = logging.getLogger("swarmtrain.identity")
+
+__all__ = ["KEY_FILE", "PUBLIC_KEY_BYTES", "Identity", "config_dir", "node_identity", "peer_id_of", "verify"]
 
 KEY_FILE = "identity.key"
 PUBLIC_KEY_BYTES = 32
@@ -124,6 +127,18 @@ class Identity:
             return cls(_read_key(path), path)  # another process created it first: use theirs
         except OSError as exc:
             raise SwarmError(f"cannot load or create the node identity in {directory}: {exc}") from exc
+
+
+def node_identity(without_key: str) -> Identity:
+    """This node's persistent identity (:meth:`Identity.load_or_create`), or a throwaway key
+    when the config directory cannot hold one, with a warning that says ``without_key``
+    (what a throwaway key costs the caller) and how to keep the key."""
+    try:
+        return Identity.load_or_create()
+    except SwarmError as exc:
+        log.warning("%s; using a throwaway identity key: %s (set SWARMTRAIN_HOME to a writable "
+                    "directory to keep the key)", exc, without_key)
+        return Identity.generate()
 
 
 def _read_key(path: Path) -> Ed25519PrivateKey:

@@ -938,7 +938,7 @@ class Coordinator:
             while True:
                 msg = await conn.recv()
                 if not isinstance(msg, StatusRequest):
-                    # who asked, for the log and the events: the address and the node id it claimed
+                    # who asked, for the log and the events: the address and the node id its key proved
                     log.info("ctl %s from %s%s", msg.TYPE.name, conn.peer,
                              f" (node {conn.node})" if conn.node else "")
                     self._event("ctl", action=msg.TYPE.name.lower(), address=conn.peer, node=conn.node)

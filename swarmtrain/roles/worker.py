@@ -47,7 +47,7 @@ from swarmtrain.errors import (
     SwarmTimeout,
 )
 from swarmtrain.modelstate import ModelState, buffer_changes, snapshot_buffers
-from swarmtrain.peer.identity import Identity
+from swarmtrain.peer.identity import Identity, node_identity
 from swarmtrain.precision import LossScaler
 from swarmtrain.roles.common import (
     codec_for_step,
@@ -105,18 +105,6 @@ def _wire_float(x: float) -> float:
     """``x`` as GRADIENTS carries it: a loss or norm that is not finite or beyond the wire's
     bound (a diverged step) goes as NaN, which the coordinator refuses as "no finite loss"."""
     return x if math.isfinite(x) and abs(x) <= _MAX_LOSS else math.nan
-
-
-def _node_identity() -> Identity:
-    """The node's persistent identity key (as a peer's), or an ephemeral one if the config
-    directory cannot hold it: the worker id then belongs to this process only."""
-    try:
-        return Identity.load_or_create()
-    except SwarmError as exc:
-        log.warning("%s; using a throwaway identity key: this worker's id cannot be reclaimed by "
-                    "a restarted worker until the coordinator forgets it (set SWARMTRAIN_HOME to a "
-                    "writable directory to keep the key)", exc)
-        return Identity.generate()
 
 
 class _ShutdownRequested(SwarmError):
@@ -185,7 +173,8 @@ class Worker:
         self.scaler = LossScaler.for_model(self.params.values())
         self.worker_id = t.worker_id or f"w-{_secrets.token_hex(4)}"
         #: this machine's node key: the coordinator binds the worker id to its peer id
-        self.identity = identity or _node_identity()
+        self.identity = identity or node_identity(
+            "this worker's id cannot be reclaimed by a restarted worker until the coordinator forgets it")
         self.randomness = OwnRandomness(worker_seed(t.seed, self.worker_id), loader_generators(data),
                                         cuda=self.device.type == "cuda")
         self._cycled = CycledIterable(data)  # type: ignore[arg-type]
