@@ -233,7 +233,7 @@ def _record_grads(strat: Strategy) -> list[list[torch.Tensor | None]]:
     return seen
 
 
-def test_a_parameter_is_averaged_over_the_peers_that_computed_it_and_none_is_not_stepped() -> None:
+def test_a_parameter_a_peer_did_not_compute_counts_as_zeros_and_one_nobody_did_is_not_stepped() -> None:
     batches = [_branchy_batch(1, 8, True), _branchy_batch(2, 24, False)]
     peers = [StepAveraging(_Branchy(), _branchy_loss, lambda b=b: b, lr=0.05, weight_decay=0.1)
              for b in batches]
@@ -249,11 +249,12 @@ def test_a_parameter_is_averaged_over_the_peers_that_computed_it_and_none_is_not
     names = list(peers[0].state.trainable)
     for s in seen:
         got = dict(zip(names, s[0]))
-        # the body: the weighted mean over both; the branch: peer 0's gradient alone, not halved
+        # the body: the weighted mean over both; the branch: peer 0's gradient weighted by its
+        # 8 of the round's 32 samples (peer 1 computed none there), as one process over all 32
         assert got["body.weight"] is not None and got["branch.weight"] is not None
         both = (8 * own[0]["body.weight"] + 24 * own[1]["body.weight"]) / 32
         assert torch.allclose(got["body.weight"], both, atol=1e-7)
-        assert torch.allclose(got["branch.weight"], own[0]["branch.weight"], atol=1e-7)
+        assert torch.allclose(got["branch.weight"], 8 * own[0]["branch.weight"] / 32, atol=1e-7)
         assert got["unused.weight"] is None and got["unused.bias"] is None  # nobody computed it
     for p in peers:
         now = _state_of(p.model)

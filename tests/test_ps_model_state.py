@@ -313,7 +313,11 @@ def test_concurrent_registrations_lose_no_shard_reassignment() -> None:
         assert w.shards == coord.workers[w.worker_id].shards
 
 
-def test_gradient_window_means_each_parameter_over_the_gradients_that_carried_it() -> None:
+def test_gradient_window_counts_a_parameter_a_gradient_left_out_as_zeros() -> None:
+    """The window's mean is the gradient of the mean loss over all its samples, as one
+    process computes it over one batch: a batch that skipped a branch added zeros for it
+    (averaging over the carriers only stepped LayerDrop's blocks with half-sized batches at
+    full weight, and its held-out accuracy spread twice as wide as one process's)."""
     from swarmtrain.roles.aggregation import GradientWindow
 
     params = {"a": torch.zeros(2), "b": torch.zeros(2)}
@@ -323,7 +327,7 @@ def test_gradient_window_means_each_parameter_over_the_gradients_that_carried_it
     assert w.samples == 32 and w.gradients == 2
     mean, sparse = w.take()
     assert torch.allclose(mean["a"], torch.tensor([2.5, 2.5]))  # (1*1 + 3*3) / 4
-    assert torch.allclose(mean["b"], torch.tensor([4.0, 4.0]))  # over the one gradient carrying it
+    assert torch.allclose(mean["b"], torch.tensor([1.0, 1.0]))  # (1*4 + 3*0) / 4, not 4
     assert not sparse and w.samples == 0
     assert w.take()[0] == {}  # an empty window steps nothing
 

@@ -61,7 +61,7 @@ def test_clip_scales_every_member_above_the_median_norm_down_to_it() -> None:
     assert out.tolist() == pytest.approx([(0 + 0.6) / 2, (1 + 0.8) / 2])
 
 
-def test_a_name_is_combined_over_the_members_that_carry_it_and_bits_repeat() -> None:
+def test_a_member_lacking_a_name_counts_as_zeros_for_it_and_bits_repeat() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = [{"a": torch.randn(50, generator=gen), "b": torch.randn(3, generator=gen)} for _ in range(4)]
     rows.append({"a": torch.randn(50, generator=gen)})  # no "b": an unused branch
@@ -69,8 +69,10 @@ def test_a_name_is_combined_over_the_members_that_carry_it_and_bits_repeat() -> 
         first, again = robust_combine(rows, mode), robust_combine(rows, mode)
         assert set(first) == {"a", "b"}
         assert all(torch.equal(first[n], again[n]) for n in first)
-    assert torch.equal(robust_combine(rows, "median")["b"],
-                       robust_combine(rows[:4], "median")["b"])
+    zeros = [*rows[:4], {"a": rows[4]["a"], "b": torch.zeros(3)}]  # a skipped branch: no gradient
+    for mode in ("clip", "trimmed_mean", "median"):
+        assert torch.equal(robust_combine(rows, mode)["b"], robust_combine(zeros, mode)["b"])
+    assert not torch.equal(robust_combine(rows, "clip")["b"], robust_combine(rows[:4], "clip")["b"])
     with pytest.raises(ValueError, match="robust mode"):
         robust_combine(rows, "none")
 

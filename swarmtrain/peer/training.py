@@ -26,9 +26,10 @@ What a round agrees on is the model's whole trained state (:class:`~swarmtrain.m
 - **trained parameters** only: frozen ones are never stepped (they travel with the boundary
   state, bit for bit). A contribution carries, per parameter, a flag worth the peer's weight
   if it computed that parameter this round (a gradient, or any inner step on it) and 0 if
-  not (LayerDrop, an unused branch), so each parameter's mean is over the peers that computed
-  it; a parameter nobody computed gets ``grad = None`` and is not stepped at all (no decay,
-  no momentum), as in one plain process;
+  not (LayerDrop, an unused branch). A peer that did not compute a parameter contributes
+  zeros for it, so its mean is the gradient of the mean loss over all the round's samples
+  (what one process computes over one batch of them); a parameter nobody computed gets
+  ``grad = None`` and is not stepped at all (no decay, no momentum), as in one plain process;
 - **buffers** (BatchNorm's running statistics, ``num_batches_tracked``, any persistent float
   or integer buffer): each peer sends how its local work changed them, with a flag per buffer
   as for the parameters; every member adds the weighted mean change (rounded for integer
@@ -265,14 +266,15 @@ class Strategy(ABC):
         return Contribution(torch.zeros(size), 0.0, self.round, 0, steps, torch.zeros(self.flag_count))
 
     def _unpack(self, mean: torch.Tensor) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
-        """Each parameter's mean over the peers that computed it (None if none did) and each
-        buffer's mean change over the peers that changed it (absent if none did)."""
+        """Each parameter's mean over all the peers, zeros from those that did not compute it
+        (None if none did), and each buffer's mean change over the peers that changed it
+        (absent if none did: a buffer a peer's batch did not touch is not a change of 0)."""
         flags = self._shares.tolist() if self._shares is not None else [1.0] * self.flag_count
         values: list[torch.Tensor | None] = []
         offset = 0
         for i, p in enumerate(self.params):
             n = p.numel()
-            values.append(mean[offset:offset + n].view(p.shape) / flags[i] if flags[i] > 0 else None)
+            values.append(mean[offset:offset + n].view(p.shape) if flags[i] > 0 else None)
             offset += n
         changes: dict[str, torch.Tensor] = {}
         for j, (name, b) in enumerate(self.buffers.items()):

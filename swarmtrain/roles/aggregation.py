@@ -13,9 +13,14 @@ the one a single process would take with that batch, and a slow worker's late gr
 counts in the next window, damped (K-async SGD, Dutta et al. 2018, with the window sized in
 samples so that unequal machines fill it unequally).
 
-Per parameter, the mean is over the gradients that carried it: a parameter unused by one
-batch (a skipped branch) is averaged over the batches that used it, and one no gradient of
-the window carried is not stepped.
+A parameter some gradient of the window did not carry (a branch that batch skipped:
+LayerDrop, an unused expert) counts as a zero gradient from that batch: the window's mean is
+the gradient of the mean loss over all its samples, as one process computes it over one
+batch of them (and as DDP's all-reduce does). Averaging over only the batches that used it
+stepped such a branch with half-sized batches at full weight: LayerDrop's held-out accuracy
+then spread twice as wide as one process's (sd 0.018 vs 0.009 over 8 runs, some 0.03 below).
+A parameter no gradient of the window carried is not stepped at all (torch's optimizers skip
+``grad is None``).
 
 **Robust windows** (``training.robust``, :class:`RobustWindow`): the plain window trusts
 every gradient's claimed samples and its values, so one member can steer the step. A robust
@@ -70,6 +75,7 @@ class GradientWindow:
     def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
         self._sums = {n: torch.zeros_like(p) for n, p in params.items()}
         self._weights = dict.fromkeys(params, 0.0)
+        self._total = 0.0  # every added gradient's weight, whichever names it carried
         self.samples = 0
         self.gradients = 0
         self._sparse = False
@@ -79,18 +85,21 @@ class GradientWindow:
         for name, g in grads.items():
             self._sums[name].add_(g.to(self._sums[name].dtype), alpha=weight)
             self._weights[name] += weight
+        self._total += weight
         self.samples += samples
         self.gradients += 1
         self._sparse = self._sparse or sparse
 
     def take(self) -> tuple[dict[str, torch.Tensor], bool]:
-        """The mean gradient of every parameter some gradient carried, and whether any was
-        sparse; the window starts empty again (the returned tensors are fresh)."""
-        mean = {n: s / self._weights[n] for n, s in self._sums.items() if self._weights[n] > 0}
+        """The mean gradient of every parameter some gradient carried (over all the window's
+        gradients: one that did not carry it counts as zeros), and whether any was sparse;
+        the window starts empty again (the returned tensors are fresh)."""
+        mean = {n: s / self._total for n, s in self._sums.items() if self._weights[n] > 0}
         sparse = self._sparse
         for s in self._sums.values():
             s.zero_()
         self._weights = dict.fromkeys(self._weights, 0.0)
+        self._total = 0.0
         self.samples = self.gradients = 0
         self._sparse = False
         return mean, sparse
@@ -134,7 +143,8 @@ def robust_combine(members: Sequence[Mapping[str, torch.Tensor]], mode: str, *,
         mode: ``clip`` (mean after scaling every member whose global L2 norm is over the
             lower median of the members' norms down to it), ``trimmed_mean`` (per coordinate, drop
             :func:`trim_count` values at each end, average the rest) or ``median`` (per
-            coordinate). Per name, only the members that carry it take part.
+            coordinate). A member that lacks a name some other member carries counts as zeros
+            for it (it computed no gradient there: a skipped branch).
         trim: the trimmed mean's fraction cut at each end.
 
     Returns:
@@ -154,14 +164,15 @@ def robust_combine(members: Sequence[Mapping[str, torch.Tensor]], mode: str, *,
             total = torch.zeros_like(carriers[0][1])
             for i, g in carriers:
                 total.add_(g, alpha=scales[i])
-            out[name] = total / len(carriers)
+            out[name] = total / len(members)
             continue
-        stacked = torch.stack([g for _, g in carriers]).sort(dim=0).values
+        zeros = torch.zeros_like(carriers[0][1])
+        stacked = torch.stack([m.get(name, zeros) for m in members]).sort(dim=0).values
         if mode == "median":
             out[name] = _middle(stacked)
         else:
-            t = trim_count(len(carriers), trim)
-            out[name] = stacked[t:len(carriers) - t].mean(dim=0)
+            t = trim_count(len(members), trim)
+            out[name] = stacked[t:len(members) - t].mean(dim=0)
     return out
 
 

@@ -55,6 +55,11 @@ class Case:
             server; peers take half each, so a round has the same samples).
         steps: updates in one process; every mode trains on ``steps * batch_size`` samples.
         buffers: the model has BatchNorm statistics (checked to have moved).
+        repeats: distributed runs the bar averages. A model that draws from torch's global
+            generator in training (LayerDrop) gets other draws in each distributed run: its
+            members share this process's generator from threads, in arrival order. One run is
+            then one sample of a spread as wide as one process's over seeds (LayerDrop: sd
+            0.012 vs 0.009 over 8 runs), so its bar is on the mean of ``repeats`` runs.
     """
 
     name: str
@@ -66,6 +71,7 @@ class Case:
     batch_size: int
     steps: int
     buffers: bool = False
+    repeats: int = 1
 
     @property
     def metric(self) -> str:
