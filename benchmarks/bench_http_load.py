@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from typing import Any
 import psutil
 
 from swarmtrain.errors import SwarmError
+from swarmtrain.testing.local import free_ports
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, md_table, write_results
@@ -41,9 +41,7 @@ SECRET = "bench-http-load-secret"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def _version(port: int) -> tuple[float, int]:

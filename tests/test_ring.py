@@ -57,6 +57,7 @@ from swarmtrain.peer.wireformat import (
     segment_bounds,
     segment_size,
 )
+from swarmtrain.testing.local import free_ports
 from swarmtrain.transport.tls import TLSConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -766,9 +767,7 @@ else:
 
 
 def _start_members(world: int, mode: str) -> list[subprocess.Popen[str]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return [subprocess.Popen([sys.executable, "-c", MEMBER_SCRIPT, str(r), str(world), str(port), mode],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
