@@ -272,6 +272,12 @@ class CoordinatorTrainingConfig(_Section):
         1.0, "with aggregate_samples: hold the answer to a gradient until its window closes, for at "
         "most this many of that worker's own step times (0 = answer at once): workers that keep up "
         "compute on the new weights, a fast one waits at most about one of its steps", ge=0.0, le=10.0)
+    aggregate_wait: float = _opt(
+        0.5, "with aggregate_samples: once a window has its samples, keep it open for at most this "
+        "many median worker step times for the workers computing on the same weights whose "
+        "gradients are due by then, so that every worker that keeps up is in it and none lands "
+        "stale in the next (5 workers of 16 samples with aggregate_samples = 64 left one "
+        "gradient in two stale; 0 = close at once)", ge=0.0, le=10.0)
     sparse_variance: str = _opt(
         "hold", "Adam's second moment on a top-k (sparse) gradient: 'hold' keeps what dense "
         "gradients (the warm-up) taught it, so that error feedback feeds a linear update and "

@@ -133,6 +133,8 @@ class WorkerRecord:
     clipped: int = 0  # gradients scaled down by the outlier screen
     answered_at: float = 0.0  # when its last gradient was answered
     step_sec: float | None = None  # answer -> its next gradient (its compute, roughly): EMA
+    #: the weights version its replica holds (the one it computes its next gradient on)
+    holds_version: int = -1
     #: the worker holds the master buffers as of this version (changes after it are sent)
     buffers_version: int = -1
     #: its shard set changed while it (or another) was registering: an ASSIGN is owed
@@ -245,6 +247,11 @@ class Coordinator:
             RobustWindow(self.params, t.robust, trim=t.robust_trim) if t.robust != "none"
             else GradientWindow(self.params) if t.aggregate_samples else None)
         self._updated = asyncio.Event()  # set (and replaced) whenever an update is applied
+        self._window_ids: set[str] = set()  # workers with a gradient in the open window
+        #: when the open window got its samples, and when it closes whoever is still missing
+        self._window_ready_at: float | None = None
+        self._window_deadline: float | None = None
+        self._window_timer: asyncio.Task[None] | None = None
         self.num_shards = t.num_shards or max(t.min_workers, 1)
         self.shard_plan = ShardPlanner(self.num_shards)
         self.version = 0
@@ -345,9 +352,10 @@ class Coordinator:
             self._shutdown_task = asyncio.ensure_future(self.shutdown_cluster(reason))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *([self._window_timer] if self._window_timer is not None else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.close()
         self._apply_pool.shutdown(wait=True)
@@ -560,6 +568,8 @@ class Coordinator:
                 self._updated.set()
                 self._updated = asyncio.Event()
             elif self.window is not None and status == "applied":
+                if self._window_deadline is not None and self._window_timer is None:
+                    self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
             if reply is None:
                 reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
@@ -639,7 +649,7 @@ class Coordinator:
             rec.shadow = master.clone()
         self._round_replica(rec.shadow)
         rec.since_resync = 0
-        rec.buffers_version = self.version
+        rec.buffers_version = rec.holds_version = self.version
         return Weights(version=self.version, tensors=snap)
 
     def _round_replica(self, flat: torch.Tensor) -> None:
@@ -664,6 +674,22 @@ class Coordinator:
         owed = {n: self.buffers[n] for n, v in self._buffer_changed.items() if v > rec.buffers_version}
         rec.buffers_version = self.version
         return owed
+
+    async def _close_window_at_deadline(self) -> None:
+        """Close a window that has its samples but waits for due gradients, at its deadline
+        (when they did not come), and wake the answers held for it."""
+        try:
+            while (deadline := self._window_deadline) is not None and not self._finished:
+                await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+                version = self.version
+                await self._run_apply(self._close_window_if_due)
+                if self.version != version:
+                    self._updated.set()
+                    self._updated = asyncio.Event()
+                    if self.config.training.max_steps and self.version >= self.config.training.max_steps:
+                        self.request_shutdown(f"reached max_steps={self.config.training.max_steps}")
+        finally:
+            self._window_timer = None
 
     async def _hold_for_window(self, rec: WorkerRecord) -> None:
         """Hold the answer to a gradient that went into an open window until the window closes,
@@ -705,8 +731,9 @@ class Coordinator:
             return status, None  # in an open window: answered once it closes (or the hold ends)
         return status, self._reply(rec, msg.msg_id, status)
 
-    def _reply(self, rec: WorkerRecord, msg_id: int, status: str) -> Message:
+    def _reply(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
         reply = self._update_for(rec, msg_id, status)
+        rec.holds_version = reply.version
         rec.updates += 1
         rec.bytes_down += payload_bytes(reply.tensor_map())
         return reply
@@ -724,17 +751,14 @@ class Coordinator:
             rec.weight = 1.0  # one vote, whatever it claims
             self.window.add(rec.worker_id, grads, self._damping(staleness), msg.samples,
                             sparse=is_sparse(msg.codecs))
-            if self._robust_window_closes(self.window):
-                combined, sparse = self.window.take()
-                self._adam(combined, self.base_lr, sparse)
-                self._report_exclusions(*self.window.last_changes)
         elif self.window is not None:
             rec.weight = self._sample_weight(msg.samples)
             self.window.add(grads, msg.samples * self._damping(staleness), msg.samples,
                             sparse=is_sparse(msg.codecs))
-            if self.window.samples >= self.config.training.aggregate_samples:
-                mean, sparse = self.window.take()
-                self._adam(mean, self.base_lr, sparse)
+        if self.window is not None:
+            self._window_ids.add(rec.worker_id)
+            if self._window_closes():
+                self._step_window()
         else:
             rec.weight = self._sample_weight(msg.samples)
             self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
@@ -866,6 +890,59 @@ class Coordinator:
         q = self.config.training.robust_quorum or max(3, connected // 2 + 1)
         return max(1, min(q, connected))
 
+    def _window_closes(self) -> bool:
+        """Whether the open window steps now: it has its samples (a robust one: from a quorum,
+        :meth:`_robust_window_closes`) and no worker's fresh gradient is still due before its
+        deadline (:meth:`_due_workers`); else the deadline is set for the timer."""
+        window = self.window
+        assert window is not None
+        ready = (self._robust_window_closes(window) if isinstance(window, RobustWindow)
+                 else window.samples >= self.config.training.aggregate_samples)
+        if not ready:
+            return False
+        now = time.monotonic()
+        if self._window_ready_at is None:
+            self._window_ready_at = now
+        deadline = self._window_ready_at + self._window_wait_limit()
+        if now >= deadline or not self._due_workers(deadline):
+            return True
+        self._window_deadline = deadline
+        return False
+
+    def _window_wait_limit(self) -> float:
+        """How long a window with its samples waits at most: ``aggregate_wait`` x the median
+        step time of the connected workers (0 while none is known)."""
+        steps = sorted(r.step_sec for r in self._connected() if r.step_sec)
+        if not steps:
+            return 0.0
+        return self.config.training.aggregate_wait * steps[(len(steps) - 1) // 2]
+
+    def _due_workers(self, deadline: float) -> list[str]:
+        """Connected workers not in the open window that compute on the weights it will step
+        (so their next gradient is fresh in it) and are due before ``deadline`` by their own
+        step time; a left-out worker of a robust window is not waited for."""
+        out = self.window.scores.excluded() if isinstance(self.window, RobustWindow) else frozenset()
+        return [r.worker_id for r in self._connected()
+                if r.step_sec and r.holds_version == self.version and r.worker_id not in self._window_ids
+                and r.worker_id not in out and r.answered_at + r.step_sec <= deadline]
+
+    def _step_window(self) -> None:
+        """One Adam step on the open window's combination; the next window opens empty."""
+        window = self.window
+        assert window is not None
+        combined, sparse = window.take()
+        self._adam(combined, self.base_lr, sparse)
+        if isinstance(window, RobustWindow):
+            self._report_exclusions(*window.last_changes)
+        self._window_ids.clear()
+        self._window_ready_at = self._window_deadline = None
+
+    def _close_window_if_due(self) -> None:
+        """(apply thread) Step the open window if its deadline has passed."""
+        if (self._window_deadline is not None and time.monotonic() >= self._window_deadline
+                and self.window is not None and self.window.gradients):
+            self._step_window()
+
     def _robust_window_closes(self, window: RobustWindow) -> bool:
         """A robust window closes once it holds ``aggregate_samples`` samples (no slot counted
         above the median slot) from a quorum of workers, or after ``robust_wait_sec`` with
@@ -885,7 +962,7 @@ class Coordinator:
         self._samples_ema = samples if mean == 0 else 0.9 * mean + 0.1 * samples
         return min(4.0, max(0.05, samples / self._samples_ema))
 
-    def _update_for(self, rec: WorkerRecord, msg_id: int, status: str) -> Message:
+    def _update_for(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
         """The weight delta that brings ``rec``'s replica to the master weights, compressed.
 
         Drift bound: after every update, the worker's weights (equal to ``rec.shadow``, bit for
