@@ -210,7 +210,9 @@ def _rounds(scores: MemberScores, n: int, *, signal: float, liar: bool, seed: in
 def test_a_sign_flipped_member_is_left_out_within_a_few_rounds_and_honest_ones_never() -> None:
     scores = MemberScores()
     caught = _rounds(scores, 200, signal=1.0, liar=True)
-    assert caught is not None and caught < 3 * scores.min_rounds, caught
+    # by its 5th combination (the 8th, before the small-sample threshold: half of a 15-round
+    # DiLoCo run went by first, and digits DiLoCo ended 1.10-1.15x the clean loss)
+    assert caught is not None and caught <= 4, caught
     assert scores.voting(["h0", "h1", "liar", "h2", "h3"]) == [0, 1, 3, 4]
     assert scores.voting(["h0", "liar"]) == [0, 1]  # never fewer than a majority vote
     assert scores.exclusions == 1  # left out once, not once per round
