@@ -278,10 +278,18 @@ def _pipeline_parsers(sub: Any) -> None:
     pl.add_argument("--route", required=True, help=_ROUTE_HELP)
     pl.add_argument("--microbatches", type=int, default=200, help="micro-batches to train (default 200)")
     pl.add_argument("--batch-size", type=int, default=16, help="samples per micro-batch (default 16)")
+    pl.add_argument("--schedule", choices=("sync", "async"), default="sync",
+                    help="sync (default): one optimizer step per --chunks micro-batches, all in flight at "
+                         "once and flushed, so the run is one process's at a batch of chunks x "
+                         "batch-size; async: --max-inflight micro-batches in flight, every stage "
+                         "stepping per micro-batch on weights that moved since its forward")
+    pl.add_argument("--chunks", type=int, default=8,
+                    help="with --schedule sync: micro-batches per optimizer step (default 8)")
     pl.add_argument("--max-inflight", type=int, default=4,
-                    help="micro-batches in the pipeline at once (default 4)")
+                    help="with --schedule async: micro-batches in the pipeline at once (default 4)")
     pl.add_argument("--eval-every", type=int, default=50,
-                    help="micro-batches between held-out evaluations (default 50; 0 = only at start and end)")
+                    help="micro-batches between held-out evaluations (default 50; 0 = only at start and end; "
+                         "with --schedule sync rounded up to whole groups of --chunks)")
     pl.add_argument("--eval-samples", type=int, default=64,
                     help="held-out windows per evaluation (default 64)")
     pl.add_argument("--seed", type=int, default=0, help="seed of the order training samples are drawn in")
@@ -518,7 +526,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level, args.log_json)
     opts = PipelineOptions(
-        microbatches=args.microbatches, batch_size=args.batch_size, max_inflight=args.max_inflight,
+        microbatches=args.microbatches, batch_size=args.batch_size, schedule=args.schedule,
+        chunks=args.chunks, max_inflight=args.max_inflight,
         eval_every=args.eval_every, eval_samples=args.eval_samples, seed=args.seed,
         request_timeout=args.request_timeout, status_file=args.status_file, route=parse_route(args.route),
         run_log=args.run_log)

@@ -11,6 +11,7 @@ every async scenario runs under ``asyncio.wait_for``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import threading
 import time
@@ -44,7 +45,7 @@ from swarmtrain.pipeline import (
     plan_stages,
     split_layers,
 )
-from swarmtrain.tasks import DigitsTask, TextLMConfig, TextLMTask
+from swarmtrain.tasks import DigitsTask, Shard, TextLMConfig, TextLMTask
 from swarmtrain.testing.fuzz_engine import dead_port
 from swarmtrain.transport import Timeouts, connect
 from swarmtrain.wire import (
@@ -188,6 +189,42 @@ def test_stage_compute_applies_each_backward_once(data: Any) -> None:
         c.forward("s", 9, torch.ones(2, 8, 32, dtype=torch.int64), None)
 
 
+def test_a_backward_after_a_step_differentiates_the_weights_its_forward_used() -> None:
+    """Weight stashing: micro-batch 1's forward ran before micro-batch 0's backward stepped
+    the optimizer; its backward must give the gradients of the function its forward computed
+    (the input gradient sent upstream and the parameter gradient), not those at the new
+    weights, and the stashed copy goes once nothing needs it."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    original = copy.deepcopy(layers)
+    c = StageCompute(layers, is_first=False, loss_fn=None,
+                     config=ComputeConfig(learning_rate=0.1, weight_decay=0.0, grad_clip=0.0))
+    x0, x1, g = torch.randn(3, 6), torch.randn(3, 6), torch.randn(3, 6)
+    c.forward("s", 0, x0, None)
+    c.forward("s", 1, x1, None)  # on version 0, like micro-batch 0
+    c.backward("s", 0, g)  # steps: version 1
+    assert c.steps == 1 and c.status()["stashed_versions"] == 1
+    after_step = [p.detach().clone() for p in layers.parameters()]
+    got = c.backward("s", 1, g).grad
+    # the reference: micro-batch 1's backward on the weights its forward used
+    leaf = x1.clone().requires_grad_(True)
+    original(leaf).backward(g)
+    assert got is not None and leaf.grad is not None
+    assert torch.allclose(got, leaf.grad, atol=1e-6), (got - leaf.grad).abs().max()
+    # and on the new weights it would have been something else (the test can tell them apart)
+    leaf2 = x1.clone().requires_grad_(True)
+    moved = copy.deepcopy(original)
+    with torch.no_grad():
+        for p, q in zip(moved.parameters(), after_step, strict=True):
+            p.copy_(q)
+    moved(leaf2).backward(g)
+    assert leaf2.grad is not None and not torch.allclose(got, leaf2.grad, atol=1e-4)
+    assert c.stashed_backwards == 1 and c.status()["stashed_versions"] == 0
+    # the step after micro-batch 1 was taken from the current weights, not the stashed ones
+    for p, q in zip(layers.parameters(), after_step, strict=True):
+        assert not torch.equal(p, q)
+
+
 # --- stage servers over loopback ---------------------------------------------------------
 
 
@@ -199,6 +236,65 @@ def _server(start: int, stop: int, stage: int, *, last: bool = False, seed: int 
                        compute=ComputeConfig(learning_rate=lr),
                        config=StageServerConfig(timeouts=FAST, sync_every=sync_every, **config),
                        secret=secret, sync_peers=sync_peers or [], name=name)
+
+
+def test_the_synchronous_schedule_trains_three_stages_as_one_process_at_the_groups_batch(data: Any) -> None:
+    """The default schedule: 12 steps of 4 chunks of 8 through three stages give the weights
+    one process gets from 12 AdamW steps of 32 on the same samples (up to float summation
+    order), and each stage stepped once per group. The asynchronous schedule at 4 in flight,
+    on the same samples, does not (so the comparison can tell them apart)."""
+    steps, chunks, micro, lr = 12, 4, 8, 3e-3
+    ranges = [(0, 2), (2, 4), (4, 6)]
+
+    def servers() -> list[StageServer]:
+        out = []
+        for i, (a, b) in enumerate(ranges):
+            layers, loss_fn = build_stage(TASK.build_model, SEED, a, b)
+            out.append(StageServer(layers, stage=i, layer_range=(a, b), loss_fn=loss_fn if i == 2 else None,
+                                   compute=ComputeConfig(learning_rate=lr, weight_decay=0.0, grad_clip=0.0),
+                                   config=StageServerConfig(timeouts=FAST), secret=SECRET, name=f"q{i}"))
+        return out
+
+    def pipeline(schedule: str) -> tuple[list[torch.Tensor], list[int]]:
+        stages = servers()
+
+        async def main() -> None:
+            for srv in stages:
+                await srv.start()
+            router = Router([[srv.address] for srv in stages], secret=SECRET,
+                            config=RouterConfig(timeouts=FAST))
+            try:
+                trainer = PipelineTrainer(router, data.train, TrainerConfig(
+                    batch_size=micro, schedule=schedule, chunks=chunks, max_inflight=chunks, seed=1))
+                assert len(await trainer.train(steps * chunks)) == steps * chunks
+            finally:
+                await router.close()
+                for srv in stages:
+                    await srv.close()
+
+        _run(main())
+        params = [p.detach().clone() for srv in stages for p in srv.compute.layers.parameters()]
+        return params, [srv.compute.steps for srv in stages]
+
+    model = TASK.build_model(SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    shard = Shard(data.train, 0, 1, seed=1)
+    loss_fn = loss_fn_for(model)
+    for _ in range(steps):
+        x, y = shard.next_batch(micro * chunks)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    alone = [p.detach() for layer in split_layers(model) for p in layer.parameters()]
+
+    synced, sync_steps = pipeline("sync")
+    assert sync_steps == [steps] * 3
+    gap = max(float((a - b).abs().max()) for a, b in zip(synced, alone, strict=True))
+    assert gap < 1e-4, gap  # float sums in another order, through 12 Adam steps: 3e-5 here
+    stale, async_steps = pipeline("async")
+    assert async_steps == [steps * chunks] * 3
+    stale_gap = max(float((a - b).abs().max()) for a, b in zip(stale, alone, strict=True))
+    assert stale_gap > 30 * max(gap, 1e-6), (stale_gap, gap)
 
 
 def test_replica_sync_averages_two_replicas_to_identical_weights() -> None:
@@ -540,7 +636,9 @@ def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhil
         last = _server(*ranges[2], 2, last=True, name="s2")
         for srv in (first, mid_b, last):
             await srv.start()
-        mid_a = _server(*ranges[1], 1, name="s1a", sync_peers=[mid_b.address], sync_every=10)
+        # every 3 steps: a synchronous step is a group of 4 micro-batches, and s1a serves
+        # about half of the groups before it is killed
+        mid_a = _server(*ranges[1], 1, name="s1a", sync_peers=[mid_b.address], sync_every=3)
         await mid_a.start()
         router = Router([[first.address], [mid_a.address, mid_b.address], [last.address]],
                         secret=SECRET, config=RouterConfig(request_timeout=20.0, timeouts=FAST))
@@ -556,7 +654,7 @@ def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhil
                 mid_a.abort()
                 killed.set()
 
-        trainer = PipelineTrainer(router, data.train, TrainerConfig(batch_size=16, max_inflight=4, seed=1),
+        trainer = PipelineTrainer(router, data.train, TrainerConfig(batch_size=16, chunks=4, seed=1),
                                   context=TASK.config.context, on_microbatch=kill_when_a_holds_work)
         loss_fn = loss_fn_for(TASK.build_model(SEED))
         try:
@@ -603,8 +701,8 @@ def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhil
     assert set(on_b) == acked_by_b and acked_by_a <= set(on_a)
     assert set(on_a) | set(on_b) == set(range(MICROBATCHES))
     # only a micro-batch s1a applied but could not acknowledge before dying was redone on
-    # s1b: at most the micro-batches in flight
-    assert len(set(on_a) & set(on_b)) <= 4
+    # s1b: at most the micro-batches in flight (one synchronous group)
+    assert len(set(on_a) & set(on_b)) <= trainer.config.chunks
     # the failover really happened, and the survivors carried the rest of the run
     assert trainer.redone_forwards + trainer.router.resends >= 1
     assert all(mb in acked_by_b for mb in range(max(on_a) + 1, MICROBATCHES))

@@ -141,8 +141,11 @@ class Router:
 
     async def forward(self, stage: int, session: str, microbatch: int, x: torch.Tensor,
                       targets: torch.Tensor | None = None,
-                      priority: Priority = Priority.TRAINING_FORWARD) -> tuple[Replica, StageResult]:
-        """Training forward on the best replica of ``stage``, failing over to others.
+                      priority: Priority = Priority.TRAINING_FORWARD, *,
+                      step: bool | None = None, prefer: Replica | None = None) -> tuple[Replica, StageResult]:
+        """Training forward on the best replica of ``stage`` (``prefer`` if it is live: the
+        replica the rest of a synchronous group went to), failing over to others. ``step``:
+        the trainer's step decision for the last stage (None: the stage counts).
 
         Returns:
             The replica that answered (backwards must go to it) and its answer.
@@ -155,15 +158,16 @@ class Router:
 
         def build(req: int) -> Message:
             return StageForward(req=req, session=session, microbatch=microbatch, priority=int(priority),
-                                tensors=tensors)
+                                tensors=tensors, sync=step is not None, step=bool(step))
 
-        replica, answer = await self._call_stage(stage, build)
+        replica, answer = await self._call_stage(stage, build, prefer)
         assert isinstance(answer, StageResult)
         return replica, answer
 
     async def backward(self, replica: Replica, session: str, microbatch: int,
-                       grad: torch.Tensor) -> StageGrad:
-        """The backward of a micro-batch, on the replica that did its forward.
+                       grad: torch.Tensor, *, step: bool | None = None) -> StageGrad:
+        """The backward of a micro-batch, on the replica that did its forward (``step``: the
+        trainer's step decision, None: the stage counts).
 
         Raises:
             ReplicaFailed: the replica did not answer (it is banned now).
@@ -171,7 +175,8 @@ class Router:
             RefusedError: the replica refused the gradient (bad input).
         """
         answer = await self._request(replica, lambda req: StageBackward(
-            req=req, session=session, microbatch=microbatch, tensors={"grad": grad}))
+            req=req, session=session, microbatch=microbatch, tensors={"grad": grad},
+            sync=step is not None, step=bool(step)))
         assert isinstance(answer, StageGrad)
         return answer
 
@@ -208,20 +213,23 @@ class Router:
 
     # -- choosing and calling --------------------------------------------------------------
 
-    def _pick(self, stage: int, tried: Collection[Replica]) -> Replica | None:
+    def _pick(self, stage: int, tried: Collection[Replica], prefer: Replica | None = None) -> Replica | None:
         now = self._clock()
         live = [r for r in self.replicas[stage] if r.banned_until <= now]
+        if prefer is not None and prefer in live and prefer not in tried:
+            return prefer
         fresh = [r for r in live if r not in tried] or live
         if not fresh:
             return None
         return min(fresh, key=lambda r: ((r.ewma_seconds or 0.0) * (r.inflight + 1), r.inflight))
 
-    async def _call_stage(self, stage: int, build: Callable[[int], Message]) -> tuple[Replica, Message]:
+    async def _call_stage(self, stage: int, build: Callable[[int], Message],
+                          prefer: Replica | None = None) -> tuple[Replica, Message]:
         tried: list[Replica] = []
         last_error = "every replica is banned"
         deadline = self._clock() + self.config.wait_for_replica
         while len(tried) < self.config.max_attempts:
-            replica = self._pick(stage, tried)
+            replica = self._pick(stage, tried, prefer)
             if replica is None:
                 wake = min(r.banned_until for r in self.replicas[stage])
                 if wake > deadline:

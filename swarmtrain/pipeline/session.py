@@ -268,7 +268,10 @@ class PipelineOptions:
     Attributes:
         microbatches: micro-batches to train.
         batch_size: samples per micro-batch.
-        max_inflight: micro-batches in the pipeline at once.
+        schedule: ``sync`` (one step per ``chunks`` micro-batches, flushed) or ``async``
+            (see :class:`~swarmtrain.pipeline.trainer.TrainerConfig`).
+        chunks: with ``sync``, micro-batches per optimizer step.
+        max_inflight: with ``async``, micro-batches in the pipeline at once.
         eval_every: micro-batches between held-out evaluations (0 = only at start and end).
         eval_samples: held-out windows per evaluation.
         seed: seed of the order training samples are drawn in.
@@ -281,6 +284,8 @@ class PipelineOptions:
 
     microbatches: int = 200
     batch_size: int = 16
+    schedule: str = "sync"
+    chunks: int = 8
     max_inflight: int = 4
     eval_every: int = 50
     eval_samples: int = 64
@@ -291,7 +296,7 @@ class PipelineOptions:
     run_log: str = "auto"
 
     def __post_init__(self) -> None:
-        for key in ("microbatches", "batch_size", "max_inflight", "eval_samples"):
+        for key in ("microbatches", "batch_size", "chunks", "max_inflight", "eval_samples"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.eval_every < 0:
@@ -358,7 +363,8 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
                                 samples_per_sec=done * opts.batch_size / (time.monotonic() - started),
                                 resends=trainer.resends)
 
-        trainer = PipelineTrainer(router, data.train, TrainerConfig(batch_size=opts.batch_size,
+        trainer = PipelineTrainer(router, data.train, TrainerConfig(
+                                  batch_size=opts.batch_size, schedule=opts.schedule, chunks=opts.chunks,
                                   max_inflight=opts.max_inflight, seed=opts.seed),
                                   context=context, on_microbatch=progress)
 
@@ -385,6 +391,8 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
         try:
             await evaluate()
             chunk = opts.eval_every or opts.microbatches
+            if opts.schedule == "sync":  # evaluate between whole groups: every step of chunks
+                chunk = -(-chunk // opts.chunks) * opts.chunks
             while len(trainer.loss_history) < opts.microbatches:
                 await trainer.train(min(chunk, opts.microbatches - len(trainer.loss_history)))
                 await evaluate()

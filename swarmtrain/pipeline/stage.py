@@ -169,6 +169,7 @@ class _Job(WorkPacket):
     mine: dict[str, torch.Tensor] = field(default_factory=dict)
     result: concurrent.futures.Future[Any] | None = None
     sync_round: int = 0
+    step: bool | None = None  # the trainer's step decision (None: the stage counts)
 
 
 @dataclass(frozen=True, eq=False)
@@ -478,13 +479,14 @@ class StageServer:
             if isinstance(msg, StageForward):
                 return _Job(Priority(msg.priority), msg.session, msg.microbatch, x, peer, first,
                             "forward", kind="forward", req=msg.req, conn=conn,
-                            targets=msg.tensors.get("targets"))
+                            targets=msg.tensors.get("targets"), step=msg.step if msg.sync else None)
             return _Job(Priority(msg.priority), msg.session, 0, x, peer, first, "forward",
                         kind="infer", req=msg.req, conn=conn)
         if isinstance(msg, StageBackward):
             grad = _tensor(msg.tensors, "grad")
             return _Job(Priority.TRAINING_BACKWARD, msg.session, msg.microbatch, grad, peer, first,
-                        "backward", grad=grad, kind="backward", req=msg.req, conn=conn)
+                        "backward", grad=grad, kind="backward", req=msg.req, conn=conn,
+                        step=msg.step if msg.sync else None)
         if isinstance(msg, StageSync) and not msg.reply:
             return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
                         "forward", kind="sync_serve", req=msg.req, conn=conn, theirs=dict(msg.tensors),
@@ -577,7 +579,7 @@ class StageServer:
         c = self.compute
         if job.kind == "forward":
             steps = c.steps
-            out = c.forward(job.session_id, job.microbatch_id, job.tensor, job.targets)
+            out = c.forward(job.session_id, job.microbatch_id, job.tensor, job.targets, job.step)
             self._after(steps)
             tensors = {"y": out.y} if out.y is not None else {}
             if out.grad is not None:
@@ -587,7 +589,7 @@ class StageServer:
         if job.kind == "backward":
             assert job.grad is not None
             steps = c.steps
-            out = c.backward(job.session_id, job.microbatch_id, job.grad)
+            out = c.backward(job.session_id, job.microbatch_id, job.grad, job.step)
             self._after(steps)
             return StageGrad(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
                              duplicate=out.cached, tensors={} if out.grad is None else {"grad": out.grad})

@@ -582,6 +582,11 @@ class StageForward(Message):
     """Trainer → stage: training forward of micro-batch ``microbatch`` of ``session``.
 
     Tensors: ``x`` (the stage input), and for the last stage ``targets``.
+
+    ``sync``: the trainer decides when this stage steps (the synchronous schedule): the last
+    stage, which applies the backward within the forward, takes its optimizer step after this
+    micro-batch if ``step`` is set and only then. Without ``sync`` it steps every
+    ``accumulate`` micro-batches of its own counting.
     """
 
     TYPE = MsgType.STAGE_FORWARD
@@ -591,6 +596,8 @@ class StageForward(Message):
     microbatch: int
     priority: int = 20
     tensors: TensorMap = field(default_factory=dict)
+    sync: bool = False
+    step: bool = False
 
 
 @dataclass(frozen=True)
@@ -614,7 +621,9 @@ class StageResult(Message):
 
 @dataclass(frozen=True)
 class StageBackward(Message):
-    """Trainer → stage: the gradient ``grad`` of the stage output of an earlier forward."""
+    """Trainer → stage: the gradient ``grad`` of the stage output of an earlier forward.
+    ``sync`` and ``step`` as in STAGE_FORWARD: with ``sync`` the stage steps after applying
+    this backward if ``step`` is set, and only then."""
 
     TYPE = MsgType.STAGE_BACKWARD
     BOUNDS = {"microbatch": _MICROBATCH}
@@ -622,6 +631,8 @@ class StageBackward(Message):
     session: str
     microbatch: int
     tensors: TensorMap = field(default_factory=dict)
+    sync: bool = False
+    step: bool = False
 
 
 @dataclass(frozen=True)

@@ -279,13 +279,14 @@ def train_peer(case: Case, data: TaskData | None = None, *, mode: Literal["step"
 # --- (d) pipeline ---------------------------------------------------------------------------
 
 
-def train_pipeline(case: Case, data: TaskData | None = None, *, stages: int = 2, max_inflight: int = 1,
+def train_pipeline(case: Case, data: TaskData | None = None, *, stages: int = 2, chunks: int = 2,
                    timeout: float = 90.0) -> Outcome:
     """Stage servers over loopback for an ``nn.Sequential`` model cut into ``stages``
     contiguous ranges of its children (planned by ``plan_stages``), AdamW without weight
-    decay or clipping at each stage (Adam, as in one process), ``case.steps`` micro-batches
-    of ``case.batch_size``. The state is every stage's ``state_dict`` with its keys renamed
-    back to the whole model's."""
+    decay or clipping at each stage (Adam, as in one process), ``case.steps`` optimizer steps
+    of ``case.batch_size`` samples, each ``chunks`` micro-batches of a share of it in flight
+    at once (the synchronous schedule, the default). The state is every stage's
+    ``state_dict`` with its keys renamed back to the whole model's."""
     from swarmtrain.pipeline import (
         ComputeConfig,
         NodeSpec,
@@ -303,6 +304,9 @@ def train_pipeline(case: Case, data: TaskData | None = None, *, stages: int = 2,
     from swarmtrain.transport import Timeouts
 
     data = data or case.data()
+    micro = case.batch_size // chunks
+    if micro * chunks != case.batch_size:
+        raise ValueError(f"{case.name}: batch {case.batch_size} does not split into {chunks} micro-batches")
     layers = split_layers(case.build(SEED))
     ranges = plan_stages(estimate_layer_costs(layers), [NodeSpec(f"n{i}", 1.0, 2**30) for i in range(stages)])
     fast = Timeouts(connect=5.0, handshake=5.0, heartbeat_interval=1.0, heartbeat_timeout=20.0, send=20.0)
@@ -321,8 +325,8 @@ def train_pipeline(case: Case, data: TaskData | None = None, *, stages: int = 2,
                         config=RouterConfig(request_timeout=30.0, timeouts=fast))
         try:
             trainer = PipelineTrainer(router, data.train, TrainerConfig(
-                batch_size=case.batch_size, max_inflight=max_inflight, seed=SEED))
-            losses = await asyncio.wait_for(trainer.train(case.steps), timeout)
+                batch_size=micro, schedule="sync", chunks=chunks, seed=SEED))
+            losses = await asyncio.wait_for(trainer.train(case.steps * chunks), timeout)
             return len(losses)
         finally:
             await router.close()
@@ -337,7 +341,7 @@ def train_pipeline(case: Case, data: TaskData | None = None, *, stages: int = 2,
         for key, value in s.compute.layers.state_dict().items():
             index, _, rest = key.partition(".")
             state[f"{start + int(index)}.{rest}"] = value
-    return _finish(case, data, "pipeline", state, done * case.batch_size, seconds,
+    return _finish(case, data, "pipeline", state, done * micro, seconds,
                    extra={"stages": [list(r) for r in ranges], "microbatches": done})
 
 
