@@ -111,8 +111,8 @@ def test_stage_pipeline_generate_and_status_commands_work_together(
     status_file = tmp_path / "trainer.json"
 
     out = _run("pipeline", *MODEL, "--route", route, "--microbatches", "12",
-               "--batch-size", "8", "--eval-every", "6", "--eval-samples", "16", "--status-file",
-               str(status_file))
+               "--batch-size", "8", "--chunks", "3", "--eval-every", "6", "--eval-samples", "16",
+               "--status-file", str(status_file))
     assert out.returncode == 0, out.stderr
     assert "trained 12 micro-batches" in out.stdout, out.stdout
     trainer = _read_json(status_file)

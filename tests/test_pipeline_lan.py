@@ -50,11 +50,13 @@ def test_a_stage_replica_killed_mid_training_the_trainer_fails_over_and_finishes
     p0 = procs.start_stage("s0", 0, 0)
     p1b = procs.start_stage("s1b", 2, 1)
     p2 = procs.start_stage("s2", 3, 2)
-    p1a = procs.start_stage("s1a", 1, 1, "--sync-with", f"{hosts[2].address}:{p1b}", "--sync-every", "5")
+    # every 2 steps: a step is a group of 4 micro-batches, and s1a serves about half of the
+    # groups before it is killed
+    p1a = procs.start_stage("s1a", 1, 1, "--sync-with", f"{hosts[2].address}:{p1b}", "--sync-every", "2")
     route = (f"{hosts[0].address}:{p0};{hosts[1].address}:{p1a},{hosts[2].address}:{p1b};"
              f"{hosts[3].address}:{p2}")
     trainer = procs.start("trainer", 0, "pipeline", *MODEL, "--route", route, "--microbatches",
-                          str(MICROBATCHES), "--batch-size", "16", "--max-inflight", "4",
+                          str(MICROBATCHES), "--batch-size", "16", "--chunks", "4",
                           "--eval-every", "100", "--seed", "1", "--request-timeout", "20")
     procs.wait("trainer", lambda s: s["done"] >= KILL_AFTER, 120, f"{KILL_AFTER} micro-batches")
     procs.procs["s1a"].send_signal(signal.SIGKILL)

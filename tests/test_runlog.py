@@ -325,7 +325,8 @@ def test_a_pipeline_run_writes_a_run_log_that_plots(tmp_path: Path) -> None:
         log_path = tmp_path / "pipeline.jsonl"
         r = subprocess.run(
             swarm_cmd("pipeline", *PIPE_MODEL, "--route", ";".join(f"127.0.0.1:{p}" for p in ports),
-                      "--microbatches", "10", "--batch-size", "4", "--eval-every", "5", "--eval-samples", "8",
+                      "--microbatches", "10", "--batch-size", "4", "--chunks", "5", "--eval-every", "5",
+                      "--eval-samples", "8",
                       "--run-log", str(log_path)),
             env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]

@@ -378,7 +378,8 @@ async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int =
         if last:
             tensors["targets"] = _hostile_targets(rng, b, t)
         return StageForward(req=req, session=f"F{req}", microbatch=rng.randrange(100),
-                            priority=rng.choice([0, 10, 20]), tensors=tensors)
+                            priority=rng.choice([0, 10, 20]), tensors=tensors,
+                            sync=rng.random() < 0.5, step=rng.random() < 0.5)
 
     def seeds(rng: random.Random) -> list[Message]:
         req = rng.randrange(2**31)
@@ -386,7 +387,8 @@ async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int =
             forward(rng, req),
             StageInfer(req=req, session="fz", priority=rng.choice([0, 10]), tensors={"x": x(rng)}),
             StageBackward(req=req, session=f"zz{req}", microbatch=rng.randrange(100),
-                          tensors={"grad": nan_tensor(rng, (2, 8, 32))}),
+                          tensors={"grad": nan_tensor(rng, (2, 8, 32))}, sync=rng.random() < 0.5,
+                          step=rng.random() < 0.5),
             StatusRequest(), Heartbeat(time=0.0), Shutdown(reason="fuzz")]
         syncs = _bad_syncs(rng, shapes)
         if role == "stage":  # replica syncs are what this role is for: most inputs are syncs
