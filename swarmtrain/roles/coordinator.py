@@ -571,8 +571,12 @@ class Coordinator:
                 if self._window_deadline is not None and self._window_timer is None:
                     self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
+                if self._finished:  # the final weights went out meanwhile: a delta now would
+                    return  # be added on top of them (the replica would overshoot the masters)
             if reply is None:
                 reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
+            if self._finished:  # the same: the final weights carry this update
+                return
             await self._send(rec, reply)
             rec.answered_at = time.monotonic()
             if status == "rejected" and rec.bad_in_row >= self.config.training.max_bad_in_row:
