@@ -117,6 +117,9 @@ def test_stage_pipeline_generate_and_status_commands_work_together(
     assert "trained 12 micro-batches" in out.stdout, out.stdout
     trainer = _read_json(status_file)
     assert trainer is not None and trainer["state"] == "finished", trainer
+    assert trainer["schedule"] == "sync" and trainer["samples_per_step"] == 24  # 3 chunks of 8
+    said = " ".join((out.stdout + out.stderr).split())  # log lines wrap at the terminal's width
+    assert "schedule sync: 3 micro-batches of 8 per optimizer step, as one process at batch 24" in said, said
     assert [mb for mb, _ in sorted(trainer["loss_history"])] == list(range(12))
     assert all(c == [1] * 12 for c in trainer["acknowledged"].values()), trainer["acknowledged"]
     assert [n for n, _ in trainer["eval_history"]] == [0, 6, 12]

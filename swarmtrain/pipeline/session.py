@@ -315,7 +315,22 @@ def _trainer_status(trainer: PipelineTrainer, opts: PipelineOptions, evals: list
         "done": done, "loss_history": trainer.loss_history, "eval_history": evals,
         "acknowledged": acked, "resends": trainer.resends, "router_resends": trainer.router.resends,
         "redone_forwards": trainer.redone_forwards, "router": trainer.router.stats(), "time": time.time(),
+        "schedule": opts.schedule, "samples_per_step": _samples_per_step(opts),
     }
+
+
+def _samples_per_step(opts: PipelineOptions) -> int:
+    return opts.batch_size * (opts.chunks if opts.schedule == "sync" else 1)
+
+
+def _schedule_line(opts: PipelineOptions) -> str:
+    """What the schedule means for the run, in one line (logged at the start)."""
+    if opts.schedule == "sync":
+        return (f"schedule sync: {opts.chunks} micro-batches of {opts.batch_size} per optimizer step, "
+                f"as one process at batch {_samples_per_step(opts)} ({opts.microbatches} micro-batches = "
+                f"{-(-opts.microbatches // opts.chunks)} steps)")
+    return (f"schedule async: {opts.max_inflight} micro-batches of {opts.batch_size} in flight, every stage "
+            "stepping per micro-batch on weights that moved since its forward (stale gradients)")
 
 
 def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
@@ -387,7 +402,9 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
         writer = asyncio.create_task(write_status_forever()) if opts.status_file else None
         state, error = "failed", ""
         if run_log is not None:
-            run_log.event("started", stages=len(opts.route), microbatches=opts.microbatches)
+            run_log.event("started", stages=len(opts.route), microbatches=opts.microbatches,
+                          schedule=opts.schedule, samples_per_step=_samples_per_step(opts))
+        log.info("%s", _schedule_line(opts))
         try:
             await evaluate()
             chunk = opts.eval_every or opts.microbatches
