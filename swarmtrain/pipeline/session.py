@@ -464,20 +464,34 @@ def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperat
     """
     if not isinstance(task, TextLMTask):
         raise ConfigError("generate needs a text model: use --task textlm")
+    # checked before any network call: a bad argument is refused at once
+    if not prompt:
+        raise ConfigError("--prompt is empty: give the text the model should continue")
+    if tokens < 0:
+        raise ConfigError(f"--tokens must be >= 0, got {tokens}")
+    if not temperature >= 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    # the model reads bytes: a prompt the shell passed in another encoding (bytes that are
+    # not UTF-8 arrive as surrogate escapes) goes to it byte for byte
+    prompt_bytes = os.fsencode(prompt)
+    context = task.config.context
+    if len(prompt_bytes) > context:
+        log.warning("the prompt is %d bytes and the model's context %d: each new byte is predicted "
+                    "from the last %d bytes only (a sliding window)", len(prompt_bytes), context, context)
 
     async def generate() -> bytes:
         check_route(await fetch_statuses(route, secret=secret, tls=tls), _count_layers(task))
         router = Router(route, secret=secret, tls=tls)
         try:
-            trainer = PipelineTrainer(router, task.load_data().heldout, context=task.config.context)
-            return await trainer.generate(prompt.encode("utf-8"), tokens, temperature, seed)
+            trainer = PipelineTrainer(router, task.load_data().heldout, context=context)
+            return await trainer.generate(prompt_bytes, tokens, temperature, seed)
         except StageUnavailable as exc:
             raise _unavailable(exc) from exc
         finally:
             await router.close()
 
     text = asyncio.run(generate())
-    print(prompt + text.decode("utf-8", errors="replace"))
+    print((prompt_bytes + text).decode("utf-8", errors="replace"))
     return 0
 
 
