@@ -636,9 +636,9 @@ def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhil
         last = _server(*ranges[2], 2, last=True, name="s2")
         for srv in (first, mid_b, last):
             await srv.start()
-        # every 3 steps: a synchronous step is a group of 4 micro-batches, and s1a serves
-        # about half of the groups before it is killed
-        mid_a = _server(*ranges[1], 1, name="s1a", sync_peers=[mid_b.address], sync_every=3)
+        # after every step: a synchronous step is a group of 4 micro-batches, and s1a serves
+        # only some of the groups before it is killed (every 3 steps made no sync in a CI run)
+        mid_a = _server(*ranges[1], 1, name="s1a", sync_peers=[mid_b.address], sync_every=1)
         await mid_a.start()
         router = Router([[first.address], [mid_a.address, mid_b.address], [last.address]],
                         secret=SECRET, config=RouterConfig(request_timeout=20.0, timeouts=FAST))

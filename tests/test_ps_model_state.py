@@ -393,13 +393,15 @@ def test_a_window_waits_for_the_workers_due_on_its_weights_so_none_lands_stale()
 
 @pytest.mark.timeout(120)
 def test_a_window_does_not_wait_for_a_slow_worker_unless_told_to() -> None:
-    """At the default ``aggregate_wait`` (half a median step) a worker at a quarter of the
+    """At the default ``aggregate_wait`` (half a median step) a worker at a fifth of the
     speed is not due, so the fast ones' windows close without it and its gradients land
-    damped in later ones; with a wait of 10 steps it is due, and every window waits for it."""
-    _, default = _staleness_by_worker(0.5, [1.0, 1.0, 0.25], 32)
-    _, patient = _staleness_by_worker(10.0, [1.0, 1.0, 0.25], 32)
-    assert default[2] >= 0.25, default  # the slow one: often a window (or more) behind (0.37-1.2)
-    assert patient[2] <= 0.2 and max(patient) <= 0.2, patient  # everyone fresh
+    damped in later ones; with a wait of 10 steps it is due, and every window waits for it.
+    (At a quarter of the speed it is due often enough that its staleness went as low as 0.20
+    on a loaded CI run; at a fifth it measured 0.97-1.37 against 0.03-0.17.)"""
+    _, default = _staleness_by_worker(0.5, [1.0, 1.0, 0.2], 32)
+    _, patient = _staleness_by_worker(10.0, [1.0, 1.0, 0.2], 32)
+    assert default[2] >= 0.5, default  # the slow one: about a window behind on average
+    assert max(patient) <= 0.35, patient  # everyone (nearly) fresh
 
 
 def test_a_dtype_that_cannot_train_is_refused_naming_the_parameter() -> None:
