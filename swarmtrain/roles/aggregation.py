@@ -74,7 +74,7 @@ class GradientWindow:
 
     def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
         self._sums = {n: torch.zeros_like(p) for n, p in params.items()}
-        self._weights = dict.fromkeys(params, 0.0)
+        self._carried: set[str] = set()  # names some gradient of the open window carried
         self._total = 0.0  # every added gradient's weight, whichever names it carried
         self.samples = 0
         self.gradients = 0
@@ -84,7 +84,8 @@ class GradientWindow:
         """Add ``weight`` x each of ``grads`` (float32, the masters' shapes); count ``samples``."""
         for name, g in grads.items():
             self._sums[name].add_(g.to(self._sums[name].dtype), alpha=weight)
-            self._weights[name] += weight
+            if weight > 0:
+                self._carried.add(name)
         self._total += weight
         self.samples += samples
         self.gradients += 1
@@ -94,11 +95,11 @@ class GradientWindow:
         """The mean gradient of every parameter some gradient carried (over all the window's
         gradients: one that did not carry it counts as zeros), and whether any was sparse;
         the window starts empty again (the returned tensors are fresh)."""
-        mean = {n: s / self._total for n, s in self._sums.items() if self._weights[n] > 0}
+        mean = {n: s / self._total for n, s in self._sums.items() if n in self._carried}
         sparse = self._sparse
         for s in self._sums.values():
             s.zero_()
-        self._weights = dict.fromkeys(self._weights, 0.0)
+        self._carried = set()
         self._total = 0.0
         self.samples = self.gradients = 0
         self._sparse = False
@@ -166,8 +167,10 @@ def robust_combine(members: Sequence[Mapping[str, torch.Tensor]], mode: str, *,
                 total.add_(g, alpha=scales[i])
             out[name] = total / len(members)
             continue
-        zeros = torch.zeros_like(carriers[0][1])
-        stacked = torch.stack([m.get(name, zeros) for m in members]).sort(dim=0).values
+        values = [g for _, g in carriers]
+        if len(carriers) < len(members):  # the others skipped it: zeros from them
+            values += [torch.zeros_like(values[0])] * (len(members) - len(carriers))
+        stacked = torch.stack(values).sort(dim=0).values
         if mode == "median":
             out[name] = _middle(stacked)
         else:

@@ -564,27 +564,24 @@ class Coordinator:
                 rec.step_sec = ema(rec.step_sec, arrived - rec.answered_at)
             version = self.version
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
-            if self.version != version:  # an update was applied: wake the held answers
-                self._updated.set()
-                self._updated = asyncio.Event()
+            if self.version != version:
+                self._after_update()
             elif self.window is not None and status == "applied":
                 if self._window_deadline is not None and self._window_timer is None:
                     self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
-                if self._finished:  # the final weights went out meanwhile: a delta now would
-                    return  # be added on top of them (the replica would overshoot the masters)
-            if reply is None:
+            if reply is None and not self._finished:
                 reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
-            if self._finished:  # the same: the final weights carry this update
-                return
+            if self._finished:  # the final weights went out (or are going): a delta now would be
+                return  # added on top of them, and the replica would overshoot the masters
+            assert reply is not None
             await self._send(rec, reply)
             rec.answered_at = time.monotonic()
             if status == "rejected" and rec.bad_in_row >= self.config.training.max_bad_in_row:
                 await self._disconnect_bad_sender(rec)
                 return
-            if self.config.training.max_steps and self.version >= self.config.training.max_steps:
-                self.request_shutdown(f"reached max_steps={self.config.training.max_steps}")
-            elif self.checkpointer is not None and status == "applied":
+            # (a shutdown, which checkpoints, may have been asked for: max_steps in _after_update)
+            if self.checkpointer is not None and status == "applied" and self._shutdown_task is None:
                 await self._maybe_checkpoint()
         elif isinstance(msg, StatusRequest):
             await self._send(rec, Status(status=self.status()))
@@ -688,12 +685,17 @@ class Coordinator:
                 version = self.version
                 await self._run_apply(self._close_window_if_due)
                 if self.version != version:
-                    self._updated.set()
-                    self._updated = asyncio.Event()
-                    if self.config.training.max_steps and self.version >= self.config.training.max_steps:
-                        self.request_shutdown(f"reached max_steps={self.config.training.max_steps}")
+                    self._after_update()
         finally:
             self._window_timer = None
+
+    def _after_update(self) -> None:
+        """(event loop) An update was applied: wake the answers held for its window, and stop
+        at ``max_steps``."""
+        self._updated.set()
+        self._updated = asyncio.Event()
+        if self.config.training.max_steps and self.version >= self.config.training.max_steps:
+            self.request_shutdown(f"reached max_steps={self.config.training.max_steps}")
 
     async def _hold_for_window(self, rec: WorkerRecord) -> None:
         """Hold the answer to a gradient that went into an open window until the window closes,
@@ -897,7 +899,7 @@ class Coordinator:
     def _window_closes(self) -> bool:
         """Whether the open window steps now: it has its samples (a robust one: from a quorum,
         :meth:`_robust_window_closes`) and no worker's fresh gradient is still due before its
-        deadline (:meth:`_due_workers`); else the deadline is set for the timer."""
+        deadline (:meth:`_any_due`); else the deadline is set for the timer."""
         window = self.window
         assert window is not None
         ready = (self._robust_window_closes(window) if isinstance(window, RobustWindow)
@@ -908,7 +910,7 @@ class Coordinator:
         if self._window_ready_at is None:
             self._window_ready_at = now
         deadline = self._window_ready_at + self._window_wait_limit()
-        if now >= deadline or not self._due_workers(deadline):
+        if now >= deadline or not self._any_due(deadline):
             return True
         self._window_deadline = deadline
         return False
@@ -921,14 +923,14 @@ class Coordinator:
             return 0.0
         return self.config.training.aggregate_wait * steps[(len(steps) - 1) // 2]
 
-    def _due_workers(self, deadline: float) -> list[str]:
-        """Connected workers not in the open window that compute on the weights it will step
-        (so their next gradient is fresh in it) and are due before ``deadline`` by their own
+    def _any_due(self, deadline: float) -> bool:
+        """Whether a connected worker not in the open window computes on the weights it will
+        step (so its next gradient is fresh in it) and is due before ``deadline`` by its own
         step time; a left-out worker of a robust window is not waited for."""
         out = self.window.scores.excluded() if isinstance(self.window, RobustWindow) else frozenset()
-        return [r.worker_id for r in self._connected()
-                if r.step_sec and r.holds_version == self.version and r.worker_id not in self._window_ids
-                and r.worker_id not in out and r.answered_at + r.step_sec <= deadline]
+        return any(r.step_sec and r.holds_version == self.version and r.worker_id not in self._window_ids
+                   and r.worker_id not in out and r.answered_at + r.step_sec <= deadline
+                   for r in self._connected())
 
     def _step_window(self) -> None:
         """One Adam step on the open window's combination; the next window opens empty."""
