@@ -131,7 +131,7 @@ def start_stages(tmp: Path, env: dict[str, str]) -> tuple[list[subprocess.Popen[
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "swarmtrain", "stage", "--task", "textlm", "--stage", str(i),
              "--stages", str(STAGES), "--host", HOST, "--port", "0", "--threads", "1",
-             "--status-file", str(tmp / f"stage{i}.json")],
+             "--status-file", str(tmp / f"stage{i}.json"), "--checkpoint-dir", "none"],
             env=env, stdout=(tmp / f"stage{i}.log").open("wb"), stderr=subprocess.STDOUT))
     deadline = time.monotonic() + 90
     while not all(_read_json(tmp / f"stage{i}.json").get("running") for i in range(STAGES)):

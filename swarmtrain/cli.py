@@ -264,6 +264,17 @@ def _pipeline_parsers(sub: Any) -> None:
     st.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                     help="where this stage's layers compute (default auto: CUDA, else MPS, else CPU)")
     st.add_argument("--status-file", default="", help="keep this stage's status as JSON here (every second)")
+    g = st.add_argument_group("checkpoints (the stage's weights, optimizer state and step counters)")
+    g.add_argument("--checkpoint-dir", default="", metavar="DIR",
+                   help="where this stage's checkpoints go (default checkpoints/stage{I} in the working "
+                        "directory; none = no checkpoints)")
+    g.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                   help="optimizer steps between checkpoints (default 10; 0 = only on SIGINT/SIGTERM)")
+    g.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
+                   help="newest checkpoints kept on disk (default 3)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest valid checkpoint in --checkpoint-dir (without it, a "
+                        "directory that holds checkpoints is left alone)")
     _http_flags(st, dashboard=False)
     st.add_argument("--insecure", action="store_true",
                     help="serve with no secret on a reachable address "
@@ -295,6 +306,9 @@ def _pipeline_parsers(sub: Any) -> None:
     pl.add_argument("--seed", type=int, default=0, help="seed of the order training samples are drawn in")
     pl.add_argument("--request-timeout", type=float, default=30.0,
                     help="seconds a stage may take to answer before its replica is banned (default 30)")
+    pl.add_argument("--stage-wait", type=float, default=300.0, metavar="SECONDS",
+                    help="when no replica of a stage answers, wait this long for one to come back (restarted "
+                         "with --resume, say) before giving up (default 300)")
     pl.add_argument("--status-file", default="",
                     help="keep the trainer's status (loss history, acknowledgements, resends) as JSON here")
     pl.add_argument("--run-log", default="auto", metavar="PATH",
@@ -515,7 +529,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
         sync_every=args.sync_every,
         learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file,
         http_port=args.http_port or 0, http_host=args.http_host or "127.0.0.1",
-        server_limits=stage_server_settings(args), device=args.device)
+        server_limits=stage_server_settings(args), device=args.device,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume)
     return run_stage(_pipeline_task(args), opts, secret=_cli_secret(args), insecure=args.insecure,
                      tls=_cli_tls(args))
 
@@ -529,7 +545,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         microbatches=args.microbatches, batch_size=args.batch_size, schedule=args.schedule,
         chunks=args.chunks, max_inflight=args.max_inflight,
         eval_every=args.eval_every, eval_samples=args.eval_samples, seed=args.seed,
-        request_timeout=args.request_timeout, status_file=args.status_file, route=parse_route(args.route),
+        request_timeout=args.request_timeout, stage_wait=args.stage_wait,
+        status_file=args.status_file, route=parse_route(args.route),
         run_log=args.run_log)
     return run_pipeline(_pipeline_task(args), opts, secret=_cli_secret(args), tls=_cli_tls(args))
 

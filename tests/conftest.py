@@ -95,3 +95,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             fcntl.flock(run, fcntl.LOCK_UN)
             if serial:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+# --- pipeline tests: one PyTorch thread per operation -----------------------------------
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    from swarmtrain.testing.pipeline import one_torch_thread as single
+
+    with single():
+        yield

@@ -19,7 +19,7 @@ import pytest
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.pipeline.route import check_route, parse_route
 from swarmtrain.pipeline.session import parse_layer_range
-from swarmtrain.testing.procs import swarm_cmd, tail
+from swarmtrain.testing.procs import stop_gently, swarm_cmd, tail
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,7 +79,7 @@ def stages(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], Path]
         log = open(tmp_path / f"stage{i}.log", "ab")
         argv = swarm_cmd("stage", *MODEL, "--stage", str(i), "--stages", "3", "--seed", "3",
                          "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--lr", "3e-3",
-                         "--status-file", str(status))
+                         "--status-file", str(status), "--checkpoint-dir", str(tmp_path / f"ckpt{i}"))
         procs.append((subprocess.Popen(argv, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True), status))
     try:
@@ -93,15 +93,7 @@ def stages(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], Path]
             time.sleep(0.1)
         yield procs
     finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p, _ in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+        stop_gently((p for p, _ in procs), timeout=20)
 
 
 def test_stage_pipeline_generate_and_status_commands_work_together(

@@ -31,10 +31,12 @@ class Procs(LanProcesses):
     """The processes of this test, plus how to start a stage server."""
 
     def start_stage(self, name: str, host: int, stage: int, *args: str) -> int:
-        """Start a stage server on ``host`` (any free port); its port once it listens."""
+        """Start a stage server on ``host`` (any free port); its port once it listens (a
+        restarted stage's status file is removed first, so the wait is for the new process)."""
+        self.status_path(name).unlink(missing_ok=True)
         self.start(name, host, "stage", *MODEL, "--stage", str(stage), "--stages", "3", "--seed", "5",
                    "--host", self.lan.hosts[host].address, "--port", "0", "--threads", "1",
-                   "--lr", "3e-3", *args)
+                   "--lr", "3e-3", "--checkpoint-dir", str(self.tmp / f"ckpt-{name}"), *args)
         return int(self.wait(name, lambda s: bool(s.get("running")), 60, "the stage to listen")["port"])
 
 
@@ -84,3 +86,80 @@ def test_a_stage_replica_killed_mid_training_the_trainer_fails_over_and_finishes
         s = procs.wait(name, lambda s: s["microbatches"] >= MICROBATCHES, 10, f"{name}'s status")
         assert s["microbatches"] == MICROBATCHES and s["duplicate_backwards"] == 0, s
     assert procs.wait("s1b", lambda s: True, 10, "s1b's status")["sync_served"] >= 1
+
+
+RESTART_MICROBATCHES = 240
+EVAL_EVERY = 40
+
+
+def test_a_killed_stage_resumes_a_killed_replica_rejoins_and_the_run_goes_on(procs: Procs) -> None:
+    """The only replica of stage 2 (checkpointing after every step) is SIGKILLed mid-run and
+    restarted with --resume on the same port: the trainer waits for it, the run goes on and
+    held-out loss after the restart is no worse than before the kill. A replica of stage 1
+    is SIGKILLed and restarted with --sync-with its peer: it copies the peer's weights (equal
+    fingerprints) before it serves. A replica built with another seed is refused into the
+    route before any training."""
+    hosts = procs.lan.hosts
+    p0 = procs.start_stage("s0", 0, 0)
+    p1b = procs.start_stage("s1b", 2, 1)
+    s2_args = ("--checkpoint-every", "1")
+    p2 = procs.start_stage("s2", 3, 2, *s2_args)
+    sync = ("--sync-with", f"{hosts[2].address}:{p1b}", "--sync-every", "1")
+    p1a = procs.start_stage("s1a", 1, 1, *sync)
+    route = (f"{hosts[0].address}:{p0};{hosts[1].address}:{p1a},{hosts[2].address}:{p1b};"
+             f"{hosts[3].address}:{p2}")
+
+    # another seed's replica of stage 1: refused before any training, saying why
+    other = procs.start_stage("s1x", 1, 1, "--seed", "6")
+    refused = procs.start("refused", 0, "pipeline", *MODEL, "--microbatches", "4", "--route",
+                          route.replace(f"{hosts[2].address}:{p1b}", f"{hosts[1].address}:{other}"))
+    assert refused.wait(timeout=60) != 0
+    said = " ".join((procs.tmp / "refused.log").read_text().split())
+    assert "different lineages" in said and "Traceback" not in said, said
+    procs.procs["s1x"].send_signal(signal.SIGTERM)
+
+    trainer = procs.start("trainer", 0, "pipeline", *MODEL, "--route", route, "--microbatches",
+                          str(RESTART_MICROBATCHES), "--batch-size", "16", "--chunks", "4",
+                          "--eval-every", str(EVAL_EVERY), "--seed", "1", "--request-timeout", "20",
+                          "--stage-wait", "120")
+    st = procs.wait("trainer", lambda s: s["done"] >= 90, 120, "90 micro-batches")
+    before_kill = st["eval_history"][-1]
+    steps_before = procs.status("s2")["steps"]  # type: ignore[index]
+    procs.procs["s2"].send_signal(signal.SIGKILL)
+    procs.procs["s2"].wait(timeout=10)
+    procs.start_stage("s2", 3, 2, *s2_args, "--resume", "--port", str(p2))
+    resumed = procs.wait("s2", lambda s: s.get("running") and s["started_from"].startswith("checkpoint"),
+                         60, "stage 2 to resume")
+    assert resumed["steps"] >= steps_before - 1  # the newest checkpoint: at most the step in progress
+
+    procs.wait("trainer", lambda s: s["done"] >= 150, 120, "150 micro-batches")
+    procs.procs["s1a"].send_signal(signal.SIGKILL)
+    procs.procs["s1a"].wait(timeout=10)
+    procs.start_stage("s1a", 1, 1, *sync, "--port", str(p1a))
+    joined = procs.wait("s1a", lambda s: bool(s.get("running")), 60, "s1a to rejoin")
+    assert joined["started_from"] == f"replica {hosts[2].address}:{p1b}", joined["started_from"]
+    # (s1a asked at its first start too, when neither had trained: it kept its own then)
+    served = procs.wait("s1b", lambda s: s.get("joins_served", 0) >= 2, 10, "s1b's status")
+    # the state it serves from is the one its peer had when it copied it
+    assert joined["joined"]["fingerprint"] == served["last_join_served"]["fingerprint"], (joined, served)
+    assert joined["joined"]["steps"] == served["last_join_served"]["steps"] > 0
+
+    try:
+        rc = trainer.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the trainer did not finish in 180 s\n{procs.logs()}") from None
+    assert rc == 0, f"trainer exited {rc}\n{procs.logs()}"
+    st = procs.status("trainer")
+    assert st is not None and st["state"] == "finished", st
+    evals = st["eval_history"]
+    print(f"held-out loss {evals}; before the kill {before_kill}; lost steps {st['lost_steps']}; "
+          f"replayed {st['replayed']}; restarts {st['router']['restarts']}")
+    assert sorted(mb for mb, _ in st["loss_history"]) == list(range(RESTART_MICROBATCHES))
+    after_kill = [loss for mb, loss in evals if mb > before_kill[0]]
+    # no worse than before the kill (within the noise of 64 held-out windows: ~0.05 here)
+    assert after_kill and after_kill[0] <= before_kill[1] + 0.05, (before_kill, evals)
+    assert evals[-1][1] < HELDOUT_LOSS_BELOW, evals
+    restarts = st["router"]["restarts"]
+    assert {r["replica"].split("@")[0] for r in restarts} >= {"stage2"}, restarts
+    stage2 = [r for r in restarts if r["replica"].startswith("stage2")]
+    assert stage2[0]["lost_steps"] <= 1 and st["lost_steps"][2] == stage2[0]["lost_steps"], st["lost_steps"]

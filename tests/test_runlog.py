@@ -317,7 +317,8 @@ def test_a_pipeline_run_writes_a_run_log_that_plots(tmp_path: Path) -> None:
         for i in range(2):
             stages.append(subprocess.Popen(
                 swarm_cmd("stage", *PIPE_MODEL, "--stage", str(i), "--stages", "2", "--host", "127.0.0.1",
-                          "--port", "0", "--threads", "1", "--status-file", str(tmp_path / f"stage{i}.json")),
+                          "--port", "0", "--threads", "1", "--status-file", str(tmp_path / f"stage{i}.json"),
+                          "--checkpoint-dir", str(tmp_path / f"ckpt{i}")),
                 env=env, stdout=open(tmp_path / f"stage{i}.log", "ab"), stderr=subprocess.STDOUT,
                 start_new_session=True))
         ports = [_wait_for_port(tmp_path / f"stage{i}.json", stages[i], tmp_path / f"stage{i}.log")

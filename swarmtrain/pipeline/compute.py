@@ -37,22 +37,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from swarmtrain.checkpoint import adam_state_from_tensors, adam_state_to_tensors
 from swarmtrain.devices import batch_to
+from swarmtrain.errors import CheckpointError
 from swarmtrain.pipeline.partition import LossFn
 from swarmtrain.pipeline.placement import RngState, to_cpu
 from swarmtrain.pipeline.weights import StageWeights, SyncMismatch
 
-__all__ = ["BadInput", "ComputeConfig", "StageCompute", "StageOutcome", "UnknownMicrobatch"]
+__all__ = ["BadInput", "ComputeConfig", "StageCompute", "StageOutcome", "StateMismatch", "UnknownMicrobatch",
+           "shape_signature", "tensors_fingerprint"]
 
 log = logging.getLogger("swarmtrain.pipeline")
 
@@ -66,6 +72,38 @@ class BadInput(ValueError):
 
 class UnknownMicrobatch(LookupError):
     """A backward for a micro-batch whose forward this stage does not hold."""
+
+
+class StateMismatch(ValueError):
+    """A stage state (a checkpoint, a live replica's copy) does not fit these layers."""
+
+
+#: prefixes of the tensors of :meth:`StageCompute.export_state`
+MODEL_PREFIX, MASTER_PREFIX = "model/", "master/"
+
+
+def tensors_fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
+    """16 hex digits that change with any bit of any tensor (or a name, shape or dtype):
+    BLAKE2b over the tensors in name order. Equal fingerprints mean equal tensors."""
+    h = hashlib.blake2b(digest_size=8)
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        flat = t.to("cpu").contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def shape_signature(layers: nn.Module) -> str:
+    """16 hex digits naming the layers' state: every ``state_dict`` entry's name, shape and
+    dtype, and which parameters train. Two stages built from the same model range agree;
+    another width, depth or dtype (or a different task) gives another signature."""
+    trainable = {n for n, p in layers.named_parameters() if p.requires_grad}
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(layers.state_dict().items()):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{name in trainable};".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -108,12 +146,15 @@ class StageOutcome:
             stage 0 or before the backward).
         done: the micro-batch's backward has been applied here.
         cached: answered from a cache (nothing was computed or applied).
+        missing: micro-batches of the step's group this stage does not hold: it applied this
+            one but did not step (the trainer resends them, the last with the step).
     """
 
     y: torch.Tensor | None
     grad: torch.Tensor | None
     done: bool
     cached: bool
+    missing: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,9 +219,22 @@ class StageCompute:
         #: trainable parameters as they were at a version some held forward ran on
         self._stash: dict[int, list[torch.Tensor]] = {}
         self.stashed_backwards = 0  # backwards differentiated on stashed weights
+        #: the layers' state signature (names, shapes, dtypes: see :func:`shape_signature`)
+        self.shape = shape_signature(self.layers)
+        #: fingerprint of the weights this stage's lineage started from (the seed's, here;
+        #: a checkpoint's or a live replica's when one is loaded): replicas of one stage
+        #: share it, a replica built with another seed does not
+        self.origin = tensors_fingerprint(self.weights.synced())
+        #: micro-batches whose gradients are in the sums of the coming step (sync schedule)
+        self._accumulated_keys: set[Key] = set()
+        self._fingerprint: tuple[tuple[int, int], str] | None = None
+        self._fingerprint_at = 0.0
+        self.incomplete_steps = 0  # step requests put off: the group was not all here
+        self.dropped_microbatches = 0  # summed gradients of abandoned sessions dropped
 
     def forward(self, session: str, microbatch: int, x: torch.Tensor,
-                targets: torch.Tensor | None, step: bool | None = None) -> StageOutcome:
+                targets: torch.Tensor | None, step: bool | None = None,
+                group: tuple[int, int] | None = None) -> StageOutcome:
         """Training forward; the last stage also computes the loss and applies the backward
         (then steps as ``step`` says: see :meth:`backward`).
 
@@ -194,6 +248,8 @@ class StageCompute:
         key = (session, microbatch)
         if key in self._done:
             self.cached_answers += 1
+            if step and group is not None and self.loss_fn is not None:  # a step request again
+                return dataclasses.replace(self._done[key], missing=self._settle(session, group))
             return self._done[key]
         if key in self._pending:
             self.cached_answers += 1
@@ -231,14 +287,22 @@ class StageCompute:
             return self._loss(self._recompute(leaf, replay), targets), None
 
         return self._apply(key, leaf, redo, first=(loss, None), y=to_cpu(loss.detach().reshape(()).float()),
-                           step=step)
+                           step=step, group=group)
 
     def backward(self, session: str, microbatch: int, grad: torch.Tensor,
-                 step: bool | None = None) -> StageOutcome:
+                 step: bool | None = None, group: tuple[int, int] | None = None) -> StageOutcome:
         """Apply the backward of an earlier forward, once; then take the optimizer step on the
         mean of the gradients accumulated since the last one if ``step`` (the trainer's
         synchronous schedule), never if False, or every ``accumulate`` applied micro-batches
         if None. A repeat of an applied backward steps nothing again.
+
+        ``group`` = ``(first, size)`` names the micro-batches of ``session`` that the step this
+        micro-batch belongs to covers (synchronous schedule). When the step comes and some of
+        them are not in the sums (this replica restarted, or another replica applied them
+        before it died), the stage does not step and the outcome lists them in ``missing``;
+        the step comes with the last of them, resent. Gradients in the sums from another
+        group (a trainer that stopped mid-step, a step another replica took) are dropped
+        when a micro-batch of a new group arrives: one process would never have summed them.
 
         The forward is recomputed from the cached input (with the random state it ran
         with, and without changing the buffers again), so the graph is built on the current
@@ -253,7 +317,8 @@ class StageCompute:
         if key in self._done:
             self.duplicate_backwards += 1
             done = self._done[key]
-            return StageOutcome(y=None, grad=done.grad, done=True, cached=True)
+            missing = self._settle(session, group) if step and group is not None else ()
+            return StageOutcome(y=None, grad=done.grad, done=True, cached=True, missing=missing)
         if key in self._applied:
             raise BadInput(f"micro-batch {microbatch} of session {session!r} was applied here "
                            "and its answer is no longer cached")
@@ -274,7 +339,8 @@ class StageCompute:
             return self._recompute(leaf, held.rng_state), grad
 
         try:
-            return self._apply(key, leaf, redo, first=None, y=None, version=held.version, step=step)
+            return self._apply(key, leaf, redo, first=None, y=None, version=held.version, step=step,
+                               group=group)
         finally:
             self._drop_unneeded_stash()
 
@@ -327,6 +393,110 @@ class StageCompute:
         self.weights_version += 1
         self._publish_buffers()
 
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything that continues this stage's training later or elsewhere, as CPU copies
+        (call it on the training thread, between requests): the layers' whole ``state_dict``
+        (``model/``: trainable and frozen parameters, buffers, in their dtypes), the float32
+        masters of half-precision parameters (``master/``) and the AdamW state (``adam/``);
+        and JSON metadata: optimizer steps, micro-batches applied, the lineage's ``origin``,
+        the layers' ``shape`` signature, the loss scale and the optimizer's hyperparameters.
+        Held forwards and accumulated gradients are not in it (a step boundary is the
+        point to take one)."""
+        with torch.no_grad():
+            tensors = {f"{MODEL_PREFIX}{n}": t.detach().to("cpu", copy=True)
+                       for n, t in self.layers.state_dict().items()}
+            for n, m in self.weights.masters.items():
+                tensors[f"{MASTER_PREFIX}{n}"] = m.detach().to("cpu", copy=True)
+            meta: dict[str, Any] = {
+                "steps": self.steps, "microbatches": self.microbatches, "origin": self.origin,
+                "shape": self.shape, "fingerprint": self.fingerprint(),
+                "loss_scale": {"scale": self.weights.scaler.scale, "clean": self.weights.scaler.clean,
+                               "overflows": self.weights.scaler.overflows},
+            }
+            if self.optimizer is not None:
+                adam, meta["adam"] = adam_state_to_tensors(self.optimizer, list(self.weights.trainable))
+                tensors.update({k: v.detach().to("cpu", copy=True) for k, v in adam.items()})
+        return tensors, meta
+
+    def import_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Take over a state :meth:`export_state` gave (a checkpoint, a live replica's copy):
+        weights, masters, buffers, optimizer state, step counters and lineage. Held forwards
+        and unapplied gradient sums are dropped (they belonged to the old weights). Call on
+        the training thread. Everything is checked before anything changes.
+
+        Raises:
+            StateMismatch: another shape signature, a tensor missing or of another shape or
+                dtype, a non-finite value, or optimizer state that does not fit.
+        """
+        if meta.get("shape") != self.shape:
+            raise StateMismatch(f"it holds layers of shape signature {meta.get('shape')!r}, these layers "
+                                f"are {self.shape!r} (another model, width, depth, dtype or layer range)")
+        own = self.layers.state_dict()
+        for n, t in own.items():
+            other = tensors.get(f"{MODEL_PREFIX}{n}")
+            if other is None or other.shape != t.shape or other.dtype != t.dtype:
+                raise StateMismatch(f"tensor {n!r} is missing or of another shape or dtype")
+            if other.is_floating_point() and not bool(torch.isfinite(other).all()):
+                raise StateMismatch(f"tensor {n!r} holds NaN or infinite values")
+        for n, m in self.weights.masters.items():
+            other = tensors.get(f"{MASTER_PREFIX}{n}")
+            if other is not None and (other.shape != m.shape or not bool(torch.isfinite(other).all())):
+                raise StateMismatch(f"the master copy of {n!r} is of another shape or not finite")
+        if self.optimizer is not None:  # checked (and loaded) first: it raises before loading
+            if not isinstance(meta.get("adam"), Mapping):
+                raise StateMismatch("it holds no optimizer state for these trainable parameters")
+            for key, t in tensors.items():
+                state_key, _, name = key.removeprefix("adam/").partition("/")
+                param = self.weights.trainable.get(name) if key.startswith("adam/") else None
+                if param is not None and t.dim() > 0 and (t.shape != param.shape or not t.is_floating_point()
+                                                          or not bool(torch.isfinite(t).all())):
+                    raise StateMismatch(f"optimizer state {state_key!r} of {name!r} does not fit it "
+                                        f"({t.dtype} {tuple(t.shape)}, or not finite)")
+            try:
+                adam_state_from_tensors(self.optimizer, list(self.weights.trainable), tensors, meta["adam"])
+            except CheckpointError as exc:
+                raise StateMismatch(str(exc)) from exc
+            for state in self.optimizer.state.values():  # onto the layers' device
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        state[k] = v.to(self.device)
+        with self._weights_lock, torch.no_grad():
+            for n, t in own.items():
+                t.copy_(tensors[f"{MODEL_PREFIX}{n}"].to(t.device))
+            for n, m in self.weights.masters.items():
+                m.copy_(tensors.get(f"{MASTER_PREFIX}{n}", tensors[f"{MODEL_PREFIX}{n}"]).to(m.device))
+        scale = meta.get("loss_scale") or {}
+        if self.weights.scaler.enabled and isinstance(scale, Mapping):
+            self.weights.scaler.scale = float(scale.get("scale", self.weights.scaler.scale))
+            self.weights.scaler.clean = int(scale.get("clean", 0))
+            self.weights.scaler.overflows = int(scale.get("overflows", 0))
+        self.steps = int(meta.get("steps", 0))
+        self.microbatches = int(meta.get("microbatches", 0))
+        self.origin = str(meta.get("origin", self.origin))
+        self._pending.clear()
+        self._stash.clear()
+        self.weights.discard_sums()
+        self._accumulated = 0
+        self._accumulated_keys.clear()
+        self.weights_version += 1
+        self._publish_buffers()
+
+    def fingerprint(self, max_age: float = 0.0) -> str:
+        """Fingerprint of what replicas keep equal: trainable parameters (their float32
+        masters) and synced buffers (:func:`tensors_fingerprint`); two replicas with equal
+        fingerprints hold bit-identical weights. Recomputed only when the weights or the
+        buffers changed since the last call, and then (with ``max_age``, for status pages of
+        a stage in training) at most every ``max_age`` seconds; any thread."""
+        key = (self.weights_version, self.forwards)
+        cached = self._fingerprint
+        if cached is not None and (cached[0] == key or time.monotonic() - self._fingerprint_at < max_age):
+            return cached[1]
+        self._fingerprint_at = time.monotonic()
+        with self._weights_lock:
+            value = tensors_fingerprint(self.weights.synced())
+        self._fingerprint = (key, value)
+        return value
+
     @property
     def applied_log(self) -> tuple[Key, ...]:
         """The micro-batches applied here, oldest first (the last ``applied_history``)."""
@@ -341,6 +511,8 @@ class StageCompute:
             "inferences": self.inferences,
             "pending_forwards": len(self._pending),
             "stashed_backwards": self.stashed_backwards, "stashed_versions": len(self._stash),
+            "incomplete_steps": self.incomplete_steps, "dropped_microbatches": self.dropped_microbatches,
+            "accumulated": self._accumulated,
             "loss_scale": self.weights.scaler.scale, "overflows": self.weights.scaler.overflows,
         }
 
@@ -393,7 +565,8 @@ class StageCompute:
         return moved.clone() if moved is x else moved
 
     def _apply(self, key: Key, inp: torch.Tensor, redo: Callable[[], _Graph], *, first: _Graph | None,
-               y: torch.Tensor | None, version: int | None = None, step: bool | None = None) -> StageOutcome:
+               y: torch.Tensor | None, version: int | None = None, step: bool | None = None,
+               group: tuple[int, int] | None = None) -> StageOutcome:
         """Differentiate ``first`` (output, gradient of it; None: the output is the loss), or
         else a recomputation ``redo()``, take the gradients into the step's sums, and step
         every ``accumulate`` micro-batches. A recomputation's changes to the buffers are
@@ -402,6 +575,8 @@ class StageCompute:
         a backward whose gradients overflowed is redone at the halved scale, down to scale
         1 at most: bounded, and no micro-batch is dropped. A recomputation runs on the weights
         of ``version`` (stashed, if they have changed since)."""
+        if group is not None:
+            self._drop_other_groups(key[0], group)
         while True:
             with contextlib.ExitStack() as recomputed:
                 if first is None:
@@ -419,14 +594,50 @@ class StageCompute:
                 break
             inp.grad = None
         in_grad = to_cpu(taken[0]) if taken else None
-        outcome = StageOutcome(y=y, grad=in_grad, done=True, cached=False)
-        self._remember(self._done, key, outcome, self.config.done_cache_size)
         self._remember(self._applied, key, None, self.config.applied_history)
         self.microbatches += 1
         self._accumulated += 1
-        if step if step is not None else self._accumulated >= self.config.accumulate:
+        self._accumulated_keys.add(key)
+        missing: tuple[int, ...] = ()
+        if step and group is not None:
+            missing = self._settle(key[0], group)
+        elif step if step is not None else self._accumulated >= self.config.accumulate:
             self._step()
-        return outcome
+        outcome = StageOutcome(y=y, grad=in_grad, done=True, cached=False)
+        self._remember(self._done, key, outcome, self.config.done_cache_size)
+        return dataclasses.replace(outcome, missing=missing) if missing else outcome
+
+    def _settle(self, session: str, group: tuple[int, int]) -> tuple[int, ...]:
+        """A step request for the micro-batches ``group`` = (first, size) of ``session``: step
+        if every one of them was applied here and some are still in the sums; put it off and
+        name the ones never applied here otherwise. Those applied here but already stepped are
+        not missing (a repeated step request steps nothing again)."""
+        first, size = group
+        keys = [(session, mb) for mb in range(first, first + size)]
+        missing = tuple(k[1] for k in keys if k not in self._accumulated_keys and k not in self._applied)
+        if missing:
+            self.incomplete_steps += 1
+            log.info("step of micro-batches %d-%d of session %s put off: %d of them are not here (%s)",
+                     first, first + size - 1, session, len(missing),
+                     ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
+        elif any(k in self._accumulated_keys for k in keys):
+            self._step()
+        return missing
+
+    def _drop_other_groups(self, session: str, group: tuple[int, int]) -> None:
+        """Drop gradient sums of micro-batches of another step (see :meth:`backward`)."""
+        first, size = group
+        stale = [k for k in self._accumulated_keys if k[0] != session or not first <= k[1] < first + size]
+        if not stale:
+            return
+        log.warning("dropped the summed gradients of %d micro-batch(es) (session %s, micro-batch %d, ...) "
+                    "whose step was never taken here (it was taken on another replica, or their trainer "
+                    "stopped); the step of micro-batches %d-%d of session %s starts clean",
+                    len(stale), stale[0][0], stale[0][1], first, first + size - 1, session)
+        self.dropped_microbatches += len(stale)
+        self.weights.discard_sums()
+        self._accumulated = 0
+        self._accumulated_keys.clear()
 
     def _backprop(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
         scaler = self.weights.scaler
@@ -441,6 +652,7 @@ class StageCompute:
         self._stash_current()
         self.weights.step(self.optimizer, self._accumulated, self.config.grad_clip, self._weights_lock)
         self._accumulated = 0
+        self._accumulated_keys.clear()
         self.steps += 1
         self.weights_version += 1
 

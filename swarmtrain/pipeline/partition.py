@@ -56,6 +56,27 @@ class _TextLMEmbedding(nn.Module):
         pos = torch.arange(t, device=tokens.device)
         return self.emb_dropout(self.tok_emb(tokens) + self.pos_emb(pos))
 
+    def forward_incremental(
+        self, tokens: torch.Tensor, state: None, start: int
+    ) -> tuple[torch.Tensor, None]:
+        """Embeddings of the tokens at positions ``start .. start + T_new - 1``.
+
+        Stateless (the position is all it needs to know): ``state`` is None in and out.
+        Eval mode only: dropout is never applied, so training mode is refused.
+
+        Raises:
+            ValueError: training mode, ``start < 0``, or ``start + T_new`` exceeds the context.
+        """
+        if self.training:
+            raise ValueError("forward_incremental runs in eval mode only: call .eval() first")
+        t = tokens.shape[1]
+        if start < 0 or start + t > self.context:
+            raise ValueError(
+                f"positions {start} .. {start + t - 1} are outside the context of {self.context}"
+            )
+        pos = torch.arange(start, start + t, device=tokens.device)
+        return self.tok_emb(tokens) + self.pos_emb(pos), None
+
 
 class _TextLMHead(nn.Module):
     """Last layer of a TextLM: hidden states (B, T, d) -> logits (B, T, 256)."""
@@ -67,6 +88,12 @@ class _TextLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(hidden))
+
+    def forward_incremental(
+        self, hidden: torch.Tensor, state: None, start: int
+    ) -> tuple[torch.Tensor, None]:
+        """Logits at the new positions: position-wise, so no state (None in and out)."""
+        return self.head(self.ln_f(hidden)), None
 
 
 def split_layers(model: nn.Module) -> list[nn.Module]:

@@ -25,14 +25,17 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.tls import TLSConfig
-from swarmtrain.wire import StageError, StageSync
+from swarmtrain.wire import Limits, StageError, StageSync
 
-__all__ = ["ReplicaSync"]
+__all__ = ["ReplicaState", "ReplicaSync", "fetch_replica_state"]
 
 log = logging.getLogger("swarmtrain.pipeline")
 
@@ -70,6 +73,8 @@ class ReplicaSync:
         self._task: asyncio.Future[int] | None = None
         self.rounds = 0
         self.failures = 0
+        #: the optimizer step at the snapshot of the newest round that succeeded with a peer
+        self.last_synced_step = 0
 
     async def sync_now(self) -> int:
         """Average with every peer once, now.
@@ -113,6 +118,7 @@ class ReplicaSync:
                                  timeouts=self._timeouts)
             self._conns[peer] = conn
         mine = await self._on_compute_thread("snapshot")
+        at_step = self._step()
         req = next(self._ids)
         await conn.send(StageSync(req=req, round=req, step=self._step(), tensors=mine))
         while True:
@@ -122,3 +128,63 @@ class ReplicaSync:
             if isinstance(answer, StageSync) and answer.reply and answer.req == req:
                 break
         await self._on_compute_thread("sync_apply", mine=mine, theirs=dict(answer.tensors))
+        self.last_synced_step = max(self.last_synced_step, at_step)
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """The whole state of a live replica, as a joining one copies it.
+
+    Attributes:
+        peer: ``(host, port)`` it came from.
+        tensors: ``model/``, ``master/`` and ``adam/`` tensors (see
+            :meth:`~swarmtrain.pipeline.compute.StageCompute.export_state`).
+        meta: optimizer steps, lineage, shape signature, fingerprint, optimizer settings.
+    """
+
+    peer: tuple[str, int]
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+    @property
+    def steps(self) -> int:
+        return int(self.meta.get("steps", 0))
+
+
+async def fetch_replica_state(peers: Sequence[tuple[str, int]], *, secret: bytes | None, timeouts: Timeouts,
+                              timeout: float, max_bytes: int, tls: TLSConfig | None = None,
+                              name: str = "stage") -> ReplicaState | None:
+    """Ask each of ``peers`` (live replicas of this stage) for its whole state and keep the
+    one that has trained most (the most optimizer steps); None if none answered.
+
+    Args:
+        peers: replicas to ask.
+        secret: the cluster secret.
+        timeouts: transport timeouts.
+        timeout: most seconds one peer may take to answer.
+        max_bytes: most payload bytes one answer may carry (the state of these layers, with
+            the optimizer's, is about four times their parameters).
+        tls: mutual TLS (None = plain TCP).
+        name: how logs name the asking stage.
+    """
+    async def ask(peer: tuple[str, int]) -> ReplicaState | None:
+        try:
+            async with asyncio.timeout(timeout):
+                conn = await connect(*peer, secret=secret, tls=tls, role="stage", timeouts=timeouts,
+                                     limits=Limits(max_payload_bytes=max_bytes))
+                try:
+                    await conn.send(StageSync(req=1, round=0, step=0, join=True))
+                    while True:
+                        answer = await conn.recv(timeout=timeout, phase="join")
+                        if isinstance(answer, StageError):
+                            raise SwarmError(f"it refused: {answer.message} [{answer.code}]")
+                        if isinstance(answer, StageSync) and answer.reply and answer.join:
+                            return ReplicaState(peer, dict(answer.tensors), dict(answer.meta))
+                finally:
+                    await conn.close()
+        except (SwarmError, OSError, TimeoutError) as exc:
+            log.warning("%s: could not copy the state of the replica at %s:%d (%s)", name, *peer, exc)
+            return None
+
+    found = [s for s in await asyncio.gather(*(ask(p) for p in peers)) if s is not None]
+    return max(found, key=lambda s: s.steps, default=None)

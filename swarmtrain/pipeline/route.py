@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from swarmtrain.errors import ConfigError, SwarmError
@@ -82,15 +83,24 @@ async def fetch_statuses(route: Route, *, secret: bytes | None, timeout: float =
     return [[next(it) for _ in stage] for stage in route]
 
 
-def check_route(statuses: list[list[dict[str, Any]]], n_layers: int) -> None:
+def check_route(statuses: list[list[dict[str, Any]]], n_layers: int,
+                shape_of: Callable[[tuple[int, int]], str] | None = None) -> list[tuple[str, str]]:
     """Raise unless every stage has a live replica that serves the stage its place says,
-    and the live stages' layer ranges join up to cover the model's ``n_layers`` layers.
+    the live stages' layer ranges join up to cover the model's ``n_layers`` layers, and
+    (with ``shape_of``, the shape signature this process's model gives a layer range) each
+    replica's layers have the shape this model's have; and unless the live replicas of each
+    stage share one weight lineage (``origin``), none of them serving its seed's weights
+    while another has trained.
+
+    Returns:
+        For each stage, the ``(shape, origin)`` its replicas have (for :meth:`Router.expect`).
 
     Raises:
         SwarmError: the message names the address and what to start or fix there.
     """
     n = len(statuses)
     ranges: list[tuple[int, int]] = []
+    identities: list[tuple[str, str]] = []
     for i, replicas in enumerate(statuses):
         live = [s for s in replicas if "error" not in s]
         for s in replicas:
@@ -113,6 +123,7 @@ def check_route(statuses: list[list[dict[str, Any]]], n_layers: int) -> None:
             raise SwarmError(f"the replicas of stage {i} hold different layers ({sorted(found)}): "
                              "start them with the same --stages and model flags")
         ranges.append(found.pop())
+        identities.append(_check_replicas(i, live, shape_of(ranges[-1]) if shape_of else ""))
     if ranges[-1][1] != n_layers:
         raise SwarmError(f"the last stage of the route ends at layer {ranges[-1][1]}, but the model here has "
                          f"{n_layers} layers: give every process the same --task and model flags, and list "
@@ -122,3 +133,32 @@ def check_route(statuses: list[list[dict[str, Any]]], n_layers: int) -> None:
             raise SwarmError(f"stage {i - 1} ends at layer {ranges[i - 1][1]} but stage {i} starts at "
                              f"{ranges[i][0]}: start every stage with the same --stages, --task and "
                              "model flags")
+    return identities
+
+
+def _check_replicas(stage: int, live: list[dict[str, Any]], shape: str) -> tuple[str, str]:
+    """The live replicas of ``stage`` hold layers of ``shape`` ("" = not checked) and one
+    lineage, and none serves its seed's weights while another trained; their identity."""
+    for s in live:
+        if shape and s.get("shape", shape) != shape:
+            raise SwarmError(
+                f"{s['replica']} (stage {stage}) holds layers {s.get('layers')} of another shape than this "
+                f"process's model (signature {s.get('shape')}, here {shape}): give every process the same "
+                "--task and model flags (--context, --d-model, --n-heads, --n-layers)")
+    origins = {s.get("origin", "") for s in live}
+    if len(origins) > 1:
+        raise SwarmError(
+            f"the replicas of stage {stage} hold weights of different lineages ("
+            + ", ".join(f"{s['replica']}: origin {s.get('origin')}, {s.get('steps', 0)} steps" for s in live)
+            + "): they were built with different --seed values or never copied each other's weights. "
+            "Restart the newer one with --sync-with the other (it then copies its weights), or give "
+            "every stage the same --seed")
+    trained = max(live, key=lambda s: int(s.get("steps", 0)))
+    most = int(trained.get("steps", 0))
+    for s in live:
+        if s.get("started_from") == "seed" and int(s.get("steps", 0)) == 0 and most > 0:
+            raise SwarmError(
+                f"{s['replica']} (stage {stage}) serves its seed's weights while {trained['replica']} has "
+                f"trained {most} optimizer steps: restart it with --sync-with {trained['replica']} (it "
+                "then copies them), or --resume from its checkpoints, or leave it out of --route")
+    return shape, str(trained.get("origin", ""))

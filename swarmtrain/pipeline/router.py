@@ -11,6 +11,16 @@ that doubles with each consecutive failure (``ban_base``, ``2 × ban_base``, …
 A backward must reach the replica that did the forward (it holds the activations), so
 :meth:`Router.backward` does not fail over: it raises :class:`ReplicaFailed` or
 :class:`MicrobatchLost` and the trainer redoes the forward elsewhere.
+
+When every replica of a stage is down, a request waits for one to come back, up to
+``wait_for_replica`` seconds (saying so in the log, with what to run), instead of giving up
+after a number of attempts. Banned replicas are probed (a status request) every
+``probe_interval`` seconds, and a ban is lifted as soon as the replica answers. Every new
+connection starts with a status request, and a replica is not used when it does not fit
+what the route was checked against (:meth:`Router.expect`: another model shape or weight
+lineage) or when it came back with its seed's weights while its stage has trained. A
+replica that comes back as a new process (another ``incarnation``) is reported, with the
+optimizer steps it lost: those no checkpoint or replica held (``lost_steps``).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -39,13 +50,18 @@ from swarmtrain.wire import (
     StageGrad,
     StageInfer,
     StageResult,
+    Status,
+    StatusRequest,
 )
 
-__all__ = ["MicrobatchLost", "Replica", "ReplicaFailed", "Router", "RouterConfig", "StageUnavailable"]
+__all__ = ["Expected", "MicrobatchLost", "Replica", "ReplicaFailed", "Router", "RouterConfig",
+           "StageUnavailable"]
 
 log = logging.getLogger("swarmtrain.pipeline")
 
 _RETRYABLE = {"overloaded", "closing"}
+#: seconds between "still waiting for stage I" lines
+_WAIT_REPORT_EVERY = 30.0
 
 
 class ReplicaFailed(SwarmError):
@@ -69,9 +85,12 @@ class RouterConfig:
         ban_base: seconds of the first ban of a failing replica; doubles per further failure.
         ban_cap: longest ban, in seconds.
         ewma_alpha: weight of the newest answer time in a replica's average (0 < a <= 1).
-        max_attempts: most replicas tried for one request before giving up.
-        wait_for_replica: most seconds to wait for a ban to end when every replica of a
-            stage is banned.
+        max_attempts: most live replicas tried one after the other for one request before
+            it waits for one to come back (a round; rounds go on until ``wait_for_replica``).
+        wait_for_replica: most seconds one request waits for a replica of its stage to
+            come back when none answers (then :class:`StageUnavailable`).
+        probe_interval: seconds between status probes of a banned replica (its ban is
+            lifted as soon as one is answered).
         timeouts: transport timeouts of the connections to replicas.
     """
 
@@ -80,8 +99,22 @@ class RouterConfig:
     ban_cap: float = 60.0
     ewma_alpha: float = 0.3
     max_attempts: int = 8
-    wait_for_replica: float = 60.0
+    wait_for_replica: float = 300.0
+    probe_interval: float = 1.0
     timeouts: Timeouts = Timeouts()
+
+    def __post_init__(self) -> None:
+        if self.wait_for_replica < 0 or not self.probe_interval > 0 or self.max_attempts < 1:
+            raise ValueError("RouterConfig: wait_for_replica must be >= 0, probe_interval > 0 and "
+                             "max_attempts >= 1")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the replicas of one stage must be to be routed to (from the checked route)."""
+
+    shape: str = ""  # the layers' shape signature ("" = not checked)
+    origin: str = ""  # the weight lineage ("" = not checked)
 
 
 @dataclass(eq=False)
@@ -97,6 +130,12 @@ class Replica:
     banned_until: float = 0.0
     answered: int = 0
     failures: int = 0
+    #: what its answers last said: process id, optimizer steps, steps only it holds
+    incarnation: str = ""
+    steps: int = 0
+    at_risk: int = 0
+    refused: str = ""  # why it is not routed to ("" = it is)
+    restarts: int = 0
     conn: Connection | None = field(default=None, repr=False)
     pending: dict[int, asyncio.Future[Message]] = field(default_factory=dict, repr=False)
     reader: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -134,6 +173,27 @@ class Router:
         self._ids = itertools.count(1)
         self.resends = 0  # requests sent again to another replica after a failure
         self.bans = 0
+        self.bans_lifted = 0  # bans ended early because the replica answered a probe
+        self.waits = 0  # times a request waited for a stage with no live replica
+        self.expected: list[Expected] = [Expected() for _ in self.replicas]
+        #: per stage, optimizer steps lost by replicas that restarted (see the module docstring)
+        self.lost_steps = [0] * len(self.replicas)
+        #: one entry per replica restart seen: who, when (monotonic), from what, steps lost
+        self.restart_log: list[dict[str, Any]] = []
+        self._probe_task: asyncio.Task[None] | None = None
+        self._lifted: dict[int, asyncio.Event] = {}  # per stage: set when a ban is lifted
+        #: stages with no live replica now: (since, last reported), monotonic seconds
+        self._outages: dict[int, tuple[float, float]] = {}
+
+    def expect(self, stage: int, *, shape: str = "", origin: str = "") -> None:
+        """Route ``stage``'s requests only to replicas with this shape signature and weight
+        lineage (checked on every new connection and every probe)."""
+        self.expected[stage] = Expected(shape, origin)
+
+    def note_status(self, replica: Replica, status: dict[str, Any]) -> None:
+        """Take what a status says about ``replica`` (its incarnation, steps) as its answers'."""
+        self._seen(replica, str(status.get("incarnation", "")), int(status.get("steps", 0)),
+                   int(status.get("at_risk", 0)), str(status.get("started_from", "")))
 
     @property
     def num_stages(self) -> int:
@@ -142,7 +202,8 @@ class Router:
     async def forward(self, stage: int, session: str, microbatch: int, x: torch.Tensor,
                       targets: torch.Tensor | None = None,
                       priority: Priority = Priority.TRAINING_FORWARD, *,
-                      step: bool | None = None, prefer: Replica | None = None) -> tuple[Replica, StageResult]:
+                      step: bool | None = None, prefer: Replica | None = None,
+                      group: tuple[int, int] | None = None) -> tuple[Replica, StageResult]:
         """Training forward on the best replica of ``stage`` (``prefer`` if it is live: the
         replica the rest of a synchronous group went to), failing over to others. ``step``:
         the trainer's step decision for the last stage (None: the stage counts).
@@ -155,17 +216,20 @@ class Router:
             RefusedError: the stage refused the request itself (bad input).
         """
         tensors = {"x": x} if targets is None else {"x": x, "targets": targets}
+        first, size = group or (-1, 0)
 
         def build(req: int) -> Message:
             return StageForward(req=req, session=session, microbatch=microbatch, priority=int(priority),
-                                tensors=tensors, sync=step is not None, step=bool(step))
+                                tensors=tensors, sync=step is not None, step=bool(step), group=first,
+                                group_size=size)
 
         replica, answer = await self._call_stage(stage, build, prefer)
         assert isinstance(answer, StageResult)
         return replica, answer
 
     async def backward(self, replica: Replica, session: str, microbatch: int,
-                       grad: torch.Tensor, *, step: bool | None = None) -> StageGrad:
+                       grad: torch.Tensor, *, step: bool | None = None,
+                       group: tuple[int, int] | None = None) -> StageGrad:
         """The backward of a micro-batch, on the replica that did its forward (``step``: the
         trainer's step decision, None: the stage counts).
 
@@ -174,9 +238,10 @@ class Router:
             MicrobatchLost: the replica does not hold the forward.
             RefusedError: the replica refused the gradient (bad input).
         """
+        first, size = group or (-1, 0)
         answer = await self._request(replica, lambda req: StageBackward(
             req=req, session=session, microbatch=microbatch, tensors={"grad": grad},
-            sync=step is not None, step=bool(step)))
+            sync=step is not None, step=bool(step), group=first, group_size=size))
         assert isinstance(answer, StageGrad)
         return answer
 
@@ -195,6 +260,9 @@ class Router:
 
     async def close(self) -> None:
         """Close every connection; pending requests fail."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
         for replica in itertools.chain.from_iterable(self.replicas):
             self._drop(replica, SwarmError("router closed"))
             if replica.reader is not None:
@@ -204,14 +272,24 @@ class Router:
 
     def stats(self) -> dict[str, Any]:
         """Resends, bans, and per replica its answers, failures and answer-time average."""
+        now = self._clock()
         return {
-            "resends": self.resends, "bans": self.bans,
+            "resends": self.resends, "bans": self.bans, "bans_lifted": self.bans_lifted, "waits": self.waits,
+            "lost_steps": list(self.lost_steps), "restarts": list(self.restart_log),
             "replicas": {r.name: {"answered": r.answered, "failures": r.failures,
-                                  "ewma_ms": None if r.ewma_seconds is None else r.ewma_seconds * 1e3}
+                                  "ewma_ms": None if r.ewma_seconds is None else r.ewma_seconds * 1e3,
+                                  "banned_for": max(0.0, r.banned_until - now), "refused": r.refused,
+                                  "incarnation": r.incarnation, "steps": r.steps, "at_risk": r.at_risk,
+                                  "restarts": r.restarts}
                          for r in itertools.chain.from_iterable(self.replicas)},
         }
 
     # -- choosing and calling --------------------------------------------------------------
+
+    def choose(self, stage: int) -> Replica | None:
+        """The replica of ``stage`` the next request would go to now (None: all banned), for
+        a caller that sends several requests to one replica (a synchronous group)."""
+        return self._pick(stage, ())
 
     def _pick(self, stage: int, tried: Collection[Replica], prefer: Replica | None = None) -> Replica | None:
         now = self._clock()
@@ -225,30 +303,71 @@ class Router:
 
     async def _call_stage(self, stage: int, build: Callable[[int], Message],
                           prefer: Replica | None = None) -> tuple[Replica, Message]:
+        """Send to the best live replica of ``stage``, failing over to the others; when none
+        is live, wait (up to ``wait_for_replica``) for a ban to end or be lifted by a probe."""
         tried: list[Replica] = []
         last_error = "every replica is banned"
         deadline = self._clock() + self.config.wait_for_replica
-        while len(tried) < self.config.max_attempts:
-            replica = self._pick(stage, tried, prefer)
+        while True:
+            replica = None if len(tried) >= self.config.max_attempts else self._pick(stage, tried, prefer)
+            if replica is not None and replica in tried:
+                replica = None  # every live replica failed this round: wait for one to come back
             if replica is None:
-                wake = min(r.banned_until for r in self.replicas[stage])
-                if wake > deadline:
+                now = self._clock()
+                if now >= deadline:
                     break
-                await asyncio.sleep(max(0.0, wake - self._clock()))
+                self._report_wait(stage, now, deadline - now, last_error)
+                tried.clear()
+                await self._wait_for_stage(stage, min(deadline, self._next_ban_end(stage)) - now)
                 continue
             if tried:
                 self.resends += 1
             tried.append(replica)
             try:
-                return replica, await self._request(replica, build)
+                answer = await self._request(replica, build)
             except ReplicaFailed as exc:
                 last_error = str(exc)
                 log.info("%s; resending to another replica", exc)
+                continue
+            outage = self._outages.pop(stage, None)
+            if outage is not None:
+                log.warning("stage %d answers again (%s) after %.0f s without a live replica", stage,
+                            replica.name, self._clock() - outage[0])
+            return replica, answer
         raise StageUnavailable(
-            f"no replica of stage {stage} answered after {len(tried)} attempts ("
-            + ", ".join(f"{r.name} failed {r.failures}x" for r in self.replicas[stage])
+            f"no replica of stage {stage} answered within {self.config.wait_for_replica:g} s ("
+            + ", ".join(f"{r.name} failed {r.failures}x" + (f", {r.refused}" if r.refused else "")
+                        for r in self.replicas[stage])
             + f"); last error: {last_error}"
         )
+
+    def _report_wait(self, stage: int, now: float, left: float, last_error: str) -> None:
+        """Say (once per stage and ``_WAIT_REPORT_EVERY`` seconds, whatever the number of
+        requests waiting) that ``stage`` has no live replica, and what to do."""
+        since, reported = self._outages.get(stage, (now, -math.inf))
+        if now - reported < _WAIT_REPORT_EVERY:
+            return
+        if reported == -math.inf:
+            self.waits += 1
+        self._outages[stage] = (since, now)
+        log.warning("no replica of stage %d answers (%s); waiting up to %.0f s more for one to come back. "
+                    "Restart it: `swarmtrain stage --stage %d ... --resume` (its checkpoints), or with "
+                    "--sync-with a live replica of stage %d", stage, last_error, left, stage, stage)
+
+    def _next_ban_end(self, stage: int) -> float:
+        now = self._clock()
+        ends = [r.banned_until for r in self.replicas[stage] if r.banned_until > now]
+        return min(ends) if ends else now + self.config.probe_interval
+
+    async def _wait_for_stage(self, stage: int, seconds: float) -> None:
+        """Sleep up to ``seconds`` (at least a moment), waking early when a ban of ``stage``
+        is lifted."""
+        event = self._lifted.setdefault(stage, asyncio.Event())
+        event.clear()
+        self._start_probing()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.01, min(seconds, self.config.probe_interval))):
+                await event.wait()
 
     async def _request(self, replica: Replica, build: Callable[[int], Message]) -> Message:
         req = next(self._ids)
@@ -275,6 +394,8 @@ class Router:
             if answer.code == "unknown_microbatch":
                 raise MicrobatchLost(answer.message)
             raise RefusedError(answer.code, answer.message)
+        if isinstance(answer, StageResult | StageGrad) and answer.incarnation:
+            self._seen(replica, answer.incarnation, answer.steps, answer.at_risk, "")
         elapsed = self._clock() - started
         a = self.config.ewma_alpha
         replica.ewma_seconds = elapsed if replica.ewma_seconds is None else (
@@ -296,16 +417,125 @@ class Router:
             self.bans += 1
             log.warning("banning %s for %.1f s after: %s", replica.name, ban, why)
         self._drop(replica, exc)
+        self._start_probing()
         return ReplicaFailed(f"{replica.name}: {why}")
 
     async def _connection(self, replica: Replica) -> Connection:
         async with replica.lock:
             if replica.conn is None or replica.conn.is_closed:
-                replica.conn = await connect(replica.host, replica.port, secret=self.secret, tls=self.tls,
-                                             role="pipeline", timeouts=self.config.timeouts)
+                conn = await connect(replica.host, replica.port, secret=self.secret, tls=self.tls,
+                                     role="pipeline", timeouts=self.config.timeouts)
+                try:
+                    status = await self._ask_status(conn)
+                except BaseException:
+                    conn.abort(SwarmError("no status"))
+                    raise
+                why = self._admissible(replica, status)
+                if why:
+                    await conn.close()
+                    raise SwarmError(why)
+                replica.conn = conn
                 replica.reader = asyncio.create_task(self._read(replica, replica.conn),
                                                      name=f"router-read-{replica.name}")
             return replica.conn
+
+    async def _ask_status(self, conn: Connection) -> dict[str, Any]:
+        await conn.send(StatusRequest(), timeout=self.config.request_timeout)
+        while True:
+            msg = await conn.recv(timeout=self.config.request_timeout, phase="stage status")
+            if isinstance(msg, Status):
+                return msg.status
+            if isinstance(msg, Error):
+                raise RefusedError(msg.code, msg.message)
+
+    def _admissible(self, replica: Replica, status: dict[str, Any]) -> str:
+        """Why ``replica`` must not be routed to, given its status ("" = it may be)."""
+        want = self.expected[replica.stage]
+        why = ""
+        if status.get("stage") != replica.stage:
+            why = f"it serves stage {status.get('stage')}, not {replica.stage}"
+        elif want.shape and status.get("shape") != want.shape:
+            why = (f"it holds layers of another shape (signature {status.get('shape')}, the route's "
+                   f"{want.shape}): start it with the same --task and model flags")
+        elif want.origin and status.get("origin") != want.origin:
+            why = (f"it holds weights of another lineage (origin {status.get('origin')}, its stage's "
+                   f"{want.origin}; another --seed?): start it with --sync-with a live replica of "
+                   f"stage {replica.stage}, or --resume from this stage's checkpoints")
+        else:
+            trained = max((r.steps for r in self.replicas[replica.stage]), default=0)
+            if status.get("started_from") == "seed" and int(status.get("steps", 0)) == 0 and trained > 0:
+                why = (f"it came back with its seed's weights (0 optimizer steps; stage {replica.stage} "
+                       f"was at {trained}): restart it with --resume (its checkpoints) or --sync-with a "
+                       "live replica of its stage")
+        if why:
+            if replica.refused != why:
+                log.warning("not routing to %s: %s", replica.name, why)
+            replica.refused = why
+            return why
+        if replica.refused:
+            log.info("%s fits its stage again: routing to it", replica.name)
+        replica.refused = ""
+        self.note_status(replica, status)
+        return ""
+
+    def _seen(self, replica: Replica, incarnation: str, steps: int, at_risk: int, started_from: str) -> None:
+        """What an answer or status says; a new incarnation is a restart: count what it lost."""
+        if not incarnation:
+            return
+        if replica.incarnation and incarnation != replica.incarnation:
+            if started_from.startswith("checkpoint"):
+                lost = max(0, replica.steps - steps)
+            else:  # copied from a replica (or the seed): what only the dead process held
+                lost = replica.at_risk
+            replica.restarts += 1
+            self.lost_steps[replica.stage] += lost
+            self.restart_log.append({"replica": replica.name, "time": self._clock(), "lost_steps": lost,
+                                     "steps_before": replica.steps, "steps_after": steps,
+                                     "started_from": started_from or "?"})
+            log.warning("%s restarted (%s): it had %d optimizer steps and comes back at %d; %d step(s) of "
+                        "its training no checkpoint or replica held are lost", replica.name,
+                        started_from or "state unknown", replica.steps, steps, lost)
+        replica.incarnation, replica.steps, replica.at_risk = incarnation, steps, at_risk
+
+    def _start_probing(self) -> None:
+        if self._probe_task is None or self._probe_task.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to probe from
+                self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop(),
+                                                                          name="router-probe")
+
+    async def _probe_loop(self) -> None:
+        """While a replica is banned, ask each banned one for its status every
+        ``probe_interval`` seconds; lift the ban of one that answers and fits its stage."""
+        while True:
+            now = self._clock()
+            banned = [r for r in itertools.chain.from_iterable(self.replicas) if r.banned_until > now]
+            if not banned:
+                return
+            await asyncio.gather(*(self._probe(r) for r in banned))
+            await asyncio.sleep(self.config.probe_interval)
+
+    async def _probe(self, replica: Replica) -> None:
+        timeout = min(5.0, self.config.request_timeout)
+        try:
+            conn = await connect(replica.host, replica.port, secret=self.secret, tls=self.tls,
+                                 role="pipeline", timeouts=Timeouts(connect=timeout, handshake=timeout))
+        except (SwarmError, OSError):
+            return
+        try:
+            status = await self._ask_status(conn)
+        except (SwarmError, OSError, TimeoutError):
+            return
+        finally:
+            await conn.close()
+        if self._admissible(replica, status) or replica.banned_until <= self._clock():
+            return
+        replica.banned_until = 0.0
+        replica.consecutive_failures = 0
+        self.bans_lifted += 1
+        log.info("%s answers again: its ban is lifted", replica.name)
+        event = self._lifted.get(replica.stage)
+        if event is not None:
+            event.set()
 
     async def _read(self, replica: Replica, conn: Connection) -> None:
         reason: BaseException = SwarmError("connection closed")

@@ -26,7 +26,8 @@ from torch import nn
 from swarmtrain.devices import DEVICE_CHOICES, resolve_device
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.ops.serve import serve_stage
-from swarmtrain.pipeline.compute import ComputeConfig
+from swarmtrain.pipeline.checkpointing import StageCheckpointer, StageIdentity, describe_task
+from swarmtrain.pipeline.compute import ComputeConfig, shape_signature
 from swarmtrain.pipeline.partition import (
     NodeSpec,
     build_stage,
@@ -46,6 +47,7 @@ from swarmtrain.transport.tls import TLSConfig
 
 __all__ = [
     "PipelineOptions",
+    "checked_router",
     "StageOptions",
     "load_pipeline_task",
     "parse_layer_range",
@@ -149,6 +151,11 @@ class StageOptions:
             ``max_failed_auth``, ``max_bad_in_row``).
         device: where the layers compute: ``auto`` (CUDA, else MPS, else CPU), ``cpu``,
             ``cuda`` (or ``cuda:N``) or ``mps``.
+        checkpoint_dir: where the stage's checkpoints go ("" = ``checkpoints/stage{stage}``
+            in the working directory, ``none`` = no checkpoints).
+        checkpoint_every: optimizer steps between checkpoints (0 = only on a clean stop).
+        keep_checkpoints: how many checkpoints to keep, at least 1.
+        resume: load the newest valid checkpoint of ``checkpoint_dir`` before serving.
     """
 
     stage: int
@@ -166,27 +173,68 @@ class StageOptions:
     http_host: str = "127.0.0.1"
     server_limits: dict[str, Any] = field(default_factory=dict)
     device: str = "auto"
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    resume: bool = False
+
+    @property
+    def checkpoint_directory(self) -> str | None:
+        """Where this stage's checkpoints go, None when they are turned off."""
+        if self.checkpoint_dir.strip().lower() == "none":
+            return None
+        return self.checkpoint_dir or os.path.join("checkpoints", f"stage{self.stage}")
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device {self.device!r} is not one of {', '.join(DEVICE_CHOICES)}")
         if self.stages < 1 or not 0 <= self.stage < self.stages:
             raise ConfigError(f"--stage {self.stage} --stages {self.stages}: need 0 <= stage < stages")
-        for key in ("sync_every", "threads", "port", "http_port"):
+        for key in ("sync_every", "threads", "port", "http_port", "checkpoint_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
         if self.learning_rate < 0:
             raise ConfigError(f"--lr must be > 0 (or 0 for the task's default), got {self.learning_rate}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.checkpoint_dir and not self.checkpoint_dir.strip():
+            raise ConfigError("--checkpoint-dir is blank: give a directory, or none to turn checkpoints off")
+        if self.resume and self.checkpoint_directory is None:
+            raise ConfigError("--resume loads a checkpoint, but --checkpoint-dir none turns them off: "
+                              "give the directory to resume from")
+
+
+def _stage_checkpointer(opts: StageOptions) -> StageCheckpointer | None:
+    """The stage's checkpointer; None when checkpoints are off."""
+    directory = opts.checkpoint_directory
+    if directory is None:
+        return None
+    return StageCheckpointer(directory, every=opts.checkpoint_every, keep=opts.keep_checkpoints)
+
+
+def _refuse_old_checkpoints(checkpointer: StageCheckpointer | None, opts: StageOptions) -> None:
+    """A stage that neither resumed nor copied a replica starts from the seed: it must not
+    write its checkpoints among an earlier run's (a later ``--resume`` would pick whichever
+    has the higher step), nor start afresh by mistake when the user meant to continue."""
+    newest = None if checkpointer is None else checkpointer.newest_step()
+    if newest is not None:
+        where = checkpointer.directory if checkpointer else ""
+        raise ConfigError(f"{where} holds checkpoints of an earlier run of stage {opts.stage} (up to "
+                          f"optimizer step {newest}): start with --resume to continue from them, or give "
+                          "another --checkpoint-dir (or move them away) to start from the seed")
 
 
 def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure: bool,
               tls: TLSConfig | None = None) -> int:
-    """Serve one stage until SIGINT or SIGTERM.
+    """Serve one stage until SIGINT or SIGTERM, checkpointing it (see :class:`StageOptions`)
+    and, with ``opts.resume``, continuing from its newest valid checkpoint.
 
     Raises:
         ConfigError: no secret on a reachable address (without ``insecure``), a layer
-            range that does not fit the model or the stage's place in the pipeline, or a
-            ``device`` this machine lacks.
+            range that does not fit the model or the stage's place in the pipeline, a
+            ``device`` this machine lacks, or (``resume``) a checkpoint of another stage,
+            layer range or model.
+        CheckpointError: the checkpoint directory exists but cannot be listed.
     """
     require_secret(opts.host, opts.port, secret, insecure, "send this stage activations or gradients")
     device = resolve_device(opts.device)
@@ -210,14 +258,23 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
                                  sync_every=opts.sync_every if opts.sync_with else 0,
                                  **opts.server_limits),
         secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}", tls=tls, device=device)
+    checkpointer = _stage_checkpointer(opts)
+    identity = StageIdentity(opts.stage, opts.stages, layer_range, describe_task(task))
 
     def status(port: int, running: bool) -> dict[str, Any]:
-        return {**server.status(), "address": f"{opts.host}:{port}", "port": port,
+        saved = checkpointer.status() if checkpointer is not None else {"checkpoint": None}
+        return {**server.status(), **saved, "address": f"{opts.host}:{port}", "port": port,
                 "stages": opts.stages, "pid": os.getpid(), "running": running, "time": time.time()}
 
     async def serve() -> None:
         stop = asyncio.Event()
         _stop_on_signals(stop)
+        # Where the state comes from, before the server listens (so it serves nothing before):
+        # its checkpoint (--resume), then a live replica that has trained more (--sync-with).
+        resumed = opts.resume and checkpointer is not None and await checkpointer.restore(server, identity)
+        joined = await server.join() if opts.sync_with else None
+        if not resumed and joined is None:
+            _refuse_old_checkpoints(checkpointer, opts)
         try:
             await server.start()
         except OSError as exc:
@@ -225,6 +282,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
             raise SwarmError(f"cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}; is something "
                              "(another stage?) already using that port? Choose another --port") from exc
         port = server.port  # a closed server no longer knows it
+        if checkpointer is not None:
+            checkpointer.attach(server, identity)
         http = await serve_stage(server, opts.http_host, opts.http_port) if opts.http_port else None
         peers = ", ".join(f"{h}:{p}" for h, p in opts.sync_with)
         log.info("stage %d of %d: layers [%d, %d) of %d on %s, listening on %s:%d%s", opts.stage,
@@ -240,10 +299,16 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         finally:
             if http is not None:
                 await http.close()
+            if checkpointer is not None and stop.is_set():  # a clean stop: SIGINT or SIGTERM
+                await checkpointer.stop()
+                await checkpointer.save_now(server)
             await server.close()
             if opts.status_file:
                 _write_json(opts.status_file, status(port, False))
         log.info("stage %d stopped after %d optimizer steps", opts.stage, server.compute.steps)
+        if server.at_risk:
+            log.warning("stage %d: its last %d optimizer steps are in no checkpoint and no replica",
+                        opts.stage, server.at_risk)
 
     asyncio.run(serve())
     return 0
@@ -251,6 +316,27 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
 
 def _count_layers(task: Task) -> int:
     return len(split_layers(task.build_model(0)))
+
+
+async def checked_router(task: Task, route: Route, *, secret: bytes | None, tls: TLSConfig | None,
+                          config: RouterConfig = RouterConfig()) -> Router:
+    """A router over ``route`` once every stage answered and fits this process's model
+    (layer ranges, shapes, one weight lineage per stage: :func:`check_route`); the router
+    then refuses replicas that do not fit what was checked."""
+    layers = split_layers(task.build_model(0))
+
+    def shape_of(layer_range: tuple[int, int]) -> str:
+        return shape_signature(nn.Sequential(*layers[layer_range[0]:layer_range[1]]))
+
+    statuses = await fetch_statuses(route, secret=secret, tls=tls)
+    identities = check_route(statuses, len(layers), shape_of)
+    router = Router(route, secret=secret, tls=tls, config=config)
+    for stage, (shape, origin) in enumerate(identities):
+        router.expect(stage, shape=shape, origin=origin)
+        for replica, status in zip(router.replicas[stage], statuses[stage], strict=True):
+            if "error" not in status:
+                router.note_status(replica, status)
+    return router
 
 
 def _unavailable(exc: StageUnavailable) -> SwarmError:
@@ -276,6 +362,7 @@ class PipelineOptions:
         eval_samples: held-out windows per evaluation.
         seed: seed of the order training samples are drawn in.
         request_timeout: seconds a stage may take to answer before its replica is banned.
+        stage_wait: most seconds to wait for a stage with no live replica to come back.
         status_file: keep the trainer's status as JSON here ("" = none).
         route: for each stage, the ``(host, port)`` of its replicas.
         run_log: the JSONL run log: "auto" = runs/<date-time>/pipeline.jsonl, "" or "none" =
@@ -291,6 +378,7 @@ class PipelineOptions:
     eval_samples: int = 64
     seed: int = 0
     request_timeout: float = 30.0
+    stage_wait: float = 300.0
     status_file: str = ""
     route: Route = field(default_factory=list)
     run_log: str = "auto"
@@ -303,6 +391,8 @@ class PipelineOptions:
             raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
         if not self.request_timeout > 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        if not self.stage_wait >= 0:
+            raise ConfigError(f"--stage-wait must be >= 0 seconds, got {self.stage_wait}")
 
 
 def _trainer_status(trainer: PipelineTrainer, opts: PipelineOptions, evals: list[tuple[int, float]],
@@ -314,7 +404,8 @@ def _trainer_status(trainer: PipelineTrainer, opts: PipelineOptions, evals: list
         "state": state, "error": error, "session": trainer.session, "microbatches": opts.microbatches,
         "done": done, "loss_history": trainer.loss_history, "eval_history": evals,
         "acknowledged": acked, "resends": trainer.resends, "router_resends": trainer.router.resends,
-        "redone_forwards": trainer.redone_forwards, "router": trainer.router.stats(), "time": time.time(),
+        "redone_forwards": trainer.redone_forwards, "replayed": trainer.replayed,
+        "lost_steps": trainer.router.lost_steps, "router": trainer.router.stats(), "time": time.time(),
         "schedule": opts.schedule, "samples_per_step": _samples_per_step(opts),
     }
 
@@ -360,9 +451,8 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, on_signal, sig)
-        check_route(await fetch_statuses(opts.route, secret=secret, tls=tls), _count_layers(task))
-        router = Router(opts.route, secret=secret, tls=tls,
-                        config=RouterConfig(request_timeout=opts.request_timeout))
+        router = await checked_router(task, opts.route, secret=secret, tls=tls, config=RouterConfig(
+            request_timeout=opts.request_timeout, wait_for_replica=opts.stage_wait))
         started = time.monotonic()
         every = max(1, opts.microbatches // 20)
 
@@ -480,8 +570,7 @@ def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperat
                     "from the last %d bytes only (a sliding window)", len(prompt_bytes), context, context)
 
     async def generate() -> bytes:
-        check_route(await fetch_statuses(route, secret=secret, tls=tls), _count_layers(task))
-        router = Router(route, secret=secret, tls=tls)
+        router = await checked_router(task, route, secret=secret, tls=tls)
         try:
             trainer = PipelineTrainer(router, task.load_data().heldout, context=context)
             return await trainer.generate(prompt_bytes, tokens, temperature, seed)

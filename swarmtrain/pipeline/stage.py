@@ -33,10 +33,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,11 +46,17 @@ from torch import nn
 
 from swarmtrain.errors import RemoteProtocolError, SwarmError
 from swarmtrain.pipeline.buffers import ActivationBuffer, BufferClosed, Priority, WorkPacket
-from swarmtrain.pipeline.compute import BadInput, ComputeConfig, StageCompute, UnknownMicrobatch
+from swarmtrain.pipeline.compute import (
+    BadInput,
+    ComputeConfig,
+    StageCompute,
+    StateMismatch,
+    UnknownMicrobatch,
+)
 from swarmtrain.pipeline.monitor import BufferMonitor
 from swarmtrain.pipeline.outbound import OutboundBuffer
 from swarmtrain.pipeline.partition import LossFn
-from swarmtrain.pipeline.replicas import ReplicaSync
+from swarmtrain.pipeline.replicas import ReplicaState, ReplicaSync, fetch_replica_state
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
 from swarmtrain.transport.endpoints import ServerLimits, payload_limit, peer_ip
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
@@ -161,7 +168,7 @@ class _Sender:
 class _Job(WorkPacket):
     """A packet with what the compute thread needs to answer it."""
 
-    kind: str = ""  # forward, backward, infer, sync_serve, sync_apply, snapshot
+    kind: str = ""  # forward, backward, infer, sync_serve, sync_apply, snapshot, export, import
     req: int = 0
     conn: Connection | None = None
     targets: torch.Tensor | None = None
@@ -170,6 +177,8 @@ class _Job(WorkPacket):
     result: concurrent.futures.Future[Any] | None = None
     sync_round: int = 0
     step: bool | None = None  # the trainer's step decision (None: the stage counts)
+    group: tuple[int, int] | None = None  # the micro-batches the step covers (first, size)
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -229,6 +238,16 @@ class StageServer:
                                     timeouts=config.timeouts, round_timeout=config.sync_timeout,
                                     name=self.name, tls=tls)
         self.sync_served = 0
+        self.joins_served = 0
+        #: the last state a joining replica copied from here, and what this one copied
+        self.last_join_served: dict[str, Any] | None = None
+        self.joined: dict[str, Any] | None = None
+        #: drawn when the server is built: a trainer that sees it change knows the stage
+        #: restarted (and lost what it held only in memory)
+        self.incarnation = secrets.token_hex(6)
+        #: where this replica's starting state came from ("seed", "checkpoint PATH",
+        #: "replica HOST:PORT"): set by whoever loads one
+        self.started_from = "seed"
         self.refused = 0
         self.bad_input = 0  # requests refused for what they carried, all senders
         self.sender_disconnects = 0
@@ -243,6 +262,77 @@ class StageServer:
         self._thread: threading.Thread | None = None
         self._infer_thread: threading.Thread | None = None
         self._stopping = False
+        #: called on the event loop with the optimizer step count after each step
+        self._step_listeners: list[Callable[[int], None]] = []
+        #: the optimizer step of the newest state kept outside this process (a checkpoint
+        #: written, a sync round with a replica): steps past it die with the process
+        self.durable_step = 0
+
+    def on_step(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(steps)`` on the event loop after every optimizer step."""
+        self._step_listeners.append(listener)
+
+    @property
+    def at_risk(self) -> int:
+        """Optimizer steps applied here that no checkpoint and no replica holds yet."""
+        return max(0, self.compute.steps - max(self.durable_step, self.replicas.last_synced_step))
+
+    async def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The stage's whole state (:meth:`StageCompute.export_state`), taken on the compute
+        thread between two requests."""
+        result: tuple[dict[str, torch.Tensor], dict[str, Any]] = await self._on_compute_thread("export")
+        return result
+
+    async def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
+                           source: str = "") -> None:
+        """Take over a stage state (:meth:`StageCompute.import_state`): directly before
+        :meth:`start`, on the compute thread after it. ``source`` says where it came from
+        (``status()["started_from"]``: "checkpoint PATH", "replica HOST:PORT").
+
+        Raises:
+            StateMismatch: it does not fit these layers (nothing was changed).
+        """
+        if self._thread is None:
+            self.compute.import_state(tensors, meta)
+        else:
+            await self._on_compute_thread("import", theirs=tensors, meta=meta)
+        self.durable_step = self.compute.steps
+        if source:
+            self.started_from = source
+
+    async def join(self, peers: Sequence[tuple[str, int]] | None = None) -> ReplicaState | None:
+        """Copy the whole state (weights, optimizer state, steps, lineage) of the live replica
+        among ``peers`` (default: the sync peers) that trained most, if it trained more than
+        this one has; call it before :meth:`start`, so the stage serves nothing before. None
+        (and nothing changed) when no peer answered or none is ahead.
+
+        Raises:
+            StateMismatch: the peer's state does not fit these layers (another model or
+                layer range: the message says what differs).
+        """
+        asked = list(self.replicas.peers if peers is None else peers)
+        if not asked:
+            return None
+        own = sum(t.numel() * t.element_size() for t in self.compute.layers.state_dict().values())
+        state = await fetch_replica_state(asked, secret=self.secret, timeouts=self.config.timeouts,
+                                          timeout=self.config.sync_timeout, max_bytes=8 * own + (1 << 20),
+                                          tls=self.tls, name=self.name)
+        if state is None or state.steps <= self.compute.steps:
+            if state is not None:
+                log.info("%s: the replica at %s:%d is at optimizer step %d, this one at %d: keeping its own",
+                         self.name, *state.peer, state.steps, self.compute.steps)
+            return None
+        try:
+            await self.import_state(state.tensors, state.meta, source="replica {}:{}".format(*state.peer))
+        except StateMismatch as exc:
+            raise StateMismatch(f"{self.name}: the replica at {state.peer[0]}:{state.peer[1]} holds another "
+                                f"stage: {exc}") from exc
+        self.replicas.last_synced_step = self.compute.steps  # a copy: nothing here only
+        self.joined = {"from": "{}:{}".format(*state.peer), "steps": state.steps,
+                       "fingerprint": self.compute.fingerprint()}
+        log.info("%s: copied the state of the replica at %s:%d before serving: optimizer step %d, weights "
+                 "fingerprint %s", self.name, *state.peer, state.steps, self.compute.fingerprint())
+        return state
 
     @property
     def port(self) -> int:
@@ -333,7 +423,14 @@ class StageServer:
             "name": self.name, "stage": self.stage, "layers": list(self.layer_range),
             "device": str(self.compute.device),
             **self.compute.status(),
+            "incarnation": self.incarnation, "started_from": self.started_from,
+            "shape": self.compute.shape, "origin": self.compute.origin,
+            # (while training, at most every 2 s: it reads every weight)
+            "fingerprint": self.compute.fingerprint(max_age=2.0), "at_risk": self.at_risk,
+            "durable_step": max(self.durable_step, self.replicas.last_synced_step),
             "sync_rounds": self.replicas.rounds, "sync_served": self.sync_served,
+            "joins_served": self.joins_served, "last_join_served": self.last_join_served,
+            "joined": self.joined,
             "sync_failures": self.replicas.failures, "refused": self.refused,
             "bad_input": self.bad_input, "sender_disconnects": self.sender_disconnects,
             "senders": senders,
@@ -479,14 +576,18 @@ class StageServer:
             if isinstance(msg, StageForward):
                 return _Job(Priority(msg.priority), msg.session, msg.microbatch, x, peer, first,
                             "forward", kind="forward", req=msg.req, conn=conn,
-                            targets=msg.tensors.get("targets"), step=msg.step if msg.sync else None)
+                            targets=msg.tensors.get("targets"), step=msg.step if msg.sync else None,
+                            group=_group(msg))
             return _Job(Priority(msg.priority), msg.session, 0, x, peer, first, "forward",
                         kind="infer", req=msg.req, conn=conn)
         if isinstance(msg, StageBackward):
             grad = _tensor(msg.tensors, "grad")
             return _Job(Priority.TRAINING_BACKWARD, msg.session, msg.microbatch, grad, peer, first,
                         "backward", grad=grad, kind="backward", req=msg.req, conn=conn,
-                        step=msg.step if msg.sync else None)
+                        step=msg.step if msg.sync else None, group=_group(msg))
+        if isinstance(msg, StageSync) and msg.join and not msg.reply:
+            return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
+                        "forward", kind="join_serve", req=msg.req, conn=conn, sync_round=msg.round)
         if isinstance(msg, StageSync) and not msg.reply:
             return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
                         "forward", kind="sync_serve", req=msg.req, conn=conn, theirs=dict(msg.tensors),
@@ -579,41 +680,66 @@ class StageServer:
         c = self.compute
         if job.kind == "forward":
             steps = c.steps
-            out = c.forward(job.session_id, job.microbatch_id, job.tensor, job.targets, job.step)
+            out = c.forward(job.session_id, job.microbatch_id, job.tensor, job.targets, job.step, job.group)
             self._after(steps)
             tensors = {"y": out.y} if out.y is not None else {}
             if out.grad is not None:
                 tensors["grad"] = out.grad
             return StageResult(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
-                               done=out.done, tensors=tensors)
+                               done=out.done, tensors=tensors, **self._training_answer(out.missing))
         if job.kind == "backward":
             assert job.grad is not None
             steps = c.steps
-            out = c.backward(job.session_id, job.microbatch_id, job.grad, job.step)
+            out = c.backward(job.session_id, job.microbatch_id, job.grad, job.step, job.group)
             self._after(steps)
             return StageGrad(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
-                             duplicate=out.cached, tensors={} if out.grad is None else {"grad": out.grad})
+                             duplicate=out.cached, tensors={} if out.grad is None else {"grad": out.grad},
+                             **self._training_answer(out.missing))
         if job.kind == "infer":
             y = c.infer(job.tensor)
             return StageResult(req=job.req, session=job.session_id, microbatch=0, tensors={"y": y})
+        if job.kind == "join_serve":
+            tensors, meta = c.export_state()
+            self.joins_served += 1
+            self.last_join_served = {"to": str(job.source), "steps": meta["steps"],
+                                     "fingerprint": meta["fingerprint"]}
+            log.info("%s: a replica joining from %s copies this stage's state (optimizer step %d, "
+                     "fingerprint %s)", self.name, job.source, meta["steps"], meta["fingerprint"])
+            return StageSync(req=job.req, round=job.sync_round, step=c.steps, reply=True, join=True,
+                             tensors=tensors, meta=meta)
         if job.kind == "sync_serve":
             mine = c.parameters_snapshot()
             c.move_towards(mine, job.theirs)
             self.sync_served += 1
+            self.durable_step = max(self.durable_step, c.steps)
             return StageSync(req=job.req, round=job.sync_round, step=c.steps, reply=True, tensors=mine)
         assert job.result is not None
-        if job.kind == "snapshot":
+        if job.kind == "export":
+            job.result.set_result(c.export_state())
+        elif job.kind == "import":
+            c.import_state(job.theirs, job.meta)
+            job.result.set_result(None)
+        elif job.kind == "snapshot":
             job.result.set_result(c.parameters_snapshot())
         elif job.kind == "sync_apply":
             c.move_towards(job.mine, job.theirs)
             job.result.set_result(None)
         return None
 
+    def _training_answer(self, missing: tuple[int, ...]) -> dict[str, Any]:
+        """The fields every training answer carries besides its tensors (see STAGE_RESULT)."""
+        return {"missing": list(missing), "steps": self.compute.steps, "at_risk": self.at_risk,
+                "incarnation": self.incarnation}
+
     def _after(self, steps_before: int) -> None:
         every, steps = self.config.sync_every, self.compute.steps
-        if every and steps != steps_before and steps % every == 0 and not self._stopping:
-            assert self._loop is not None
+        if steps == steps_before or self._stopping:
+            return
+        assert self._loop is not None
+        if every and steps % every == 0:
             self._loop.call_soon_threadsafe(self.replicas.start_round)
+        for listener in self._step_listeners:
+            self._loop.call_soon_threadsafe(listener, steps)
 
     def _reply(self, job: _Job, answer: Message) -> _Reply:
         return _Reply(job.priority, job.session_id, job.microbatch_id, job.tensor, job.source,
@@ -647,6 +773,11 @@ class StageServer:
         except Exception:  # noqa: BLE001 - any failure to deliver is the same to the client
             fut.cancel()
             self._reply_lost(reply)
+
+
+def _group(msg: StageForward | StageBackward) -> tuple[int, int] | None:
+    named = msg.sync and msg.group >= 0 and msg.group_size > 0
+    return (msg.group, msg.group_size) if named else None
 
 
 def _tensor(tensors: Any, name: str) -> torch.Tensor:

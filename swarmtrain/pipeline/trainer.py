@@ -19,7 +19,9 @@ Two schedules (``TrainerConfig.schedule``):
   once the whole group is done (a flush). Every forward and backward of a group runs on the
   same weights, so the run is one process's at a batch of ``chunks x batch_size``, bit for
   bit up to the order of float sums. A group's micro-batches go to one replica of each stage
-  (the first that answers), so that replica holds all of the group's gradients.
+  (chosen when the first of them gets there), so that replica holds all of the group's
+  gradients; one that lacks some at the step (it restarted, or took over from a replica that
+  died) says which, and the trainer gives them to it again (:meth:`_complete_step`).
 - ``async`` (the earlier behaviour): up to ``max_inflight`` micro-batches in flight without
   flushes, each stage stepping on its own count (``accumulate``). Faster per sample on a
   deep pipeline, but a micro-batch's gradient is then applied to weights that moved since its
@@ -91,15 +93,26 @@ SCHEDULES = ("sync", "async")
 
 class _Group:
     """The micro-batches of one synchronous step: at each stage, which of them carries the
-    step (the last to get there, sent once the others are acknowledged there), and the
-    replica the group uses."""
+    step (the last to get there, sent once the others are acknowledged there), the replica
+    the group uses, and what each micro-batch brought to each stage (its input, the
+    gradient of its output, its targets), kept until the step so that a stage that lost some
+    of them (a replica that died, a stage restarted from a checkpoint) can be given them
+    again."""
 
-    def __init__(self, size: int, stages: int) -> None:
+    def __init__(self, first: int, size: int, stages: int) -> None:
+        self.first = first
         self.size = size
         self.arrived = [0] * stages
         self.applied = [0] * stages
         self.replica: list[Replica | None] = [None] * stages
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> stage input
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> gradient of its output
+        self.targets: dict[int, torch.Tensor] = {}
         self._changed = asyncio.Condition()
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.first, self.size
 
     async def step_flag(self, stage: int) -> bool:
         """Whether this micro-batch's training work at ``stage`` takes the step; the last one
@@ -145,6 +158,10 @@ class PipelineTrainer:
         self.acknowledged: Counter[tuple[int, int]] = Counter()
         # (stage, micro-batch) -> the replica that acknowledged it, for audits
         self.acknowledged_by: dict[tuple[int, int], str] = {}
+        #: micro-batches given again to a stage that did not hold them at its step
+        self.replayed = 0
+        #: (stage, micro-batch) -> the replica a replay applied it on, for audits
+        self.replayed_by: dict[tuple[int, int], str] = {}
 
     @property
     def resends(self) -> int:
@@ -168,7 +185,7 @@ class PipelineTrainer:
             if self.config.schedule == "sync":
                 for lo in range(first, first + microbatches, self.config.chunks):
                     size = min(self.config.chunks, first + microbatches - lo)
-                    group = _Group(size, self.router.num_stages)
+                    group = _Group(lo, size, self.router.num_stages)
                     async with asyncio.TaskGroup() as tasks:  # a flush: the whole group, then the next
                         for mb in range(lo, lo + size):
                             batch = self._shard.next_batch(self.config.batch_size)
@@ -264,20 +281,29 @@ class PipelineTrainer:
         replicas: list[Replica] = []
         x = inputs
         loss, grad = math.nan, None
+        if group is not None:
+            group.targets[mb] = targets
         for stage in range(last + 1):
             stage_inputs.append(x)
+            if group is not None:
+                group.inputs[(stage, mb)] = x
             step = None if group is None or stage != last else await group.step_flag(stage)
+            if group is not None and group.replica[stage] is None:  # the group's replica here
+                group.replica[stage] = self.router.choose(stage)
             replica, res = await self.router.forward(
                 stage, self.session, mb, x, targets if stage == last else None, step=step,
-                prefer=None if group is None else group.replica[stage])
+                prefer=None if group is None else group.replica[stage],
+                group=None if group is None else group.span)
             replicas.append(replica)
-            if group is not None and group.replica[stage] is None:
+            if group is not None:
                 group.replica[stage] = replica
             if stage == last:
                 if not res.done:
                     raise MicrobatchFailed(f"the last stage ({replica.name}) did not apply the backward")
                 self._acknowledge(stage, mb, replica)
                 if group is not None:
+                    if res.missing:
+                        await self._complete_step(stage, group, replica, res.missing)
                     await group.applied_at(stage)
                 loss = float(res.tensors["y"])
                 grad = res.tensors.get("grad")
@@ -290,8 +316,10 @@ class PipelineTrainer:
         for stage in range(last - 1, -1, -1):
             if grad is None:
                 raise MicrobatchFailed(f"stage {stage + 1} sent no input gradient for micro-batch {mb}")
+            if group is not None:
+                group.grads[(stage, mb)] = grad
             step = None if group is None else await group.step_flag(stage)
-            grad = await self._backward(stage, mb, stage_inputs[stage], replicas[stage], grad, step)
+            grad = await self._backward(stage, mb, stage_inputs[stage], replicas[stage], grad, step, group)
             if group is not None:
                 await group.applied_at(stage)
         if not math.isfinite(loss):
@@ -302,25 +330,80 @@ class PipelineTrainer:
         return loss
 
     async def _backward(self, stage: int, mb: int, stage_input: torch.Tensor, replica: Replica,
-                        grad: torch.Tensor, step: bool | None = None) -> torch.Tensor | None:
+                        grad: torch.Tensor, step: bool | None = None,
+                        group: _Group | None = None) -> torch.Tensor | None:
         """The backward at ``stage`` (``step``: the synchronous schedule's step decision); on a
         failed or forgetful replica, redo the forward at this stage on a live one (later
-        stages already applied theirs) and go on there."""
+        stages already applied theirs) and go on there. A step the stage put off because
+        it lacks some of the group's micro-batches is completed by giving it them again."""
+        span = None if group is None else group.span
         for _ in range(self.config.max_redos):
             try:
-                answer = await self.router.backward(replica, self.session, mb, grad, step=step)
+                answer = await self.router.backward(replica, self.session, mb, grad, step=step, group=span)
                 self._acknowledge(stage, mb, replica)
+                if answer.missing and group is not None:
+                    await self._complete_step(stage, group, replica, answer.missing)
                 return answer.tensors.get("grad")
             except (ReplicaFailed, MicrobatchLost) as exc:
                 log.info("micro-batch %d: backward at %s failed (%s); redoing its forward there",
                          mb, replica.name, exc)
             self.redone_forwards += 1
-            replica, res = await self.router.forward(stage, self.session, mb, stage_input)
+            replica, res = await self.router.forward(
+                stage, self.session, mb, stage_input, step=None if step is None else False,
+                prefer=None if group is None else group.replica[stage], group=span)
+            if group is not None:
+                group.replica[stage] = replica
             if res.done:  # that replica had applied this backward already (answer was lost)
                 self._acknowledge(stage, mb, replica)
                 return res.tensors.get("grad")
         raise MicrobatchFailed(f"micro-batch {mb}: backward at stage {stage} failed "
                                f"{self.config.max_redos} times")
+
+    async def _complete_step(self, stage: int, group: _Group, replica: Replica, missing: list[int]) -> None:
+        """``replica`` put off ``stage``'s step of ``group``: it lacks ``missing`` (it restarted,
+        or another replica that applied them is gone). Give it each of them again (its input
+        and the gradient its output got), the last with the step, until it has them all."""
+        log.warning("%s lacks %d micro-batch(es) of the step of micro-batches %d-%d (%s); giving them "
+                    "to it again", replica.name, len(missing), group.first, group.first + group.size - 1,
+                    ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
+        for _ in range(self.config.max_redos):
+            if not missing:
+                return
+            *rest, final = missing
+            for m in rest:
+                replica, _ = await self._replay(stage, group, m, replica, step=False)
+            replica, missing = await self._replay(stage, group, final, replica, step=True)
+        raise MicrobatchFailed(f"stage {stage} did not get all of micro-batches {group.first}-"
+                               f"{group.first + group.size - 1} within {self.config.max_redos} rounds")
+
+    async def _replay(self, stage: int, group: _Group, mb: int, replica: Replica,
+                      *, step: bool) -> tuple[Replica, list[int]]:
+        """Micro-batch ``mb``'s forward and backward at ``stage`` again, on ``replica`` if it is
+        live; the replica that took it and what it says is still missing (with ``step``)."""
+        self.replayed += 1
+        span = group.span
+        last = stage == self.router.num_stages - 1
+        x = group.inputs[(stage, mb)]
+        targets = group.targets[mb] if last else None
+        replica, res = await self.router.forward(stage, self.session, mb, x, targets, step=step,
+                                                 prefer=replica, group=span)
+        group.replica[stage] = replica
+        if last or res.done:
+            self.replayed_by[(stage, mb)] = replica.name
+            return replica, list(res.missing)
+        for _ in range(self.config.max_redos):
+            try:
+                answer = await self.router.backward(replica, self.session, mb, group.grads[(stage, mb)],
+                                                    step=step, group=span)
+                self.replayed_by[(stage, mb)] = replica.name
+                return replica, list(answer.missing)
+            except (ReplicaFailed, MicrobatchLost):
+                replica, res = await self.router.forward(stage, self.session, mb, x, step=False, group=span)
+                group.replica[stage] = replica
+                if res.done:
+                    self.replayed_by[(stage, mb)] = replica.name
+                    return replica, list(res.missing)
+        raise MicrobatchFailed(f"micro-batch {mb}: could not be given again to stage {stage}")
 
     def _acknowledge(self, stage: int, mb: int, replica: Replica) -> None:
         self.acknowledged[(stage, mb)] += 1

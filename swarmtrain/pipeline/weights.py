@@ -118,6 +118,12 @@ class StageWeights:
             self._publish_masters()
         optimizer.zero_grad(set_to_none=True)
 
+    def discard_sums(self) -> None:
+        """Drop the gradients summed since the last step (they belong to weights replaced)."""
+        self._sums.clear()
+        for p in [*self.trainable.values(), *self.masters.values()]:
+            p.grad = None
+
     def synced(self) -> dict[str, torch.Tensor]:
         """The live tensors a replica sync exchanges, by name: each trainable parameter's
         master (or itself) and each synced buffer. Frozen parameters are not among them."""

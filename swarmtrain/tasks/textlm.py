@@ -68,6 +68,10 @@ class TextLMConfig:
             raise TaskError(f"TextLMConfig.dropout must be in [0, 1), got {self.dropout}")
 
 
+# An attention layer's cache: keys and values of every position so far, (B, heads, T, d / heads).
+_KV = tuple[torch.Tensor, torch.Tensor]
+
+
 class _CausalSelfAttention(nn.Module):
     def __init__(self, cfg: TextLMConfig) -> None:
         super().__init__()
@@ -88,6 +92,57 @@ class _CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(b, t, d)
         return self.resid_dropout(self.proj(y))
 
+    def forward_incremental(
+        self, x_new: torch.Tensor, state: _KV | None, start: int
+    ) -> tuple[torch.Tensor, _KV]:
+        """Attention output at positions ``start .. start + T_new - 1`` only.
+
+        The new queries attend to every cached key and to the new keys up to their own
+        position (causal among the new ones). Eval mode only: dropout is never applied, so
+        a module in training mode is refused rather than silently computing something else.
+
+        Args:
+            x_new: hidden states (B, T_new, d) of the new positions (already normalised).
+            state: ``(keys, values)``, each (B, heads, start, d / heads), from the previous
+                call; None on the first (``start == 0``).
+            start: the absolute position of ``x_new[:, 0]``: the number of cached positions.
+
+        Returns:
+            The output (B, T_new, d) and the new state holding all ``start + T_new`` positions.
+
+        Raises:
+            ValueError: training mode, or ``start`` / the batch size disagree with ``state``.
+        """
+        if self.training:
+            raise ValueError("forward_incremental runs in eval mode only: call .eval() first")
+        b, t, d = x_new.shape
+        cached = 0 if state is None else state[0].shape[2]
+        if start != cached or (state is not None and state[0].shape[0] != b):
+            raise ValueError(
+                f"attention cache holds {cached} positions of a batch of "
+                f"{b if state is None else state[0].shape[0]}; got start {start} for a batch of {b}"
+            )
+        q, k, v = self.qkv(x_new).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        if state is None:
+            # Copies, not views: a view would keep the whole qkv output (queries too) alive.
+            keys = k.clone(memory_format=torch.contiguous_format)
+            values = v.clone(memory_format=torch.contiguous_format)
+        else:
+            keys = torch.cat((state[0], k), dim=2)
+            values = torch.cat((state[1], v), dim=2)
+        total = start + t
+        if t == total:  # nothing cached: the training forward's own causal attention
+            y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        else:
+            # New query i sits at position start + i and sees keys 0 .. start + i.
+            query_pos = torch.arange(start, total, device=x_new.device)
+            key_pos = torch.arange(total, device=x_new.device)
+            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(b, t, d)
+        return self.proj(y), (keys, values)
+
 
 class _Block(nn.Module):
     def __init__(self, cfg: TextLMConfig) -> None:
@@ -105,6 +160,16 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+    def forward_incremental(
+        self, x_new: torch.Tensor, state: _KV | None, start: int
+    ) -> tuple[torch.Tensor, _KV]:
+        """The block's output at the new positions only; ``state`` is its attention's
+        ``(keys, values)`` cache (see :meth:`_CausalSelfAttention.forward_incremental`).
+        Eval mode only (training mode raises ValueError)."""
+        a, state = self.attn.forward_incremental(self.ln_1(x_new), state, start)
+        x = x_new + a
+        return x + self.mlp(self.ln_2(x)), state
 
 
 class TextLM(nn.Module):

@@ -299,6 +299,7 @@ async def _stage_campaign(procs: Processes, report: InsiderReport, n_random: int
         procs.start(
             f"stage{i}", "stage", *_MODEL, "--stage", str(i), "--stages", "2", "--seed", "3", "--host",
             "127.0.0.1", "--port", "0", "--threads", "1", "--lr", "3e-3", "--status-file", str(status),
+            "--checkpoint-dir", str(procs.tmp / f"ckpt{i}"),
         )
     for i in range(2):
         st = await procs.wait_for(

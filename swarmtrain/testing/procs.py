@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,21 @@ def start_coordinator(
         time.sleep(0.05)
     proc.kill()
     raise AssertionError(f"coordinator did not start in {timeout} s:\n{tail(tmp / f'{name}.log')}")
+
+
+def stop_gently(procs: Iterable[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
+    """SIGTERM every process still running, wait up to ``timeout`` seconds for each, and
+    SIGKILL those that are still there."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float, log: Path | None = None) -> int:

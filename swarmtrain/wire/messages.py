@@ -570,6 +570,13 @@ class Reform(Message):
 
 #: a stage answers a negative micro-batch id itself (``bad_input``, naming the request)
 _MICROBATCH = Bound(lo=-MAX_INT, hi=MAX_INT)
+_GROUP_START = Bound(lo=-1, hi=MAX_INT)
+#: micro-batches one synchronous step may name (and an answer may list as missing)
+MAX_GROUP = 4096
+_GROUP_SIZE = Bound(lo=0, hi=MAX_GROUP)
+_STAGE_ANSWER_BOUNDS = {"missing": Bound(max_len=MAX_GROUP, items=_MICROBATCH),
+                        "steps": Bound(lo=0, hi=MAX_INT), "at_risk": Bound(lo=0, hi=MAX_INT),
+                        "incarnation": Bound(max_len=64)}
 
 
 # --- pipeline mode: stage servers -------------------------------------------------------
@@ -586,11 +593,16 @@ class StageForward(Message):
     ``sync``: the trainer decides when this stage steps (the synchronous schedule): the last
     stage, which applies the backward within the forward, takes its optimizer step after this
     micro-batch if ``step`` is set and only then. Without ``sync`` it steps every
-    ``accumulate`` micro-batches of its own counting.
+    ``accumulate`` micro-batches of its own counting. With ``sync``, ``group`` and
+    ``group_size`` name the micro-batches of the step this one belongs to (``group`` …
+    ``group + group_size - 1`` of ``session``): the stage drops gradient sums of another
+    group when it gets the first of a new one, and at the ``step`` a stage missing some of
+    them does not step and lists them in its answer's ``missing``.
     """
 
     TYPE = MsgType.STAGE_FORWARD
-    BOUNDS = {"priority": Bound(lo=0, hi=255), "microbatch": _MICROBATCH}
+    BOUNDS = {"priority": Bound(lo=0, hi=255), "microbatch": _MICROBATCH, "group": _GROUP_START,
+              "group_size": _GROUP_SIZE}
     req: int
     session: str
     microbatch: int
@@ -598,6 +610,8 @@ class StageForward(Message):
     tensors: TensorMap = field(default_factory=dict)
     sync: bool = False
     step: bool = False
+    group: int = -1
+    group_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -608,45 +622,63 @@ class StageResult(Message):
     forward). With ``done`` set the stage has already applied this micro-batch's backward
     (always so on the last stage) and ``grad``, the gradient of the stage input, comes along
     (absent on stage 0, whose input is not differentiable).
+
+    Every training answer (this and STAGE_GRAD) also says ``missing`` (a step request's
+    micro-batches the stage does not hold: it did not step; resend them, the last with the
+    step), ``steps`` (its optimizer steps now), ``at_risk`` (of those, how many no
+    checkpoint and no replica holds yet) and ``incarnation`` (an id drawn when the process
+    started: a new one means the stage restarted and lost what it held in memory).
     """
 
     TYPE = MsgType.STAGE_RESULT
-    BOUNDS = {"microbatch": _MICROBATCH}
+    BOUNDS = {"microbatch": _MICROBATCH, **_STAGE_ANSWER_BOUNDS}
     req: int
     session: str
     microbatch: int
     done: bool = False
     tensors: TensorMap = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)
+    steps: int = 0
+    at_risk: int = 0
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
 class StageBackward(Message):
     """Trainer → stage: the gradient ``grad`` of the stage output of an earlier forward.
-    ``sync`` and ``step`` as in STAGE_FORWARD: with ``sync`` the stage steps after applying
-    this backward if ``step`` is set, and only then."""
+    ``sync``, ``step``, ``group`` and ``group_size`` as in STAGE_FORWARD: with ``sync`` the
+    stage steps after applying this backward if ``step`` is set (and it holds the whole
+    group), and only then."""
 
     TYPE = MsgType.STAGE_BACKWARD
-    BOUNDS = {"microbatch": _MICROBATCH}
+    BOUNDS = {"microbatch": _MICROBATCH, "group": _GROUP_START, "group_size": _GROUP_SIZE}
     req: int
     session: str
     microbatch: int
     tensors: TensorMap = field(default_factory=dict)
     sync: bool = False
     step: bool = False
+    group: int = -1
+    group_size: int = 0
 
 
 @dataclass(frozen=True)
 class StageGrad(Message):
     """Stage → trainer: answer to STAGE_BACKWARD; ``grad`` of the stage input (none for
-    stage 0). ``duplicate``: the backward had been applied before and was not applied again."""
+    stage 0). ``duplicate``: the backward had been applied before and was not applied again.
+    ``missing``, ``steps``, ``at_risk``, ``incarnation``: as in STAGE_RESULT."""
 
     TYPE = MsgType.STAGE_GRAD
-    BOUNDS = {"microbatch": _MICROBATCH}
+    BOUNDS = {"microbatch": _MICROBATCH, **_STAGE_ANSWER_BOUNDS}
     req: int
     session: str
     microbatch: int
     duplicate: bool = False
     tensors: TensorMap = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)
+    steps: int = 0
+    at_risk: int = 0
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -664,14 +696,22 @@ class StageInfer(Message):
 @dataclass(frozen=True)
 class StageSync(Message):
     """Replica → replica of the same stage: its parameters (by name) as of optimizer step
-    ``step``, for averaging; the answer (``reply`` set) carries the other replica's."""
+    ``step``, for averaging; the answer (``reply`` set) carries the other replica's.
+
+    ``join``: a replica starting up asks (no tensors) for the whole state of a live one; the
+    answer carries it (``model/``, ``master/`` and ``adam/`` tensors, and in ``meta`` the
+    optimizer steps, lineage, shape signature, fingerprint and optimizer settings), and the
+    live replica does not move."""
 
     TYPE = MsgType.STAGE_SYNC
+    BOUNDS = {"meta": Bound(max_len=64)}
     req: int
     round: int
     step: int
     reply: bool = False
     tensors: TensorMap = field(default_factory=dict)
+    join: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
