@@ -222,6 +222,62 @@ async def timed_requests(client: PipelineTrainer, prompt: bytes, n: int, gap: fl
     return out
 
 
+GEN_TOKENS = 100
+GEN_REPEATS = {False: 5, True: 2}
+
+
+async def generation_speed(client: PipelineTrainer, prompt: bytes, repeats: int) -> dict[str, Any]:
+    """Tokens/s of ``generate(prompt, GEN_TOKENS)`` with and without the stages' attention
+    caches, alternating, greedy; and whether both gave the same bytes every time."""
+    times: dict[str, list[float]] = {"cached": [], "uncached": []}
+    outs: dict[str, set[bytes]] = {"cached": set(), "uncached": set()}
+    await client.generate(prompt, 4)  # warm-up
+    for _ in range(repeats):
+        for how in ("cached", "uncached"):
+            start = time.perf_counter()
+            outs[how].add(await client.generate(prompt, GEN_TOKENS, cache=how == "cached"))
+            times[how].append(time.perf_counter() - start)
+    out: dict[str, Any] = {how: {"tokens_per_s": GEN_TOKENS / sorted(ts)[len(ts) // 2],
+                                 "seconds": ts} for how, ts in times.items()}
+    out["same_bytes"] = len(outs["cached"] | outs["uncached"]) == 1
+    out["ratio"] = out["cached"]["tokens_per_s"] / out["uncached"]["tokens_per_s"]
+    return out
+
+
+def one_process_generation(task: TextLMTask, prompt: bytes, repeats: int) -> dict[str, Any]:
+    """The same generation in this process, no network: the model's layers with the same
+    incremental forward the stages run (cached) and the whole window per byte (uncached)."""
+    from swarmtrain.pipeline import split_layers
+    from swarmtrain.pipeline.kvcache import run_incremental, window_step
+
+    layers = torch.nn.Sequential(*split_layers(task.build_model(0))).eval()
+    context = task.config.context
+
+    def generate(cache: bool) -> bytes:
+        tokens, held, states = list(prompt), 0, None
+        with torch.no_grad():
+            for _ in range(GEN_TOKENS):
+                if cache:
+                    start, first = window_step(len(tokens), held, context)
+                    x = torch.tensor([tokens[first:]])
+                    logits, states = run_incremental(layers, x, None if start == 0 else states, start)
+                    held = start + len(tokens) - first
+                else:
+                    logits = layers(torch.tensor([tokens[-context:]]))
+                tokens.append(int(logits[0, -1].argmax()))
+        return bytes(tokens[len(prompt):])
+
+    out: dict[str, Any] = {}
+    for how in ("cached", "uncached"):
+        ts = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            generate(how == "cached")
+            ts.append(time.perf_counter() - start)
+        out[how] = {"tokens_per_s": GEN_TOKENS / sorted(ts)[len(ts) // 2]}
+    return out
+
+
 def latency_summary(samples: list[tuple[float, float]]) -> dict[str, float]:
     t = Timing([s for _, s in samples])
     return {"p50_ms": t.quantile(0.5) * 1e3, "p99_ms": t.quantile(0.99) * 1e3,
@@ -358,6 +414,23 @@ def run(quick: bool) -> dict[str, Any]:
                 finally:
                     await router.close()
 
+            async def generation() -> dict[str, Any]:
+                router = Router(route, secret=secret.encode())
+                try:
+                    client = PipelineTrainer(router, heldout, context=task.config.context)
+                    return await generation_speed(client, prompt, GEN_REPEATS[quick])
+                finally:
+                    await router.close()
+
+            print(f"-- generation of {GEN_TOKENS} bytes, with and without the stages' caches", flush=True)
+            res["generation"] = asyncio.run(generation())
+            res["generation"]["one_process"] = one_process_generation(task, prompt, GEN_REPEATS[quick])
+            g = res["generation"]
+            print(f"   {g['cached']['tokens_per_s']:.1f} vs {g['uncached']['tokens_per_s']:.1f} tokens/s "
+                  f"({g['ratio']:.2f}x), same bytes: {g['same_bytes']}; one process "
+                  f"{g['one_process']['cached']['tokens_per_s']:.1f} / "
+                  f"{g['one_process']['uncached']['tokens_per_s']:.1f}", flush=True)
+
             print("-- requests, stages idle", flush=True)
             idle = asyncio.run(client_phase("idle"))
             res["idle"] = latency_summary(idle)
@@ -478,6 +551,34 @@ def plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _generation_markdown(res: dict[str, Any]) -> list[str]:
+    g = res.get("generation")
+    if not g:
+        return []
+    one = g["one_process"]
+    rows = [["pipeline, 3 stages on loopback", f"{g['cached']['tokens_per_s']:.1f}",
+             f"{g['uncached']['tokens_per_s']:.1f}", f"{g['ratio']:.2f}x"],
+            ["one process, no network (same layers, same incremental forward)",
+             f"{one['cached']['tokens_per_s']:.1f}", f"{one['uncached']['tokens_per_s']:.1f}",
+             f"{one['cached']['tokens_per_s'] / one['uncached']['tokens_per_s']:.2f}x"]]
+    return [
+        "### Generation: tokens/s with and without the stages' attention caches",
+        "",
+        f"`PipelineTrainer.generate(prompt, {GEN_TOKENS})` (what `swarmtrain generate` runs), greedy, "
+        f"the {res['prompt_len']}-byte prompt, the stages idle; median of "
+        f"{len(g['cached']['seconds'])} runs each, alternating. With the cache a stage computes only "
+        "the new byte's position (the prompt once); without it every byte reruns the whole "
+        f"window. {res['prompt_len']} + {GEN_TOKENS} bytes pass the context of "
+        f"{res['model']['context']}: past it the window slides and each further byte is a whole "
+        "window again, with the cache too. Same bytes both ways: "
+        f"**{'yes' if g['same_bytes'] else 'NO'}**. The one-process row is the same generation "
+        "without the network or the stages (its ceiling here).",
+        "",
+        md_table(["", "cached tokens/s", "uncached tokens/s", "ratio"], rows),
+        "",
+    ]
+
+
 def _quality_markdown(q: dict[str, Any]) -> list[str]:
     rows = []
     for name in ("sync", "async"):
@@ -573,6 +674,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         md_table(["run", "samples/s", "ratio to one process", "detail"], tp_rows),
         "",
         *_quality_markdown(res["quality"]),
+        *_generation_markdown(res),
         "CPU used during the training-only window (cores): "
         + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
         + f"; total {sum(cpu.values()):.2f} of 2.",

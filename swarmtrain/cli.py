@@ -183,6 +183,19 @@ _ROUTE_HELP = ("the stage servers: HOST:PORT of each replica, ',' between replic
                "';' between stages, e.g. \"10.0.0.2:7300;10.0.0.3:7300,10.0.0.4:7300;10.0.0.5:7300\"")
 
 
+_CLUSTER_HELP = ("the pipeline's name, announced by its stages on the LAN (mDNS); the same on every stage "
+                 "and trainer of one pipeline (default swarmtrain)")
+
+
+def _discovery_flags(p: argparse.ArgumentParser) -> None:
+    """--route is optional: without it, the stages of --cluster are found by mDNS."""
+    p.add_argument("--route", default="", help=_ROUTE_HELP + "; without it, the stages of --cluster are "
+                   "found on the LAN by mDNS (and the route found is logged)")
+    p.add_argument("--cluster", default="swarmtrain", help=_CLUSTER_HELP)
+    p.add_argument("--discover-timeout", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="without --route: look for the stages this long at most (default 10)")
+
+
 def _pipeline_common(p: argparse.ArgumentParser, *, model: bool = True) -> None:
     p.add_argument("--secret-file", help="file holding the cluster secret (or set SWARMTRAIN_SECRET)")
     _tls_flags(p)
@@ -261,6 +274,8 @@ def _pipeline_parsers(sub: Any) -> None:
     st.add_argument("--lr", "--learning-rate", dest="learning_rate", type=float, default=0.0,
                     help="AdamW learning rate (default: the task's)")
     st.add_argument("--threads", type=int, default=0, help="PyTorch threads (default 0 = all cores)")
+    st.add_argument("--kv-cache-mb", type=float, default=256.0,
+                    help="MiB of generation sessions' attention caches kept at most (default 256)")
     st.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"], default="auto",
                     help="where this stage's layers compute (default auto: CUDA, else MPS, else CPU)")
     st.add_argument("--status-file", default="", help="keep this stage's status as JSON here (every second)")
@@ -280,13 +295,18 @@ def _pipeline_parsers(sub: Any) -> None:
                     help="serve with no secret on a reachable address "
                          "(anyone who can reach the port can use it)")
     _stage_limit_flags(st)
+    g = st.add_argument_group("announcing (mDNS, so trainers find the stage without --route)")
+    g.add_argument("--cluster", default="swarmtrain", help=_CLUSTER_HELP)
+    g.add_argument("--no-announce", dest="announce", action="store_false",
+                   help="do not announce this stage on the LAN (trainers then need --route)")
 
     pl = sub.add_parser(
         "pipeline", help="train a model whose layers are served by `swarmtrain stage` processes",
-        description="Drive micro-batches through the stages of --route and back, failing over between "
-                    "replicas of a stage. Give the same --task and model flags as the stages.")
+        description="Drive micro-batches through the stages of --route (or, without it, those of --cluster "
+                    "found on the LAN) and back, failing over between replicas of a stage. Give the same "
+                    "--task and model flags as the stages.")
     _pipeline_common(pl)
-    pl.add_argument("--route", required=True, help=_ROUTE_HELP)
+    _discovery_flags(pl)
     pl.add_argument("--microbatches", type=int, default=200, help="micro-batches to train (default 200)")
     pl.add_argument("--batch-size", type=int, default=16, help="samples per micro-batch (default 16)")
     pl.add_argument("--schedule", choices=("sync", "async"), default="sync",
@@ -298,6 +318,9 @@ def _pipeline_parsers(sub: Any) -> None:
                     help="with --schedule sync: micro-batches per optimizer step (default 8)")
     pl.add_argument("--max-inflight", type=int, default=4,
                     help="with --schedule async: micro-batches in the pipeline at once (default 4)")
+    pl.add_argument("--grad-clip", type=float, default=1.0,
+                    help="with --schedule sync: clip the whole model's gradient norm to this before each "
+                         "step, as one process does (default 1.0; 0 = no clipping)")
     pl.add_argument("--eval-every", type=int, default=50,
                     help="micro-batches between held-out evaluations (default 50; 0 = only at start and end; "
                          "with --schedule sync rounded up to whole groups of --chunks)")
@@ -324,12 +347,16 @@ def _pipeline_parsers(sub: Any) -> None:
     ge.add_argument("--tokens", type=int, default=64, help="bytes to generate (default 64)")
     ge.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sample")
     ge.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    ge.add_argument("--no-cache", dest="cache", action="store_false",
+                    help="rerun the whole window through every stage for each new byte instead of keeping "
+                         "attention caches on the stages (same bytes, slower)")
 
     ss = sub.add_parser("status", help="show the stages of a pipeline: replicas, steps, buffers",
-                        description="Ask every stage server of --route for its status and print a table; "
-                                    "exits 1 if a replica does not answer.")
+                        description="Ask every stage server of --route (or, without it, of --cluster found "
+                                    "on the LAN) for its status and print a table; exits 1 if a replica "
+                                    "does not answer.")
     _pipeline_common(ss, model=False)
-    ss.add_argument("--route", required=True, help=_ROUTE_HELP)
+    _discovery_flags(ss)
     ss.add_argument("--json", action="store_true", help="print the raw statuses as JSON")
 
 
@@ -527,11 +554,13 @@ def cmd_stage(args: argparse.Namespace) -> int:
         layers=parse_layer_range(args.layers) if args.layers else None,
         sync_with=tuple(parse_host_port(a, "--sync-with") for a in args.sync_with),
         sync_every=args.sync_every,
-        learning_rate=args.learning_rate, threads=args.threads, status_file=args.status_file,
+        learning_rate=args.learning_rate, kv_cache_mb=args.kv_cache_mb, threads=args.threads,
+        status_file=args.status_file,
         http_port=args.http_port or 0, http_host=args.http_host or "127.0.0.1",
         server_limits=stage_server_settings(args), device=args.device,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints, resume=args.resume)
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, cluster=args.cluster,
+        announce=args.announce)
     return run_stage(_pipeline_task(args), opts, secret=_cli_secret(args), insecure=args.insecure,
                      tls=_cli_tls(args))
 
@@ -543,11 +572,11 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level, args.log_json)
     opts = PipelineOptions(
         microbatches=args.microbatches, batch_size=args.batch_size, schedule=args.schedule,
-        chunks=args.chunks, max_inflight=args.max_inflight,
+        chunks=args.chunks, max_inflight=args.max_inflight, grad_clip=args.grad_clip,
         eval_every=args.eval_every, eval_samples=args.eval_samples, seed=args.seed,
         request_timeout=args.request_timeout, stage_wait=args.stage_wait,
-        status_file=args.status_file, route=parse_route(args.route),
-        run_log=args.run_log)
+        status_file=args.status_file, route=parse_route(args.route) if args.route else [],
+        run_log=args.run_log, cluster=args.cluster, discover_timeout=args.discover_timeout)
     return run_pipeline(_pipeline_task(args), opts, secret=_cli_secret(args), tls=_cli_tls(args))
 
 
@@ -558,7 +587,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level, args.log_json)
     return run_generate(_pipeline_task(args), parse_route(args.route), args.prompt, tokens=args.tokens,
                         temperature=args.temperature, seed=args.seed, secret=_cli_secret(args),
-                        tls=_cli_tls(args))
+                        tls=_cli_tls(args), cache=args.cache)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -566,8 +595,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarmtrain.pipeline.session import run_status
 
     _setup_logging(args.log_level, args.log_json)
-    return run_status(parse_route(args.route), secret=_cli_secret(args), tls=_cli_tls(args),
-                      as_json=args.json)
+    return run_status(parse_route(args.route) if args.route else [], secret=_cli_secret(args),
+                      tls=_cli_tls(args), as_json=args.json, cluster=args.cluster,
+                      discover_timeout=args.discover_timeout)
 
 
 _COMMANDS = {

@@ -130,20 +130,23 @@ def _fits(console: Console, table: Table) -> bool:
 def print_pipeline_status(statuses: list[list[dict[str, Any]]], console: Console | None = None) -> None:
     """Print one row per stage replica: layers, optimizer steps, micro-batches applied, forwards
     waiting for their backward, inbound queue (size/capacity, mean wait), outbound queue (size,
-    and its pressure when not ok), refused requests and parameter-sync rounds (run+served)."""
+    and its pressure when not ok), refused requests, parameter-sync rounds (run+served), the
+    weights' fingerprint (its first 8 hex digits; replicas with equal ones hold the same
+    weights) and where its state came from (seed, checkpoint, replica)."""
     # Too narrow a table truncates every column (80 when not a terminal); a wide one at worst
     # wraps on a narrow terminal.
     console = console or Console(width=max(Console().width, 120))
     table = Table(title="pipeline stages", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("stage", "replica", "layers", "steps", "applied", "pending", "in", "wait ms", "out",
-                "refused", "syncs"):
-        table.add_column(col, justify="left" if col in ("replica", "out") else "right",
-                         no_wrap=col in ("replica", "layers"))
+                "refused", "syncs", "weights", "from"):
+        table.add_column(col, justify="left" if col in ("replica", "out", "weights", "from") else "right",
+                         no_wrap=col in ("replica", "layers", "weights"))
     for i, replicas in enumerate(statuses):
         for s in replicas:
             if "error" in s:
-                table.add_row(str(i), s["replica"], "[red]down[/]", *["-"] * 8)
+                table.add_row(str(i), s["replica"], "[red]down[/]", *["-"] * 10)
                 continue
+            origin = str(s.get("started_from", "-")).split(" ")[0]
             inb, out = s.get("inbound", {}), s.get("outbound", {})
             layers = s.get("layers", ["?", "?"])
             pressure = out.get("pressure", "ok")
@@ -153,6 +156,7 @@ def print_pipeline_status(statuses: list[list[dict[str, Any]]], console: Console
                 f"{inb.get('size', 0)}/{inb.get('capacity', 0)}", _num(inb.get("avg_wait_ms"), ".1f"),
                 f"{out.get('size', 0)}" + ("" if pressure == "ok" else f" {pressure}"),
                 str(s.get("refused")), f"{s.get('sync_rounds', 0)}+{s.get('sync_served', 0)}",
+                str(s.get("fingerprint", "-"))[:8], origin,
             )
     console.print(table)
 

@@ -233,10 +233,12 @@ def _server(start: int, stop: int, stage: int, *, last: bool = False, seed: int 
 
 def test_the_synchronous_schedule_trains_three_stages_as_one_process_at_the_groups_batch(data: Any) -> None:
     """The default schedule: 12 steps of 4 chunks of 8 through three stages give the weights
-    one process gets from 12 AdamW steps of 32 on the same samples (up to float summation
-    order), and each stage stepped once per group. The asynchronous schedule at 4 in flight,
+    one process gets from 12 AdamW steps of 32 on the same samples, the whole model's
+    gradient norm clipped to 0.5 (up to float summation order), and each stage stepped once
+    per group. The asynchronous schedule at 4 in flight,
     on the same samples, does not (so the comparison can tell them apart)."""
-    steps, chunks, micro, lr = 12, 4, 8, 3e-3
+    steps, chunks, micro, lr, clip = 12, 4, 8, 3e-3, 0.5
+    norms: list[float] = []  # the whole model's gradient norm at each synchronous step
     ranges = [(0, 2), (2, 4), (4, 6)]
 
     def servers() -> list[StageServer]:
@@ -258,8 +260,10 @@ def test_the_synchronous_schedule_trains_three_stages_as_one_process_at_the_grou
                             config=RouterConfig(timeouts=FAST))
             try:
                 trainer = PipelineTrainer(router, data.train, TrainerConfig(
-                    batch_size=micro, schedule=schedule, chunks=chunks, max_inflight=chunks, seed=1))
+                    batch_size=micro, schedule=schedule, chunks=chunks, max_inflight=chunks, seed=1,
+                    grad_clip=clip))
                 assert len(await trainer.train(steps * chunks)) == steps * chunks
+                norms.extend(trainer.grad_norms)
             finally:
                 await router.close()
                 for srv in stages:
@@ -277,11 +281,13 @@ def test_the_synchronous_schedule_trains_three_stages_as_one_process_at_the_grou
         x, y = shard.next_batch(micro * chunks)
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the whole model's norm
         opt.step()
     alone = [p.detach() for layer in split_layers(model) for p in layer.parameters()]
 
     synced, sync_steps = pipeline("sync")
     assert sync_steps == [steps] * 3
+    assert len(norms) == steps and sum(n > clip for n in norms) >= steps // 2, norms  # it clipped
     gap = max(float((a - b).abs().max()) for a, b in zip(synced, alone, strict=True))
     assert gap < 1e-4, gap  # float sums in another order, through 12 Adam steps: 3e-5 here
     stale, async_steps = pipeline("async")

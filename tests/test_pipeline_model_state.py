@@ -94,7 +94,7 @@ async def _train(servers: list[StageServer], data: TaskData, steps: int, *, batc
     sync = schedule == "sync"
     trainer = PipelineTrainer(router, data.train, TrainerConfig(
         batch_size=batch_size // chunks if sync else batch_size, schedule=schedule, chunks=chunks,
-        max_inflight=chunks, seed=seed))
+        max_inflight=chunks, seed=seed, grad_clip=0.0))  # as the one-process loop: no clipping
     return await trainer.train(steps * chunks if sync else steps), router
 
 

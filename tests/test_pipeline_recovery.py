@@ -90,9 +90,12 @@ def test_a_step_missing_some_of_its_group_is_put_off_until_they_are_given_again(
         for mb in range(4):
             c.forward("s", mb, xs[mb], None)
             c.backward("s", mb, gs[mb], step=mb == 3, group=(0, 4))
+        assert c.step_group("s", (0, 4)) == () and c.steps == 1
     for mb in range(4, 8):
         ref.forward("s", mb, xs[mb], None)
-        assert ref.backward("s", mb, gs[mb], step=mb == 7, group=(4, 4)).missing == ()
+        out = ref.backward("s", mb, gs[mb], step=mb == 7, group=(4, 4))
+        assert out.missing == () and (out.grad_sq is not None) == (mb == 7)
+    assert ref.step_group("s", (4, 4)) == ()
     for mb in (4, 5):
         live.forward("s", mb, xs[mb], None)
         live.backward("s", mb, gs[mb], step=False, group=(4, 4))
@@ -103,18 +106,21 @@ def test_a_step_missing_some_of_its_group_is_put_off_until_they_are_given_again(
         restarted.forward("s", mb, xs[mb], None)
     assert restarted.backward("s", 6, gs[6], step=False, group=(4, 4)).missing == ()
     put_off = restarted.backward("s", 7, gs[7], step=True, group=(4, 4))
-    assert put_off.missing == (4, 5) and restarted.steps == 1  # not stepped on half a group
-    # the step request again (its answer was lost, say) steps nothing and still says so
+    assert put_off.missing == (4, 5) and put_off.grad_sq is None  # no norm of half a group
+    assert restarted.step_group("s", (4, 4)) == (4, 5) and restarted.steps == 1  # nor a step
+    # the group's last request again (its answer was lost, say) still says so
     assert restarted.backward("s", 7, gs[7], step=True, group=(4, 4)).missing == (4, 5)
     for mb in (4, 5):
         restarted.forward("s", mb, xs[mb], None)
     assert restarted.backward("s", 4, gs[4], step=False, group=(4, 4)).missing == ()
-    assert restarted.backward("s", 5, gs[5], step=True, group=(4, 4)).missing == ()
+    whole = restarted.backward("s", 5, gs[5], step=True, group=(4, 4))
+    assert whole.missing == () and whole.grad_sq is not None and whole.grad_sq > 0
+    assert restarted.step_group("s", (4, 4)) == ()
     assert restarted.steps == ref.steps == 2
     for (n, a), b in zip(ref.weights.synced().items(), restarted.weights.synced().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)  # the sums in another order
-    # a step request repeated after the step: nothing again, nothing missing
-    assert restarted.backward("s", 5, gs[5], step=True, group=(4, 4)).missing == () and restarted.steps == 2
+    # a step repeated after the step: nothing again, nothing missing
+    assert restarted.step_group("s", (4, 4)) == () and restarted.steps == 2
 
 
 def test_sums_of_a_group_whose_step_was_taken_elsewhere_are_dropped() -> None:
@@ -130,6 +136,7 @@ def test_sums_of_a_group_whose_step_was_taken_elsewhere_are_dropped() -> None:
         for mb in range(1, 5):
             c.forward("s", mb + 3, xs[mb], None)
             c.backward("s", mb + 3, gs[mb], step=mb == 4, group=(4, 4))
+        assert c.step_group("s", (4, 4)) == ()
     assert stray.dropped_microbatches == 1 and stray.steps == clean.steps == 1
     assert stray.fingerprint() == clean.fingerprint()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -373,3 +375,16 @@ def test_jsonl_file_errors(tmp_path: Path) -> None:
     one = _write_jsonl(tmp_path / "one.jsonl", [_digit_record(3)])
     with pytest.raises(TaskError, match="at least 2"):
         DigitsTask().load_data(one)
+
+
+def test_a_user_task_under_the_working_directory_loads_without_it_on_the_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The installed `swarmtrain` command's path starts at its bin directory, not at the
+    working directory: `--task mytasks.small:task` must still find ./mytasks/small.py."""
+    (tmp_path / "mytasks").mkdir()
+    (tmp_path / "mytasks" / "__init__.py").write_text("")
+    (tmp_path / "mytasks" / "small.py").write_text(
+        "from swarmtrain.tasks import DigitsTask\n\ndef task():\n    return DigitsTask()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), os.getcwd())])
+    assert isinstance(load_task("mytasks.small:task"), DigitsTask)

@@ -182,6 +182,8 @@ SAMPLES: dict[MsgType, Message] = {
     MsgType.STAGE_SYNC: wire.StageSync(req=1, round=2, step=40, reply=False,
                                        tensors={"0.weight": torch.randn(3, 3)}),
     MsgType.STAGE_ERROR: wire.StageError(req=9, code="bad_input", message="x must be float32"),
+    MsgType.STAGE_STEP: wire.StageStep(req=4, session="s", group=8, group_size=4, scale=0.25, reply=True,
+                                       missing=[9, 10], steps=3, at_risk=1, incarnation="ab12"),
 }
 
 
@@ -742,7 +744,7 @@ def test_constants_match_the_protocol_doc() -> None:
         "CHECKPOINT": 25, "ERROR": 26, "STATUS_REQUEST": 27, "STATUS": 28,
         "PEER_HELLO": 40, "PEER_INFO": 41, "PROPOSE": 42, "ACCEPT": 43, "COMMIT": 44, "REFORM": 45,
         "STAGE_FORWARD": 50, "STAGE_RESULT": 51, "STAGE_BACKWARD": 52, "STAGE_GRAD": 53,
-        "STAGE_INFER": 54, "STAGE_SYNC": 55, "STAGE_ERROR": 56,
+        "STAGE_INFER": 54, "STAGE_SYNC": 55, "STAGE_ERROR": 56, "STAGE_STEP": 57,
     }
     assert PREAMBLE.format == "<4sBBHIQ" and PREAMBLE.size == 20
     assert MAGIC == b"SWRM" and PROTOCOL_VERSION == 2 and ALIGN == 64

@@ -53,12 +53,13 @@ from torch import nn
 from swarmtrain.checkpoint import adam_state_from_tensors, adam_state_to_tensors
 from swarmtrain.devices import batch_to
 from swarmtrain.errors import CheckpointError
+from swarmtrain.pipeline.kvcache import SessionCaches, run_incremental
 from swarmtrain.pipeline.partition import LossFn
 from swarmtrain.pipeline.placement import RngState, to_cpu
 from swarmtrain.pipeline.weights import StageWeights, SyncMismatch
 
-__all__ = ["BadInput", "ComputeConfig", "StageCompute", "StageOutcome", "StateMismatch", "UnknownMicrobatch",
-           "shape_signature", "tensors_fingerprint"]
+__all__ = ["BadInput", "CacheMiss", "ComputeConfig", "StageCompute", "StageOutcome", "StateMismatch",
+           "UnknownMicrobatch", "shape_signature", "tensors_fingerprint"]
 
 log = logging.getLogger("swarmtrain.pipeline")
 
@@ -72,6 +73,11 @@ class BadInput(ValueError):
 
 class UnknownMicrobatch(LookupError):
     """A backward for a micro-batch whose forward this stage does not hold."""
+
+
+class CacheMiss(LookupError):
+    """A cached inference step whose cache this stage does not hold (any more): resend the
+    whole window from position 0."""
 
 
 class StateMismatch(ValueError):
@@ -118,6 +124,9 @@ class ComputeConfig:
         cache_size: most forwards held waiting for their backward.
         done_cache_size: most answers to applied backwards kept for repeats.
         applied_history: most micro-batch ids remembered as applied (ids only, no tensors).
+        kv_cache_mb: MiB of attention caches of generation sessions kept at most (least
+            recently used sessions are dropped first).
+        kv_cache_idle: seconds a generation session's cache is kept without use.
     """
 
     learning_rate: float = 1e-3
@@ -127,8 +136,12 @@ class ComputeConfig:
     cache_size: int = 256
     done_cache_size: int = 256
     applied_history: int = 1 << 16
+    kv_cache_mb: float = 256.0
+    kv_cache_idle: float = 300.0
 
     def __post_init__(self) -> None:
+        if not self.kv_cache_mb > 0 or not self.kv_cache_idle > 0:
+            raise ValueError("ComputeConfig.kv_cache_mb and kv_cache_idle must be > 0")
         for key in ("accumulate", "cache_size", "done_cache_size", "applied_history"):
             if getattr(self, key) < 1:
                 raise ValueError(f"ComputeConfig.{key} must be >= 1, got {getattr(self, key)}")
@@ -148,6 +161,9 @@ class StageOutcome:
         cached: answered from a cache (nothing was computed or applied).
         missing: micro-batches of the step's group this stage does not hold: it applied this
             one but did not step (the trainer resends them, the last with the step).
+        grad_sq: with the last micro-batch of a group, when the stage holds them all: the
+            squared norm of its mean gradient (the trainer's clipping adds up the stages'),
+            the step then coming with :meth:`StageCompute.step_group`.
     """
 
     y: torch.Tensor | None
@@ -155,6 +171,7 @@ class StageOutcome:
     done: bool
     cached: bool
     missing: tuple[int, ...] = ()
+    grad_sq: float | None = None
 
 
 @dataclass(frozen=True)
@@ -229,6 +246,10 @@ class StageCompute:
         self._accumulated_keys: set[Key] = set()
         self._fingerprint: tuple[tuple[int, int], str] | None = None
         self._fingerprint_at = 0.0
+        #: per generation session, the inference layers' states (attention keys and values)
+        self.kv = SessionCaches(int(config.kv_cache_mb * 2**20), config.kv_cache_idle)
+        self.cache_misses = 0  # cached steps refused: resent from position 0 by the client
+        self._buffers_version = 0  # bumped when the inference twin's buffers are refreshed
         self.incomplete_steps = 0  # step requests put off: the group was not all here
         self.dropped_microbatches = 0  # summed gradients of abandoned sessions dropped
 
@@ -248,8 +269,8 @@ class StageCompute:
         key = (session, microbatch)
         if key in self._done:
             self.cached_answers += 1
-            if step and group is not None and self.loss_fn is not None:  # a step request again
-                return dataclasses.replace(self._done[key], missing=self._settle(session, group))
+            if step and group is not None:  # a group's last request again: report again
+                return self._reported(self._done[key], session, group)
             return self._done[key]
         if key in self._pending:
             self.cached_answers += 1
@@ -317,8 +338,8 @@ class StageCompute:
         if key in self._done:
             self.duplicate_backwards += 1
             done = self._done[key]
-            missing = self._settle(session, group) if step and group is not None else ()
-            return StageOutcome(y=None, grad=done.grad, done=True, cached=True, missing=missing)
+            outcome = StageOutcome(y=None, grad=done.grad, done=True, cached=True)
+            return self._reported(outcome, session, group) if step and group is not None else outcome
         if key in self._applied:
             raise BadInput(f"micro-batch {microbatch} of session {session!r} was applied here "
                            "and its answer is no longer cached")
@@ -363,6 +384,46 @@ class StageCompute:
                     y = self._run_layers(inp, self.layers)
                 finally:
                     self.layers.train(was_training)
+        self.inferences += 1
+        return to_cpu(y)
+
+    def infer_cached(self, session: str, x: torch.Tensor, start: int) -> torch.Tensor:
+        """:meth:`infer` for generation, computing only new positions: ``x`` holds positions
+        ``start ..`` of the sequence, and the stage keeps per ``session`` what the earlier
+        ones left (:func:`~swarmtrain.pipeline.kvcache.run_incremental`: attention keys and
+        values; layers without an incremental forward are recomputed from their input
+        history). The answer holds the new positions only. A cache is valid for the weights
+        (and buffers) it was computed with: once they change, the next step is a miss.
+
+        Raises:
+            CacheMiss: ``start`` is not 0 and this stage holds no cache of ``start``
+                positions for ``session`` on the current weights.
+            BadInput: as :meth:`infer`.
+        """
+        inp = self._prepare_input(x)
+        with self._weights_lock, torch.no_grad():
+            version = (self.weights_version, self._buffers_version)
+            states = None
+            if start:
+                cached = self.kv.get(session)
+                if cached is None or cached.length != start or cached.state[0] != version:
+                    self.cache_misses += 1
+                    why = ("no cache" if cached is None else f"a cache of {cached.length} positions"
+                           if cached.length != start else "a cache computed on earlier weights")
+                    raise CacheMiss(f"session {session!r}: this stage holds {why}, not {start} positions "
+                                    "on its current weights: resend the window from position 0")
+                states = cached.state[1]
+            layers = self._infer_layers if self._infer_layers is not None else self.layers
+            was_training = layers.training
+            layers.eval()
+            try:
+                y, states = run_incremental(layers, inp, states, start)  # type: ignore[arg-type]
+            except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+                raise BadInput(f"the stage's layers refused a cached step of shape {tuple(inp.shape)} at "
+                               f"position {start}: {exc}") from exc
+            finally:
+                layers.train(was_training)
+            self.kv.put(session, (version, states), start + inp.shape[1], start=start)
         self.inferences += 1
         return to_cpu(y)
 
@@ -512,6 +573,7 @@ class StageCompute:
             "pending_forwards": len(self._pending),
             "stashed_backwards": self.stashed_backwards, "stashed_versions": len(self._stash),
             "incomplete_steps": self.incomplete_steps, "dropped_microbatches": self.dropped_microbatches,
+            "kv_cache": {**dataclasses.asdict(self.kv.stats()), "refused": self.cache_misses},
             "accumulated": self._accumulated,
             "loss_scale": self.weights.scaler.scale, "overflows": self.weights.scaler.overflows,
         }
@@ -598,20 +660,41 @@ class StageCompute:
         self.microbatches += 1
         self._accumulated += 1
         self._accumulated_keys.add(key)
-        missing: tuple[int, ...] = ()
-        if step and group is not None:
-            missing = self._settle(key[0], group)
-        elif step if step is not None else self._accumulated >= self.config.accumulate:
-            self._step()
         outcome = StageOutcome(y=y, grad=in_grad, done=True, cached=False)
         self._remember(self._done, key, outcome, self.config.done_cache_size)
-        return dataclasses.replace(outcome, missing=missing) if missing else outcome
+        if step and group is not None:
+            return self._reported(outcome, key[0], group)
+        if step if step is not None else self._accumulated >= self.config.accumulate:
+            self._step()
+        return outcome
 
-    def _settle(self, session: str, group: tuple[int, int]) -> tuple[int, ...]:
-        """A step request for the micro-batches ``group`` = (first, size) of ``session``: step
-        if every one of them was applied here and some are still in the sums; put it off and
-        name the ones never applied here otherwise. Those applied here but already stepped are
-        not missing (a repeated step request steps nothing again)."""
+    def step_group(self, session: str, group: tuple[int, int], scale: float = 1.0) -> tuple[int, ...]:
+        """Take the synchronous step of the micro-batches ``group`` = (first, size) of
+        ``session``, their mean gradient multiplied by ``scale`` (the trainer's clipping of
+        the whole model's gradient norm; no clipping of this stage's own), if every one of
+        them was applied here; else step nothing and return the ones never applied here. A
+        group already stepped (none of it in the sums) steps nothing again."""
+        missing = self._missing(session, group)
+        if not missing and self._holds(session, group):
+            self._step(scale=scale, clip=0.0)
+        return missing
+
+    def _reported(self, outcome: StageOutcome, session: str, group: tuple[int, int]) -> StageOutcome:
+        """``outcome`` of a group's last micro-batch here: with the micro-batches the stage
+        lacks, or (it holds them all, not yet stepped) the squared norm of their mean gradient."""
+        missing = self._missing(session, group)
+        if missing:
+            return dataclasses.replace(outcome, missing=missing)
+        if not self._holds(session, group):
+            return outcome  # stepped already: a repeated request
+        return dataclasses.replace(outcome, grad_sq=self.weights.grad_sq(self._accumulated))
+
+    def _holds(self, session: str, group: tuple[int, int]) -> bool:
+        return any((session, mb) in self._accumulated_keys for mb in range(group[0], group[0] + group[1]))
+
+    def _missing(self, session: str, group: tuple[int, int]) -> tuple[int, ...]:
+        """The micro-batches of ``group`` never applied here (those applied and already
+        stepped are not missing)."""
         first, size = group
         keys = [(session, mb) for mb in range(first, first + size)]
         missing = tuple(k[1] for k in keys if k not in self._accumulated_keys and k not in self._applied)
@@ -620,8 +703,6 @@ class StageCompute:
             log.info("step of micro-batches %d-%d of session %s put off: %d of them are not here (%s)",
                      first, first + size - 1, session, len(missing),
                      ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
-        elif any(k in self._accumulated_keys for k in keys):
-            self._step()
         return missing
 
     def _drop_other_groups(self, session: str, group: tuple[int, int]) -> None:
@@ -648,9 +729,10 @@ class StageCompute:
         else:
             out.backward((grad.float() * scaler.scale).to(out.dtype))
 
-    def _step(self) -> None:
+    def _step(self, scale: float = 1.0, clip: float | None = None) -> None:
         self._stash_current()
-        self.weights.step(self.optimizer, self._accumulated, self.config.grad_clip, self._weights_lock)
+        self.weights.step(self.optimizer, self._accumulated, self.config.grad_clip if clip is None else clip,
+                          self._weights_lock, scale)
         self._accumulated = 0
         self._accumulated_keys.clear()
         self.steps += 1
@@ -699,6 +781,7 @@ class StageCompute:
         with self._weights_lock, torch.no_grad():
             for name, b in self.weights.buffers.items():
                 theirs[name].copy_(b)
+            self._buffers_version += 1
 
     def _remember(self, cache: OrderedDict[Key, Any], key: Key, value: Any, bound: int) -> None:
         cache[key] = value

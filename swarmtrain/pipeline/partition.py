@@ -1,8 +1,10 @@
 """Turning a task's model into an ordered list of layers and grouping them into stages.
 
-A pipeline stage holds a contiguous range of layers. :func:`split_layers` knows the shape of
-:class:`~swarmtrain.tasks.textlm.TextLM` (embedding, blocks, final norm + head) and falls
-back to the children of an ``nn.Sequential``. :func:`plan_stages` sizes the ranges by each
+A pipeline stage holds a contiguous range of layers. :func:`split_layers` takes the layers a
+model marks with ``pipeline_layers()``, knows the shape of
+:class:`~swarmtrain.tasks.textlm.TextLM` (embedding, blocks, final norm + head) and of the
+Hugging Face causal LMs in :mod:`~swarmtrain.pipeline.adapters`, and falls back to the
+children of an ``nn.Sequential``. :func:`plan_stages` sizes the ranges by each
 node's speed, bounded by its memory. :func:`build_stage` rebuilds the model from the task
 with a fixed seed and keeps one range, so every replica of a stage starts bit-identical
 without any weights being sent.
@@ -19,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.pipeline.adapters import hf_causal_lm_layers, is_hf_causal_lm, marked_layers
 from swarmtrain.tasks.base import seeded_module
-from swarmtrain.tasks.textlm import VOCAB_SIZE, TextLM
+from swarmtrain.tasks.textlm import TextLM
 
 __all__ = [
     "LayerCost",
@@ -99,34 +102,50 @@ class _TextLMHead(nn.Module):
 def split_layers(model: nn.Module) -> list[nn.Module]:
     """The model as an ordered list of layers whose composition is the model's forward.
 
-    The layers share their parameters with ``model`` (no copies).
+    The layers share their parameters with ``model`` (no copies). The first kind that
+    applies decides:
+
+    1. the model's own ``pipeline_layers()`` (see
+       :func:`~swarmtrain.pipeline.adapters.marked_layers` for the contract);
+    2. a :class:`TextLM`: embedding, then each block, then final norm + head;
+    3. a Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM``: embedding, each decoder
+       block, final norm + ``lm_head`` (see
+       :func:`~swarmtrain.pipeline.adapters.hf_causal_lm_layers`);
+    4. an ``nn.Sequential``: its children.
 
     Args:
-        model: a :class:`TextLM` (embedding, then each block, then final norm + head) or an
-            ``nn.Sequential`` (its children).
+        model: the task's model.
 
     Returns:
         The layers, first to last.
 
     Raises:
-        ConfigError: the model is of neither kind (say how to split it: wrap it in an
-            ``nn.Sequential`` of its layers).
+        ConfigError: the model is of none of these kinds, a Hugging Face model of another
+            family, or a ``pipeline_layers()`` that breaks its contract (the message says
+            how to split it).
     """
+    marked = marked_layers(model)
+    if marked is not None:
+        return marked
     if isinstance(model, TextLM):
         return [_TextLMEmbedding(model), *model.blocks, _TextLMHead(model)]
+    hf = hf_causal_lm_layers(model)
+    if hf is not None:
+        return hf
     if isinstance(model, nn.Sequential):
         layers = list(model.children())
         if not layers:
             raise ConfigError("cannot split an empty nn.Sequential into pipeline stages")
         return layers
     raise ConfigError(
-        f"cannot split a {type(model).__name__} into pipeline stages: use a TextLM or an "
-        "nn.Sequential whose children are the layers, in order"
+        f"cannot split a {type(model).__name__} into pipeline stages: give it a pipeline_layers() "
+        "method returning its layers in order (each takes one tensor and returns one), or use a "
+        "TextLM, a Hugging Face GPT2LMHeadModel / LlamaForCausalLM, or an nn.Sequential of the layers"
     )
 
 
-def _textlm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _sequential_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -136,10 +155,16 @@ def _sequential_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 def loss_fn_for(model: nn.Module) -> LossFn:
     """The loss the last stage computes from its output and the targets.
 
-    TextLM: mean next-byte cross-entropy over all positions (as ``TextLMTask.loss``);
-    ``nn.Sequential``: ``F.cross_entropy(output, targets)`` (classification).
+    TextLM and the Hugging Face causal LMs: mean next-token cross-entropy over all positions
+    of logits (B, T, V) against targets (B, T) that the task has already shifted by one
+    (``targets[:, t]`` is the token after ``inputs[:, t]``, as ``TextLMTask``'s batches);
+    a model with ``pipeline_layers()``: cross-entropy over the output's last dimension
+    (classes last: (B, C) against (B,), or (B, T, C) against (B, T)); ``nn.Sequential``:
+    ``F.cross_entropy(output, targets)`` (classification).
     """
-    return _textlm_loss if isinstance(model, TextLM) else _sequential_loss
+    if isinstance(model, TextLM) or is_hf_causal_lm(model) or hasattr(model, "pipeline_layers"):
+        return _next_token_loss
+    return _sequential_loss
 
 
 @dataclass(frozen=True)
@@ -272,7 +297,8 @@ def build_stage(
         last stage applies to its output.
 
     Raises:
-        ConfigError: the range is empty or outside the model's layers.
+        ConfigError: the range is empty or outside the model's layers, or a parameter is
+            shared (tied) between a layer of the range and one outside it.
     """
     model = seeded_module(lambda: model_factory(seed), seed)
     layers = split_layers(model)
@@ -280,6 +306,29 @@ def build_stage(
         raise ConfigError(
             f"stage layer range [{start}, {stop}) is not within the model's {len(layers)} layers"
         )
+    _refuse_shared_across(layers, start, stop)
     stage = nn.Sequential(*layers[start:stop])
     stage.train()
     return stage, loss_fn_for(model)
+
+
+def _refuse_shared_across(layers: Sequence[nn.Module], start: int, stop: int) -> None:
+    """Refuse a parameter held both by a layer in ``[start, stop)`` and by one outside it.
+
+    Each stage trains its own copy, so a tied tensor (GPT-2's ``lm_head.weight`` is its
+    token embedding's by default) would silently become two untied ones. Ties within one
+    stage are fine: that stage holds the one tensor and sums both uses' gradients into it.
+    """
+    inside = {id(p): (i, name) for i in range(start, stop) for name, p in layers[i].named_parameters()}
+    for j, layer in enumerate(layers):
+        if start <= j < stop:
+            continue
+        for name, p in layer.named_parameters():
+            if id(p) in inside:
+                i, own = inside[id(p)]
+                raise ConfigError(
+                    f"layer {i}'s parameter {own!r} is the same tensor as layer {j}'s {name!r} (tied "
+                    f"weights), and a stage of layers [{start}, {stop}) would split the two: keep both "
+                    "layers in one stage, or untie them (build a Hugging Face model with "
+                    "tie_word_embeddings=False)"
+                )

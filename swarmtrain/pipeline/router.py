@@ -50,11 +50,12 @@ from swarmtrain.wire import (
     StageGrad,
     StageInfer,
     StageResult,
+    StageStep,
     Status,
     StatusRequest,
 )
 
-__all__ = ["Expected", "MicrobatchLost", "Replica", "ReplicaFailed", "Router", "RouterConfig",
+__all__ = ["CacheMissed", "Expected", "MicrobatchLost", "Replica", "ReplicaFailed", "Router", "RouterConfig",
            "StageUnavailable"]
 
 log = logging.getLogger("swarmtrain.pipeline")
@@ -70,6 +71,11 @@ class ReplicaFailed(SwarmError):
 
 class MicrobatchLost(SwarmError):
     """The replica does not hold the forward a backward needs (evicted or never done there)."""
+
+
+class CacheMissed(SwarmError):
+    """A replica does not hold the attention cache a generation step needs: resend the window
+    from position 0."""
 
 
 class StageUnavailable(SwarmError):
@@ -258,6 +264,41 @@ class Router:
         assert isinstance(answer, StageResult)
         return answer.tensors["y"]
 
+    async def step(self, stage: int, session: str, group: tuple[int, int], scale: float, *,
+                   prefer: Replica | None = None) -> tuple[Replica, StageStep]:
+        """The synchronous step of ``group`` at ``stage``, on ``prefer`` (the replica holding
+        the group's gradients) if it is live, else on another (which then says it misses
+        the group, and the caller gives it the group again).
+
+        Raises:
+            StageUnavailable: no replica answered.
+            RefusedError: the stage refused the request itself.
+        """
+        replica, answer = await self._call_stage(stage, lambda req: StageStep(
+            req=req, session=session, group=group[0], group_size=group[1], scale=scale), prefer)
+        assert isinstance(answer, StageStep)
+        return replica, answer
+
+    async def infer_cached(self, stage: int, session: str, x: torch.Tensor, start: int, *,
+                           prefer: Replica | None = None,
+                           priority: Priority = Priority.INFERENCE_URGENT) -> tuple[Replica, torch.Tensor]:
+        """A cached generation step at ``stage`` (``x``: positions from ``start``), on
+        ``prefer`` (the replica holding the session's cache) if it is live.
+
+        Returns:
+            The replica that answered (send the session's next steps there) and the output.
+
+        Raises:
+            CacheMissed: the replica holds no cache of ``start`` positions for ``session``.
+            StageUnavailable: no replica answered.
+            RefusedError: the stage refused the request itself (bad input).
+        """
+        replica, answer = await self._call_stage(stage, lambda req: StageInfer(
+            req=req, session=session, priority=int(priority), tensors={"x": x}, cache=True, start=start),
+            prefer)
+        assert isinstance(answer, StageResult)
+        return replica, answer.tensors["y"]
+
     async def close(self) -> None:
         """Close every connection; pending requests fail."""
         if self._probe_task is not None:
@@ -393,8 +434,10 @@ class Router:
                 raise self._failed(replica, RefusedError(answer.code, answer.message))
             if answer.code == "unknown_microbatch":
                 raise MicrobatchLost(answer.message)
+            if answer.code == "cache_miss":
+                raise CacheMissed(answer.message)
             raise RefusedError(answer.code, answer.message)
-        if isinstance(answer, StageResult | StageGrad) and answer.incarnation:
+        if isinstance(answer, StageResult | StageGrad | StageStep) and answer.incarnation:
             self._seen(replica, answer.incarnation, answer.steps, answer.at_risk, "")
         elapsed = self._clock() - started
         a = self.config.ewma_alpha

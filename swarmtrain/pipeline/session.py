@@ -28,6 +28,13 @@ from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.ops.serve import serve_stage
 from swarmtrain.pipeline.checkpointing import StageCheckpointer, StageIdentity, describe_task
 from swarmtrain.pipeline.compute import ComputeConfig, shape_signature
+from swarmtrain.pipeline.discovery import (
+    DEFAULT_CLUSTER,
+    StageAnnouncement,
+    announce_stage,
+    check_cluster_name,
+    discover_route,
+)
 from swarmtrain.pipeline.partition import (
     NodeSpec,
     build_stage,
@@ -142,6 +149,7 @@ class StageOptions:
         sync_with: replicas of the same stage to average parameters with.
         sync_every: optimizer steps between averages with ``sync_with``.
         learning_rate: AdamW learning rate (0 = the task's default).
+        kv_cache_mb: MiB of generation sessions' attention caches the stage keeps at most.
         threads: PyTorch intra-op threads (0 = PyTorch's default).
         status_file: keep the server's status as JSON here ("" = none).
         http_port: serve /metrics and /api/status on this port (0 = off; no secret).
@@ -156,6 +164,9 @@ class StageOptions:
         checkpoint_every: optimizer steps between checkpoints (0 = only on a clean stop).
         keep_checkpoints: how many checkpoints to keep, at least 1.
         resume: load the newest valid checkpoint of ``checkpoint_dir`` before serving.
+        cluster: the pipeline's name, announced by mDNS with the stage (see
+            :mod:`swarmtrain.pipeline.discovery`).
+        announce: announce the stage by mDNS while it serves.
     """
 
     stage: int
@@ -167,6 +178,7 @@ class StageOptions:
     sync_with: tuple[tuple[str, int], ...] = ()
     sync_every: int = 10
     learning_rate: float = 0.0
+    kv_cache_mb: float = 256.0
     threads: int = 0
     status_file: str = ""
     http_port: int = 0
@@ -177,6 +189,8 @@ class StageOptions:
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     resume: bool = False
+    cluster: str = DEFAULT_CLUSTER
+    announce: bool = True
 
     @property
     def checkpoint_directory(self) -> str | None:
@@ -195,6 +209,8 @@ class StageOptions:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
         if self.learning_rate < 0:
             raise ConfigError(f"--lr must be > 0 (or 0 for the task's default), got {self.learning_rate}")
+        if not self.kv_cache_mb > 0:
+            raise ConfigError(f"--kv-cache-mb must be > 0, got {self.kv_cache_mb}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.checkpoint_dir and not self.checkpoint_dir.strip():
@@ -202,6 +218,7 @@ class StageOptions:
         if self.resume and self.checkpoint_directory is None:
             raise ConfigError("--resume loads a checkpoint, but --checkpoint-dir none turns them off: "
                               "give the directory to resume from")
+        check_cluster_name(self.cluster)
 
 
 def _stage_checkpointer(opts: StageOptions) -> StageCheckpointer | None:
@@ -253,7 +270,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
     del model, all_layers  # the stage keeps only its own layers
     server = StageServer(
         layers, stage=opts.stage, layer_range=layer_range, loss_fn=loss_fn if last else None,
-        compute=ComputeConfig(learning_rate=opts.learning_rate or task.default_learning_rate),
+        compute=ComputeConfig(learning_rate=opts.learning_rate or task.default_learning_rate,
+                              kv_cache_mb=opts.kv_cache_mb),
         config=StageServerConfig(host=opts.host, port=opts.port,
                                  sync_every=opts.sync_every if opts.sync_with else 0,
                                  **opts.server_limits),
@@ -264,7 +282,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
     def status(port: int, running: bool) -> dict[str, Any]:
         saved = checkpointer.status() if checkpointer is not None else {"checkpoint": None}
         return {**server.status(), **saved, "address": f"{opts.host}:{port}", "port": port,
-                "stages": opts.stages, "pid": os.getpid(), "running": running, "time": time.time()}
+                "stages": opts.stages, "cluster": opts.cluster, "pid": os.getpid(), "running": running,
+                "time": time.time()}
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -289,14 +308,22 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         log.info("stage %d of %d: layers [%d, %d) of %d on %s, listening on %s:%d%s", opts.stage,
                  opts.stages, *layer_range, n_layers, device, opts.host, port,
                  f", averaging with {peers}" if peers else "")
+        announcer = announce_stage(StageAnnouncement(
+            cluster=opts.cluster, stage=opts.stage, stages=opts.stages, layers=layer_range,
+            shape=server.compute.shape, origin=server.compute.origin, steps=server.compute.steps,
+            host="", port=port), opts.host) if opts.announce else None
         try:
             while not stop.is_set():
                 if opts.status_file:
                     _write_json(opts.status_file, status(port, True))
+                if announcer is not None:
+                    announcer.update(server.compute.steps)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await stop.wait()
         finally:
+            if announcer is not None:  # goodbye first: no trainer should find a closing stage
+                await announcer.stop()
             if http is not None:
                 await http.close()
             if checkpointer is not None and stop.is_set():  # a clean stop: SIGINT or SIGTERM
@@ -358,13 +385,18 @@ class PipelineOptions:
             (see :class:`~swarmtrain.pipeline.trainer.TrainerConfig`).
         chunks: with ``sync``, micro-batches per optimizer step.
         max_inflight: with ``async``, micro-batches in the pipeline at once.
+        grad_clip: with ``sync``, clip the whole model's gradient norm to this before each
+            step (0 = no clipping); with ``async`` each stage clips its own part.
         eval_every: micro-batches between held-out evaluations (0 = only at start and end).
         eval_samples: held-out windows per evaluation.
         seed: seed of the order training samples are drawn in.
         request_timeout: seconds a stage may take to answer before its replica is banned.
         stage_wait: most seconds to wait for a stage with no live replica to come back.
         status_file: keep the trainer's status as JSON here ("" = none).
-        route: for each stage, the ``(host, port)`` of its replicas.
+        route: for each stage, the ``(host, port)`` of its replicas; empty = find the stages
+            of ``cluster`` by mDNS.
+        cluster: the pipeline's name, to find its stages by (without ``route``).
+        discover_timeout: most seconds to look for the stages by mDNS (without ``route``).
         run_log: the JSONL run log: "auto" = runs/<date-time>/pipeline.jsonl, "" or "none" =
             none, else its path (see :mod:`swarmtrain.runlog`).
     """
@@ -374,6 +406,7 @@ class PipelineOptions:
     schedule: str = "sync"
     chunks: int = 8
     max_inflight: int = 4
+    grad_clip: float = 1.0
     eval_every: int = 50
     eval_samples: int = 64
     seed: int = 0
@@ -382,6 +415,8 @@ class PipelineOptions:
     status_file: str = ""
     route: Route = field(default_factory=list)
     run_log: str = "auto"
+    cluster: str = DEFAULT_CLUSTER
+    discover_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         for key in ("microbatches", "batch_size", "chunks", "max_inflight", "eval_samples"):
@@ -389,10 +424,15 @@ class PipelineOptions:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.eval_every < 0:
             raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if not self.grad_clip >= 0:
+            raise ConfigError(f"--grad-clip must be >= 0 (0 = no clipping), got {self.grad_clip}")
         if not self.request_timeout > 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout}")
         if not self.stage_wait >= 0:
             raise ConfigError(f"--stage-wait must be >= 0 seconds, got {self.stage_wait}")
+        if not self.discover_timeout > 0:
+            raise ConfigError(f"--discover-timeout must be > 0 seconds, got {self.discover_timeout}")
+        check_cluster_name(self.cluster)
 
 
 def _trainer_status(trainer: PipelineTrainer, opts: PipelineOptions, evals: list[tuple[int, float]],
@@ -451,7 +491,9 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, on_signal, sig)
-        router = await checked_router(task, opts.route, secret=secret, tls=tls, config=RouterConfig(
+        route = opts.route or await discover_route(opts.cluster, opts.discover_timeout, secret=secret,
+                                                   tls=tls)
+        router = await checked_router(task, route, secret=secret, tls=tls, config=RouterConfig(
             request_timeout=opts.request_timeout, wait_for_replica=opts.stage_wait))
         started = time.monotonic()
         every = max(1, opts.microbatches // 20)
@@ -470,7 +512,8 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
 
         trainer = PipelineTrainer(router, data.train, TrainerConfig(
                                   batch_size=opts.batch_size, schedule=opts.schedule, chunks=opts.chunks,
-                                  max_inflight=opts.max_inflight, seed=opts.seed),
+                                  max_inflight=opts.max_inflight, seed=opts.seed,
+                                  grad_clip=opts.grad_clip),
                                   context=context, on_microbatch=progress)
 
         async def write_status_forever() -> None:
@@ -492,7 +535,7 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
         writer = asyncio.create_task(write_status_forever()) if opts.status_file else None
         state, error = "failed", ""
         if run_log is not None:
-            run_log.event("started", stages=len(opts.route), microbatches=opts.microbatches,
+            run_log.event("started", stages=len(route), microbatches=opts.microbatches,
                           schedule=opts.schedule, samples_per_step=_samples_per_step(opts))
         log.info("%s", _schedule_line(opts))
         try:
@@ -545,8 +588,10 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
 
 
 def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperature: float, seed: int,
-                 secret: bytes | None, tls: TLSConfig | None = None) -> int:
-    """Print ``prompt`` continued by ``tokens`` bytes generated through the stages.
+                 secret: bytes | None, tls: TLSConfig | None = None, cache: bool = True) -> int:
+    """Print ``prompt`` continued by ``tokens`` bytes generated through the stages (with
+    ``cache``, the stages keep the session's attention keys and values: see
+    :meth:`PipelineTrainer.generate`).
 
     Raises:
         ConfigError: the task is not a byte-level language model.
@@ -573,7 +618,7 @@ def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperat
         router = await checked_router(task, route, secret=secret, tls=tls)
         try:
             trainer = PipelineTrainer(router, task.load_data().heldout, context=context)
-            return await trainer.generate(prompt_bytes, tokens, temperature, seed)
+            return await trainer.generate(prompt_bytes, tokens, temperature, seed, cache=cache)
         except StageUnavailable as exc:
             raise _unavailable(exc) from exc
         finally:
@@ -584,11 +629,22 @@ def run_generate(task: Task, route: Route, prompt: str, *, tokens: int, temperat
     return 0
 
 
-def run_status(route: Route, *, secret: bytes | None, as_json: bool, tls: TLSConfig | None = None) -> int:
-    """Print every stage replica's status; 1 if some replica did not answer."""
+def run_status(route: Route, *, secret: bytes | None, as_json: bool, tls: TLSConfig | None = None,
+               cluster: str = DEFAULT_CLUSTER, discover_timeout: float = 10.0) -> int:
+    """Print every stage replica's status; 1 if some replica did not answer. An empty
+    ``route`` is found by mDNS: the stages of ``cluster``, for up to ``discover_timeout`` s.
+
+    Raises:
+        SwarmError: (without ``route``) the stages could not all be found.
+    """
     from swarmtrain.ui import print_pipeline_status
 
-    statuses = asyncio.run(fetch_statuses(route, secret=secret, tls=tls))
+    async def statuses_of_route() -> list[list[dict[str, Any]]]:
+        found = route or await discover_route(check_cluster_name(cluster), discover_timeout, secret=secret,
+                                              tls=tls)
+        return await fetch_statuses(found, secret=secret, tls=tls)
+
+    statuses = asyncio.run(statuses_of_route())
     if as_json:
         print(json.dumps(statuses, default=str, indent=2))
     else:

@@ -48,8 +48,10 @@ from swarmtrain.errors import RemoteProtocolError, SwarmError
 from swarmtrain.pipeline.buffers import ActivationBuffer, BufferClosed, Priority, WorkPacket
 from swarmtrain.pipeline.compute import (
     BadInput,
+    CacheMiss,
     ComputeConfig,
     StageCompute,
+    StageOutcome,
     StateMismatch,
     UnknownMicrobatch,
 )
@@ -62,6 +64,7 @@ from swarmtrain.transport.endpoints import ServerLimits, payload_limit, peer_ip
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
+    MAX_GRAD_SQ,
     Error,
     Limits,
     Message,
@@ -71,6 +74,7 @@ from swarmtrain.wire import (
     StageGrad,
     StageInfer,
     StageResult,
+    StageStep,
     StageSync,
     Status,
     StatusRequest,
@@ -178,6 +182,8 @@ class _Job(WorkPacket):
     sync_round: int = 0
     step: bool | None = None  # the trainer's step decision (None: the stage counts)
     group: tuple[int, int] | None = None  # the micro-batches the step covers (first, size)
+    cache_start: int | None = None  # a cached inference step from this position (None: no cache)
+    scale: float = 1.0  # a step's gradient scale (the trainer's global clipping)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -501,7 +507,7 @@ class StageServer:
         if isinstance(answer, StageError):
             self.refusals.count(answer.code)
         refused = isinstance(answer, StageError) and answer.code in _SENDERS_FAULT
-        if not refused and not isinstance(answer, StageResult | StageGrad | StageSync):
+        if not refused and not isinstance(answer, StageResult | StageGrad | StageSync | StageStep):
             return False
         with self._senders_lock:
             sender = self._senders.get(conn)
@@ -579,12 +585,19 @@ class StageServer:
                             targets=msg.tensors.get("targets"), step=msg.step if msg.sync else None,
                             group=_group(msg))
             return _Job(Priority(msg.priority), msg.session, 0, x, peer, first, "forward",
-                        kind="infer", req=msg.req, conn=conn)
+                        kind="infer", req=msg.req, conn=conn, cache_start=msg.start if msg.cache else None)
         if isinstance(msg, StageBackward):
             grad = _tensor(msg.tensors, "grad")
             return _Job(Priority.TRAINING_BACKWARD, msg.session, msg.microbatch, grad, peer, first,
                         "backward", grad=grad, kind="backward", req=msg.req, conn=conn,
                         step=msg.step if msg.sync else None, group=_group(msg))
+        if isinstance(msg, StageStep) and not msg.reply:
+            if msg.group < 0 or msg.group_size < 1:
+                raise BadInput(f"a step needs its group (group >= 0, group_size >= 1), got {msg.group}, "
+                               f"{msg.group_size}")
+            return _Job(Priority.TRAINING_BACKWARD, msg.session, msg.group, torch.zeros(()), peer, first,
+                        "forward", kind="step", req=msg.req, conn=conn, group=(msg.group, msg.group_size),
+                        scale=msg.scale)
         if isinstance(msg, StageSync) and msg.join and not msg.reply:
             return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
                         "forward", kind="join_serve", req=msg.req, conn=conn, sync_round=msg.round)
@@ -670,6 +683,8 @@ class StageServer:
             code = "bad_input"
         elif isinstance(exc, UnknownMicrobatch):
             code = "unknown_microbatch"
+        elif isinstance(exc, CacheMiss):
+            code = "cache_miss"
         else:  # a bug: log it, tell the client, keep serving
             code = "internal"
             log.error("%s: %s of %s/%d failed", self.name, job.kind, job.session_id, job.microbatch_id,
@@ -686,7 +701,7 @@ class StageServer:
             if out.grad is not None:
                 tensors["grad"] = out.grad
             return StageResult(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
-                               done=out.done, tensors=tensors, **self._training_answer(out.missing))
+                               done=out.done, tensors=tensors, **self._training_answer(out))
         if job.kind == "backward":
             assert job.grad is not None
             steps = c.steps
@@ -694,10 +709,19 @@ class StageServer:
             self._after(steps)
             return StageGrad(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
                              duplicate=out.cached, tensors={} if out.grad is None else {"grad": out.grad},
-                             **self._training_answer(out.missing))
+                             **self._training_answer(out))
         if job.kind == "infer":
-            y = c.infer(job.tensor)
+            y = c.infer(job.tensor) if job.cache_start is None else c.infer_cached(
+                job.session_id, job.tensor, job.cache_start)
             return StageResult(req=job.req, session=job.session_id, microbatch=0, tensors={"y": y})
+        if job.kind == "step":
+            assert job.group is not None
+            steps = c.steps
+            missing = c.step_group(job.session_id, job.group, job.scale)
+            self._after(steps)
+            return StageStep(req=job.req, session=job.session_id, group=job.group[0], group_size=job.group[1],
+                             scale=job.scale, reply=True, missing=list(missing),
+                             **self._training_answer())
         if job.kind == "join_serve":
             tensors, meta = c.export_state()
             self.joins_served += 1
@@ -726,10 +750,16 @@ class StageServer:
             job.result.set_result(None)
         return None
 
-    def _training_answer(self, missing: tuple[int, ...]) -> dict[str, Any]:
+    def _training_answer(self, out: StageOutcome | None = None) -> dict[str, Any]:
         """The fields every training answer carries besides its tensors (see STAGE_RESULT)."""
-        return {"missing": list(missing), "steps": self.compute.steps, "at_risk": self.at_risk,
-                "incarnation": self.incarnation}
+        fields: dict[str, Any] = {"steps": self.compute.steps, "at_risk": self.at_risk,
+                                  "incarnation": self.incarnation}
+        if out is not None:
+            fields["missing"] = list(out.missing)
+            if out.grad_sq is not None:  # (an overflowed or NaN norm: the cap, so the step is ~0)
+                finite = out.grad_sq == out.grad_sq
+                fields["grad_sq"] = min(out.grad_sq, MAX_GRAD_SQ) if finite else MAX_GRAD_SQ
+        return fields
 
     def _after(self, steps_before: int) -> None:
         every, steps = self.config.sync_every, self.compute.steps

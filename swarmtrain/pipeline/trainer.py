@@ -43,8 +43,9 @@ import torch
 
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.pipeline.buffers import Priority
+from swarmtrain.pipeline.kvcache import window_step
 from swarmtrain.pipeline.partition import LossFn
-from swarmtrain.pipeline.router import MicrobatchLost, Replica, ReplicaFailed, Router
+from swarmtrain.pipeline.router import CacheMissed, MicrobatchLost, Replica, ReplicaFailed, Router
 from swarmtrain.tasks.base import Dataset, Shard
 
 __all__ = ["MicrobatchFailed", "PipelineTrainer", "TrainerConfig"]
@@ -68,6 +69,10 @@ class TrainerConfig:
         chunks: with ``sync``, micro-batches per optimizer step (all in flight at once).
         max_inflight: with ``async``, micro-batches in the pipeline at once.
         max_redos: forwards redone at one stage for one micro-batch before giving up.
+        grad_clip: with ``sync``, clip the whole model's gradient norm to this before each
+            step, as one process clips it (0 = no clipping): each stage reports its share,
+            and the trainer sends the stages the one factor. With ``async`` each stage clips
+            its own part (its ``ComputeConfig.grad_clip``).
         seed: seed of the order the training samples are drawn in.
         session: names this run's micro-batches on the stages ("" = a random id).
     """
@@ -77,6 +82,7 @@ class TrainerConfig:
     chunks: int = 8
     max_inflight: int = 4
     max_redos: int = 8
+    grad_clip: float = 1.0
     seed: int = 0
     session: str = ""
 
@@ -84,6 +90,8 @@ class TrainerConfig:
         for key in ("batch_size", "chunks", "max_inflight", "max_redos"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"TrainerConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.grad_clip >= 0:
+            raise ConfigError(f"TrainerConfig.grad_clip must be >= 0, got {self.grad_clip}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"TrainerConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
@@ -108,6 +116,7 @@ class _Group:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> stage input
         self.grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> gradient of its output
         self.targets: dict[int, torch.Tensor] = {}
+        self.grad_sq: dict[int, float] = {}  # per stage: the squared norm of its mean gradient
         self._changed = asyncio.Condition()
 
     @property
@@ -162,6 +171,8 @@ class PipelineTrainer:
         self.replayed = 0
         #: (stage, micro-batch) -> the replica a replay applied it on, for audits
         self.replayed_by: dict[tuple[int, int], str] = {}
+        self.cache_misses = 0  # generation steps a stage had no cache for (window sent again)
+        self.grad_norms: list[float] = []  # the whole model's gradient norm at each sync step
 
     @property
     def resends(self) -> int:
@@ -190,6 +201,7 @@ class PipelineTrainer:
                         for mb in range(lo, lo + size):
                             batch = self._shard.next_batch(self.config.batch_size)
                             tasks.create_task(self._run_into(losses, mb, batch, group))
+                    await self._step_group(group)
             else:
                 await self._train_async(first, microbatches, losses)
         except ExceptionGroup as failed:  # the first failure says what went wrong
@@ -235,9 +247,18 @@ class PipelineTrainer:
         return total / count
 
     async def generate(self, prompt_bytes: bytes, n_new: int, temperature: float = 0.0,
-                       seed: int = 0) -> bytes:
-        """Continue ``prompt_bytes`` by ``n_new`` bytes, one stage pass per byte, at urgent
-        inference priority (stages serve it before training work).
+                       seed: int = 0, *, cache: bool = True) -> bytes:
+        """Continue ``prompt_bytes`` by ``n_new`` bytes, at urgent inference priority (stages
+        serve it before training work).
+
+        With ``cache`` (the default), each stage keeps the session's attention keys and
+        values, so the prompt goes through once and every new byte costs one position's
+        compute; the stages a session used are asked again (the replica holding its cache),
+        and a stage that lost the cache (restarted, evicted, another replica, weights changed
+        by training) gets the whole window again. Past the model's context the window slides
+        (the last ``context`` bytes at positions 0 …), so each further byte is a whole window
+        again, as without the cache. Without ``cache`` every byte reruns the whole window.
+        Both give the same bytes (up to float rounding in attention sums).
 
         Args:
             prompt_bytes: the start of the text (not empty).
@@ -245,6 +266,7 @@ class PipelineTrainer:
             temperature: 0 = greedy (the most likely byte), else sample from
                 ``softmax(logits / temperature)``.
             seed: seed of the sampling.
+            cache: keep attention caches on the stages.
 
         Returns:
             The ``n_new`` generated bytes (without the prompt).
@@ -256,9 +278,16 @@ class PipelineTrainer:
             raise ConfigError("generate needs a non-empty prompt, n_new >= 0 and temperature >= 0")
         tokens = list(prompt_bytes)
         gen = torch.Generator().manual_seed(seed)
+        session = f"{self.session}-gen-{secrets.token_hex(4)}"
+        context = self.context or 1 << 30
+        held = 0  # positions the stages hold for the session
+        replicas: list[Replica | None] = [None] * self.router.num_stages
         for _ in range(n_new):
-            window = tokens[-self.context:] if self.context else tokens
-            logits = await self._infer(torch.tensor([window], dtype=torch.int64), Priority.INFERENCE_URGENT)
+            if cache:
+                logits, held = await self._cached_step(session, tokens, held, context, replicas)
+            else:
+                window = torch.tensor([tokens[-context:]], dtype=torch.int64)
+                logits = await self._infer(window, Priority.INFERENCE_URGENT)
             last = logits[0, -1].float()
             if temperature == 0:
                 token = int(last.argmax())
@@ -266,6 +295,23 @@ class PipelineTrainer:
                 token = int(torch.multinomial(torch.softmax(last / temperature, dim=0), 1, generator=gen))
             tokens.append(token)
         return bytes(tokens[len(prompt_bytes):])
+
+    async def _cached_step(self, session: str, tokens: list[int], held: int, context: int,
+                           replicas: list[Replica | None]) -> tuple[torch.Tensor, int]:
+        """One generation step through the stages' caches: the logits of the positions sent,
+        and how many positions the stages now hold."""
+        for attempt in range(2):
+            start, first = window_step(len(tokens), held if attempt == 0 else 0, context)
+            x = torch.tensor([tokens[first:]], dtype=torch.int64)
+            try:
+                for stage in range(self.router.num_stages):
+                    replicas[stage], x = await self.router.infer_cached(stage, session, x, start,
+                                                                         prefer=replicas[stage])
+                return x, start + len(tokens) - first
+            except CacheMissed as exc:
+                self.cache_misses += 1
+                log.info("generation session %s: %s; sending the whole window again", session, exc)
+        raise SwarmError(f"generation session {session}: a stage refused its cache twice in a row")
 
     # -- one micro-batch -------------------------------------------------------------------
 
@@ -302,8 +348,8 @@ class PipelineTrainer:
                     raise MicrobatchFailed(f"the last stage ({replica.name}) did not apply the backward")
                 self._acknowledge(stage, mb, replica)
                 if group is not None:
-                    if res.missing:
-                        await self._complete_step(stage, group, replica, res.missing)
+                    if step:
+                        await self._reported(stage, group, replica, res.missing, res.grad_sq)
                     await group.applied_at(stage)
                 loss = float(res.tensors["y"])
                 grad = res.tensors.get("grad")
@@ -341,8 +387,8 @@ class PipelineTrainer:
             try:
                 answer = await self.router.backward(replica, self.session, mb, grad, step=step, group=span)
                 self._acknowledge(stage, mb, replica)
-                if answer.missing and group is not None:
-                    await self._complete_step(stage, group, replica, answer.missing)
+                if step and group is not None:
+                    await self._reported(stage, group, replica, answer.missing, answer.grad_sq)
                 return answer.tensors.get("grad")
             except (ReplicaFailed, MicrobatchLost) as exc:
                 log.info("micro-batch %d: backward at %s failed (%s); redoing its forward there",
@@ -355,31 +401,73 @@ class PipelineTrainer:
                 group.replica[stage] = replica
             if res.done:  # that replica had applied this backward already (answer was lost)
                 self._acknowledge(stage, mb, replica)
+                if step and group is not None:  # its report went with the lost answer: ask again
+                    replica, missing, grad_sq = await self._replay(stage, group, mb, replica, step=True)
+                    await self._reported(stage, group, replica, missing, grad_sq)
                 return res.tensors.get("grad")
         raise MicrobatchFailed(f"micro-batch {mb}: backward at stage {stage} failed "
                                f"{self.config.max_redos} times")
 
-    async def _complete_step(self, stage: int, group: _Group, replica: Replica, missing: list[int]) -> None:
-        """``replica`` put off ``stage``'s step of ``group``: it lacks ``missing`` (it restarted,
-        or another replica that applied them is gone). Give it each of them again (its input
-        and the gradient its output got), the last with the step, until it has them all."""
+    async def _reported(self, stage: int, group: _Group, replica: Replica, missing: list[int],
+                        grad_sq: float) -> None:
+        """The answer to a group's last request at ``stage``: the stage's gradient norm
+        share, or the micro-batches it lacks (given again, until it reports)."""
+        if missing:
+            grad_sq = await self._complete_step(stage, group, replica, missing)
+        group.grad_sq[stage] = grad_sq
+
+    async def _step_group(self, group: _Group) -> None:
+        """Once a group is done everywhere: clip the whole model's gradient norm (each stage
+        reported its share) and have every stage take the step, giving a stage that lost
+        some of the group (it restarted since, or its replica died) the group again."""
+        unknown = [s for s in range(self.router.num_stages) if group.grad_sq.get(s, -1.0) < 0]
+        if unknown:
+            log.warning("stages %s did not report their gradient norm for micro-batches %d-%d: clipping "
+                        "without them", unknown, group.first, group.first + group.size - 1)
+        norm = math.sqrt(sum(max(0.0, v) for v in group.grad_sq.values()))
+        clip = self.config.grad_clip
+        scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        self.grad_norms.append(norm)
+
+        async def step(stage: int) -> None:
+            for _ in range(self.config.max_redos):
+                replica, answer = await self.router.step(stage, self.session, group.span, scale,
+                                                         prefer=group.replica[stage])
+                group.replica[stage] = replica
+                if not answer.missing:
+                    return
+                await self._complete_step(stage, group, replica, answer.missing)
+            raise MicrobatchFailed(f"stage {stage} did not take the step of micro-batches {group.first}-"
+                                   f"{group.first + group.size - 1}")
+
+        async with asyncio.TaskGroup() as tasks:
+            for stage in range(self.router.num_stages):
+                tasks.create_task(step(stage))
+
+    async def _complete_step(self, stage: int, group: _Group, replica: Replica, missing: list[int]) -> float:
+        """``replica`` cannot take ``stage``'s step of ``group``: it lacks ``missing`` (it
+        restarted, or another replica that applied them is gone). Give it each of them again
+        (its input and the gradient its output got), the last as the group's last, until it
+        has them all; its gradient norm share then."""
         log.warning("%s lacks %d micro-batch(es) of the step of micro-batches %d-%d (%s); giving them "
                     "to it again", replica.name, len(missing), group.first, group.first + group.size - 1,
                     ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
+        grad_sq = -1.0
         for _ in range(self.config.max_redos):
             if not missing:
-                return
+                return grad_sq
             *rest, final = missing
             for m in rest:
-                replica, _ = await self._replay(stage, group, m, replica, step=False)
-            replica, missing = await self._replay(stage, group, final, replica, step=True)
+                replica, _, _ = await self._replay(stage, group, m, replica, step=False)
+            replica, missing, grad_sq = await self._replay(stage, group, final, replica, step=True)
         raise MicrobatchFailed(f"stage {stage} did not get all of micro-batches {group.first}-"
                                f"{group.first + group.size - 1} within {self.config.max_redos} rounds")
 
     async def _replay(self, stage: int, group: _Group, mb: int, replica: Replica,
-                      *, step: bool) -> tuple[Replica, list[int]]:
+                      *, step: bool) -> tuple[Replica, list[int], float]:
         """Micro-batch ``mb``'s forward and backward at ``stage`` again, on ``replica`` if it is
-        live; the replica that took it and what it says is still missing (with ``step``)."""
+        live; the replica that took it, and (with ``step``) what it says is still missing and
+        its gradient norm share."""
         self.replayed += 1
         span = group.span
         last = stage == self.router.num_stages - 1
@@ -390,19 +478,19 @@ class PipelineTrainer:
         group.replica[stage] = replica
         if last or res.done:
             self.replayed_by[(stage, mb)] = replica.name
-            return replica, list(res.missing)
+            return replica, list(res.missing), res.grad_sq
         for _ in range(self.config.max_redos):
             try:
                 answer = await self.router.backward(replica, self.session, mb, group.grads[(stage, mb)],
                                                     step=step, group=span)
                 self.replayed_by[(stage, mb)] = replica.name
-                return replica, list(answer.missing)
+                return replica, list(answer.missing), answer.grad_sq
             except (ReplicaFailed, MicrobatchLost):
                 replica, res = await self.router.forward(stage, self.session, mb, x, step=False, group=span)
                 group.replica[stage] = replica
                 if res.done:
                     self.replayed_by[(stage, mb)] = replica.name
-                    return replica, list(res.missing)
+                    return replica, list(res.missing), res.grad_sq
         raise MicrobatchFailed(f"micro-batch {mb}: could not be given again to stage {stage}")
 
     def _acknowledge(self, stage: int, mb: int, replica: Replica) -> None:

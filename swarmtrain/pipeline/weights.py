@@ -92,10 +92,22 @@ class StageWeights:
                 self._sums[name] = wide.clone() if total is None else total.add_(wide)
         return unscaled[len(names):]
 
+    def grad_sq(self, microbatches: int) -> float:
+        """The squared 2-norm of the mean gradient so far (the sums over ``microbatches``), in
+        float64: a stage's share of the whole model's norm, which the trainer clips."""
+        total = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            grads = self._sums.values() if self._collect else (
+                p.grad for p in self.trainable.values() if p.grad is not None)
+            for g in grads:
+                total += (g.detach().double() / microbatches).pow(2).sum().cpu()
+        return float(total)
+
     def step(self, optimizer: torch.optim.Optimizer | None, microbatches: int, grad_clip: float,
-             lock: threading.Lock) -> None:
-        """Average the summed gradients over ``microbatches``, clip their norm to
-        ``grad_clip`` (0 = no clipping), step ``optimizer``, copy masters into the layers.
+             lock: threading.Lock, scale: float = 1.0) -> None:
+        """Average the summed gradients over ``microbatches``, multiply them by ``scale`` (the
+        trainer's clipping of the whole model's norm), clip their norm to ``grad_clip`` (0 = no
+        clipping), step ``optimizer``, copy masters into the layers.
         Parameters that got no gradient keep ``grad`` None, so the optimizer skips them (no
         step, no decay, no moment update), as torch optimizers do in one process. No
         optimizer (a stage without trainable parameters): nothing to do."""
@@ -111,6 +123,11 @@ class StageWeights:
                 for p in targets:
                     if p.grad is not None:
                         p.grad.div_(microbatches)
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in targets:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
         if grad_clip > 0:
             nn.utils.clip_grad_norm_(targets, grad_clip)
         with lock:

@@ -7,6 +7,8 @@ Built-in tasks are ``digits`` and ``textlm``; a user task is named by an import 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
 from swarmtrain.errors import TaskError
@@ -71,6 +73,7 @@ def load_task(spec: str) -> Task:
         raise TaskError(f"unknown task {spec!r} ({usage})")
     if not module_name or not attr_path:
         raise TaskError(f"task {spec!r} is malformed: need both module and attribute ({usage})")
+    _working_directory_importable()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -87,6 +90,15 @@ def load_task(spec: str) -> Task:
             raise TaskError(f"task {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, part)
     return _as_task(spec, obj)
+
+
+def _working_directory_importable() -> None:
+    """Let ``package.module`` name a module under the working directory, as ``python -m``
+    does, also for the installed ``swarmtrain`` command (whose path starts at its bin
+    directory). Appended, so it never shadows an installed package."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.append(here)
 
 
 def _as_task(spec: str, obj: object) -> Task:

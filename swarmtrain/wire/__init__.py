@@ -10,6 +10,7 @@ from swarmtrain.wire.frame import (
     encode_bytes,
 )
 from swarmtrain.wire.messages import (
+    MAX_GRAD_SQ,
     MESSAGE_CLASSES,
     Accept,
     Assign,
@@ -38,6 +39,7 @@ from swarmtrain.wire.messages import (
     StageGrad,
     StageInfer,
     StageResult,
+    StageStep,
     StageSync,
     Start,
     Status,
@@ -69,6 +71,7 @@ __all__ = [
     "StageBackward",
     "StageGrad",
     "StageInfer",
+    "StageStep",
     "StageSync",
     "StageError",
     "Register",
@@ -86,6 +89,7 @@ __all__ = [
     "Error",
     "StatusRequest",
     "Status",
+    "MAX_GRAD_SQ",
     "MESSAGE_CLASSES",
     "message_from_fields",
 ]

@@ -105,6 +105,7 @@ class MsgType(enum.IntEnum):
     STAGE_INFER = 54
     STAGE_SYNC = 55
     STAGE_ERROR = 56
+    STAGE_STEP = 57
 
 
 #: the largest int a field takes unless it declares otherwise: every int a float64 holds
@@ -577,6 +578,9 @@ _GROUP_SIZE = Bound(lo=0, hi=MAX_GROUP)
 _STAGE_ANSWER_BOUNDS = {"missing": Bound(max_len=MAX_GROUP, items=_MICROBATCH),
                         "steps": Bound(lo=0, hi=MAX_INT), "at_risk": Bound(lo=0, hi=MAX_INT),
                         "incarnation": Bound(max_len=64)}
+#: the squared norm of a stage's gradient (-1 = not reported; a stage caps it at 1e30)
+MAX_GRAD_SQ = 1e30
+_GRAD_SQ = Bound(lo=-1.0, hi=MAX_GRAD_SQ)
 
 
 # --- pipeline mode: stage servers -------------------------------------------------------
@@ -631,7 +635,7 @@ class StageResult(Message):
     """
 
     TYPE = MsgType.STAGE_RESULT
-    BOUNDS = {"microbatch": _MICROBATCH, **_STAGE_ANSWER_BOUNDS}
+    BOUNDS = {"microbatch": _MICROBATCH, "grad_sq": _GRAD_SQ, **_STAGE_ANSWER_BOUNDS}
     req: int
     session: str
     microbatch: int
@@ -641,6 +645,7 @@ class StageResult(Message):
     steps: int = 0
     at_risk: int = 0
     incarnation: str = ""
+    grad_sq: float = -1.0
 
 
 @dataclass(frozen=True)
@@ -669,7 +674,7 @@ class StageGrad(Message):
     ``missing``, ``steps``, ``at_risk``, ``incarnation``: as in STAGE_RESULT."""
 
     TYPE = MsgType.STAGE_GRAD
-    BOUNDS = {"microbatch": _MICROBATCH, **_STAGE_ANSWER_BOUNDS}
+    BOUNDS = {"microbatch": _MICROBATCH, "grad_sq": _GRAD_SQ, **_STAGE_ANSWER_BOUNDS}
     req: int
     session: str
     microbatch: int
@@ -679,18 +684,29 @@ class StageGrad(Message):
     steps: int = 0
     at_risk: int = 0
     incarnation: str = ""
+    grad_sq: float = -1.0
 
 
 @dataclass(frozen=True)
 class StageInfer(Message):
-    """Client → stage: forward of ``x`` without gradients (generation, evaluation)."""
+    """Client → stage: forward of ``x`` without gradients (generation, evaluation).
+
+    ``cache``: the stage keeps, for ``session``, what it computed (the attention keys and
+    values of each position), and ``x`` holds only the positions from ``start`` on: the
+    answer's ``y`` has those positions only. ``start`` 0 begins the session's cache afresh;
+    any other ``start`` must be the length the stage holds for the session, else the answer
+    is STAGE_ERROR ``cache_miss`` (evicted, expired, the weights changed since, or another
+    replica): resend the whole window from position 0.
+    """
 
     TYPE = MsgType.STAGE_INFER
-    BOUNDS = {"priority": Bound(lo=0, hi=255)}
+    BOUNDS = {"priority": Bound(lo=0, hi=255), "start": Bound(lo=0, hi=MAX_INT)}
     req: int
     session: str
     priority: int = 10
     tensors: TensorMap = field(default_factory=dict)
+    cache: bool = False
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -715,6 +731,30 @@ class StageSync(Message):
 
 
 @dataclass(frozen=True)
+class StageStep(Message):
+    """Trainer → stage: take the synchronous step of the micro-batches ``group`` …
+    ``group + group_size - 1`` of ``session``, their mean gradient multiplied by ``scale``
+    (the trainer's clipping of the whole model's gradient norm; 1 = none); and the answer
+    (``reply`` set), saying the stage's ``steps`` after it, or the ``missing`` micro-batches
+    it does not hold (it did not step), its ``at_risk`` and ``incarnation`` as in
+    STAGE_RESULT. A step request for a group already stepped steps nothing again."""
+
+    TYPE = MsgType.STAGE_STEP
+    BOUNDS = {"group": _GROUP_START, "group_size": _GROUP_SIZE, "scale": Bound(lo=0.0, hi=1.0),
+              **_STAGE_ANSWER_BOUNDS}
+    req: int
+    session: str
+    group: int
+    group_size: int
+    scale: float = 1.0
+    reply: bool = False
+    missing: list[int] = field(default_factory=list)
+    steps: int = 0
+    at_risk: int = 0
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
 class StageError(Message):
     """Stage → client: request ``req`` failed (``code``, ``message``); the connection stays open."""
 
@@ -735,6 +775,7 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         Start, Pause, Resume, Shutdown, Heartbeat, CheckpointMsg, Error, StatusRequest, Status,
         PeerHello, PeerInfoMsg, Propose, Accept, Commit, Reform,
         StageForward, StageResult, StageBackward, StageGrad, StageInfer, StageSync, StageError,
+        StageStep,
     )
 }
 

@@ -325,7 +325,7 @@ def train_pipeline(case: Case, data: TaskData | None = None, *, stages: int = 2,
                         config=RouterConfig(request_timeout=30.0, timeouts=fast))
         try:
             trainer = PipelineTrainer(router, data.train, TrainerConfig(
-                batch_size=micro, schedule="sync", chunks=chunks, seed=SEED))
+                batch_size=micro, schedule="sync", chunks=chunks, seed=SEED, grad_clip=0.0))
             losses = await asyncio.wait_for(trainer.train(case.steps * chunks), timeout)
             return len(losses)
         finally:
