@@ -642,19 +642,22 @@ def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhil
         router = Router([[first.address], [mid_a.address, mid_b.address], [last.address]],
                         secret=SECRET, config=RouterConfig(request_timeout=20.0, timeouts=FAST))
         killed = asyncio.Event()
+        victim: list[StageServer] = []
 
-        def kill_when_a_holds_work(mb: int, loss: float) -> None:
-            # Kill synchronously at a moment s1a holds a forward whose backward is still to
-            # come, so that micro-batch must be redone on s1b (or, should that moment never
+        def kill_a_replica_holding_work(mb: int, loss: float) -> None:
+            # Kill synchronously the replica of stage 1 that holds a forward whose backward is
+            # still to come (a synchronous group uses one replica: the other stands by), so
+            # that micro-batch must be redone on the other (or, should that moment never
             # come, a little later anyway: the asserts below then say what was missed).
             done = len(trainer.loss_history)
-            holds_work = mid_a.status()["pending_forwards"] > 0
-            if not killed.is_set() and (done >= KILL_AFTER and holds_work or done >= 2 * KILL_AFTER):
-                mid_a.abort()
+            busy = [r for r in (mid_a, mid_b) if r.status()["pending_forwards"] > 0]
+            if not killed.is_set() and (done >= KILL_AFTER and busy or done >= 2 * KILL_AFTER):
+                victim.append(busy[0] if busy else mid_a)
+                victim[0].abort()
                 killed.set()
 
         trainer = PipelineTrainer(router, data.train, TrainerConfig(batch_size=16, chunks=4, seed=1),
-                                  context=TASK.config.context, on_microbatch=kill_when_a_holds_work)
+                                  context=TASK.config.context, on_microbatch=kill_a_replica_holding_work)
         loss_fn = loss_fn_for(TASK.build_model(SEED))
         try:
             untrained = await trainer.evaluate(data.heldout, loss_fn, max_samples=64)
@@ -667,7 +670,9 @@ def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhil
             return {
                 "losses": losses, "untrained": untrained, "trained": trained, "generated": generated,
                 "while_training": generated_while_training, "trainer": trainer, "router": router.stats(),
-                "servers": {s.name: s for s in (first, mid_a, mid_b, last)}, "b_port": mid_b.port,
+                "servers": {s.name: s for s in (first, mid_a, mid_b, last)},
+                # the killed replica is "s1a" below, the one that stayed up "s1b"
+                "killed": victim[0].name, "b_port": (mid_b if victim[0] is mid_a else mid_a).port,
                 "syncs": mid_a.replicas.rounds, "sync_served": mid_b.sync_served,
             }
         finally:
@@ -691,8 +696,9 @@ def test_three_stages_train_with_a_middle_replica_killed_and_generation_meanwhil
         applied = Counter(mb for _, mb in servers[name].compute.applied_log)
         assert applied == Counter(range(MICROBATCHES)), name
         assert servers[name].compute.duplicate_backwards == 0
-    on_a = Counter(mb for _, mb in servers["s1a"].compute.applied_log)
-    on_b = Counter(mb for _, mb in servers["s1b"].compute.applied_log)
+    gone, kept = ("s1a", "s1b") if out["killed"] == "s1a" else ("s1b", "s1a")
+    on_a = Counter(mb for _, mb in servers[gone].compute.applied_log)
+    on_b = Counter(mb for _, mb in servers[kept].compute.applied_log)
     assert max(on_a.values()) == 1 and max(on_b.values()) == 1  # never twice on one replica
     b_name = f"stage1@127.0.0.1:{out['b_port']}"
     acked_by_b = {mb for (s, mb), who in trainer.acknowledged_by.items() if s == 1 and who == b_name}

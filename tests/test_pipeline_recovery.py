@@ -35,6 +35,7 @@ from swarmtrain.pipeline import (
     build_stage,
 )
 from swarmtrain.pipeline.compute import StageCompute, StateMismatch
+from swarmtrain.pipeline.replicas import sync_fractions
 from swarmtrain.pipeline.router import StageUnavailable
 from swarmtrain.pipeline.session import checked_router
 from swarmtrain.tasks import TextLMConfig, TextLMTask
@@ -345,3 +346,46 @@ def test_a_ban_is_lifted_as_soon_as_the_replica_answers_and_seed_weights_are_not
                 await srv.close()
 
     _run(main())
+
+
+def test_a_standby_replica_takes_the_trained_ones_weights_instead_of_averaging_them_away() -> None:
+    """Under the synchronous schedule one replica of a stage trains and the other stands by.
+    A sync round must give the standby the trained weights (and step count), not move both
+    halfway back towards the standby's stale ones; two replicas that both trained average."""
+    torch.manual_seed(4)
+    x, g = torch.randn(2, 16, 16), torch.randn(2, 16, 16)
+
+    async def main() -> None:
+        standby = _server(1, name="standby")
+        await standby.start()
+        active = _server(1, name="active", sync_peers=[standby.address])
+        await active.start()
+        try:
+            for mb in range(3):
+                active.compute.forward("s", mb, x, None)
+                active.compute.backward("s", mb, g * (mb + 1), step=True)
+            trained = active.compute.fingerprint()
+            assert await active.sync_now() == 1
+            assert active.compute.fingerprint() == trained == standby.compute.fingerprint()
+            assert standby.compute.steps == active.compute.steps == 3
+            # now both train (the asynchronous schedule spreads work): they average
+            for c in (active.compute, standby.compute):
+                c.forward("s", 7, x, None)
+                c.backward("s", 7, g if c is active.compute else -g, step=True)
+            a, b = active.compute.parameters_snapshot(), standby.compute.parameters_snapshot()
+            assert await active.sync_now() == 1
+            after = active.compute.parameters_snapshot()
+            other = standby.compute.parameters_snapshot()
+            for n in a:  # (each at the mean, up to its rounding: not bit for bit)
+                torch.testing.assert_close(after[n], (a[n] + b[n]) / 2, rtol=0, atol=1e-7)
+                torch.testing.assert_close(other[n], after[n], rtol=0, atol=1e-7)
+        finally:
+            await active.close()
+            await standby.close()
+
+    _run(main())
+
+
+def test_sync_fractions() -> None:
+    assert sync_fractions(0, 3) == (1.0, 0.0) and sync_fractions(3, 0) == (0.0, 1.0)
+    assert sync_fractions(2, 3) == sync_fractions(0, 0) == sync_fractions(5, None) == (0.5, 0.5)

@@ -250,6 +250,7 @@ class StageCompute:
         self.kv = SessionCaches(int(config.kv_cache_mb * 2**20), config.kv_cache_idle)
         self.cache_misses = 0  # cached steps refused: resent from position 0 by the client
         self._buffers_version = 0  # bumped when the inference twin's buffers are refreshed
+        self._steps_at_sync = 0  # optimizer steps at the end of the last replica sync round
         self.incomplete_steps = 0  # step requests put off: the group was not all here
         self.dropped_microbatches = 0  # summed gradients of abandoned sessions dropped
 
@@ -437,18 +438,27 @@ class StageCompute:
         """The live tensors :meth:`parameters_snapshot` copies (for sizing frame limits)."""
         return self.weights.synced()
 
-    def move_towards(self, mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
-        """Move halfway to the other replica: ``(theirs - mine) / 2`` for every trainable
-        parameter and floating buffer, integer buffers to the larger count (see
-        :meth:`StageWeights.move_towards`); frozen parameters are left alone.
+    def move_towards(self, mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor],
+                     fraction: float = 0.5) -> None:
+        """Move ``fraction`` of the way to the other replica (0.5: halfway; 1: take its state;
+        0: keep this one's), keeping the work done since ``mine`` was taken: ``(theirs -
+        mine) x fraction`` for every trainable parameter and floating buffer, integer buffers
+        to the larger count at 0.5 (see :meth:`StageWeights.move_towards`); frozen parameters
+        are left alone.
 
         Raises:
             BadInput: ``theirs`` lacks a tensor, has a different shape or kind, or holds NaN
                 or infinite values (the weights are then left as they were).
         """
+        if fraction == 0.0:
+            try:
+                self.weights.check_sync(theirs)  # refused the same, whether or not it moves
+            except SyncMismatch as exc:
+                raise BadInput(str(exc)) from exc
+            return
         self._stash_current()
         try:
-            self.weights.move_towards(mine, theirs, self._weights_lock)
+            self.weights.move_towards(mine, theirs, self._weights_lock, fraction)
         except SyncMismatch as exc:
             raise BadInput(str(exc)) from exc
         self.weights_version += 1
@@ -532,6 +542,7 @@ class StageCompute:
             self.weights.scaler.clean = int(scale.get("clean", 0))
             self.weights.scaler.overflows = int(scale.get("overflows", 0))
         self.steps = int(meta.get("steps", 0))
+        self._steps_at_sync = self.steps  # what it took over is where its replicas are
         self.microbatches = int(meta.get("microbatches", 0))
         self.origin = str(meta.get("origin", self.origin))
         self._pending.clear()
@@ -557,6 +568,22 @@ class StageCompute:
             value = tensors_fingerprint(self.weights.synced())
         self._fingerprint = (key, value)
         return value
+
+    @property
+    def trained_since_sync(self) -> int:
+        """Optimizer steps taken since the last replica sync round (all, before the first)."""
+        return self.steps - self._steps_at_sync
+
+    def adopt_steps(self, steps: int) -> None:
+        """This stage took another replica's whole state in a sync: count its steps (a standby
+        that never trained is then where the run is: checkpoints and restarts count from it)."""
+        if steps > self.steps:
+            self.steps = steps
+            self._steps_at_sync = steps
+
+    def synced_at_step(self, step: int | None = None) -> None:
+        """A sync round ended; it covered the steps up to ``step`` (default: now)."""
+        self._steps_at_sync = self.steps if step is None else min(step, self.steps)
 
     @property
     def applied_log(self) -> tuple[Key, ...]:

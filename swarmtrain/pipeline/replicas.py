@@ -35,7 +35,7 @@ from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import Limits, StageError, StageSync
 
-__all__ = ["ReplicaState", "ReplicaSync", "fetch_replica_state"]
+__all__ = ["ReplicaState", "ReplicaSync", "fetch_replica_state", "sync_fractions"]
 
 log = logging.getLogger("swarmtrain.pipeline")
 
@@ -59,10 +59,12 @@ class ReplicaSync:
 
     def __init__(self, peers: Sequence[tuple[str, int]], *, on_compute_thread: OnComputeThread,
                  step: Callable[[], int], secret: bytes | None, timeouts: Timeouts,
-                 round_timeout: float, name: str, tls: TLSConfig | None = None) -> None:
+                 round_timeout: float, name: str, tls: TLSConfig | None = None,
+                 trained: Callable[[], int] | None = None) -> None:
         self.peers = list(peers)
         self._on_compute_thread = on_compute_thread
         self._step = step
+        self._trained = trained
         self._secret = secret
         self._tls = tls
         self._timeouts = timeouts
@@ -119,16 +121,35 @@ class ReplicaSync:
             self._conns[peer] = conn
         mine = await self._on_compute_thread("snapshot")
         at_step = self._step()
+        trained = {} if self._trained is None else {"trained": self._trained()}
         req = next(self._ids)
-        await conn.send(StageSync(req=req, round=req, step=self._step(), tensors=mine))
+        await conn.send(StageSync(req=req, round=req, step=at_step, tensors=mine, meta=trained))
         while True:
             answer = await conn.recv(timeout=self._round_timeout, phase="sync")
             if isinstance(answer, StageError):
                 raise SwarmError(f"replica refused the sync: {answer.message} [{answer.code}]")
             if isinstance(answer, StageSync) and answer.reply and answer.req == req:
                 break
-        await self._on_compute_thread("sync_apply", mine=mine, theirs=dict(answer.tensors))
+        await self._on_compute_thread("sync_apply", mine=mine, theirs=dict(answer.tensors),
+                                      meta={**answer.meta, "at_step": at_step, "their_step": answer.step})
         self.last_synced_step = max(self.last_synced_step, at_step)
+
+
+def sync_fractions(mine_trained: int, theirs_trained: int | None) -> tuple[float, float]:
+    """How far each replica of a sync round moves towards the other: ``(mine, theirs)``, from
+    the optimizer steps each took since its last round. A replica that did not train while
+    the other did takes the other's state (1.0) and the other keeps its own (0.0): under the
+    synchronous schedule one replica trains and the others stand by, and averaging with a
+    standby would undo half of the training since the last round. Both trained (the
+    asynchronous schedule spreads micro-batches over replicas) or neither: halfway each
+    (0.5). ``theirs_trained`` None (a peer that does not say): halfway."""
+    if theirs_trained is None:
+        return 0.5, 0.5
+    if mine_trained == 0 and theirs_trained > 0:
+        return 1.0, 0.0
+    if theirs_trained == 0 and mine_trained > 0:
+        return 0.0, 1.0
+    return 0.5, 0.5
 
 
 @dataclass(frozen=True)

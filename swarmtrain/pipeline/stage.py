@@ -58,7 +58,7 @@ from swarmtrain.pipeline.compute import (
 from swarmtrain.pipeline.monitor import BufferMonitor
 from swarmtrain.pipeline.outbound import OutboundBuffer
 from swarmtrain.pipeline.partition import LossFn
-from swarmtrain.pipeline.replicas import ReplicaState, ReplicaSync, fetch_replica_state
+from swarmtrain.pipeline.replicas import ReplicaState, ReplicaSync, fetch_replica_state, sync_fractions
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
 from swarmtrain.transport.endpoints import ServerLimits, payload_limit, peer_ip
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
@@ -180,6 +180,7 @@ class _Job(WorkPacket):
     mine: dict[str, torch.Tensor] = field(default_factory=dict)
     result: concurrent.futures.Future[Any] | None = None
     sync_round: int = 0
+    sync_step: int = 0  # the optimizer step a replica's sync was taken at
     step: bool | None = None  # the trainer's step decision (None: the stage counts)
     group: tuple[int, int] | None = None  # the micro-batches the step covers (first, size)
     cache_start: int | None = None  # a cached inference step from this position (None: no cache)
@@ -240,7 +241,8 @@ class StageServer:
                                        max_retries=0, on_failed=self._reply_lost)
         self.monitor: BufferMonitor | None = None
         self.replicas = ReplicaSync(sync_peers, on_compute_thread=self._on_compute_thread,
-                                    step=lambda: self.compute.steps, secret=secret,
+                                    step=lambda: self.compute.steps,
+                                    trained=lambda: self.compute.trained_since_sync, secret=secret,
                                     timeouts=config.timeouts, round_timeout=config.sync_timeout,
                                     name=self.name, tls=tls)
         self.sync_served = 0
@@ -604,7 +606,7 @@ class StageServer:
         if isinstance(msg, StageSync) and not msg.reply:
             return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
                         "forward", kind="sync_serve", req=msg.req, conn=conn, theirs=dict(msg.tensors),
-                        sync_round=msg.round)
+                        sync_round=msg.round, meta=dict(msg.meta), sync_step=msg.step)
         return None
 
     async def _send_reply(self, packet: WorkPacket) -> None:
@@ -733,10 +735,17 @@ class StageServer:
                              tensors=tensors, meta=meta)
         if job.kind == "sync_serve":
             mine = c.parameters_snapshot()
-            c.move_towards(mine, job.theirs)
+            theirs_trained = job.meta.get("trained")
+            ours, their_share = sync_fractions(c.trained_since_sync,
+                                               theirs_trained if isinstance(theirs_trained, int) else None)
+            c.move_towards(mine, job.theirs, fraction=ours)
+            if ours == 1.0:  # took the other's state: and its place in the run
+                c.adopt_steps(job.sync_step)
+            c.synced_at_step()
             self.sync_served += 1
             self.durable_step = max(self.durable_step, c.steps)
-            return StageSync(req=job.req, round=job.sync_round, step=c.steps, reply=True, tensors=mine)
+            return StageSync(req=job.req, round=job.sync_round, step=c.steps, reply=True, tensors=mine,
+                             meta={"fraction": their_share})
         assert job.result is not None
         if job.kind == "export":
             job.result.set_result(c.export_state())
@@ -746,7 +755,14 @@ class StageServer:
         elif job.kind == "snapshot":
             job.result.set_result(c.parameters_snapshot())
         elif job.kind == "sync_apply":
-            c.move_towards(job.mine, job.theirs)
+            fraction = job.meta.get("fraction", 0.5)
+            fraction = float(fraction) if fraction in (0.0, 0.5, 1.0) else 0.5
+            c.move_towards(job.mine, job.theirs, fraction=fraction)
+            if fraction == 1.0:
+                c.adopt_steps(int(job.meta.get("their_step", 0)))
+                c.synced_at_step()
+            else:
+                c.synced_at_step(int(job.meta.get("at_step", c.steps)))
             job.result.set_result(None)
         return None
 

@@ -167,10 +167,12 @@ class StageWeights:
                 raise SyncMismatch(f"replica sync: {what} {name!r} holds NaN or infinite values")
 
     def move_towards(self, mine: Mapping[str, torch.Tensor], theirs: Mapping[str, torch.Tensor],
-                     lock: threading.Lock) -> None:
-        """Move halfway to the other replica, keeping the work done since ``mine`` was taken.
+                     lock: threading.Lock, fraction: float = 0.5) -> None:
+        """Move ``fraction`` of the way (0.5: halfway; 1: all the way) to the other replica,
+        keeping the work done since ``mine`` was taken.
 
-        Floating tensors (parameters' masters, running statistics) get ``(theirs - mine) / 2``.
+        Floating tensors (parameters' masters, running statistics) get ``(theirs - mine) x
+        fraction``; with fraction 1 integer buffers take theirs too.
         Integer buffers (``num_batches_tracked``) go to the larger of the two counts, plus
         what they counted since: a counter never goes back, two replicas that did not train
         during the round agree on it, and a fresh replica that joins does not halve the
@@ -184,8 +186,12 @@ class StageWeights:
             for name, own in self.synced().items():
                 a = mine[name].to(own.device)
                 b = theirs[name].to(own.device)
-                if own.is_floating_point():
-                    own.add_((b.to(own.dtype) - a.to(own.dtype)) * 0.5)
+                if own.is_floating_point() and fraction == 1.0:  # theirs exactly, plus work since
+                    own.copy_(b.to(own.dtype) + (own - a.to(own.dtype)))
+                elif own.is_floating_point():
+                    own.add_((b.to(own.dtype) - a.to(own.dtype)) * fraction)
+                elif fraction == 1.0:  # take theirs (plus what this one counted since)
+                    own.add_((b.to(a.dtype) - a).to(own.dtype))
                 else:
                     own.add_((torch.maximum(a, b.to(a.dtype)) - a).to(own.dtype))
             self._publish_masters()
