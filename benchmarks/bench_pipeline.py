@@ -598,7 +598,8 @@ def _quality_markdown(q: dict[str, Any]) -> list[str]:
         f"({EVAL_SAMPLES} windows spread over the held-out text) at the end, against the same "
         "model trained in one process on the same samples in the same order with the same "
         "optimizer (AdamW lr 1e-3, no decay, gradient norm clipped to 1.0 over the whole model; "
-        "the stages clip each their own part to 1.0) at the *same samples per optimizer step*, "
+        "the sync schedule clips the whole model's norm too, the async one each stage its own "
+        "part) at the *same samples per optimizer step*, "
         "evaluated on the same windows. samples/s: between the trainer's first and last "
         "evaluation (training plus one evaluation), the stages on loopback as above.",
         "",
