@@ -39,6 +39,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -53,6 +54,7 @@ from torch import nn
 from swarmtrain.checkpoint import adam_state_from_tensors, adam_state_to_tensors
 from swarmtrain.devices import batch_to
 from swarmtrain.errors import CheckpointError
+from swarmtrain.modelstate import ModelState
 from swarmtrain.pipeline.kvcache import SessionCaches, run_incremental
 from swarmtrain.pipeline.partition import LossFn
 from swarmtrain.pipeline.placement import RngState, to_cpu
@@ -102,14 +104,12 @@ def tensors_fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def shape_signature(layers: nn.Module) -> str:
-    """16 hex digits naming the layers' state: every ``state_dict`` entry's name, shape and
-    dtype, and which parameters train. Two stages built from the same model range agree;
-    another width, depth or dtype (or a different task) gives another signature."""
-    trainable = {n for n, p in layers.named_parameters() if p.requires_grad}
-    h = hashlib.blake2b(digest_size=8)
-    for name, t in sorted(layers.state_dict().items()):
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{name in trainable};".encode())
-    return h.hexdigest()
+    """16 hex digits naming the layers' state: BLAKE2b of
+    :meth:`~swarmtrain.modelstate.ModelState.fingerprint` (every parameter's and buffer's
+    name, dtype, shape and kind, as the parameter server checks its workers). Two stages built
+    from the same model range agree; another width, depth or dtype (or task) does not."""
+    described = json.dumps(ModelState(layers).fingerprint()).encode()
+    return hashlib.blake2b(described, digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from swarmtrain.errors import ConfigError, SwarmError
-from swarmtrain.transport import Timeouts, connect
+from swarmtrain.errors import ConfigError, RefusedError, SwarmError
+from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.tls import TLSConfig
-from swarmtrain.wire import Status, StatusRequest
+from swarmtrain.wire import Error, Status, StatusRequest
 
-__all__ = ["Route", "check_route", "fetch_statuses", "parse_host_port", "parse_route"]
+__all__ = ["Route", "check_route", "fetch_statuses", "parse_host_port", "parse_route", "replica_problem",
+           "request_status"]
 
 log = logging.getLogger("swarmtrain.pipeline")
 
@@ -67,20 +68,54 @@ async def fetch_statuses(route: Route, *, secret: bytes | None, timeout: float =
         try:
             conn = await connect(host, port, secret=secret, tls=tls, role="pipeline", timeouts=timeouts)
             try:
-                await conn.send(StatusRequest(), timeout=timeout)
-                reply = await conn.recv(timeout=timeout, phase="stage status")
+                status = await request_status(conn, timeout)
             finally:
                 await conn.close()
         except SwarmError as exc:
             return {**where, "error": str(exc)}
-        if not isinstance(reply, Status):
-            return {**where, "error": f"answered {type(reply).__name__}, not a status: "
-                    "is this a stage server?"}
-        return {**reply.status, **where}
+        return {**status, **where}
 
     answers = await asyncio.gather(*(ask(i, h, p) for i, stage in enumerate(route) for h, p in stage))
     it = iter(answers)
     return [[next(it) for _ in stage] for stage in route]
+
+
+async def request_status(conn: Connection, timeout: float) -> dict[str, Any]:
+    """Ask a stage server on ``conn`` for its status (answered at once, outside its work queue).
+
+    Raises:
+        RefusedError: it answered with an ERROR.
+        SwarmError: the connection failed, or the answer is not a status (not a stage server).
+    """
+    await conn.send(StatusRequest(), timeout=timeout)
+    reply = await conn.recv(timeout=timeout, phase="stage status")
+    if isinstance(reply, Error):
+        raise RefusedError(reply.code, reply.message)
+    if not isinstance(reply, Status):
+        raise SwarmError(f"answered {type(reply).__name__}, not a status: is this a stage server?")
+    return reply.status
+
+
+def replica_problem(status: dict[str, Any], stage: int, *, shape: str, origin: str, most_steps: int) -> str:
+    """Why a replica whose status is ``status`` must not serve ``stage`` ("" = it may): it
+    serves another stage, holds layers of another shape than ``shape``, weights of another
+    lineage than ``origin`` ("" = either not checked), or its seed's weights while its stage
+    has trained ``most_steps`` > 0 optimizer steps. The route check and the router both ask."""
+    if status.get("stage") != stage:
+        return f"it serves stage {status.get('stage')}, not {stage}"
+    if shape and status.get("shape", shape) != shape:
+        return (f"it holds layers {status.get('layers')} of another shape (signature {status.get('shape')}, "
+                f"this model's {shape}): give every process the same --task and model flags (--context, "
+                "--d-model, --n-heads, --n-layers)")
+    if origin and status.get("origin", origin) != origin:
+        return (f"it holds weights of another lineage (origin {status.get('origin')}, its stage's {origin}; "
+                f"another --seed?): start it with --sync-with a live replica of stage {stage}, or "
+                "--resume from this stage's checkpoints")
+    if status.get("started_from") == "seed" and int(status.get("steps", 0)) == 0 and most_steps > 0:
+        return (f"it serves its seed's weights while its stage has trained {most_steps} optimizer steps: "
+                f"restart it with --sync-with a live replica of stage {stage} (it then copies them), or "
+                "--resume from its checkpoints")
+    return ""
 
 
 def check_route(statuses: list[list[dict[str, Any]]], n_layers: int,
@@ -137,14 +172,8 @@ def check_route(statuses: list[list[dict[str, Any]]], n_layers: int,
 
 
 def _check_replicas(stage: int, live: list[dict[str, Any]], shape: str) -> tuple[str, str]:
-    """The live replicas of ``stage`` hold layers of ``shape`` ("" = not checked) and one
-    lineage, and none serves its seed's weights while another trained; their identity."""
-    for s in live:
-        if shape and s.get("shape", shape) != shape:
-            raise SwarmError(
-                f"{s['replica']} (stage {stage}) holds layers {s.get('layers')} of another shape than this "
-                f"process's model (signature {s.get('shape')}, here {shape}): give every process the same "
-                "--task and model flags (--context, --d-model, --n-heads, --n-layers)")
+    """The live replicas of ``stage`` share one lineage and each fits (:func:`replica_problem`);
+    their identity."""
     origins = {s.get("origin", "") for s in live}
     if len(origins) > 1:
         raise SwarmError(
@@ -153,12 +182,9 @@ def _check_replicas(stage: int, live: list[dict[str, Any]], shape: str) -> tuple
             + "): they were built with different --seed values or never copied each other's weights. "
             "Restart the newer one with --sync-with the other (it then copies its weights), or give "
             "every stage the same --seed")
-    trained = max(live, key=lambda s: int(s.get("steps", 0)))
-    most = int(trained.get("steps", 0))
+    most = max(int(s.get("steps", 0)) for s in live)
     for s in live:
-        if s.get("started_from") == "seed" and int(s.get("steps", 0)) == 0 and most > 0:
-            raise SwarmError(
-                f"{s['replica']} (stage {stage}) serves its seed's weights while {trained['replica']} has "
-                f"trained {most} optimizer steps: restart it with --sync-with {trained['replica']} (it "
-                "then copies them), or --resume from its checkpoints, or leave it out of --route")
-    return shape, str(trained.get("origin", ""))
+        why = replica_problem(s, stage, shape=shape, origin="", most_steps=most)
+        if why:
+            raise SwarmError(f"{s['replica']} cannot serve stage {stage}: {why}; or leave it out of --route")
+    return shape, str(origins.pop())

@@ -39,6 +39,7 @@ import torch
 
 from swarmtrain.errors import RefusedError, SwarmError
 from swarmtrain.pipeline.buffers import Priority
+from swarmtrain.pipeline.route import replica_problem, request_status
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
@@ -51,8 +52,6 @@ from swarmtrain.wire import (
     StageInfer,
     StageResult,
     StageStep,
-    Status,
-    StatusRequest,
 )
 
 __all__ = ["CacheMissed", "Expected", "MicrobatchLost", "Replica", "ReplicaFailed", "Router", "RouterConfig",
@@ -469,7 +468,7 @@ class Router:
                 conn = await connect(replica.host, replica.port, secret=self.secret, tls=self.tls,
                                      role="pipeline", timeouts=self.config.timeouts)
                 try:
-                    status = await self._ask_status(conn)
+                    status = await request_status(conn, self.config.request_timeout)
                 except BaseException:
                     conn.abort(SwarmError("no status"))
                     raise
@@ -482,34 +481,13 @@ class Router:
                                                      name=f"router-read-{replica.name}")
             return replica.conn
 
-    async def _ask_status(self, conn: Connection) -> dict[str, Any]:
-        await conn.send(StatusRequest(), timeout=self.config.request_timeout)
-        while True:
-            msg = await conn.recv(timeout=self.config.request_timeout, phase="stage status")
-            if isinstance(msg, Status):
-                return msg.status
-            if isinstance(msg, Error):
-                raise RefusedError(msg.code, msg.message)
-
     def _admissible(self, replica: Replica, status: dict[str, Any]) -> str:
-        """Why ``replica`` must not be routed to, given its status ("" = it may be)."""
+        """Why ``replica`` must not be routed to, given its status ("" = it may be): see
+        :func:`~swarmtrain.pipeline.route.replica_problem`, against what the route was
+        checked against."""
         want = self.expected[replica.stage]
-        why = ""
-        if status.get("stage") != replica.stage:
-            why = f"it serves stage {status.get('stage')}, not {replica.stage}"
-        elif want.shape and status.get("shape") != want.shape:
-            why = (f"it holds layers of another shape (signature {status.get('shape')}, the route's "
-                   f"{want.shape}): start it with the same --task and model flags")
-        elif want.origin and status.get("origin") != want.origin:
-            why = (f"it holds weights of another lineage (origin {status.get('origin')}, its stage's "
-                   f"{want.origin}; another --seed?): start it with --sync-with a live replica of "
-                   f"stage {replica.stage}, or --resume from this stage's checkpoints")
-        else:
-            trained = max((r.steps for r in self.replicas[replica.stage]), default=0)
-            if status.get("started_from") == "seed" and int(status.get("steps", 0)) == 0 and trained > 0:
-                why = (f"it came back with its seed's weights (0 optimizer steps; stage {replica.stage} "
-                       f"was at {trained}): restart it with --resume (its checkpoints) or --sync-with a "
-                       "live replica of its stage")
+        trained = max((r.steps for r in self.replicas[replica.stage]), default=0)
+        why = replica_problem(status, replica.stage, shape=want.shape, origin=want.origin, most_steps=trained)
         if why:
             if replica.refused != why:
                 log.warning("not routing to %s: %s", replica.name, why)
@@ -565,7 +543,7 @@ class Router:
         except (SwarmError, OSError):
             return
         try:
-            status = await self._ask_status(conn)
+            status = await request_status(conn, timeout)
         except (SwarmError, OSError, TimeoutError):
             return
         finally:
