@@ -56,6 +56,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointStore",
+    "FailureStreak",
     "adam_state_from_tensors",
     "adam_state_to_tensors",
     "load_checkpoint",
@@ -227,6 +228,39 @@ class CheckpointStore:
             if name.startswith(_TMP_PREFIX):
                 log.info("removing unfinished checkpoint %s", self.directory / name)
                 shutil.rmtree(self.directory / name, ignore_errors=True)
+
+
+class FailureStreak:
+    """Failed checkpoint attempts of one writer (the coordinator, a stage), said the way an
+    operator wants them: the first of a streak as an ERROR with the reason, each later one as
+    a WARNING with the count and the last good checkpoint, and the first success after them.
+
+    Args:
+        what: how the log names the checkpoints ("checkpoint", "stage 2 checkpoint").
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failures = 0  # every failed attempt
+        self.in_a_row = 0  # since the last good one
+
+    def failed(self, exc: Exception, *, at: str, retry: str, last_good: str) -> int:
+        """Count and log a failed attempt at ``at`` (e.g. "version 10"); how many in a row."""
+        self.failures += 1
+        self.in_a_row += 1
+        if self.in_a_row == 1:
+            log.error("%s at %s failed, training goes on with the last good one%s: %s", self.what, at,
+                      retry, exc)
+        else:
+            log.warning("%s still failing (%d attempts in a row, last good checkpoint: %s): %s", self.what,
+                        self.in_a_row, last_good, exc)
+        return self.in_a_row
+
+    def succeeded(self) -> None:
+        """A checkpoint was written: the streak, if any, is over (and said to be)."""
+        if self.in_a_row:
+            log.info("%ss are written again after %d failed attempt(s)", self.what, self.in_a_row)
+        self.in_a_row = 0
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarmtrain.checkpoint import CheckpointStore, list_checkpoints
+from swarmtrain.checkpoint import CheckpointStore, FailureStreak, list_checkpoints
 from swarmtrain.errors import CheckpointError, ConfigError, SwarmError
 from swarmtrain.pipeline.compute import StateMismatch
 
@@ -85,8 +85,7 @@ class StageCheckpointer:
         self.last_step = -1  # step of the newest checkpoint written or restored (-1: none)
         self.last_path: Path | None = None
         self.last_attempted_step = -1
-        self.failures = 0
-        self.failures_in_a_row = 0
+        self.streak = FailureStreak("stage checkpoint")
         self._saved_at: tuple[int, int] | None = None  # (steps, micro-batches) of the last one
         self._identity: StageIdentity | None = None
         self._lock = asyncio.Lock()
@@ -157,10 +156,7 @@ class StageCheckpointer:
             except CheckpointError as exc:
                 self._report_failure(step, exc)
                 return None
-            if self.failures_in_a_row:
-                log.info("stage %d checkpoints are written again after %d failed attempt(s)",
-                         identity.stage, self.failures_in_a_row)
-            self.failures_in_a_row = 0
+            self.streak.succeeded()
             self.last_step, self.last_path = step, path
             self._saved_at = (step, int(meta["microbatches"]))
             server.durable_step = max(server.durable_step, step)
@@ -168,16 +164,9 @@ class StageCheckpointer:
             return path
 
     def _report_failure(self, step: int, exc: CheckpointError) -> None:
-        self.failures += 1
-        self.failures_in_a_row += 1
-        n = self.failures_in_a_row
-        if n == 1:
-            retry = f"; next attempt in {self.every} optimizer steps" if self.every else ""
-            log.error("stage checkpoint at step %d failed, training goes on%s: %s", step, retry, exc)
-            return
+        retry = f"; next attempt in {self.every} optimizer steps" if self.every else ""
         last_good = f"step {self.last_step} ({self.last_path})" if self.last_path else "none yet"
-        log.warning("stage checkpoint still failing (%d attempts in a row, last good checkpoint: %s): %s",
-                    n, last_good, exc)
+        self.streak.failed(exc, at=f"step {step}", retry=retry, last_good=last_good)
 
     def newest_step(self) -> int | None:
         """The highest step among the checkpoints in the directory (valid or not), None if none.
@@ -240,7 +229,7 @@ class StageCheckpointer:
             "directory": str(self.directory), "every": self.every,
             "last_step": self.last_step if self.last_path is not None else None,
             "last_path": str(self.last_path) if self.last_path is not None else None,
-            "failures": self.failures, "failures_in_a_row": self.failures_in_a_row,
+            "failures": self.streak.failures, "failures_in_a_row": self.streak.in_a_row,
         }}
 
 

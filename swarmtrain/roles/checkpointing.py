@@ -8,7 +8,12 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-from swarmtrain.checkpoint import CheckpointStore, adam_state_from_tensors, adam_state_to_tensors
+from swarmtrain.checkpoint import (
+    CheckpointStore,
+    FailureStreak,
+    adam_state_from_tensors,
+    adam_state_to_tensors,
+)
 from swarmtrain.config import to_dict
 from swarmtrain.errors import CheckpointError
 from swarmtrain.export import MODEL_PREFIX
@@ -35,9 +40,16 @@ class CoordinatorCheckpointer:
         # The next interval counts from the newest attempt, written or not, so a directory that
         # cannot be written costs one snapshot and write attempt per interval, not per update.
         self.last_attempted_version = -1
-        self.failures = 0
-        self.failures_in_a_row = 0
+        self.streak = FailureStreak("checkpoint")
         self._lock = asyncio.Lock()
+
+    @property
+    def failures(self) -> int:
+        return self.streak.failures
+
+    @property
+    def failures_in_a_row(self) -> int:
+        return self.streak.in_a_row
 
     async def maybe_save(self, coord: Coordinator) -> None:
         """Save if ``interval`` updates have been applied since the last attempt."""
@@ -59,30 +71,17 @@ class CoordinatorCheckpointer:
             except CheckpointError as exc:
                 self._report_failure(coord, version, exc)
                 return CheckpointMsg(ok=False, step=version, message=str(exc))
-            if self.failures_in_a_row:
-                log.info("checkpoints are written again after %d failed attempt(s)",
-                            self.failures_in_a_row)
-            self.failures_in_a_row = 0
+            self.streak.succeeded()
             self.last_saved_version = version
             coord._event("checkpoint", step=version, path=str(path))
             log.info("checkpoint at version %d: %s", version, path)
             return CheckpointMsg(ok=True, step=version, path=str(path))
 
     def _report_failure(self, coord: Coordinator, version: int, exc: CheckpointError) -> None:
-        """The first failure of a streak is an ERROR with the full reason; later ones (one per
-        interval at most) say it is still failing, how many times, and since which good one."""
-        self.failures += 1
-        self.failures_in_a_row += 1
-        n = self.failures_in_a_row
+        retry = f"; next attempt in {self.interval} updates" if self.interval else ""
+        last_good = f"version {self.last_saved_version}" if self.last_saved_version >= 0 else "none yet"
+        n = self.streak.failed(exc, at=f"version {version}", retry=retry, last_good=last_good)
         coord._event("checkpoint_failed", step=version, failures_in_a_row=n, error=str(exc))
-        if n == 1:
-            retry = f"; next attempt in {self.interval} updates" if self.interval else ""
-            log.error("checkpoint failed, training goes on with the last good one%s: %s", retry, exc)
-            return
-        last_good = (f"version {self.last_saved_version}" if self.last_saved_version >= 0
-                     else "none yet")
-        log.warning("checkpoint still failing (%d attempts in a row, last good checkpoint: %s): %s",
-                    n, last_good, exc)
 
     @staticmethod
     def _snapshot(coord: Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
