@@ -433,8 +433,9 @@ class StageServer:
             **self.compute.status(),
             "incarnation": self.incarnation, "started_from": self.started_from,
             "shape": self.compute.shape, "origin": self.compute.origin,
-            # (while training, at most every 2 s: it reads every weight)
-            "fingerprint": self.compute.fingerprint(max_age=2.0), "at_risk": self.at_risk,
+            # (while training, at most every 30 s: it reads every weight under the weights lock,
+            # which inference and the optimizer wait for, and statuses are asked for every second)
+            "fingerprint": self.compute.fingerprint(max_age=30.0), "at_risk": self.at_risk,
             "durable_step": max(self.durable_step, self.replicas.last_synced_step),
             "sync_rounds": self.replicas.rounds, "sync_served": self.sync_served,
             "joins_served": self.joins_served, "last_join_served": self.last_join_served,
