@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain import hardware
+from swarmtrain.core import hardware
 from swarmtrain.tasks import Shard, load_task
 
 

@@ -1,8 +1,8 @@
 """All-reduce: swarmtrain's public ``PeerBackend.all_reduce``, the ring inside it
-(``swarmtrain.peer.ring.RingGroup``) and torch.distributed gloo, side by side in the same
+(``swarmtrain.roles.peer.ring.RingGroup``) and torch.distributed gloo, side by side in the same
 processes on the same tensors.
 
-Each member process starts a real :class:`~swarmtrain.peer.backend.PeerBackend` (static
+Each member process starts a real :class:`~swarmtrain.roles.peer.backend.PeerBackend` (static
 peers, no mDNS, a shared secret) next to a gloo process group, and times, per round:
 
 - ``gloo``: ``dist.all_reduce``;
@@ -68,8 +68,8 @@ LAN_CONTROL_PORT = 7200  # the backends' control ports there (the TLS one: the n
 def _backend(args: argparse.Namespace, peers: str, run: str, tls: Any) -> Any:
     """This member's started PeerBackend of `run`; `peers`: every member's control address
     (``host:port``, by rank), this one's included."""
-    from swarmtrain.peer.backend import PeerBackend, PeerOptions
-    from swarmtrain.peer.identity import Identity
+    from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+    from swarmtrain.transport.identity import Identity
 
     addresses = [(h, int(p)) for h, p in (a.rsplit(":", 1) for a in peers.split(","))]
     host, port = addresses[args.rank]

@@ -35,9 +35,9 @@ from _util import Timing, interleaved, machine, md_table, write_results
 
 from swarmtrain.compression import make_codec
 from swarmtrain.config import load_coordinator_config
-from swarmtrain.roles import coordinator as coordinator_module
-from swarmtrain.roles.common import pack_compressed, unpack_compressed
-from swarmtrain.roles.coordinator import Coordinator, WorkerRecord
+from swarmtrain.roles.ps import coordinator as coordinator_module
+from swarmtrain.roles.ps.common import pack_compressed, unpack_compressed
+from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
 from swarmtrain.tasks import TextLMConfig, TextLMTask
 from swarmtrain.wire import Decoder, Gradients, encode_bytes
 
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     ap.add_argument("--rounds", type=int, default=0, help="timed calls per operation")
     args = ap.parse_args(argv)
-    from swarmtrain.hardware import tune_allocator
+    from swarmtrain.core.hardware import tune_allocator
 
     tune_allocator()  # as every `swarmtrain` command does at start-up
     threads = [int(x) for x in args.threads.split(",") if x]

@@ -123,7 +123,7 @@ def one_process(seed: int, updates: int, batch: int, lr: float, sampler: str = "
 
 def _worker(port: int, worker_id: str, seed: int, batch: int, over: dict[str, Any]) -> None:
     from swarmtrain.config import load_worker_config
-    from swarmtrain.roles.worker import Worker
+    from swarmtrain.roles.ps.worker import Worker
 
     torch.set_num_threads(1)
     train, _ = data()
@@ -136,7 +136,7 @@ def _worker(port: int, worker_id: str, seed: int, batch: int, over: dict[str, An
 def parameter_server(seed: int, updates: int, batch: int, lr: float, workers: int,
                      method: str) -> dict[str, Any]:
     from swarmtrain.config import load_coordinator_config
-    from swarmtrain.roles.coordinator import Coordinator
+    from swarmtrain.roles.ps.coordinator import Coordinator
 
     coord_over, worker_over = METHODS[method]
     worker_batch = batch

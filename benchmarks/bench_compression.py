@@ -38,7 +38,7 @@ from typing import Any
 from _util import RESULTS, machine, md_table, write_results
 
 from swarmtrain.config import CompressionConfig
-from swarmtrain.roles.common import downlink_codec
+from swarmtrain.roles.ps.common import downlink_codec
 from swarmtrain.testing import SimulatedLAN, netns_available
 from swarmtrain.testing.cluster import COORDINATOR_TOML, WORKER_TOML, LanCluster
 

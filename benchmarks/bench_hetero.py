@@ -65,7 +65,7 @@ from typing import Any
 
 from _util import RESULTS, machine, md_table, write_results
 
-from swarmtrain.roles.ctl import ctl_request
+from swarmtrain.roles.ps.ctl import ctl_request
 
 HERE = Path(__file__).resolve().parent
 PROC = HERE / "_hetero_proc.py"

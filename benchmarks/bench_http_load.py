@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 def _version(port: int) -> tuple[float, int]:
     """(when, the coordinator's version), asked with ``swarmtrain ctl status``'s client."""
-    from swarmtrain.roles.ctl import ctl_request
+    from swarmtrain.roles.ps.ctl import ctl_request
 
     reply = asyncio.run(ctl_request("127.0.0.1", port, "status", secret=SECRET.encode(), timeout=10))
     return time.monotonic(), int(reply.fields()["status"]["version"])

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from _util import Timing, machine, md_table, write_results
 
-from swarmtrain.pipeline import PipelineTrainer, Router
-from swarmtrain.pipeline.route import fetch_statuses
+from swarmtrain.roles.stage import PipelineTrainer, Router
+from swarmtrain.roles.stage.route import fetch_statuses
 from swarmtrain.tasks import Shard, TextLMTask
 
 HOST = "127.0.0.1"
@@ -247,8 +247,8 @@ async def generation_speed(client: PipelineTrainer, prompt: bytes, repeats: int)
 def one_process_generation(task: TextLMTask, prompt: bytes, repeats: int) -> dict[str, Any]:
     """The same generation in this process, no network: the model's layers with the same
     incremental forward the stages run (cached) and the whole window per byte (uncached)."""
-    from swarmtrain.pipeline import split_layers
-    from swarmtrain.pipeline.kvcache import run_incremental, window_step
+    from swarmtrain.roles.stage import split_layers
+    from swarmtrain.roles.stage.kvcache import run_incremental, window_step
 
     layers = torch.nn.Sequential(*split_layers(task.build_model(0))).eval()
     context = task.config.context

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from _util import machine, md_table, write_results
 
-from swarmtrain.roles.ctl import ctl_request
+from swarmtrain.roles.ps.ctl import ctl_request
 from swarmtrain.tasks import Shard, load_task
 
 #: task -> batch size (each task's default batch)

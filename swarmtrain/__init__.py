@@ -21,14 +21,14 @@ __all__ = ["Coordinator", "SwarmError", "Task", "Worker", "__version__", "load_t
 
 if TYPE_CHECKING:
     from swarmtrain.errors import SwarmError
-    from swarmtrain.roles.coordinator import Coordinator
-    from swarmtrain.roles.worker import Worker
+    from swarmtrain.roles.ps.coordinator import Coordinator
+    from swarmtrain.roles.ps.worker import Worker
     from swarmtrain.tasks import Task, load_task
 
 # public name -> the module that defines it
 _LAZY = {
-    "Coordinator": "swarmtrain.roles.coordinator",
-    "Worker": "swarmtrain.roles.worker",
+    "Coordinator": "swarmtrain.roles.ps.coordinator",
+    "Worker": "swarmtrain.roles.ps.worker",
     "Task": "swarmtrain.tasks",
     "load_task": "swarmtrain.tasks",
     "SwarmError": "swarmtrain.errors",

@@ -1,5 +1,5 @@
 import sys
 
-from swarmtrain.cli import main
+from swarmtrain.app.cli import main
 
 sys.exit(main())

@@ -50,7 +50,7 @@ def lan_factory() -> Iterator[Callable[..., SimulatedLAN]]:
         pytest.fail("simulated LAN cleanup failed: " + "; ".join(errors))
 
 
-# --- run logs (swarmtrain/runlog.py) -----------------------------------------------------
+# --- run logs (swarmtrain/app/runlog.py) -----------------------------------------------------
 
 
 @pytest.fixture(autouse=True)

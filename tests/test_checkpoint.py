@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmtrain.checkpoint import (
+from swarmtrain.core.checkpoint import (
     CheckpointStore,
     adam_state_from_tensors,
     adam_state_to_tensors,
@@ -214,7 +214,7 @@ def test_corrupt_newest_falls_back_to_previous(
     assert callable(damage)
     damage(newest)
 
-    with caplog.at_level(logging.WARNING, logger="swarmtrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.core.checkpoint"):
         ckpt = store.latest()
     assert ckpt is not None and ckpt.step == 1
     assert torch.equal(ckpt.tensors["w"], torch.ones(3))

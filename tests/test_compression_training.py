@@ -13,8 +13,8 @@ import torch
 from swarmtrain.compression import CODEC_NAMES, make_codec
 from swarmtrain.config import CompressionConfig
 from swarmtrain.errors import RefusedError
-from swarmtrain.roles.common import codec_for_step, pack_compressed
-from swarmtrain.roles.coordinator import Coordinator
+from swarmtrain.roles.ps.common import codec_for_step, pack_compressed
+from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.wire import ALIGN, PREAMBLE, Gradients, encode, encode_bytes
 from tests.test_ps_inprocess import TASK, coordinator, worker
 
@@ -104,7 +104,7 @@ def test_bytes_on_the_wire_are_the_declared_size_plus_framing(name: str) -> None
 
 
 def test_auto_downlink_is_dense_uniform_for_topk_and_qsgd_and_the_uplink_codec_otherwise() -> None:
-    from swarmtrain.roles.common import downlink_codec
+    from swarmtrain.roles.ps.common import downlink_codec
 
     x = torch.randn(100_000)
     top = downlink_codec(CompressionConfig(type="topk", topk_ratio=0.01, min_compress_numel=0))
@@ -149,7 +149,7 @@ def test_a_compression_key_mismatch_is_reported_at_registration() -> None:
 def test_a_fused_delta_splits_into_the_models_tensors_and_malformed_ones_are_refused() -> None:
     from swarmtrain.compression import UniformCodec
     from swarmtrain.errors import RemoteProtocolError
-    from swarmtrain.roles.common import FUSED, unpack_compressed
+    from swarmtrain.roles.ps.common import FUSED, unpack_compressed
 
     expected = {"a.weight": torch.zeros(3, 4), "a.bias": torch.zeros(4), "b": torch.zeros(2, 2, 2)}
     flat = torch.arange(24, dtype=torch.float32)
@@ -177,7 +177,7 @@ def test_a_fused_delta_splits_into_the_models_tensors_and_malformed_ones_are_ref
 def test_with_a_lossless_downlink_the_worker_holds_the_master_weights_exactly(
         fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not fused:  # the path big models take
-        monkeypatch.setattr("swarmtrain.roles.coordinator.FUSE_MAX_NUMEL", 0)
+        monkeypatch.setattr("swarmtrain.roles.ps.coordinator.FUSE_MAX_NUMEL", 0)
 
     async def main() -> None:
         c = coordinator(**{"training.resync_interval": 10_000})

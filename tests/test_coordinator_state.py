@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from swarmtrain.checkpoint import CheckpointStore
 from swarmtrain.compression import make_codec
 from swarmtrain.config import load_coordinator_config
-from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
-from swarmtrain.roles.common import pack_compressed
-from swarmtrain.roles.coordinator import Coordinator, WorkerRecord
-from swarmtrain.roles.ctl import ctl_request
+from swarmtrain.core.checkpoint import CheckpointStore
+from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
+from swarmtrain.roles.ps.common import pack_compressed
+from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
+from swarmtrain.roles.ps.ctl import ctl_request
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.wire import CheckpointMsg, Gradients, Status
 from tests.test_ps_inprocess import SECRET, worker
@@ -189,7 +189,7 @@ def test_full_checkpoint_disk_costs_one_attempt_per_interval_and_recovers_by_its
     assert all(torch.equal(good_tensors[f"model/{n}"], p) for n, p in c.params.items())
 
     filler = _fill(small_disk)
-    with caplog.at_level(logging.INFO, logger="swarmtrain.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="swarmtrain.core.checkpoint"):
         asyncio.run(updates(6, 27))  # four intervals: attempts at 10, 15, 20 and 25 only
     assert c.version == 27  # training went on
     assert [(e["step"], e["failures_in_a_row"]) for e in failed()] == [(10, 1), (15, 2), (20, 3), (25, 4)]
@@ -211,7 +211,7 @@ def test_full_checkpoint_disk_costs_one_attempt_per_interval_and_recovers_by_its
 
     filler.unlink()  # room again: the next interval (version 30) writes, with no restart
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="swarmtrain.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="swarmtrain.core.checkpoint"):
         asyncio.run(updates(28, 30))
     assert written() == [5, 30] and len(failed()) == 4 and c.checkpointer.failures_in_a_row == 0
     assert "written again after 4 failed attempt(s)" in caplog.text

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from test_ps_inprocess import coordinator, worker  # the in-process cluster helpers
 
-from swarmtrain.ops import serve_coordinator
+from swarmtrain.app.ops import serve_coordinator
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.demo import DEMO_TARGET
+from swarmtrain.app.demo import DEMO_TARGET
 
 pytestmark = pytest.mark.timeout(300)
 

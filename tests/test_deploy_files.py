@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 import swarmtrain
-from swarmtrain.cli import build_parser
+from swarmtrain.app.cli import build_parser
 from swarmtrain.config import load_coordinator_config, load_worker_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -266,7 +266,7 @@ def test_dockerignore_sends_what_the_dockerfile_copies_and_nothing_private() -> 
     assert copied == ["pyproject.toml", "README.md", "swarmtrain"]
     for src in copied:
         assert (ROOT / src).exists() and not _ignored(src, patterns), src
-    assert not _ignored("swarmtrain/cli.py", patterns)
+    assert not _ignored("swarmtrain/app/cli.py", patterns)
     for private in (".venv/bin/python", ".git/HEAD", "benchmarks/results/x.json", "checkpoints/a",
                     "deploy/secrets/swarmtrain_secret", "swarmtrain/__pycache__/cli.cpython-311.pyc"):
         assert _ignored(private, patterns), private

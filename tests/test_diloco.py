@@ -1,4 +1,4 @@
-"""DiLoCo (swarmtrain/peer/training.py): the outer Nesterov step against its formula, and H by
+"""DiLoCo (swarmtrain/roles/peer/training.py): the outer Nesterov step against its formula, and H by
 wall time, where a fast peer does more inner steps than a slow one and counts for more."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.node import PeerTrainer
-from swarmtrain.peer.training import Contribution, DiLoCo, flatten
+from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.roles.peer.node import PeerTrainer
+from swarmtrain.roles.peer.training import Contribution, DiLoCo, flatten
 from swarmtrain.testing.local import free_ports, run_peer_trainers
+from swarmtrain.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,8 +20,7 @@ import pytest
 from zeroconf import ServiceInfo, ServiceStateChange
 
 from swarmtrain.errors import ConfigError, SwarmError, SwarmTimeout
-from swarmtrain.peer import discovery as disc
-from swarmtrain.peer.discovery import (
+from swarmtrain.roles.peer.discovery import (
     SERVICE_TYPE,
     MdnsDiscovery,
     PeerInfo,
@@ -30,8 +29,9 @@ from swarmtrain.peer.discovery import (
     encode_txt,
     parse_peer_list,
 )
-from swarmtrain.peer.identity import Identity
 from swarmtrain.testing import Host, SimulatedLAN
+from swarmtrain.transport import mdns
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(30)
@@ -124,10 +124,10 @@ def test_parse_peer_list_rejects_bad_entries(text: str) -> None:
 
 def test_pick_host_prefers_a_shared_subnet() -> None:
     local = [ipaddress.IPv4Interface("127.0.0.1/8"), ipaddress.IPv4Interface("10.1.0.5/24")]
-    assert disc._pick_host(["127.0.0.1", "172.17.0.1", "10.1.0.9"], local) == "10.1.0.9"
-    assert disc._pick_host(["127.0.0.1", "172.17.0.1"], local) == "172.17.0.1"
-    assert disc._pick_host(["127.0.0.1"], local) == "127.0.0.1"
-    assert disc._pick_host([], local) is None
+    assert mdns.pick_host(["127.0.0.1", "172.17.0.1", "10.1.0.9"], local) == "10.1.0.9"
+    assert mdns.pick_host(["127.0.0.1", "172.17.0.1"], local) == "172.17.0.1"
+    assert mdns.pick_host(["127.0.0.1"], local) == "127.0.0.1"
+    assert mdns.pick_host([], local) is None
 
 
 # --- static discovery with a fake probe ----------------------------------------------------
@@ -327,8 +327,8 @@ AGENT = r"""
 import asyncio, json, sys, time
 from pathlib import Path
 from swarmtrain.errors import SwarmError, SwarmTimeout
-from swarmtrain.peer.discovery import MdnsDiscovery, PeerInfo
-from swarmtrain.peer.identity import Identity
+from swarmtrain.roles.peer.discovery import MdnsDiscovery, PeerInfo
+from swarmtrain.transport.identity import Identity
 
 def say(**kw):
     print(json.dumps(kw), flush=True)

@@ -60,7 +60,7 @@ def test_sample_runs_as_printed(doc: str, line: int, code: str, tmp_path: Path) 
         if name:
             (tmp_path / name).write_text(earlier)
     if "model.safetensors" in code:  # what a coordinator run exports (README: "Using the trained model")
-        from swarmtrain.export import export_model
+        from swarmtrain.app.export import export_model
         from swarmtrain.tasks import load_task
 
         export_model(load_task("digits").build_model(5), tmp_path / "model.safetensors", task="digits")

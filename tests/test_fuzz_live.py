@@ -137,7 +137,7 @@ async def _drained(connections: set[Any], timeout: float = 10.0) -> None:
 
 def _coordinator() -> Any:
     from swarmtrain.config import load_coordinator_config
-    from swarmtrain.roles.coordinator import Coordinator
+    from swarmtrain.roles.ps.coordinator import Coordinator
     from swarmtrain.tasks import DigitsTask
 
     cfg = load_coordinator_config(overrides={
@@ -219,8 +219,8 @@ def test_a_proposal_with_a_short_public_key_is_answered_as_a_bad_signature() -> 
     """Found by the fuzzer: a PROPOSE (or COMMIT) whose ``public_key`` was not 32 bytes made
     ``check_signature`` raise ValueError, which escaped the control server's connection task
     (no answer, connection dropped)."""
-    from swarmtrain.peer.backend import PeerBackend, PeerOptions
-    from swarmtrain.peer.identity import Identity
+    from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+    from swarmtrain.transport.identity import Identity
 
     async def main() -> tuple[str, list[str]]:
         opts = PeerOptions(run="fuzz", min_peers=1, host="127.0.0.1", port=0, mdns=False,
@@ -256,7 +256,7 @@ def test_a_stage_sync_with_nan_parameters_is_refused(role: str, expected: set[st
     but NaN values, from any authenticated client, was applied: every parameter became NaN.
     Now only replicas (role ``stage``) may sync, and non-finite values are refused (a
     ``pipeline`` client's frame limits may refuse so many tensors even before that)."""
-    from swarmtrain.pipeline import StageServer, StageServerConfig, build_stage
+    from swarmtrain.roles.stage import StageServer, StageServerConfig, build_stage
     from swarmtrain.tasks import TextLMConfig, TextLMTask
 
     async def main() -> tuple[str, bool]:
@@ -292,7 +292,7 @@ def test_a_ring_handshake_dripped_byte_by_byte_is_cut_at_the_handshake_timeout()
     import socket
     import time
 
-    from swarmtrain.peer.links import MAGIC, RingListener
+    from swarmtrain.roles.peer.links import MAGIC, RingListener
 
     timeout = 0.5
     with RingListener("127.0.0.1", 0, secret=SECRET, handshake_timeout=timeout) as listener:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from swarmtrain.compression import Compressed
-from swarmtrain.roles.common import pack_compressed
-from swarmtrain.roles.coordinator import Coordinator
+from swarmtrain.roles.ps.common import pack_compressed
+from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.transport import Connection, connect
 from swarmtrain.wire import Error, Gradients, Register, RegisterAck, Update, Weights
 from tests.test_ps_inprocess import SECRET, coordinator, worker

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from swarmtrain.errors import AuthError
-from swarmtrain.peer import links
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.links import MAGIC, REFUSALS, RingBroken, RingListener, dial, recv_exact
-from swarmtrain.roles.ctl import ctl_request
+from swarmtrain.roles.peer import links
+from swarmtrain.roles.peer.links import MAGIC, REFUSALS, RingBroken, RingListener, dial, recv_exact
+from swarmtrain.roles.ps.ctl import ctl_request
 from swarmtrain.transport import Connection, auth, connect, start_server
 from swarmtrain.transport.endpoints import HANDSHAKE_ERRORS, HANDSHAKE_LIMITS
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire import Auth, Challenge, Decoder, Error, Hello, Message, Status, Welcome, encode_bytes
 from tests.test_coordinator_state import make_coordinator
 from tests.test_ps_inprocess import SECRET

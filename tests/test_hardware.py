@@ -1,4 +1,4 @@
-"""Tests for swarmtrain.hardware: profiles, Pi detection, detect(), recommend(), probe_speed()."""
+"""Tests for swarmtrain.core.hardware: profiles, Pi detection, detect(), recommend(), probe_speed()."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.errors import ConfigError
-from swarmtrain.hardware import (
+from swarmtrain.core.hardware import (
     PROFILE_TABLE,
     HardwareInfo,
     Profile,
@@ -27,6 +26,7 @@ from swarmtrain.hardware import (
     recommend,
     spec_for,
 )
+from swarmtrain.errors import ConfigError
 
 GB = 1024  # MB per GB
 
@@ -336,7 +336,7 @@ def test_describe_rows() -> None:
 def test_allocator_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     import platform
 
-    from swarmtrain.hardware import tune_allocator
+    from swarmtrain.core.hardware import tune_allocator
 
     monkeypatch.setenv("SWARMTRAIN_MALLOC_TUNING", "0")
     assert tune_allocator() is False

@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
-from swarmtrain import hardware
+from swarmtrain.core import hardware
 from swarmtrain.errors import ConfigError
-from swarmtrain.roles.coordinator import Coordinator
-from swarmtrain.roles.worker import Worker
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.testing.procs import swarm_cmd
 from tests.test_ps_inprocess import DATA, TASK, coordinator, worker
 
@@ -148,7 +148,7 @@ def test_on_a_fast_link_each_gradient_is_computed_on_fresh_weights() -> None:
 
 
 def test_overlap_is_chosen_only_when_the_round_trip_is_a_real_part_of_a_step() -> None:
-    from swarmtrain.roles.worker import OVERLAP_MIN_FRACTION
+    from swarmtrain.roles.ps.worker import OVERLAP_MIN_FRACTION
 
     w = worker(1)
     assert not w.overlaps()  # nothing measured yet: wait for the first answer
@@ -165,7 +165,7 @@ def test_an_overlapping_worker_computes_ahead_on_the_weights_it_says(
     # the previous one is packed, sent and answered, on weights exactly one update behind --
     # so every gradient after the first round trip is exactly 1 version stale, never 0 (which
     # would mean the worker claimed newer weights than it used) and never 2.
-    import swarmtrain.roles.worker as worker_module
+    import swarmtrain.roles.ps.worker as worker_module
 
     monkeypatch.setattr(worker_module, "OVERLAP_MIN_FRACTION", 0.0)
     c, w = _solo_run(**{"training.batch_size": 16})

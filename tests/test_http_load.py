@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from swarmtrain.ops import HttpLimits, HttpServer
-from swarmtrain.ops.http import Response
-from swarmtrain.ops.metrics import CoordinatorCollector
-from swarmtrain.ops.serve import routes_for
+from swarmtrain.app.ops import HttpLimits, HttpServer
+from swarmtrain.app.ops.http import Response
+from swarmtrain.app.ops.metrics import CoordinatorCollector
+from swarmtrain.app.ops.serve import routes_for
 
 pytestmark = pytest.mark.timeout(120)
 

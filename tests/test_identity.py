@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.errors import SwarmError
-from swarmtrain.peer.identity import KEY_FILE, Identity, config_dir, peer_id_of, verify
+from swarmtrain.transport.identity import KEY_FILE, Identity, config_dir, peer_id_of, verify
 
 pytestmark = pytest.mark.timeout(30)
 

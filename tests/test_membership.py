@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.membership import Candidate, Membership, check_signature
+from swarmtrain.roles.peer.membership import Candidate, Membership, check_signature
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire import Commit, Message, Propose, Reform, Status
 
 
@@ -88,7 +88,7 @@ def test_donor_is_the_member_with_most_rounds() -> None:
 def test_stale_and_losing_proposals_are_refused() -> None:
     nodes, _, _ = make_nodes(3)
     a, b, c = nodes
-    from swarmtrain.peer.membership import _sign
+    from swarmtrain.roles.peer.membership import _sign
 
     asyncio.run(a.propose(cands(nodes, a)))  # everyone is in epoch 1 now
     stale = Propose(epoch=1, proposer=b.me, members=[a.me, b.me, c.me], addresses={})
@@ -104,7 +104,7 @@ def test_stale_and_losing_proposals_are_refused() -> None:
 def test_forged_membership_messages_are_refused() -> None:
     nodes, _, _ = make_nodes(3)
     a, b, c = nodes
-    from swarmtrain.peer.membership import _sign
+    from swarmtrain.roles.peer.membership import _sign
 
     real = _sign(a.identity, Propose(epoch=3, proposer=a.me, members=[a.me, c.me], addresses={}))
     assert check_signature(real)

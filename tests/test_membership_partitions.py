@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.membership import (
+from swarmtrain.roles.peer.membership import (
     Anchor,
     Candidate,
     Membership,
@@ -14,6 +13,7 @@ from swarmtrain.peer.membership import (
     has_quorum,
     plan_view,
 )
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire import Commit, Message, Propose, Status
 
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_peer_backend import free_ports, in_threads
 from test_ps_inprocess import coordinator, worker  # the in-process cluster helpers
 
-from swarmtrain.ops import (
+from swarmtrain.app.ops import (
     HttpLimits,
     HttpServer,
     parse_request_head,
@@ -30,13 +30,12 @@ from swarmtrain.ops import (
     serve_peer,
     serve_stage,
 )
-from swarmtrain.ops.http import BadRequest, Response
-from swarmtrain.ops.serve import STATUS_MAX_AGE
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.node import PeerTrainer
-from swarmtrain.peer.training import StepAveraging
-from swarmtrain.pipeline import (
+from swarmtrain.app.ops.http import BadRequest, Response
+from swarmtrain.app.ops.serve import STATUS_MAX_AGE
+from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.roles.peer.node import PeerTrainer
+from swarmtrain.roles.peer.training import StepAveraging
+from swarmtrain.roles.stage import (
     ComputeConfig,
     PipelineTrainer,
     Router,
@@ -49,6 +48,7 @@ from swarmtrain.pipeline import (
 )
 from swarmtrain.tasks import DigitsTask, Shard, TextLMConfig, TextLMTask
 from swarmtrain.transport import Timeouts
+from swarmtrain.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(180)
 

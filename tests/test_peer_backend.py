@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from swarmtrain.errors import SwarmTimeout
-from swarmtrain.peer.backend import NonFiniteResult, PeerBackend, PeerOptions
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.membership import Candidate, Membership
-from swarmtrain.peer.ring import RingBroken
+from swarmtrain.roles.peer.backend import NonFiniteResult, PeerBackend, PeerOptions
+from swarmtrain.roles.peer.membership import Candidate, Membership
+from swarmtrain.roles.peer.ring import RingBroken
 from swarmtrain.testing.local import free_ports, in_threads
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire import Reform
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,8 +225,8 @@ def test_check_finite_makes_every_member_refuse_a_non_finite_result(group: list[
 
 VICTIM = """
 import sys, time
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
-from swarmtrain.peer.identity import Identity
+from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.transport.identity import Identity
 port, others = int(sys.argv[1]), [int(p) for p in sys.argv[2].split(",")]
 opts = PeerOptions(run="backend-test", min_peers=3, host="127.0.0.1", port=port, mdns=False,
                    static_peers=tuple(("127.0.0.1", p) for p in others), heartbeat_interval=0.3,

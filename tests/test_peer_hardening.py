@@ -19,12 +19,12 @@ import pytest
 import torch
 from torch import nn
 
-from swarmtrain.peer import links
-from swarmtrain.peer.backend import PeerBackend
-from swarmtrain.peer.control import CTL_FRAME_LIMITS, ControlPlane
-from swarmtrain.peer.links import RingListener, dial
-from swarmtrain.peer.node import PeerTrainer
-from swarmtrain.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
+from swarmtrain.roles.peer import links
+from swarmtrain.roles.peer.backend import PeerBackend
+from swarmtrain.roles.peer.control import CTL_FRAME_LIMITS, ControlPlane
+from swarmtrain.roles.peer.links import RingListener, dial
+from swarmtrain.roles.peer.node import PeerTrainer
+from swarmtrain.roles.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
 from swarmtrain.transport import Timeouts, auth, connect
 from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.transport.tls import generate_cluster_keys

@@ -1,4 +1,4 @@
-"""Peer mode trains the user's model as one process would (swarmtrain/peer/training.py):
+"""Peer mode trains the user's model as one process would (swarmtrain/roles/peer/training.py):
 buffers are part of the agreed state, only trained parameters move (and a parameter no peer
 computed is not stepped at all), half-precision models train through float32 masters, and
 the model lives on ``training.device`` (the CPU here: no accelerator on this machine).
@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.node import PeerTrainer
-from swarmtrain.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
+from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.roles.peer.node import PeerTrainer
+from swarmtrain.roles.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
 from swarmtrain.testing.local import free_ports, run_peer_trainers
+from swarmtrain.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -434,9 +434,9 @@ def test_the_strategy_runs_on_the_named_device() -> None:
 def test_peer_device_flag_reaches_the_strategy(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``swarmtrain peer --device cpu``: the flag sets ``training.device`` and build_peer puts
     the strategy (model and batches) there. Only the CPU exists on this machine."""
-    from swarmtrain.cli import _PEER, _overrides, build_parser
+    from swarmtrain.app.cli import _PEER, _overrides, build_parser
+    from swarmtrain.app.session import build_peer
     from swarmtrain.config import load_peer_config
-    from swarmtrain.session import build_peer
 
     monkeypatch.setenv("SWARMTRAIN_HOME", str(tmp_path))
     args = build_parser().parse_args(["peer", "--task", "digits", "--device", "cpu", "--host", "127.0.0.1",

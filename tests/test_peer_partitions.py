@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.peer.identity import Identity
 from swarmtrain.testing import SimulatedLAN
 from swarmtrain.testing.partitions import PeerProcesses, Recovery
+from swarmtrain.transport.identity import Identity
 
 pytestmark = [pytest.mark.netns]
 

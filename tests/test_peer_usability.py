@@ -22,15 +22,16 @@ from typing import Any, cast
 import pytest
 import torch
 
-from swarmtrain import cli
+from swarmtrain.app import cli
+from swarmtrain.app.session import CoreShare, _env_threads, _raise_identity_conflict, peer_summary
 from swarmtrain.config import load_peer_config
 from swarmtrain.errors import ConfigError, SwarmError
-from swarmtrain.peer import discovery as disc
-from swarmtrain.peer.discovery import SERVICE_TYPE, MdnsDiscovery, PeerInfo, peers_on_this_host
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.membership import View
-from swarmtrain.session import CoreShare, _env_threads, _raise_identity_conflict, peer_summary
+from swarmtrain.roles.peer import discovery as disc
+from swarmtrain.roles.peer.discovery import SERVICE_TYPE, MdnsDiscovery, PeerInfo, peers_on_this_host
+from swarmtrain.roles.peer.membership import View
 from swarmtrain.testing import Host, SimulatedLAN
+from swarmtrain.transport import mdns
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(30)
@@ -181,7 +182,7 @@ def test_a_record_of_our_own_id_with_other_ports_names_the_shared_identity(
         errors = [r for r in caplog.records if "share one identity" in r.getMessage()]
         assert [r.levelno for r in errors] == [logging.ERROR] and d.peers() == {}
 
-    caplog.set_level(logging.ERROR, logger="swarmtrain.peer.discovery")
+    caplog.set_level(logging.ERROR, logger="swarmtrain.roles.peer.discovery")
     asyncio.run(main())
 
 
@@ -204,8 +205,8 @@ import asyncio, json, sys
 from pathlib import Path
 from zeroconf.asyncio import AsyncZeroconf
 from swarmtrain.errors import SwarmError, SwarmTimeout
-from swarmtrain.peer.discovery import MdnsDiscovery, PeerInfo
-from swarmtrain.peer.identity import Identity
+from swarmtrain.roles.peer.discovery import MdnsDiscovery, PeerInfo
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 if sys.argv[4] == "noprobe":
@@ -288,9 +289,9 @@ def _zeroconf_record(caplog: pytest.LogCaptureFixture, exc: BaseException) -> lo
 
 
 def test_zeroconf_network_errors_lose_their_traceback(caplog: pytest.LogCaptureFixture) -> None:
-    disc._quiet_zeroconf_network_errors()
-    disc._quiet_zeroconf_network_errors()  # idempotent
-    assert logging.getLogger("zeroconf").filters.count(disc._ZEROCONF_FILTER) == 1
+    mdns.quiet_zeroconf_network_errors()
+    mdns.quiet_zeroconf_network_errors()  # idempotent
+    assert logging.getLogger("zeroconf").filters.count(mdns._ZEROCONF_FILTER) == 1
     caplog.set_level(logging.DEBUG, logger="zeroconf")
     for code in (errno.ENETUNREACH, errno.EADDRNOTAVAIL):
         record = _zeroconf_record(caplog, OSError(code, "gone"))
@@ -306,8 +307,8 @@ def test_zeroconf_network_errors_lose_their_traceback(caplog: pytest.LogCaptureF
 # logged a network error or after argv[1] seconds; with a root handler, as the CLI has.
 DOWN_AGENT = r"""
 import asyncio, json, logging, sys, time
-from swarmtrain.peer.discovery import MdnsDiscovery, PeerInfo
-from swarmtrain.peer.identity import Identity
+from swarmtrain.roles.peer.discovery import MdnsDiscovery, PeerInfo
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire.frame import PROTOCOL_VERSION
 
 lines = []

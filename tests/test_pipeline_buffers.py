@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from swarmtrain.errors import SwarmError
-from swarmtrain.pipeline import (
+from swarmtrain.roles.stage import (
     ActivationBuffer,
     BufferClosed,
     BufferMonitor,
@@ -407,7 +407,7 @@ def test_outbound_failure_without_callback_is_logged(caplog: pytest.LogCaptureFi
         assert out.metrics().failed == 1
         await out.close()
 
-    with caplog.at_level(logging.ERROR, logger="swarmtrain.pipeline"):
+    with caplog.at_level(logging.ERROR, logger="swarmtrain.roles.stage"):
         run(scenario())
     assert any("gave up sending s1/0" in r.getMessage() for r in caplog.records)
 
@@ -512,10 +512,10 @@ def test_monitor_warns_once_per_transition(caplog: pytest.LogCaptureFixture) -> 
         return [
             r.getMessage()
             for r in caplog.records
-            if r.levelno == logging.WARNING and r.name == "swarmtrain.pipeline"
+            if r.levelno == logging.WARNING and r.name == "swarmtrain.roles.stage"
         ]
 
-    with caplog.at_level(logging.INFO, logger="swarmtrain.pipeline"):
+    with caplog.at_level(logging.INFO, logger="swarmtrain.roles.stage"):
         monitor.sample()
         monitor.sample()
         assert warnings() == ["buffer 'in' is starved: 0/10 packets (0%)"]  # empty outbound is fine

@@ -1,4 +1,4 @@
-"""Stage checkpoints (swarmtrain/pipeline/checkpointing.py): real files, real stage servers on
+"""Stage checkpoints (swarmtrain/roles/stage/checkpointing.py): real files, real stage servers on
 loopback (port 0) driven by a real trainer, and `swarmtrain stage --resume` as processes.
 
 A stage restored from its checkpoint continues bit-identically (a fresh one does not);
@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from swarmtrain.app.pipeline_session import StageOptions
 from swarmtrain.errors import ConfigError
-from swarmtrain.pipeline import (
+from swarmtrain.roles.stage import (
     ComputeConfig,
     PipelineTrainer,
     Router,
@@ -31,8 +32,7 @@ from swarmtrain.pipeline import (
     TrainerConfig,
     build_stage,
 )
-from swarmtrain.pipeline.checkpointing import StageCheckpointer, StageIdentity, describe_task
-from swarmtrain.pipeline.session import StageOptions
+from swarmtrain.roles.stage.checkpointing import StageCheckpointer, StageIdentity, describe_task
 from swarmtrain.tasks import TextLMConfig, TextLMTask
 from swarmtrain.testing.pipeline import FAST_TIMEOUTS, run_bounded
 from swarmtrain.testing.procs import stop_gently, swarm_cmd, tail
@@ -169,11 +169,11 @@ def test_an_unwritable_directory_costs_one_error_then_warnings_and_training_goes
             assert last.compute.steps == 3 and last.at_risk == 3
             return ck.status()["checkpoint"]
 
-    with caplog.at_level(logging.INFO, logger="swarmtrain.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="swarmtrain.core.checkpoint"):
         status = _run(main())
     assert status["failures"] == status["failures_in_a_row"] == 4, status
     assert status["last_step"] is None and status["last_path"] is None
-    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "swarmtrain.checkpoint"]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "swarmtrain.core.checkpoint"]
     errors = [m for lvl, m in said if lvl == logging.ERROR]
     warnings = [m for lvl, m in said if lvl == logging.WARNING]
     assert len(errors) == 1 and "failed, training goes on" in errors[0] and "a-file" in errors[0], said

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from swarmtrain.app.pipeline_session import parse_layer_range
 from swarmtrain.errors import ConfigError, SwarmError
-from swarmtrain.pipeline.route import check_route, parse_route
-from swarmtrain.pipeline.session import parse_layer_range
+from swarmtrain.roles.stage.route import check_route, parse_route
 from swarmtrain.testing.procs import stop_gently, swarm_cmd, tail
 
 pytestmark = pytest.mark.timeout(180)

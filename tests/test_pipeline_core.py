@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from swarmtrain.errors import AuthError, ConfigError
-from swarmtrain.pipeline import (
+from swarmtrain.roles.stage import (
     BadInput,
     ComputeConfig,
     LayerCost,

@@ -1,4 +1,4 @@
-"""Pipeline stages found by mDNS (swarmtrain/pipeline/discovery.py): the TXT record (round
+"""Pipeline stages found by mDNS (swarmtrain/roles/stage/discovery.py): the TXT record (round
 trip, hostile records ignored), the route built from what was found (replicas grouped, a
 missing stage or a mix of stage counts refused, saying what to run), real mDNS over loopback
 (announce, refresh, goodbye; announcements that do not hold up to an authenticated status
@@ -21,9 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from torch import nn
 
-from swarmtrain.cli import build_parser
+from swarmtrain.app.cli import build_parser
+from swarmtrain.app.pipeline_session import PipelineOptions, StageOptions
 from swarmtrain.errors import ConfigError, SwarmError
-from swarmtrain.pipeline.discovery import (
+from swarmtrain.roles.stage.discovery import (
     StageAnnouncement,
     StageAnnouncer,
     build_route,
@@ -34,8 +35,7 @@ from swarmtrain.pipeline.discovery import (
     encode_txt,
     format_route,
 )
-from swarmtrain.pipeline.session import PipelineOptions, StageOptions
-from swarmtrain.pipeline.stage import StageServer, StageServerConfig
+from swarmtrain.roles.stage.stage import StageServer, StageServerConfig
 from swarmtrain.testing import SimulatedLAN
 from swarmtrain.testing.fuzz_engine import dead_port
 from swarmtrain.testing.pipeline import FAST_TIMEOUTS, run_bounded
@@ -217,7 +217,7 @@ def test_found_stages_are_used_only_once_their_authenticated_status_agrees(
                     _at(1, "", port=dead_port(), stages=2, cluster=cluster)]
             announcers.extend(StageAnnouncer(interfaces=LOOPBACK) for _ in says)
             await asyncio.gather(*(a.start(ann, "127.0.0.1") for a, ann in zip(announcers, says)))
-            with caplog.at_level(logging.INFO, logger="swarmtrain.pipeline"):
+            with caplog.at_level(logging.INFO, logger="swarmtrain.roles.stage"):
                 route = await discover_route(cluster, 10, secret=secret, interfaces=LOOPBACK)
             assert route == [[("127.0.0.1", servers[0].port)], [("127.0.0.1", servers[1].port)]]
             logged = caplog.text

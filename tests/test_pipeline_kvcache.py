@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from swarmtrain.pipeline import build_stage, split_layers
-from swarmtrain.pipeline.kvcache import (
+from swarmtrain.roles.stage import build_stage, split_layers
+from swarmtrain.roles.stage.kvcache import (
     CacheMismatch,
     IncrementalLayer,
     SessionCaches,
@@ -300,7 +300,7 @@ def test_session_caches_are_consistent_under_threads() -> None:
 
 
 def _pipeline_servers(kv_cache_mb: float = 256.0) -> list[Any]:
-    from swarmtrain.pipeline import ComputeConfig, StageServer, StageServerConfig
+    from swarmtrain.roles.stage import ComputeConfig, StageServer, StageServerConfig
     from swarmtrain.testing.pipeline import FAST_TIMEOUTS
 
     out = []
@@ -314,7 +314,7 @@ def _pipeline_servers(kv_cache_mb: float = 256.0) -> list[Any]:
 
 
 def _generate_both_ways(kv_cache_mb: float, prompt: bytes, n_new: int) -> dict[str, Any]:
-    from swarmtrain.pipeline import PipelineTrainer, Router, RouterConfig
+    from swarmtrain.roles.stage import PipelineTrainer, Router, RouterConfig
     from swarmtrain.testing.pipeline import FAST_TIMEOUTS, run_bounded
 
     async def main() -> dict[str, Any]:

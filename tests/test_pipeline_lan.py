@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmtrain.pipeline import loss_fn_for
+from swarmtrain.roles.stage import loss_fn_for
 from swarmtrain.tasks import Shard, TextLMConfig, TextLMTask
 from swarmtrain.tasks.base import seeded_module
 from swarmtrain.testing import SimulatedLAN

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarmtrain.cli import build_parser
+from swarmtrain.app.cli import build_parser
+from swarmtrain.app.pipeline_session import StageOptions, run_stage
 from swarmtrain.errors import ConfigError
-from swarmtrain.pipeline import (
+from swarmtrain.roles.stage import (
     BadInput,
     ComputeConfig,
     PipelineTrainer,
@@ -35,8 +36,7 @@ from swarmtrain.pipeline import (
     TrainerConfig,
     loss_fn_for,
 )
-from swarmtrain.pipeline.session import StageOptions, run_stage
-from swarmtrain.pipeline.weights import StageWeights
+from swarmtrain.roles.stage.weights import StageWeights
 from swarmtrain.tasks import DigitsTask, Shard, TaskData, TensorPairDataset, seeded_module
 from swarmtrain.transport import Timeouts
 

@@ -20,8 +20,9 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from swarmtrain.app.pipeline_session import load_pipeline_task
 from swarmtrain.errors import ConfigError
-from swarmtrain.pipeline import (
+from swarmtrain.roles.stage import (
     ComputeConfig,
     PipelineTrainer,
     Router,
@@ -33,8 +34,7 @@ from swarmtrain.pipeline import (
     loss_fn_for,
     split_layers,
 )
-from swarmtrain.pipeline.kvcache import run_incremental
-from swarmtrain.pipeline.session import load_pipeline_task
+from swarmtrain.roles.stage.kvcache import run_incremental
 from swarmtrain.tasks import Shard, seeded_module
 from swarmtrain.testing.pipeline import FAST_TIMEOUTS, run_bounded
 

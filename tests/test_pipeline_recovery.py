@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import torch
 
+from swarmtrain.app.pipeline_session import checked_router
 from swarmtrain.errors import SwarmError
-from swarmtrain.pipeline import (
+from swarmtrain.roles.stage import (
     ComputeConfig,
     PipelineTrainer,
     Router,
@@ -34,10 +35,9 @@ from swarmtrain.pipeline import (
     TrainerConfig,
     build_stage,
 )
-from swarmtrain.pipeline.compute import StageCompute, StateMismatch
-from swarmtrain.pipeline.replicas import sync_fractions
-from swarmtrain.pipeline.router import StageUnavailable
-from swarmtrain.pipeline.session import checked_router
+from swarmtrain.roles.stage.compute import StageCompute, StateMismatch
+from swarmtrain.roles.stage.replicas import sync_fractions
+from swarmtrain.roles.stage.router import StageUnavailable
 from swarmtrain.tasks import TextLMConfig, TextLMTask
 from swarmtrain.testing.pipeline import FAST_TIMEOUTS, run_bounded
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from swarmtrain.config import load_coordinator_config, load_worker_config
 from swarmtrain.errors import ConfigError, RefusedError
-from swarmtrain.roles.coordinator import Coordinator
-from swarmtrain.roles.worker import Worker
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.transport import auth
 from swarmtrain.wire import (

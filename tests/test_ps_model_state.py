@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from swarmtrain.app.export import export_model
 from swarmtrain.config import load_coordinator_config, load_worker_config
-from swarmtrain.export import export_model
-from swarmtrain.roles.coordinator import Coordinator
-from swarmtrain.roles.worker import Worker
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import DigitsTask
 from tests.test_ps_inprocess import _run
 
@@ -230,8 +230,8 @@ def test_an_unused_parameter_is_not_stepped_as_torch_does() -> None:
     x, y = DATA.train.get_batch(torch.arange(31))  # odd: the branch is used
     x2, y2 = DATA.train.get_batch(torch.arange(32))  # even: it is not
     from swarmtrain.compression import make_codec
-    from swarmtrain.roles.common import pack_compressed
-    from swarmtrain.roles.coordinator import WorkerRecord
+    from swarmtrain.roles.ps.common import pack_compressed
+    from swarmtrain.roles.ps.coordinator import WorkerRecord
     from swarmtrain.wire import Gradients
 
     codec = make_codec("none")
@@ -418,8 +418,8 @@ def test_checkpoint_resume_and_export_carry_buffers_and_half_precision_masters(t
     """A bf16 BatchNorm model: train, checkpoint, resume into a fresh coordinator; its
     buffers, float32 masters and model come back exactly, and `swarmtrain export` writes a
     file that loads strictly into a fresh model."""
-    from swarmtrain.export import export_checkpoint
-    from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
+    from swarmtrain.app.export import export_checkpoint
+    from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
 
     torch.manual_seed(0)
     init = BNNet().to(torch.bfloat16)

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from swarmtrain.ops import serve_coordinator, serve_stage
-from swarmtrain.ops.serve import STATUS_MAX_AGE
+from swarmtrain.app.ops import serve_coordinator, serve_stage
+from swarmtrain.app.ops.serve import STATUS_MAX_AGE
 from swarmtrain.transport import connect
 from swarmtrain.transport.refusals import MAX_REASONS, OTHER, RefusalCounter, merge_refusals
 from swarmtrain.wire import Error, Hello, StageSync, Status, StatusRequest, Welcome

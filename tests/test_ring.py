@@ -1,4 +1,4 @@
-"""Ring collectives (swarmtrain.peer.ring): chunking and wire formats without a network, then
+"""Ring collectives (swarmtrain.roles.peer.ring): chunking and wire formats without a network, then
 rings of threads on 127.0.0.1 checked against torch.distributed's gloo, then real processes.
 
 Error bounds of the compressed wire formats, for a sum over W members of x_i, with
@@ -36,10 +36,12 @@ import torch
 import torch.distributed as dist
 
 from swarmtrain.compression.simple import dequantize_int8, quantize_int8
-from swarmtrain.peer import links
-from swarmtrain.peer.links import RingListener, dial
-from swarmtrain.peer.ring import RingBroken, RingGroup
-from swarmtrain.peer.wireformat import (
+from swarmtrain.roles.peer import links
+from swarmtrain.roles.peer.links import RingListener, dial
+from swarmtrain.roles.peer.ring import RingBroken, RingGroup
+from swarmtrain.testing.local import free_ports
+from swarmtrain.transport.tls import TLSConfig
+from swarmtrain.wire.ring import (
     CHECKED_BYTES,
     CODEC_FP16,
     CODEC_FP32,
@@ -57,8 +59,6 @@ from swarmtrain.peer.wireformat import (
     segment_bounds,
     segment_size,
 )
-from swarmtrain.testing.local import free_ports
-from swarmtrain.transport.tls import TLSConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -728,7 +728,7 @@ def test_desynchronised_members_are_detected() -> None:
 MEMBER_SCRIPT = r"""
 import datetime, json, sys, time
 import torch, torch.distributed as dist
-from swarmtrain.peer.ring import RingBroken, RingGroup, RingListener
+from swarmtrain.roles.peer.ring import RingBroken, RingGroup, RingListener
 rank, world, store_port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
 listener = RingListener("127.0.0.1", 0, secret=b"proc")

@@ -1,4 +1,4 @@
-"""The peer ring's links over mutual TLS (swarmtrain.peer.links / ring with ``tls=``): rings of
+"""The peer ring's links over mutual TLS (swarmtrain.roles.peer.links / ring with ``tls=``): rings of
 threads on 127.0.0.1 computing exact results, refusals of certificates from another CA and of
 plain members, aborts, and three `PeerBackend`s with TLS on.
 
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.links import RingListener, dial
-from swarmtrain.peer.ring import RingBroken, RingGroup
+from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.roles.peer.links import RingListener, dial
+from swarmtrain.roles.peer.ring import RingBroken, RingGroup
+from swarmtrain.transport.identity import Identity
 from swarmtrain.transport.tls import ClusterKeys, TLSConfig, generate_cluster_keys
 from tests.test_peer_backend import free_ports, in_threads
 from tests.test_ring import close_midway, run_ring

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from swarmtrain.config import load_coordinator_config, load_worker_config
-from swarmtrain.peer.training import flatten
 from swarmtrain.roles.aggregation import MemberScores, RobustWindow, robust_combine, trim_count
-from swarmtrain.roles.coordinator import Coordinator
-from swarmtrain.roles.screen import NormScreen
-from swarmtrain.roles.worker import Worker
+from swarmtrain.roles.peer.training import flatten
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.screen import NormScreen
+from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.testing.attackers import HONEST, run_peers, run_ps
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from swarmtrain.checkpoint import load_checkpoint
-from swarmtrain.runlog import RunLog, RunLogError, read_run_log, resolve_run_log_path, safe_file_part
+from swarmtrain.app.runlog import RunLog, RunLogError, read_run_log, resolve_run_log_path, safe_file_part
+from swarmtrain.core.checkpoint import load_checkpoint
 from swarmtrain.tasks import load_task
 from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
 
@@ -230,7 +230,7 @@ def test_readme_snippet_loads_the_export_with_the_final_weights(real_run: Run, t
     (tmp_path / "model.safetensors").write_bytes(exported.read_bytes())
     check = (
         "\nimport sys, torch\n"
-        "from swarmtrain.checkpoint import load_checkpoint\n"
+        "from swarmtrain.core.checkpoint import load_checkpoint\n"
         "ref = load_task('digits').build_model()\n"
         "ck = load_checkpoint(sys.argv[1])\n"
         "ref.load_state_dict({k[len('model/'):]: v for k, v in ck.tensors.items() "

@@ -1,4 +1,4 @@
-"""The gradient-norm outlier screen (swarmtrain/roles/screen.py): pure, no network.
+"""The gradient-norm outlier screen (swarmtrain/roles/ps/screen.py): pure, no network.
 
 Honest norms are lognormal with sigma 1 in log space (a gradient norm is a product of many
 factors; sigma 1 is wider than what digits or textlm show between neighbouring steps). Each
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from swarmtrain.roles.screen import MAX_WORKERS, NormScreen
+from swarmtrain.roles.ps.screen import MAX_WORKERS, NormScreen
 
 FACTOR = 1000.0
 

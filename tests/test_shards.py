@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swarmtrain.roles.shards import ShardPlanner
+from swarmtrain.roles.ps.shards import ShardPlanner
 
 
 def covered(p: ShardPlanner) -> bool:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarmtrain.app.ops.metrics import CoordinatorCollector
 from swarmtrain.compression import make_codec
-from swarmtrain.ops.metrics import CoordinatorCollector
-from swarmtrain.roles.adam import (
+from swarmtrain.roles.ps.adam import (
     HELD_MAX_RATIO,
     VARIANCE_STEPS,
     adam_step,
@@ -26,8 +26,8 @@ from swarmtrain.roles.adam import (
     is_sparse,
     make_adam,
 )
-from swarmtrain.roles.common import pack_compressed
-from swarmtrain.roles.coordinator import Coordinator
+from swarmtrain.roles.ps.common import pack_compressed
+from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.wire import Gradients
 from tests.test_coordinator_state import make_coordinator, record
 

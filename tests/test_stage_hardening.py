@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-import swarmtrain.pipeline.stage as stage_module
-from swarmtrain.cli import build_parser, stage_server_settings
+import swarmtrain.roles.stage.stage as stage_module
+from swarmtrain.app.cli import build_parser, stage_server_settings
 from swarmtrain.errors import ConnectionLost
-from swarmtrain.pipeline import (
+from swarmtrain.roles.stage import (
     BadInput,
     ComputeConfig,
     StageCompute,

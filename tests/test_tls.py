@@ -20,12 +20,12 @@ import pytest
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from swarmtrain.cli import main as cli_main
+from swarmtrain.app.cli import main as cli_main
 from swarmtrain.config import SecurityConfig, load_worker_config, resolve_tls
 from swarmtrain.errors import AuthError, ConfigError, ConnectionLost, SwarmError
-from swarmtrain.roles.coordinator import Coordinator
-from swarmtrain.roles.ctl import ctl_request
-from swarmtrain.roles.worker import Worker
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.ctl import ctl_request
+from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.transport import Connection, Server, Timeouts, connect, start_server
 from swarmtrain.transport.tls import ClusterKeys, TLSConfig, ca_fingerprint, generate_cluster_keys

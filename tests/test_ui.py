@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from swarmtrain.app.ui import print_status
 from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
-from swarmtrain.ui import print_status
 from tests.test_ps_inprocess import coordinator, worker
 
 IDS = ("pi-kitchen-1", "pi-kitchen-2", "pi-kitchen-3")

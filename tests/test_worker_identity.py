@@ -16,13 +16,13 @@ import torch
 
 from swarmtrain.compression import Compressed
 from swarmtrain.errors import AuthError
-from swarmtrain.peer.identity import Identity
-from swarmtrain.roles.checkpointing import CoordinatorCheckpointer
-from swarmtrain.roles.common import pack_compressed
-from swarmtrain.roles.coordinator import Coordinator
-from swarmtrain.roles.ctl import ctl_request
-from swarmtrain.roles.worker import Worker
+from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
+from swarmtrain.roles.ps.common import pack_compressed
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.ctl import ctl_request
+from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.transport import Connection, auth, connect, start_server
+from swarmtrain.transport.identity import Identity
 from swarmtrain.wire import (
     Error,
     Gradients,

@@ -26,15 +26,15 @@ from dataclasses import replace
 from typing import Any
 
 from swarmtrain.config import load_coordinator_config, load_worker_config
-from swarmtrain.peer.backend import PeerBackend, PeerOptions
-from swarmtrain.peer.identity import Identity
-from swarmtrain.peer.node import PeerTrainer
-from swarmtrain.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
-from swarmtrain.roles.coordinator import Coordinator
-from swarmtrain.roles.worker import Worker
+from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+from swarmtrain.roles.peer.node import PeerTrainer
+from swarmtrain.roles.peer.training import Contribution, DiLoCo, StepAveraging, Strategy
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.tasks.base import Shard
 from swarmtrain.testing.local import free_ports, run_peer_trainers
+from swarmtrain.transport.identity import Identity
 
 __all__ = ["ATTACKS", "HONEST", "AttackingWorker", "attack_factor", "attacked_strategy",
            "run_peers", "run_ps"]
@@ -63,7 +63,7 @@ def attack_factor(attack: str, k: int, norm: float) -> float:
 
 
 class AttackingWorker(Worker):
-    """A :class:`~swarmtrain.roles.worker.Worker` that alters each gradient before sending
+    """A :class:`~swarmtrain.roles.ps.worker.Worker` that alters each gradient before sending
     it (``attack`` from :data:`ATTACKS`; the ``none`` codec). Same arguments as a Worker
     plus ``attack``."""
 

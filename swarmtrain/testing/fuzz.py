@@ -144,7 +144,7 @@ def _fuzz_coordinator(seed: int) -> tuple[Any, Any, dict[str, torch.Tensor], Any
     """An in-process digits coordinator on loopback with the fuzz timeouts and secret:
     ``(task, coordinator, its parameters, model fingerprint, compression keys)``."""
     from swarmtrain.config import CompressionConfig, load_coordinator_config
-    from swarmtrain.roles.coordinator import Coordinator
+    from swarmtrain.roles.ps.coordinator import Coordinator
     from swarmtrain.tasks import DigitsTask
 
     task = DigitsTask()
@@ -169,7 +169,7 @@ async def fuzz_coordinator(count: int = 300, *, seconds: float = math.inf, seed:
     STATUS_REQUEST answered, then a legitimate worker registers and trains 3 steps.
     """
     from swarmtrain.config import load_worker_config
-    from swarmtrain.roles.worker import Worker
+    from swarmtrain.roles.ps.worker import Worker
 
     task, coord, params, fp, comp = _fuzz_coordinator(seed)
 
@@ -349,7 +349,7 @@ async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int =
     Raises:
         ValueError: an unknown ``position``/``role`` pair.
     """
-    from swarmtrain.pipeline import ComputeConfig, StageServer, StageServerConfig, build_stage
+    from swarmtrain.roles.stage import ComputeConfig, StageServer, StageServerConfig, build_stage
     from swarmtrain.tasks import TextLMConfig, TextLMTask
 
     if (position, role) not in _STAGE_NAMES:
@@ -450,14 +450,14 @@ async def fuzz_stage(count: int = 300, *, seconds: float = math.inf, seed: int =
 
 async def fuzz_peer(count: int = 300, *, seconds: float = math.inf, seed: int = 0, concurrency: int = 16,
                     progress: Progress = None) -> FuzzReport:
-    """Fuzz a :class:`~swarmtrain.peer.backend.PeerBackend`'s control server as role ``peer``.
+    """Fuzz a :class:`~swarmtrain.roles.peer.backend.PeerBackend`'s control server as role ``peer``.
 
     Health: the control port answers a legitimate PEER_HELLO with this peer's PEER_INFO and a
     STATUS_REQUEST, and the membership epoch did not move.
     """
-    from swarmtrain.peer.backend import PeerBackend, PeerOptions
-    from swarmtrain.peer.identity import Identity
-    from swarmtrain.peer.membership import signed_bytes
+    from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+    from swarmtrain.roles.peer.membership import signed_bytes
+    from swarmtrain.transport.identity import Identity
 
     opts = PeerOptions(run="fuzz", min_peers=1, host="127.0.0.1", port=0, mdns=False,
                        static_peers=(("127.0.0.1", dead_port()),), profile="fuzz",

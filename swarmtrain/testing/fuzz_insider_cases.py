@@ -158,7 +158,7 @@ def _random_field_cases(
 @functools.cache
 def digits_parameters() -> tuple[dict[str, tuple[int, ...]], list[list[Any]], dict[str, Any]]:
     from swarmtrain.config import CompressionConfig, load_coordinator_config
-    from swarmtrain.modelstate import ModelState
+    from swarmtrain.core.modelstate import ModelState
     from swarmtrain.tasks import DigitsTask
 
     model = DigitsTask().build_model()
@@ -319,7 +319,7 @@ def coordinator_cases(rng: random.Random, n_random: int, live: tuple[str, str]) 
 
 
 def _sign(identity: Any, msg: Any) -> Any:
-    from swarmtrain.peer.membership import signed_bytes
+    from swarmtrain.roles.peer.membership import signed_bytes
 
     msg = dataclasses.replace(msg, public_key=identity.public_key)
     return dataclasses.replace(msg, signature=identity.sign(signed_bytes(msg)))
@@ -327,7 +327,7 @@ def _sign(identity: Any, msg: Any) -> Any:
 
 def peer_cases(rng: random.Random, n_random: int, real: list[str], epoch: int) -> list[Case]:
     """Hostile membership messages, signed by the insider's own key, and others."""
-    from swarmtrain.peer.identity import Identity
+    from swarmtrain.transport.identity import Identity
 
     me = Identity.generate()
     fixed: list[Case] = []

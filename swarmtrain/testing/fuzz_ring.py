@@ -1,9 +1,9 @@
 """Fuzz a peer's ring listener and a ring group that claims a link from it.
 
 The ring port does not speak the framed transport: its handshake is raw (see
-:mod:`swarmtrain.peer.links`: MAGIC and a nonce, the listener's nonce and proof, the client's
+:mod:`swarmtrain.roles.peer.links`: MAGIC and a nonce, the listener's nonce and proof, the client's
 proof and announcement ``epoch u64, from_rank u32, len u16, ring_id``, a status byte) and
-then the link carries ring frames (:mod:`swarmtrain.peer.wireformat`). Each input is one
+then the link carries ring frames (:mod:`swarmtrain.wire.ring`). Each input is one
 connection to the listener under fuzz, ``L``, from its own loopback address, that goes wrong
 at one point:
 
@@ -12,14 +12,14 @@ at one point:
 - ``announce``: a wrong, zero, reflected or short proof, or an announcement with an
   oversize or lying ring_id length, a ring_id that is not UTF-8, extreme epochs and ranks,
   garbage after it;
-- ``ring``: a member input. A real :class:`~swarmtrain.peer.ring.RingGroup` of two members
+- ``ring``: a member input. A real :class:`~swarmtrain.roles.peer.ring.RingGroup` of two members
   (this node is rank 1 on ``L``; rank 0's listener is the fuzzer's ``F``) waits to claim
   rank 0's link and runs an all-reduce. The fuzzer completes the real handshake as rank 0
   (or announces a wrong epoch or rank) and sends ring frames, valid or mutated: header
   fields (seq, kind, codec, step, segment, a huge payload length, the scale), truncation,
   duplicates, reordering, bit flips, NaN payloads, garbage after or instead of the frames.
   The member must end every such collective within its timeout, with a result or with
-  :class:`~swarmtrain.peer.links.RingBroken`; with valid fp32 frames its result must be the
+  :class:`~swarmtrain.roles.peer.links.RingBroken`; with valid fp32 frames its result must be the
   exact sum.
 
 Health afterwards: no thread raised, no handshake thread is left, both listeners still
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swarmtrain.peer.links import (
+from swarmtrain.roles.peer.links import (
     ACCEPTED,
     MAGIC,
     MAX_RING_ID_BYTES,
@@ -56,15 +56,7 @@ from swarmtrain.peer.links import (
     dial,
     recv_exact,
 )
-from swarmtrain.peer.ring import RingGroup
-from swarmtrain.peer.wireformat import (
-    HEADER,
-    KIND_ALL_REDUCE,
-    KIND_BROADCAST,
-    WIRES,
-    chunk_bounds,
-    encoded_nbytes,
-)
+from swarmtrain.roles.peer.ring import RingGroup
 from swarmtrain.testing.fuzz_engine import (
     INPUT_TIMEOUT,
     SECRET,
@@ -76,6 +68,14 @@ from swarmtrain.testing.fuzz_engine import (
     source_address,
 )
 from swarmtrain.transport.auth import NONCE_BYTES, proofs_equal, ring_client_proof, ring_server_proof
+from swarmtrain.wire.ring import (
+    HEADER,
+    KIND_ALL_REDUCE,
+    KIND_BROADCAST,
+    WIRES,
+    chunk_bounds,
+    encoded_nbytes,
+)
 
 __all__ = ["RingInput", "fuzz_ring", "make_ring_input"]
 
@@ -516,7 +516,7 @@ def _wait_threads_gone(prefix: str, timeout: float) -> int:
 
 async def fuzz_ring(count: int = 300, *, seconds: float = math.inf, seed: int = 0, concurrency: int = 16,
                     progress: Progress = None) -> FuzzReport:
-    """Fuzz a :class:`~swarmtrain.peer.links.RingListener` and the member groups claiming its
+    """Fuzz a :class:`~swarmtrain.roles.peer.links.RingListener` and the member groups claiming its
     links (see the module docstring).
 
     Health: no exception escaped a thread, no handshake or member thread is left after the

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from swarmtrain.peer.node import PeerTrainer
+    from swarmtrain.roles.peer.node import PeerTrainer
 
 __all__ = ["free_ports", "in_threads", "run_peer_trainers"]
 

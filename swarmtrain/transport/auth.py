@@ -9,7 +9,7 @@ proof cannot be reflected back (the labels differ per direction) and two session
 spliced (each proof names both of its session's nonces). Every field is length-prefixed, so
 no two different transcripts are the same bytes.
 
-A client with a node identity (an Ed25519 key, :class:`swarmtrain.peer.identity.Identity`)
+A client with a node identity (an Ed25519 key, :class:`swarmtrain.transport.identity.Identity`)
 also signs the transcript (:func:`identity_statement`): the server then knows that
 ``HELLO.node`` is the peer id of a key the client holds, not just a name it typed.
 

@@ -57,9 +57,9 @@ from swarmtrain.errors import (
     SwarmError,
     SwarmTimeout,
 )
-from swarmtrain.peer.identity import Identity, peer_id_of, verify
 from swarmtrain.transport import auth
 from swarmtrain.transport.connection import Connection, FrameProtocol, Timeouts, peer_name
+from swarmtrain.transport.identity import Identity, peer_id_of, verify
 from swarmtrain.transport.refusals import RefusalCounter
 from swarmtrain.transport.tls import (
     PendingTLS,
@@ -232,7 +232,7 @@ class Admission:
     """Who may take a connection slot, under :class:`ServerLimits`: open connections in total
     and per address, and addresses locked out after failed handshakes. Thread-safe (one lock,
     never held while calling out), so the asyncio :class:`Server` and the threads of the ring
-    listener (:class:`~swarmtrain.peer.links.RingListener`) share the same bookkeeping.
+    listener (:class:`~swarmtrain.roles.peer.links.RingListener`) share the same bookkeeping.
 
     Args:
         limits: the caps to enforce.

@@ -180,11 +180,11 @@ def train_ps(case: Case, data: TaskData | None = None, *, workers: int = 2, time
     (bounded asynchrony, the documented setting for quality: ``aggregate_samples`` = the batch)
     each worker computes ``batch / workers`` samples per gradient and the coordinator steps
     once per ``batch`` samples; without it every gradient of ``batch`` samples is an update.
-    The state is the file ``swarmtrain.export.export_model`` writes from the coordinator's model."""
+    The state is the file ``swarmtrain.app.export.export_model`` writes from the coordinator's model."""
     from safetensors.torch import load_file
 
     from swarmtrain import Coordinator, Worker
-    from swarmtrain.export import export_model
+    from swarmtrain.app.export import export_model
 
     data = data or case.data()
     worker_batch = max(1, case.batch_size // workers) if window else case.batch_size
@@ -238,10 +238,10 @@ def train_peer(case: Case, data: TaskData | None = None, *, mode: Literal["step"
     - ``diloco``: ``case.steps / inner_steps`` rounds of ``inner_steps`` inner Adam steps.
 
     The state is rank 0's ``model.state_dict()``; the other peers' are ``replicas``."""
-    from swarmtrain.peer.backend import PeerBackend, PeerOptions
-    from swarmtrain.peer.identity import Identity
-    from swarmtrain.peer.node import PeerTrainer
-    from swarmtrain.peer.training import DiLoCo, StepAveraging
+    from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
+    from swarmtrain.roles.peer.node import PeerTrainer
+    from swarmtrain.roles.peer.training import DiLoCo, StepAveraging
+    from swarmtrain.transport.identity import Identity
 
     data = data or case.data()
     if case.batch_size % peers:
@@ -287,7 +287,7 @@ def train_pipeline(case: Case, data: TaskData | None = None, *, stages: int = 2,
     of ``case.batch_size`` samples, each ``chunks`` micro-batches of a share of it in flight
     at once (the synchronous schedule, the default). The state is every stage's
     ``state_dict`` with its keys renamed back to the whole model's."""
-    from swarmtrain.pipeline import (
+    from swarmtrain.roles.stage import (
         ComputeConfig,
         NodeSpec,
         PipelineTrainer,

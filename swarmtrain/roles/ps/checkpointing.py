@@ -1,0 +1,161 @@
+"""Coordinator checkpoints: master weights, Adam state and bookkeeping, saved atomically
+every ``interval`` updates, on SHUTDOWN and on a CHECKPOINT command, restored bit-exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from swarmtrain.config import to_dict
+from swarmtrain.core.checkpoint import (
+    MODEL_PREFIX,
+    CheckpointStore,
+    FailureStreak,
+    adam_state_from_tensors,
+    adam_state_to_tensors,
+)
+from swarmtrain.errors import CheckpointError
+from swarmtrain.wire import CheckpointMsg
+
+MASTER_PREFIX = "master/"
+"""Checkpoint tensors holding the float32 masters of half-precision parameters and buffers."""
+
+if TYPE_CHECKING:
+    from swarmtrain.roles.ps.coordinator import Coordinator
+
+__all__ = ["CoordinatorCheckpointer"]
+
+log = logging.getLogger("swarmtrain.core.checkpoint")
+
+
+class CoordinatorCheckpointer:
+    """Saves and restores a :class:`Coordinator`'s state through a :class:`CheckpointStore`."""
+
+    def __init__(self, directory: str, *, interval: int, keep: int) -> None:
+        self.store = CheckpointStore(directory, keep=keep)
+        self.interval = interval
+        self.last_saved_version = -1
+        # The next interval counts from the newest attempt, written or not, so a directory that
+        # cannot be written costs one snapshot and write attempt per interval, not per update.
+        self.last_attempted_version = -1
+        self.streak = FailureStreak("checkpoint")
+        self._lock = asyncio.Lock()
+
+    @property
+    def failures(self) -> int:
+        return self.streak.failures
+
+    @property
+    def failures_in_a_row(self) -> int:
+        return self.streak.in_a_row
+
+    async def maybe_save(self, coord: Coordinator) -> None:
+        """Save if ``interval`` updates have been applied since the last attempt."""
+        since = max(self.last_saved_version, self.last_attempted_version, 0)
+        if self.interval and coord.version - since >= self.interval:
+            await self.save_now(coord)
+
+    async def save_now(self, coord: Coordinator) -> CheckpointMsg:
+        """Snapshot on the apply thread (consistent), write on another thread."""
+        async with self._lock:
+            if coord.version == self.last_saved_version:
+                return CheckpointMsg(ok=True, step=coord.version, message="already saved")
+            tensors, meta = await coord._run_apply(self._snapshot, coord)
+            version = meta["version"]
+            self.last_attempted_version = version
+            loop = asyncio.get_running_loop()
+            try:
+                path = await loop.run_in_executor(None, self.store.save, version, tensors, meta)
+            except CheckpointError as exc:
+                self._report_failure(coord, version, exc)
+                return CheckpointMsg(ok=False, step=version, message=str(exc))
+            self.streak.succeeded()
+            self.last_saved_version = version
+            coord._event("checkpoint", step=version, path=str(path))
+            log.info("checkpoint at version %d: %s", version, path)
+            return CheckpointMsg(ok=True, step=version, path=str(path))
+
+    def _report_failure(self, coord: Coordinator, version: int, exc: CheckpointError) -> None:
+        retry = f"; next attempt in {self.interval} updates" if self.interval else ""
+        last_good = f"version {self.last_saved_version}" if self.last_saved_version >= 0 else "none yet"
+        n = self.streak.failed(exc, at=f"version {version}", retry=retry, last_good=last_good)
+        coord._event("checkpoint_failed", step=version, failures_in_a_row=n, error=str(exc))
+
+    @staticmethod
+    def _snapshot(coord: Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Runs on the apply thread. ``model/`` holds the model's whole ``state_dict`` (buffers,
+        frozen and tied parameters under every name, in the model's dtypes: what
+        ``swarmtrain export`` writes); ``master/`` the float32 masters of half-precision
+        parameters and buffers, so a resumed run continues bit-exactly."""
+        names = list(coord.params)
+        coord.sync_model()
+        tensors = {f"{MODEL_PREFIX}{n}": t.clone() for n, t in coord.state.state_dict().items()}
+        for n, master in {**coord.params, **coord.buffers}.items():
+            own = coord.state.trainable.get(n, coord.state.synced_buffers.get(n))
+            if own is not master:
+                tensors[f"{MASTER_PREFIX}{n}"] = master.detach().clone()
+        adam_tensors, adam_meta = adam_state_to_tensors(coord.optimizer, names)
+        tensors.update({k: v.clone() for k, v in adam_tensors.items()})
+        meta = {
+            "version": coord.version, "task": coord.task_name, "config": to_dict(coord.config),
+            "adam": adam_meta, "stats": dict(coord.stats),
+            "loss_ema": None if math.isnan(coord.loss_ema) else coord.loss_ema,
+            "samples_ema": coord._samples_ema,
+            "workers": {w: r.last_msg_id for w, r in coord.workers.items()},
+            # which node's key owns each worker id (absent from checkpoints before it)
+            "worker_nodes": {w: r.node for w, r in coord.workers.items() if r.node},
+            "screen": coord.screen.state_dict(),
+        }
+        return tensors, meta
+
+    def restore(self, coord: Coordinator) -> bool:
+        """Load the newest valid checkpoint into ``coord``; False if there is none."""
+        ckpt = self.store.latest()
+        for path, why in self.store.last_skipped:
+            log.warning("skipped checkpoint %s: %s", path, why)
+        if ckpt is None:
+            log.warning("no valid checkpoint in %s: starting from scratch", self.store.directory)
+            return False
+        meta = ckpt.meta
+        import torch
+
+        with torch.no_grad():
+            own = coord.state.full_state()
+            for n, p in own.items():
+                key = f"{MODEL_PREFIX}{n}"
+                if key not in ckpt.tensors:
+                    if n in coord.state.trainable:
+                        raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model: it "
+                                              f"lacks {n!r}")
+                    log.warning("checkpoint %s has no %r (saved before buffers were kept?): keeping "
+                                "the model's own", ckpt.path, n)
+                    continue
+                if ckpt.tensors[key].shape != p.shape:
+                    raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model ({n!r} is "
+                                          f"{list(ckpt.tensors[key].shape)}, the model's {list(p.shape)})")
+                p.copy_(ckpt.tensors[key])
+            for n, master in {**coord.params, **coord.buffers}.items():
+                if master is not own.get(n):  # a float32 master of a half-precision tensor
+                    saved = ckpt.tensors.get(f"{MASTER_PREFIX}{n}", ckpt.tensors.get(f"{MODEL_PREFIX}{n}"))
+                    if saved is not None:
+                        master.copy_(saved)
+        adam_state_from_tensors(coord.optimizer, list(coord.params), ckpt.tensors, meta["adam"])
+        coord.version = int(meta["version"])
+        coord.stats.update(meta.get("stats", {}))
+        coord.loss_ema = math.nan if meta.get("loss_ema") is None else float(meta["loss_ema"])
+        coord._samples_ema = float(meta.get("samples_ema", 0.0))
+        if isinstance(meta.get("screen"), dict):
+            coord.screen.load_state_dict(meta["screen"])
+        from swarmtrain.roles.ps.coordinator import WorkerRecord
+
+        for wid, last in meta.get("workers", {}).items():
+            coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0, last_msg_id=int(last))
+        for wid, node in meta.get("worker_nodes", {}).items():
+            if wid in coord.workers:
+                coord.workers[wid].node = str(node)
+        self.last_saved_version = coord.version
+        coord._event("resumed", step=coord.version, path=str(ckpt.path))
+        log.info("resumed from %s at version %d", ckpt.path, coord.version)
+        return True

@@ -1,0 +1,230 @@
+"""Pieces both ends of the parameter server share: model fingerprints and the packing of
+compressed tensors into message fields and payload tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from swarmtrain.compression import Codec, Compressed, decompress_any, make_codec, topk_warmup_ratio
+from swarmtrain.config import CompressionConfig
+from swarmtrain.errors import ConfigError, ModelMismatch, RemoteProtocolError
+
+__all__ = [
+    "codec_for_step",
+    "downlink_codec",
+    "check_compression_match",
+    "payload_bytes",
+    "check_fingerprint",
+    "FUSED",
+    "pack_compressed",
+    "ema",
+    "pack_buffers",
+    "split_buffers",
+    "unpack_compressed",
+]
+
+
+def _fmt(entry: list[Any]) -> str:
+    kind = {"param": "", "frozen": " (frozen)", "buffer": " (buffer)"}.get(str(entry[3]), "")
+    return f"'{entry[0]}' {entry[1]} {list(entry[2])}{kind}"
+
+
+def check_fingerprint(mine: list[list[Any]], theirs: Any) -> None:
+    """Raise :class:`ModelMismatch` naming the first difference between two fingerprints
+    (:meth:`swarmtrain.core.modelstate.ModelState.fingerprint`: name, dtype, shape and kind —
+    trainable, frozen or buffer — of every tensor)."""
+    if not isinstance(theirs, list) or not all(
+        isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[1], str)
+        and isinstance(e[2], list) and all(isinstance(d, int) for d in e[2]) and isinstance(e[3], str)
+        for e in theirs
+    ):
+        raise ModelMismatch("the worker sent a malformed model fingerprint (is it a swarmtrain "
+                            "worker of the same version?)")
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if [a[0], a[1], list(a[2]), a[3]] != [b[0], b[1], list(b[2]), b[3]]:
+            what = "buffer" if a[3] == "buffer" else "parameter"
+            raise ModelMismatch(
+                f"model mismatch at {what} #{i}: coordinator has {_fmt(a)}, worker has {_fmt(b)}; "
+                "run the same task and model settings on every machine (and freeze the same "
+                "parameters on each)"
+            )
+    if len(mine) != len(theirs):
+        longer, who = (mine, "coordinator") if len(mine) > len(theirs) else (theirs, "worker")
+        extra = longer[min(len(mine), len(theirs))]
+        raise ModelMismatch(
+            f"model mismatch: the {who} has {len(longer)} tensors, the other "
+            f"{min(len(mine), len(theirs))}; first extra is {_fmt(extra)}"
+        )
+
+
+def codec_for_step(c: CompressionConfig, step: int) -> Codec:
+    """The codec for gradient ``step``: during warm-up, top-k density ramps geometrically from
+    dense (1.0) down to ``topk_ratio`` over ``warmup_steps`` (as in Deep Gradient Compression).
+
+    Top-k costs 4 bytes per kept element (fp16 value + 16-bit index), so above half density
+    the whole tensor in fp16 is both smaller and exact to fp16: those warm-up steps send fp16.
+    """
+    ratio = c.topk_ratio
+    kind = c.type
+    if c.type == "topk" and c.warmup_steps:
+        ratio = topk_warmup_ratio(step, c.topk_ratio, c.warmup_steps)
+        if ratio >= 0.5:
+            kind = "fp16"
+    return make_codec(kind, topk_ratio=ratio, qsgd_bits=c.qsgd_bits, bucket_size=c.bucket_size,
+                      min_compress_numel=c.min_compress_numel)
+
+
+def downlink_codec(c: CompressionConfig) -> Codec:
+    """The codec for weight deltas (coordinator → worker)."""
+    kind = c.downlink
+    if kind == "auto":
+        # Weight deltas are dense (Adam moves every weight) and what the downlink drops is
+        # kept in the worker's shadow and sent again: a top-k downlink lags far behind and a
+        # stochastic coarse QSGD one exceeds the drift bound, while deterministic uniform
+        # levels scaled by each bucket's largest delta stay within half a level of the master.
+        kind = "uniform" if c.type in ("topk", "qsgd") else c.type
+    bits = c.downlink_bits if kind == "uniform" else c.qsgd_bits
+    return make_codec(kind, topk_ratio=c.topk_ratio, qsgd_bits=bits, bucket_size=c.bucket_size,
+                      min_compress_numel=c.min_compress_numel)
+
+
+def check_compression_match(mine: CompressionConfig, theirs: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` naming every [compression] key on which a worker differs."""
+    diffs = [f"{k} = {getattr(mine, k)!r} here, {theirs.get(k)!r} on the worker"
+             for k in CompressionConfig.SHARED_KEYS if theirs.get(k, getattr(mine, k)) != getattr(mine, k)]
+    if diffs:
+        raise ConfigError("compression mismatch: " + "; ".join(diffs)
+                          + ". Set the same [compression] keys on the coordinator and every worker")
+
+
+def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of tensor data a message carries (the frame adds a small header and padding)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+FUSED = "*"
+"""The ``codecs`` name of one entry that carries every parameter, flattened and concatenated
+in the model's parameter order (the fingerprint guarantees both ends share it): weight
+deltas travel this way, one codec call per message instead of one per tensor."""
+
+
+def pack_compressed(
+    items: Mapping[str, Compressed],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split compressed tensors into a ``codecs`` header map and ``name/part`` payload tensors."""
+    codecs: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, c in items.items():
+        codecs[name] = {"codec": c.codec, "shape": list(c.shape), "dtype": c.dtype, "meta": c.meta,
+                        "parts": list(c.parts)}
+        for part, t in c.parts.items():
+            tensors[f"{name}/{part}"] = t
+    return codecs, tensors
+
+
+def unpack_compressed(
+    codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+    *, subset: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Decompress every tensor of a message and check it against ``expected`` (name → tensor).
+
+    Args:
+        subset: the message may carry only some of ``expected`` (a gradient carries the
+            parameters that got one); otherwise it must carry all of them.
+
+    Raises:
+        RemoteProtocolError: names, shapes or parts do not match, or a codec rejects its parts.
+    """
+    fused = set(codecs) == {FUSED} and FUSED not in expected
+    shapes = ({FUSED: (sum(t.numel() for t in expected.values()),)} if fused
+              else {n: tuple(t.shape) for n, t in expected.items()})
+    if not set(codecs) <= set(shapes) or (not subset and set(codecs) != set(shapes)):
+        missing = sorted(set(shapes) - set(codecs))[:3]
+        extra = sorted(set(codecs) - set(shapes))[:3]
+        raise RemoteProtocolError(
+            "shape_mismatch", "tensor names differ from the model's (missing "
+            f"{missing if not subset else []}, unknown {extra})"
+        )
+    used = 0
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in codecs.items():
+        if not (isinstance(spec, dict) and isinstance(spec.get("parts"), list)
+                and isinstance(spec.get("shape"), list) and isinstance(spec.get("meta"), dict)
+                and isinstance(spec.get("codec"), str) and isinstance(spec.get("dtype"), str)):
+            raise RemoteProtocolError("bad_codec", f"codec entry for {name!r} is malformed")
+        if tuple(spec["shape"]) != shapes[name]:
+            raise RemoteProtocolError(
+                "shape_mismatch", f"{name!r} has shape {spec['shape']}, the model's is {list(shapes[name])}"
+            )
+        parts = {}
+        for part in spec["parts"]:
+            key = f"{name}/{part}"
+            if not isinstance(part, str) or key not in tensors:
+                raise RemoteProtocolError("bad_codec", f"part {key!r} is missing from the payload")
+            parts[part] = tensors[key]
+        used += len(parts)
+        c = Compressed(codec=spec["codec"], shape=tuple(spec["shape"]), dtype=spec["dtype"],
+                       parts=parts, meta=spec["meta"])
+        out[name] = decompress_any(c)
+    if used != len(tensors):
+        raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
+    if fused and subset:
+        raise RemoteProtocolError("bad_codec", "a fused entry must carry every parameter")
+    if fused:  # one view per parameter, in the model's order
+        pieces = out[FUSED].split([t.numel() for t in expected.values()])
+        return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
+    return out
+
+
+def ema(old: float | None, new: float, keep: float = 0.8) -> float:
+    """An exponential moving average's next value (``new`` itself while there is none yet)."""
+    return new if old is None else keep * old + (1 - keep) * new
+
+
+def buffer_key(index: int) -> str:
+    """Payload name of the ``index``-th buffer a message lists (codec parts always hold a
+    ``/``, so the two never collide)."""
+    return f"#{index}"
+
+
+def pack_buffers(buffers: Mapping[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Buffer tensors as a message's ``buffers`` name list and ``#i`` payload tensors."""
+    names = list(buffers)
+    return names, {buffer_key(i): buffers[n].detach().to("cpu").contiguous() for i, n in enumerate(names)}
+
+
+def split_buffers(
+    names: list[str], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Separate a message's buffer tensors (listed in ``names``) from the rest, checking each
+    against the model's buffers ``expected``: known name, listed once, same shape, a floating
+    dtype for a floating buffer and an integer one for an integer buffer.
+
+    Returns:
+        (buffers by name, the other payload tensors).
+
+    Raises:
+        RemoteProtocolError: a listed buffer is unknown, repeated, missing or malformed.
+    """
+    if not names:
+        return {}, dict(tensors)
+    if len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+        raise RemoteProtocolError("bad_buffers", "the buffer list repeats a name or is malformed")
+    out: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(names):
+        ref = expected.get(name)
+        t = tensors.get(buffer_key(i))
+        if ref is None:
+            raise RemoteProtocolError("bad_buffers", f"buffer {name!r} is not one the model syncs")
+        if t is None:
+            raise RemoteProtocolError("bad_buffers", f"buffer {name!r} is listed but not in the payload")
+        if tuple(t.shape) != tuple(ref.shape) or t.is_floating_point() != ref.is_floating_point():
+            raise RemoteProtocolError(
+                "bad_buffers", f"buffer {name!r} arrived as {t.dtype} {list(t.shape)}, the model's is "
+                f"{ref.dtype} {list(ref.shape)}")
+        out[name] = t
+    keys = {buffer_key(i) for i in range(len(names))}
+    return out, {k: v for k, v in tensors.items() if k not in keys}

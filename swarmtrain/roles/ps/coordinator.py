@@ -1,0 +1,1190 @@
+"""The parameter-server coordinator: master weights, Adam, asynchronous gradient apply.
+
+Each worker's gradient is applied the moment it arrives (workers never wait for each
+other). The coordinator keeps, per worker, a *shadow* of the replica that worker holds;
+the answer to a gradient is the (compressed) difference between the master weights and
+that shadow, and the shadow advances by exactly what was sent. So whatever compression
+loses on the downlink is sent again next time, and a periodic full resync resets both.
+
+The model's state is more than its trainable parameters (:mod:`swarmtrain.core.modelstate`):
+frozen parameters are sent once and never stepped; a parameter without a gradient in a
+message is not stepped (as torch's optimizers skip ``grad is None``); buffers (BatchNorm
+statistics) are kept current by adding each applied gradient's buffer changes to a master
+copy and sending changed values back. A float16 or bfloat16 model gets float32 master
+weights and Adam state here; its workers hold, bit for bit, the master rounded to the model's
+dtype (the shadow mirrors that rounding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import math
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmtrain.compression import LOSSLESS_CODECS
+from swarmtrain.config import CoordinatorConfig, load_coordinator_config, resolve_secret, resolve_tls
+from swarmtrain.core.events import RunRecorder
+from swarmtrain.core.modelstate import ModelState, master_dtype
+from swarmtrain.errors import (
+    ConfigError,
+    ModelMismatch,
+    RemoteProtocolError,
+    SwarmError,
+)
+from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
+from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
+from swarmtrain.roles.ps.common import (
+    FUSED,
+    check_compression_match,
+    check_fingerprint,
+    downlink_codec,
+    ema,
+    pack_buffers,
+    pack_compressed,
+    payload_bytes,
+    split_buffers,
+    unpack_compressed,
+)
+from swarmtrain.roles.ps.screen import NormScreen
+from swarmtrain.roles.ps.shards import ShardPlanner
+from swarmtrain.transport import Connection, Server, Timeouts, start_server
+from swarmtrain.transport.endpoints import ServerLimits, payload_limit, require_secret
+from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
+from swarmtrain.wire import (
+    Assign,
+    CheckpointMsg,
+    Error,
+    Gradients,
+    Limits,
+    Message,
+    Pause,
+    Register,
+    RegisterAck,
+    Resume,
+    Shutdown,
+    Start,
+    Status,
+    StatusRequest,
+    Update,
+    Weights,
+)
+
+__all__ = ["Coordinator", "WorkerRecord"]
+
+log = logging.getLogger("swarmtrain.coordinator")
+
+#: worker records kept at most (connected ones are never forgotten)
+MAX_WORKER_RECORDS = 1024
+_WORKER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+
+Evaluate = Callable[[nn.Module], Mapping[str, float]]
+
+
+@dataclass
+class WorkerRecord:
+    """What the coordinator knows of one worker (kept after it leaves, for idempotency)."""
+
+    worker_id: str
+    address: str
+    hardware: dict[str, Any]
+    batch_size: int
+    samples_per_sec: float
+    shard_index: int
+    shards: list[int] = field(default_factory=list)
+    conn: Connection | None = None
+    welcomed: bool = False
+    #: the worker's replica as the coordinator knows it, flattened like :data:`FUSED`
+    shadow: torch.Tensor | None = None
+    steps: int = 0
+    samples: int = 0
+    stale: int = 0
+    rejected: int = 0
+    bad_in_row: int = 0  # refused gradients since the last applied one
+    last_refusal: str = ""  # why the last gradient was refused
+    duplicates: int = 0
+    last_msg_id: int = 0
+    since_resync: int = 0
+    staleness_total: int = 0
+    loss: float = math.nan
+    last_seen: float = field(default_factory=time.monotonic)
+    joined_at: float = field(default_factory=time.monotonic)
+    first_applied_pending: bool = False
+    bytes_up: int = 0
+    bytes_down: int = 0
+    samples_since_join: int = 0
+    weight: float = 1.0
+    gradients: int = 0
+    updates: int = 0
+    resyncs: int = 0
+    drift: float = 0.0
+    residual_norm: float = 0.0
+    clipped: int = 0  # gradients scaled down by the outlier screen
+    answered_at: float = 0.0  # when its last gradient was answered
+    step_sec: float | None = None  # answer -> its next gradient (its compute, roughly): EMA
+    #: the weights version its replica holds (the one it computes its next gradient on)
+    holds_version: int = -1
+    #: the worker holds the master buffers as of this version (changes after it are sent)
+    buffers_version: int = -1
+    #: its shard set changed while it (or another) was registering: an ASSIGN is owed
+    assign_pending: bool = False
+    #: micro-batches per gradient it registered: with ``batch_size``, the most samples one
+    #: of its gradients may claim
+    accumulation_steps: int = 1
+    #: the verified node id (peer id of its identity key) this worker id belongs to; "" until
+    #: a worker with a key registers it (then only that node may use the id)
+    node: str = ""
+
+    @property
+    def connected(self) -> bool:
+        """Connected and sent its weights (so it may receive broadcasts)."""
+        return self.conn is not None and not self.conn.is_closed and self.welcomed
+
+    def summary(self, total_samples: int, raw_bytes: int) -> dict[str, Any]:
+        up = self.bytes_up / self.gradients if self.gradients else 0.0
+        connected_for = time.monotonic() - self.joined_at
+        down = self.bytes_down / self.updates if self.updates else 0.0
+        return {
+            "bytes_up_per_step": up, "bytes_down_per_step": down,
+            "up_ratio": raw_bytes / up if up else 0.0, "down_ratio": raw_bytes / down if down else 0.0,
+            "residual_norm": self.residual_norm, "drift": self.drift, "resyncs": self.resyncs,
+            "weight": self.weight, "probe_samples_per_sec": self.samples_per_sec,
+            "applied_samples_per_sec": (self.samples_since_join / connected_for
+                                        if self.connected and connected_for > 0 else 0.0),
+            "id": self.worker_id, "address": self.address, "connected": self.connected,
+            "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
+            "shard": self.shard_index, "shards": list(self.shards), "steps": self.steps,
+            "samples": self.samples,
+            "share": self.samples / total_samples if total_samples else 0.0,
+            "samples_per_sec": self.samples_per_sec if not self.connected or not self.samples_since_join
+            else self.samples_since_join / max(connected_for, 1e-9),
+            "stale": self.stale, "rejected": self.rejected, "last_refusal": self.last_refusal,
+            "clipped": self.clipped,
+            "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
+            "loss": self.loss, "last_seen_sec": time.monotonic() - self.last_seen,
+        }
+
+
+class WorkerIdTaken(SwarmError):
+    """A REGISTER names a worker id that belongs to another node's identity key."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+class Coordinator:
+    """Holds the master weights and the optimizer; serves workers over TCP.
+
+    Args:
+        model: the plain PyTorch model whose parameters are the master weights.
+        config: a :class:`CoordinatorConfig` (defaults if None).
+        evaluate: optional held-out evaluation, ``evaluate(model) -> {"metric": value}``.
+        task_name: the task name workers must also run (checked at registration).
+        secret: the cluster secret; default from config / SWARMTRAIN_SECRET.
+        **overrides: config keys by name, e.g. ``port=7100, min_workers=2``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: CoordinatorConfig | None = None,
+        *,
+        evaluate: Evaluate | None = None,
+        task_name: str = "",
+        secret: bytes | None = None,
+        **overrides: Any,
+    ) -> None:
+        cfg = config or load_coordinator_config()
+        if overrides:
+            cfg = _apply_kwargs(cfg, overrides)
+        self.config = cfg
+        self.model = model
+        self.task_name = task_name
+        self.evaluate_fn = evaluate
+        self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.tls = resolve_tls(cfg.security)
+        self.state = ModelState(model)
+        if not self.state.trainable:
+            raise ConfigError("the model has no trainable parameters (every one has requires_grad "
+                              "False): there is nothing to train")
+        #: master weights of the trainable parameters (float32 for half-precision models)
+        self.params, self._flat, self._lowp = _master_weights(self.state.trainable)
+        #: master copies of the synced buffers (float32 for half-precision buffers)
+        self.buffers: dict[str, torch.Tensor] = {
+            n: (b if master_dtype(b.dtype) == b.dtype else b.detach().to(master_dtype(b.dtype)).clone())
+            for n, b in self.state.synced_buffers.items()}
+        self._buffer_changed: dict[str, int] = {}  # buffer -> version of its last change
+        self._fingerprint = self.state.fingerprint()
+        self._sizes = [p.numel() for p in self.params.values()]
+        t = cfg.training
+        if t.learning_rate <= 0:
+            raise ConfigError(
+                "training.learning_rate is 0, which means 'the task's default', but no task supplies "
+                "one here: pass learning_rate=... (e.g. learning_rate=1e-3)")
+        self.base_lr = t.learning_rate
+        self.optimizer = make_adam(list(self.params.values()), lr=self.base_lr,
+                                    betas=(t.beta1, t.beta2), eps=t.epsilon, weight_decay=t.weight_decay)
+        # Weight deltas to workers; the per-worker shadow keeps whatever this codec drops.
+        self.codec = downlink_codec(cfg.compression)
+        self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
+        #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
+        self.screen = NormScreen(t.outlier_norm_factor)
+        #: bounded asynchrony: gradients summed until they hold aggregate_samples samples; with
+        #: training.robust, one slot per worker combined robustly (docs/robustness.md)
+        self.window: GradientWindow | RobustWindow | None = (
+            RobustWindow(self.params, t.robust, trim=t.robust_trim) if t.robust != "none"
+            else GradientWindow(self.params) if t.aggregate_samples else None)
+        self._updated = asyncio.Event()  # set (and replaced) whenever an update is applied
+        self._window_ids: set[str] = set()  # workers with a gradient in the open window
+        #: when the open window got its samples, and when it closes whoever is still missing
+        self._window_ready_at: float | None = None
+        self._window_deadline: float | None = None
+        self._window_timer: asyncio.Task[None] | None = None
+        self.num_shards = t.num_shards or max(t.min_workers, 1)
+        self.shard_plan = ShardPlanner(self.num_shards)
+        self.version = 0
+        self.workers: dict[str, WorkerRecord] = {}
+        self.running = False
+        self.paused = False
+        self.stats = {"applied": 0, "stale": 0, "duplicates": 0, "rejected": 0}
+        self.staleness_counts: Counter[int] = Counter()  # applied gradients by staleness
+        self.held_variance_steps = 0  # sparse gradients applied with Adam's second moment held
+        c = cfg.compression
+        if c.type == "topk" and t.sparse_variance == "hold" and c.warmup_steps == 0:
+            log.info("top-k without warm-up: Adam's second moment has no dense gradients to learn "
+                     "from, so it is updated by sparse ones (plain Adam, which moves rarely sent "
+                     "weights less far); set compression.warmup_steps (e.g. 200) to hold it")
+        self.loss_ema = math.nan
+        self.metrics: dict[str, float] = {}
+        self.metric_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=1000)
+        self.events: deque[dict[str, Any]] = deque(maxlen=200)
+        self._samples_ema = 0.0
+        self._clip_logged_at = 0.0
+        self._apply_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-apply")
+        self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
+        self._eval_state: ModelState | None = None  # a copy of the model to evaluate on
+        self._server: Server | None = None
+        #: what this role refused, by reason code (``rejected_gradient``, ``worker_id_taken``...);
+        #: ``status()["refusals"]`` adds what the server counted: connections turned away and
+        #: messages dropped for a field out of range
+        self.refusals = RefusalCounter()
+        self._stop = asyncio.Event()
+        self._finished = False
+        self._started_at = time.monotonic()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.checkpointer: Any = None  # a CoordinatorCheckpointer, set by session.build_coordinator
+        self.run_log: RunRecorder | None = None  # every event is also written here (session sets it)
+        self._shutdown_task: asyncio.Future[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise SwarmError("the coordinator is not listening yet")
+        return self._server.port
+
+    async def start(self) -> None:
+        """Bind and start serving (returns once listening)."""
+        net = self.config.network
+        require_secret(net.host, net.port, self.secret, self.config.security.insecure,
+                       "join or send gradients")
+        timeouts = Timeouts(handshake=net.handshake_timeout_sec,
+                            heartbeat_interval=net.heartbeat_interval_sec,
+                            heartbeat_timeout=net.heartbeat_timeout_sec)
+        self._server = await start_server(
+            net.host, net.port, self._handle, secret=self.secret, tls=self.tls, timeouts=timeouts,
+            send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
+            server_limits=ServerLimits(max_connections=net.max_connections,
+                                       max_per_address=net.max_connections_per_address,
+                                       max_failed_auth=net.max_failed_auth, ctl_slots=net.ctl_slots))
+        self._tasks.append(asyncio.create_task(self._eval_loop()))
+        self._event("listening", address=f"{net.host}:{self.port}")
+        log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
+                 net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
+        limit = self.config.training.max_steps
+        if limit and self.version >= limit:  # e.g. resumed from the checkpoint of a finished run
+            log.warning("the model is at version %d, already at max_steps=%d: nothing left to "
+                        "train, so the run ends now; to train on, raise training.max_steps "
+                        "(--max-steps)", self.version, limit)
+            self.request_shutdown(f"reached max_steps={limit}")
+
+    def _role_limits(self) -> dict[str, Limits]:
+        """What a frame from each role may carry: a worker's gradient is at most the model's
+        size twice over (:func:`payload_limit`); a control client's commands are a few bytes,
+        so 64 KiB of header and of payload (docs/security.md)."""
+        return {
+            "worker": Limits(max_header_bytes=1 << 20,
+                             max_payload_bytes=payload_limit([*self.params.values(), *self.buffers.values()]),
+                             max_tensors=4 * len(self.params) + len(self.buffers) + 64),
+            "ctl": Limits(max_header_bytes=1 << 16, max_payload_bytes=1 << 16, max_tensors=16),
+        }
+
+    async def run(self) -> None:
+        """Serve until stopped (max_steps reached, SHUTDOWN, or :meth:`stop`)."""
+        if self._server is None:
+            await self.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.close()
+
+    def stop(self) -> None:
+        """Stop serving at once (workers are not told; see :meth:`request_shutdown`)."""
+        self._stop.set()
+
+    def request_shutdown(self, reason: str = "shutdown requested") -> None:
+        """Shut the cluster down gracefully from synchronous code (e.g. a signal handler):
+        checkpoint, tell every worker SHUTDOWN, then stop. Call from the event loop's thread."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self.shutdown_cluster(reason))
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *([self._window_timer] if self._window_timer is not None else [])]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.close()
+        self._apply_pool.shutdown(wait=True)
+        self._eval_pool.shutdown(wait=True)
+        self.sync_model()  # nothing applies any more: `model` now holds the final state
+
+    async def shutdown_cluster(self, reason: str) -> None:
+        """Checkpoint, tell every worker to stop, and stop serving."""
+        if self._finished:
+            return
+        self._finished = True
+        log.info("shutting down the cluster: %s", reason)
+        await self._evaluate_now()
+        if self.checkpointer is not None:
+            await self.checkpoint()
+        self._event("shutdown", reason=reason)
+        conns = [r.conn for r in self._connected() if r.conn is not None]
+        # the final weights first, so that every Worker.run() returns holding them
+        final = await self._run_apply(self._final_weights)
+        await asyncio.gather(*(c.send(final) for c in conns), return_exceptions=True)
+        await asyncio.gather(*(c.send(Shutdown(reason=reason)) for c in conns), return_exceptions=True)
+        # Let workers hang up first: closing our end while a worker is still sending would
+        # reset its connection and could destroy the unread SHUTDOWN frame.
+        waits = [asyncio.ensure_future(c.wait_closed()) for c in conns]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.config.network.heartbeat_timeout_sec)
+            for w in pending:
+                w.cancel()
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        self.stop()
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _handle(self, conn: Connection, role: str) -> None:
+        if role == "worker":
+            await self._serve_worker(conn)
+        elif role == "ctl":
+            await self._serve_ctl(conn)
+        else:
+            await conn.close(Error(code="bad_role", message=f"unknown role {role!r}"))
+
+    async def _serve_worker(self, conn: Connection) -> None:
+        try:
+            msg = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
+            if not isinstance(msg, Register):
+                raise RemoteProtocolError("unexpected", f"expected REGISTER, got {msg.TYPE.name}")
+            rec = self._register(conn, msg)
+        except WorkerIdTaken as exc:
+            log.warning("refused worker at %s: %s", conn.peer, exc)
+            self.refusals.count("worker_id_taken")
+            self._event("worker_refused", worker=exc.worker_id, address=conn.peer, node=conn.node,
+                        reason="worker_id_taken")
+            await conn.close(Error(code="worker_id_taken", message=str(exc)))
+            return
+        except (ModelMismatch, ConfigError) as exc:
+            log.warning("refused worker at %s: %s", conn.peer, exc)
+            code = "model_mismatch" if isinstance(exc, ModelMismatch) else "config_mismatch"
+            self.refusals.count(code)
+            await conn.close(Error(code=code, message=str(exc)))
+            return
+        except SwarmError as exc:
+            log.warning("worker at %s failed to register: %s", conn.peer, exc)
+            return
+        try:
+            await self._welcome(rec)
+            while True:
+                msg = await conn.recv()
+                rec.last_seen = time.monotonic()
+                await self._on_worker_message(rec, msg)
+        except SwarmError as exc:
+            if not self._finished:
+                log.info("worker %s left: %s", rec.worker_id, exc)
+        finally:
+            if rec.conn is conn:
+                rec.conn = None
+                rec.welcomed = False
+                rec.shadow = None
+                self._event("left", worker=rec.worker_id, reason=str(self._leave_reason(conn)))
+                if not self._finished:
+                    with contextlib.suppress(SwarmError):
+                        await self._send_assignments(self.shard_plan.leave(rec.worker_id))
+
+    @staticmethod
+    def _leave_reason(conn: Connection) -> str:
+        reason = conn.close_reason
+        return "unknown" if reason is None else str(reason)
+
+    def _register(self, conn: Connection, msg: Register) -> WorkerRecord:
+        _check_identity(msg)
+        if self.task_name and msg.task and msg.task != self.task_name:
+            raise ConfigError(f"this cluster trains task {self.task_name!r}, the worker runs {msg.task!r}")
+        check_fingerprint(self._fingerprint, msg.fingerprint)
+        check_compression_match(self.config.compression, msg.compression)
+        if msg.shard_index >= self.num_shards:
+            raise ConfigError(f"shard_index {msg.shard_index} is out of range: this cluster has "
+                              f"{self.num_shards} shards (0..{self.num_shards - 1}, or -1 for automatic)")
+        rec = self.workers.get(msg.worker_id)
+        if rec is not None and rec.node and rec.node != conn.node:
+            # the id belongs to another node's key: the live worker is not touched
+            live = rec.conn is not None and not rec.conn.is_closed
+            holder = f"connected from {rec.address}" if live else "not connected now"
+            this = f"node {conn.node}" if conn.node else "a client without an identity key"
+            raise WorkerIdTaken(msg.worker_id,
+                f"worker id {msg.worker_id!r} belongs to node {rec.node} ({holder}), and this is "
+                f"{this}: give this worker another --worker-id, or stop the other one (a worker "
+                "keeps its node key in its config directory, identity.key)")
+        if rec is not None and rec.conn is not None and not rec.conn.is_closed and rec.conn is not conn:
+            log.info("worker %s reconnected; closing its old connection", msg.worker_id)
+            assert rec.conn is not None
+            rec.conn.abort(SwarmError("replaced by a new connection"))
+        changed = self.shard_plan.join(msg.worker_id, msg.shard_index if msg.shard_index >= 0 else None)
+        shards = changed[msg.worker_id]
+        for wid, theirs in changed.items():  # owed to them once this worker is welcomed
+            other = self.workers.get(wid)
+            if wid != msg.worker_id and other is not None:
+                other.shards, other.shard_index, other.assign_pending = list(theirs), theirs[0], True
+        shard = shards[0]
+        if rec is None:
+            rec = WorkerRecord(msg.worker_id, conn.peer, msg.hardware, msg.batch_size,
+                               msg.samples_per_sec, shard)
+            self.workers[msg.worker_id] = rec
+            self._forget_old_workers()
+        rec.conn, rec.address, rec.hardware, rec.welcomed = conn, conn.peer, msg.hardware, False
+        rec.node = rec.node or conn.node  # bound to the first verified node that registers it
+        rec.batch_size, rec.samples_per_sec, rec.shard_index = msg.batch_size, msg.samples_per_sec, shard
+        rec.accumulation_steps = msg.accumulation_steps
+        rec.shards = shards
+        rec.first_applied_pending = True
+        rec.joined_at = time.monotonic()
+        rec.samples_since_join = 0
+        rec.buffers_version = -1
+        rec.bad_in_row = 0  # a worker disconnected for its gradients starts afresh
+        rec.last_seen = time.monotonic()
+        self._event("joined", worker=rec.worker_id, address=conn.peer, node=conn.node, shard=shard,
+                    profile=msg.hardware.get("profile", "?"))
+        log.info("worker %s joined from %s (node %s, profile %s, batch %d x %d, %.0f samples/s, "
+                 "shard %d/%d)", rec.worker_id, conn.peer, conn.node or "unverified",
+                 msg.hardware.get("profile", "?"), msg.batch_size, msg.accumulation_steps,
+                 msg.samples_per_sec, shard, self.num_shards)
+        return rec
+
+    def _forget_old_workers(self) -> None:
+        """Keep at most :data:`MAX_WORKER_RECORDS` records: forget the workers gone longest
+        (a worker coming back after that registers as new), so that many short-lived workers,
+        or a stranger registering names in a loop, cannot grow the status without bound."""
+        excess = len(self.workers) - MAX_WORKER_RECORDS
+        if excess <= 0:
+            return
+        gone = sorted((r for r in self.workers.values() if r.conn is None or r.conn.is_closed),
+                      key=lambda r: r.last_seen)
+        for rec in gone[:excess]:
+            del self.workers[rec.worker_id]
+
+    async def _send_assignments(self, changed: Mapping[str, list[int]]) -> None:
+        """Tell workers whose shard set changed (a worker came or went) what to train on."""
+        for wid, shards in changed.items():
+            rec = self.workers.get(wid)
+            if rec is None:
+                continue
+            rec.shards, rec.shard_index = list(shards), shards[0]
+            if rec.connected:
+                await self._send(rec, Assign(shards=list(shards), num_shards=self.num_shards))
+        if changed:
+            self._event("reassigned", shards={w: list(s) for w, s in changed.items()})
+
+    async def _send_owed_assignments(self) -> None:
+        """Send every connected worker the ASSIGN its shard set is owed (registrations that
+        overlap each add to what is owed; none is lost)."""
+        owed = [r for r in self._connected() if r.assign_pending]
+        for r in owed:
+            r.assign_pending = False
+            await self._send(r, Assign(shards=list(r.shards), num_shards=self.num_shards))
+        if owed:
+            self._event("reassigned", shards={r.worker_id: list(r.shards) for r in owed})
+
+    async def _welcome(self, rec: WorkerRecord) -> None:
+        weights = await self._run_apply(self._snapshot_for, rec, True)
+        await self._send(rec, RegisterAck(
+            worker_id=rec.worker_id, shard_index=rec.shard_index, num_shards=self.num_shards,
+            shards=list(rec.shards),
+            running=self.running, paused=self.paused, version=weights.version,
+            last_applied_msg_id=rec.last_msg_id,
+            info={"task": self.task_name, "min_workers": self.config.training.min_workers,
+                  "aggregate_samples": self.config.training.aggregate_samples},
+        ))
+        await self._send(rec, weights)
+        rec.welcomed = True
+        await self._send_owed_assignments()
+        if not self.running and len(self._connected()) >= self.config.training.min_workers:
+            self.running = True
+            self._event("start", version=self.version)
+            log.info("%d worker(s) connected: starting training", len(self._connected()))
+            await asyncio.gather(*(self._send(r, Start(version=self.version)) for r in self._connected()),
+                                 return_exceptions=True)
+        elif self.running:
+            await self._send(rec, Start(version=self.version))
+            if self.paused:
+                await self._send(rec, Pause())
+
+    async def _on_worker_message(self, rec: WorkerRecord, msg: Message) -> None:
+        if isinstance(msg, Gradients):
+            if self._finished:
+                return  # the run is over; SHUTDOWN is on its way to this worker
+            arrived = time.monotonic()
+            if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
+                rec.step_sec = ema(rec.step_sec, arrived - rec.answered_at)
+            version = self.version
+            status, reply = await self._run_apply(self._apply_gradient, rec, msg)
+            if self.version != version:
+                self._after_update()
+            elif self.window is not None and status == "applied":
+                if self._window_deadline is not None and self._window_timer is None:
+                    self._window_timer = asyncio.create_task(self._close_window_at_deadline())
+                await self._hold_for_window(rec)
+            if reply is None and not self._finished:
+                reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
+            if self._finished:  # the final weights went out (or are going): a delta now would be
+                return  # added on top of them, and the replica would overshoot the masters
+            assert reply is not None
+            await self._send(rec, reply)
+            rec.answered_at = time.monotonic()
+            if status == "rejected" and rec.bad_in_row >= self.config.training.max_bad_in_row:
+                await self._disconnect_bad_sender(rec)
+                return
+            # (a shutdown, which checkpoints, may have been asked for: max_steps in _after_update)
+            if self.checkpointer is not None and status == "applied" and self._shutdown_task is None:
+                await self._maybe_checkpoint()
+        elif isinstance(msg, StatusRequest):
+            await self._send(rec, Status(status=self.status()))
+        elif isinstance(msg, Error):
+            # a remote text, shortened: a long one is slow to format and floods the log
+            log.warning("worker %s reports: %.300s [%s]", rec.worker_id, msg.message, msg.code)
+        else:
+            self.refusals.count("unexpected")
+            await self._send(rec, Error(code="unexpected", fatal=False,
+                                        message=f"a worker may not send {msg.TYPE.name}"))
+
+    async def _send(self, rec: WorkerRecord, msg: Message) -> None:
+        if rec.conn is not None and not rec.conn.is_closed:
+            await rec.conn.send(msg)
+
+    def _connected(self) -> list[WorkerRecord]:
+        # list() first: the apply thread asks too (robust_quorum) while the loop may register
+        return [r for r in list(self.workers.values()) if r.connected]
+
+    # -- the apply path (runs on the single apply thread) ---------------------------------
+
+    async def _run_apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._apply_pool, fn, *args)
+
+    def _replica_weights(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters as a worker holds them: the masters in the model's dtype."""
+        dtypes = {n: p.dtype for n, p in self.state.trainable.items()}
+        return {n: p.detach().to(dtypes[n]).clone() for n, p in self.params.items()}
+
+    def _model_buffers(self, synced_only: bool = False) -> dict[str, torch.Tensor]:
+        """The persistent buffers' current values (only the synced ones with ``synced_only``),
+        in the model's dtype."""
+        return {n: self.buffers.get(n, b).detach().to(b.dtype).clone() for n, b in self.state.buffers.items()
+                if not synced_only or n in self.buffers}
+
+    def _state_snapshot(self) -> dict[str, torch.Tensor]:
+        """The whole model state now (trainable, frozen, buffers) in the model's dtypes."""
+        frozen = {n: p.detach() for n, p in self.state.frozen.items()}  # never change
+        return {**self._replica_weights(), **frozen, **self._model_buffers()}
+
+    def _final_weights(self) -> Weights:
+        return Weights(version=self.version,
+                       tensors={**self._replica_weights(), **self._model_buffers(synced_only=True)})
+
+    def sync_model(self) -> None:
+        """Write the master weights and buffers into ``model`` (for half-precision parameters
+        and buffers the model's tensors are not the masters). Call on the apply thread."""
+        with torch.no_grad():
+            for n, p in self.state.trainable.items():
+                if p is not self.params[n]:
+                    p.copy_(self.params[n])
+            for n, b in self.state.synced_buffers.items():
+                if b is not self.buffers[n]:
+                    b.copy_(self.buffers[n])
+
+    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False) -> Weights:
+        """Full weights for ``rec`` (its shadow becomes them): the trainable parameters and the
+        synced buffers, plus frozen parameters and constant buffers with ``everything`` (at
+        registration: a worker's frozen backbone becomes the coordinator's)."""
+        snap = (self._state_snapshot() if everything
+                else {**self._replica_weights(), **self._model_buffers(synced_only=True)})
+        master = self._flat_master()
+        if rec.shadow is not None and rec.shadow.shape == master.shape:
+            rec.shadow.copy_(master)  # reuse: a fresh big buffer costs page faults
+        else:
+            rec.shadow = master.clone()
+        self._round_replica(rec.shadow)
+        rec.since_resync = 0
+        rec.buffers_version = rec.holds_version = self.version
+        return Weights(version=self.version, tensors=snap)
+
+    def _round_replica(self, flat: torch.Tensor) -> None:
+        """Round the half-precision parameters' part of a flat replica to the model's dtype, as
+        the worker's own tensors hold them (so the shadow mirrors the worker bit for bit)."""
+        for offset, numel, dtype in self._lowp:
+            piece = flat[offset:offset + numel]
+            piece.copy_(piece.to(dtype))
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat vector shaped like the parameters, in order."""
+        return [t.view(p.shape) for t, p in zip(flat.split(self._sizes), self.params.values())]
+
+    def _flat_master(self) -> torch.Tensor:
+        """The master weights flattened in parameter order (a view when storage is flat)."""
+        if self._flat is not None:
+            return self._flat
+        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params.values()])
+
+    def _owed_buffers(self, rec: WorkerRecord) -> dict[str, torch.Tensor]:
+        """Master values of the buffers that changed since ``rec`` last received them."""
+        owed = {n: self.buffers[n] for n, v in self._buffer_changed.items() if v > rec.buffers_version}
+        rec.buffers_version = self.version
+        return owed
+
+    async def _close_window_at_deadline(self) -> None:
+        """Close a window that has its samples but waits for due gradients, at its deadline
+        (when they did not come), and wake the answers held for it."""
+        try:
+            while (deadline := self._window_deadline) is not None and not self._finished:
+                await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+                version = self.version
+                await self._run_apply(self._close_window_if_due)
+                if self.version != version:
+                    self._after_update()
+        finally:
+            self._window_timer = None
+
+    def _after_update(self) -> None:
+        """(event loop) An update was applied: wake the answers held for its window, and stop
+        at ``max_steps``."""
+        self._updated.set()
+        self._updated = asyncio.Event()
+        if self.config.training.max_steps and self.version >= self.config.training.max_steps:
+            self.request_shutdown(f"reached max_steps={self.config.training.max_steps}")
+
+    async def _hold_for_window(self, rec: WorkerRecord) -> None:
+        """Hold the answer to a gradient that went into an open window until the window closes,
+        but no longer than ``aggregate_hold`` of this worker's own step: when the others keep
+        up, its next gradient is then computed on the new weights (as in one process); when
+        they are slower, it goes on with the weights as they are and fills the window itself."""
+        if rec.step_sec is None:
+            return  # its first gradient: how long it computes is not known yet
+        limit = min(self.config.training.aggregate_hold * rec.step_sec, 5.0)
+        if limit <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit):
+                await self._updated.wait()
+
+    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message | None]:
+        # Only an applied gradient moves the training state (weights, versions, last_msg_id,
+        # the worker's loss); a duplicate, stale or refused one moves its own counter and the
+        # traffic counts (gradients received, bytes up) alone.
+        rec.gradients += 1
+        rec.bytes_up += payload_bytes(msg.tensors)
+        staleness = self.version - msg.version
+        if msg.msg_id <= rec.last_msg_id:
+            status = "duplicate"
+            rec.duplicates += 1
+            self.stats["duplicates"] += 1
+            self.refusals.count("duplicate_gradient")
+        elif staleness > self.config.training.max_staleness or staleness < 0:
+            status = "stale"  # dropped: a resend of it is stale again, never applied
+            rec.stale += 1
+            self.stats["stale"] += 1
+            self.refusals.count("stale_gradient")
+        else:
+            status = self._apply_checked(rec, msg, staleness)
+        if status == "applied":
+            rec.loss = msg.loss
+            rec.residual_norm = msg.residual_norm
+        if self.window is not None and status == "applied" and self.window.gradients:
+            return status, None  # in an open window: answered once it closes (or the hold ends)
+        return status, self._reply(rec, msg.msg_id, status)
+
+    def _reply(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
+        reply = self._update_for(rec, msg_id, status)
+        rec.holds_version = reply.version
+        rec.updates += 1
+        rec.bytes_down += payload_bytes(reply.tensor_map())
+        return reply
+
+    def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> str:
+        try:
+            buffer_changes, rest = split_buffers(msg.buffers, msg.tensors, self.buffers)
+            grads = unpack_compressed(msg.codecs, rest, self.params, subset=True)
+        except RemoteProtocolError as exc:
+            return self._reject(rec, msg, str(exc))
+        refusal = self._refusal(rec, msg, grads, buffer_changes)
+        if refusal:
+            return self._reject(rec, msg, refusal)
+        if isinstance(self.window, RobustWindow):
+            rec.weight = 1.0  # one vote, whatever it claims
+            self.window.add(rec.worker_id, grads, self._damping(staleness), msg.samples,
+                            sparse=is_sparse(msg.codecs))
+        elif self.window is not None:
+            rec.weight = self._sample_weight(msg.samples)
+            self.window.add(grads, msg.samples * self._damping(staleness), msg.samples,
+                            sparse=is_sparse(msg.codecs))
+        if self.window is not None:
+            self._window_ids.add(rec.worker_id)
+            if self._window_closes():
+                self._step_window()
+        else:
+            rec.weight = self._sample_weight(msg.samples)
+            self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
+        with torch.no_grad():  # in arrival order, as one process updates them batch by batch
+            for name, change in buffer_changes.items():
+                master = self.buffers[name]
+                master.add_(change.to(master.dtype))
+                self._buffer_changed[name] = self.version
+        rec.last_msg_id = msg.msg_id
+        rec.bad_in_row = 0
+        if rec.first_applied_pending:
+            rec.first_applied_pending = False
+            self._event("first_applied", worker=rec.worker_id,
+                        after_join_sec=time.monotonic() - rec.joined_at)
+        rec.steps += 1
+        rec.samples += msg.samples
+        rec.samples_since_join += msg.samples
+        rec.staleness_total += staleness
+        self.staleness_counts[staleness] += 1
+        self.stats["applied"] += 1
+        self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
+        return "applied"
+
+    def _adam(self, grads: Mapping[str, torch.Tensor], lr: float, sparse: bool) -> None:
+        """One update: an optimizer step on ``grads`` (a parameter without one is not stepped,
+        decayed or moved, as torch's optimizers skip ``grad is None``)."""
+        for name, p in self.params.items():
+            g = grads.get(name)
+            p.grad = None if g is None else g.to(p.dtype)
+        if adam_step(self.optimizer, lr, sparse=sparse, hold=self.config.training.sparse_variance == "hold"):
+            if not self.held_variance_steps:
+                log.info("top-k gradients from now on: Adam's second moment is held at what %d "
+                         "dense steps taught it", variance_steps(self.optimizer))
+            self.held_variance_steps += 1
+        for p in self.params.values():
+            p.grad = None
+        self.version += 1
+
+    def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, torch.Tensor],
+                 buffer_changes: Mapping[str, torch.Tensor]) -> str:
+        """Why a decoded gradient must not touch the weights ("" = it may). Clips in place
+        when ``max_grad_norm`` is exceeded and the action is ``clip``, and when the outlier
+        screen says the norm is far above what this cluster's gradients look like."""
+        if msg.samples <= 0 or not math.isfinite(msg.loss):
+            return f"{msg.samples} samples, loss {msg.loss}: a gradient needs samples and a finite loss"
+        most = rec.batch_size * rec.accumulation_steps  # 0: not registered since a restore
+        if most and msg.samples > most:
+            return (f"it claims {msg.samples} samples, but this worker registered batch_size "
+                    f"{rec.batch_size} x accumulation_steps {rec.accumulation_steps} = {most} at most "
+                    "per gradient")
+        if not grads:
+            return "the message carries no parameter's gradient"
+        for name in grads:
+            # the model's dtype, or float32 (a float16 model's gradients leave the worker
+            # unscaled in float32); decoding gives float32 either way
+            sent = msg.codecs[name].get("dtype")
+            model = str(self.state.trainable[name].dtype).removeprefix("torch.")
+            if sent not in (model, "float32"):
+                return f"{name!r} arrived as {sent}, the model's parameter is {model}"
+        for name, change in buffer_changes.items():
+            if change.is_floating_point() and not bool(torch.isfinite(change).all()):
+                return f"buffer {name!r} changed by NaN or infinite values"
+        norm = _global_norm(list(grads.values()))  # one pass: also the screen for NaN/Inf
+        if not math.isfinite(norm):
+            if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+                return "NaN or infinite values"
+            return "gradient norm overflows float32 (finite but enormous values)"
+        t = self.config.training
+        if t.max_grad_norm and norm > t.max_grad_norm:
+            if t.grad_norm_action == "reject":
+                return f"gradient norm {norm:.3g} > max_grad_norm {t.max_grad_norm:g}"
+            torch._foreach_mul_(list(grads.values()), t.max_grad_norm / norm)
+            norm = t.max_grad_norm
+        scale = self.screen.check(rec.worker_id, norm)
+        if scale < 1.0:
+            torch._foreach_mul_(list(grads.values()), scale)
+            rec.clipped += 1
+            now = time.monotonic()
+            if now - self._clip_logged_at >= 10.0:  # at most one line per 10 s
+                self._clip_logged_at = now
+                log.warning("clipped gradient %d from %s: norm %.3g is over %gx the reference %.3g "
+                            "(median of the workers' recent norms; outlier_norm_factor); %d clipped "
+                            "so far", msg.msg_id, rec.worker_id, norm, t.outlier_norm_factor,
+                            self.screen.reference(), self.screen.clipped)
+        return ""
+
+    def _reject(self, rec: WorkerRecord, msg: Gradients, why: str) -> str:
+        log.warning("refused gradient %d from %s: %s", msg.msg_id, rec.worker_id, why)
+        rec.rejected += 1
+        rec.bad_in_row += 1
+        rec.last_refusal = why
+        # last_msg_id stays: a refused gradient changes nothing but the refusal counts (else a
+        # hostile msg_id would make the worker's real gradients look like duplicates)
+        self.stats["rejected"] += 1
+        self.refusals.count("rejected_gradient")
+        return "rejected"
+
+    async def _disconnect_bad_sender(self, rec: WorkerRecord) -> None:
+        why = (f"disconnected: {rec.bad_in_row} gradients in a row were refused (last: "
+               f"{rec.last_refusal}); check the worker's model, data and swarmtrain version")
+        log.error("worker %s %s", rec.worker_id, why)
+        self._event("worker_refused", worker=rec.worker_id, reason=why)
+        self.refusals.count("too_many_bad_gradients")
+        if rec.conn is not None:
+            await rec.conn.close(Error(code="too_many_bad_gradients", message=why))
+
+    def _damping(self, staleness: int) -> float:
+        """A gradient ``staleness`` updates behind moves the weights 1/staleness as far."""
+        return 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
+
+    def _report_exclusions(self, left: list[Any], back: list[Any]) -> None:
+        """Say which workers a robust window left out (their gradients pull against the
+        others': docs/robustness.md) or took back; each exclusion is a refusal."""
+        assert isinstance(self.window, RobustWindow)
+        for worker in left:
+            self.refusals.count("member_excluded")
+            self._event("member_excluded", worker=str(worker), agreement=self.window.scores.mean(worker))
+            log.warning("worker %s is left out of the robust combination: its gradients pull against the "
+                        "others' (mean cosine %.3f over its last rounds); check its data and code, or "
+                        "stop it if it is not yours", worker, self.window.scores.mean(worker))
+        for worker in back:
+            self._event("member_readmitted", worker=str(worker))
+            log.info("worker %s agrees with the others again; its gradients count again", worker)
+
+    def robust_quorum(self) -> int:
+        """Distinct workers a robust window needs: ``robust_quorum``, or max(3, a majority of
+        the connected workers); never more than are connected (at least 1)."""
+        connected = len(self._connected())
+        q = self.config.training.robust_quorum or max(3, connected // 2 + 1)
+        return max(1, min(q, connected))
+
+    def _window_closes(self) -> bool:
+        """Whether the open window steps now: it has its samples (a robust one: from a quorum,
+        :meth:`_robust_window_closes`) and no worker's fresh gradient is still due before its
+        deadline (:meth:`_any_due`); else the deadline is set for the timer."""
+        window = self.window
+        assert window is not None
+        ready = (self._robust_window_closes(window) if isinstance(window, RobustWindow)
+                 else window.samples >= self.config.training.aggregate_samples)
+        if not ready:
+            return False
+        now = time.monotonic()
+        if self._window_ready_at is None:
+            self._window_ready_at = now
+        deadline = self._window_ready_at + self._window_wait_limit()
+        if now >= deadline or not self._any_due(deadline):
+            return True
+        self._window_deadline = deadline
+        return False
+
+    def _window_wait_limit(self) -> float:
+        """How long a window with its samples waits at most: ``aggregate_wait`` x the median
+        step time of the connected workers (0 while none is known)."""
+        steps = sorted(r.step_sec for r in self._connected() if r.step_sec)
+        if not steps:
+            return 0.0
+        return self.config.training.aggregate_wait * steps[(len(steps) - 1) // 2]
+
+    def _any_due(self, deadline: float) -> bool:
+        """Whether a connected worker not in the open window computes on the weights it will
+        step (so its next gradient is fresh in it) and is due before ``deadline`` by its own
+        step time; a left-out worker of a robust window is not waited for."""
+        out = self.window.scores.excluded() if isinstance(self.window, RobustWindow) else frozenset()
+        return any(r.step_sec and r.holds_version == self.version and r.worker_id not in self._window_ids
+                   and r.worker_id not in out and r.answered_at + r.step_sec <= deadline
+                   for r in self._connected())
+
+    def _step_window(self) -> None:
+        """One Adam step on the open window's combination; the next window opens empty."""
+        window = self.window
+        assert window is not None
+        combined, sparse = window.take()
+        self._adam(combined, self.base_lr, sparse)
+        if isinstance(window, RobustWindow):
+            self._report_exclusions(*window.last_changes)
+        self._window_ids.clear()
+        self._window_ready_at = self._window_deadline = None
+
+    def _close_window_if_due(self) -> None:
+        """(apply thread) Step the open window if its deadline has passed."""
+        if (self._window_deadline is not None and time.monotonic() >= self._window_deadline
+                and self.window is not None and self.window.gradients):
+            self._step_window()
+
+    def _robust_window_closes(self, window: RobustWindow) -> bool:
+        """A robust window closes once it holds ``aggregate_samples`` samples (no slot counted
+        above the median slot) from a quorum of workers, or after ``robust_wait_sec`` with
+        the samples but not the quorum (a lone or slow cluster still trains)."""
+        t = self.config.training
+        if window.counted_samples() < t.aggregate_samples:
+            return False
+        return (window.members >= self.robust_quorum()
+                or time.monotonic() - window.opened_at >= t.robust_wait_sec)
+
+    def _sample_weight(self, samples: int) -> float:
+        """Fair aggregation: a gradient's step is weighted by the samples behind it, relative to
+        the running mean of samples per gradient, so every sample counts the same whichever
+        machine computed it (a Pi's batch of 4 moves the weights 1/16 as far as a batch of 64).
+        Clamped to [0.05, 4] so one odd batch cannot dominate."""
+        mean = self._samples_ema
+        self._samples_ema = samples if mean == 0 else 0.9 * mean + 0.1 * samples
+        return min(4.0, max(0.05, samples / self._samples_ema))
+
+    def _update_for(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
+        """The weight delta that brings ``rec``'s replica to the master weights, compressed.
+
+        Drift bound: after every update, the worker's weights (equal to ``rec.shadow``, bit for
+        bit) are within ``max_drift`` relative L2 distance of the master weights; when the
+        compressed delta would leave them further away, the full weights go instead. A full
+        resync also goes every ``resync_interval`` updates.
+        """
+        rec.since_resync += 1
+        if rec.shadow is None or rec.since_resync >= self.config.training.resync_interval:
+            return self._full_update(rec, msg_id, status)
+        master = self._flat_master()
+        if master.numel() <= FUSE_MAX_NUMEL:
+            # one flat delta, one codec call (FUSED): for small models per-tensor calls cost
+            # more than the arithmetic
+            names, masters, shadows = [FUSED], [master], [rec.shadow]
+        else:
+            # per tensor: every temporary stays small enough for the allocator to reuse (a
+            # fresh 40 MB one costs more in page faults than the arithmetic on it)
+            names, masters = list(self.params), self._split(master)
+            shadows = self._split(rec.shadow)
+        deltas = torch._foreach_sub(masters, shadows)
+        pairs = [self.codec.compress_decoded(d) for d in deltas]
+        items = {n: item for n, (item, _) in zip(names, pairs)}
+        sent = [decoded for _, decoded in pairs]
+        if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
+            # (a lossless `sent` may be its delta itself: subtract out of place)
+            rec.drift = _global_norm(torch._foreach_sub(deltas, sent)) / max(_global_norm(masters), 1e-30)
+            if rec.drift > self.config.compression.max_drift:
+                return self._full_update(rec, msg_id, status)
+        # The shadow moves by exactly what the worker will add, in place: no message holds
+        # the shadow (resyncs send their own snapshot).
+        torch._foreach_add_(shadows, sent)
+        self._round_replica(rec.shadow)
+        codecs, tensors = pack_compressed(items)
+        buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
+        return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs,
+                      buffers=buffer_names, tensors={**tensors, **buffer_tensors})
+
+    def _full_update(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
+        w = self._snapshot_for(rec)
+        rec.resyncs += 1
+        rec.drift = 0.0
+        return Update(msg_id=msg_id, version=w.version, status=status, codecs={}, full=True,
+                      tensors=w.tensors)
+
+    # -- control, evaluation, status -------------------------------------------------------
+
+    async def _serve_ctl(self, conn: Connection) -> None:
+        with contextlib.suppress(SwarmError):
+            while True:
+                msg = await conn.recv()
+                if not isinstance(msg, StatusRequest):
+                    # who asked, for the log and the events: the address and the node id its key proved
+                    log.info("ctl %s from %s%s", msg.TYPE.name, conn.peer,
+                             f" (node {conn.node})" if conn.node else "")
+                    self._event("ctl", action=msg.TYPE.name.lower(), address=conn.peer, node=conn.node)
+                if isinstance(msg, StatusRequest):
+                    await conn.send(Status(status=self.status()))
+                elif isinstance(msg, Pause):
+                    await self.set_paused(True, source=conn.peer)
+                    await conn.send(Status(status=self.status()))
+                elif isinstance(msg, Resume):
+                    await self.set_paused(False, source=conn.peer)
+                    await conn.send(Status(status=self.status()))
+                elif isinstance(msg, CheckpointMsg):
+                    await conn.send(await self.checkpoint())
+                elif isinstance(msg, Shutdown):
+                    await conn.send(Status(status=self.status()))
+                    await self.shutdown_cluster(msg.reason or "shutdown requested")
+                    return
+                else:
+                    self.refusals.count("unexpected")
+                    await conn.send(Error(code="unexpected", fatal=False,
+                                          message=f"ctl may not send {msg.TYPE.name}"))
+
+    async def set_paused(self, paused: bool, *, source: str = "") -> None:
+        """Pause (workers stop computing, keep their connection) or resume the cluster;
+        ``source`` says who asked (the ctl's address), recorded in the event."""
+        self.paused = paused
+        self._event("paused" if paused else "resumed", **({"source": source} if source else {}))
+        msg: Message = Pause() if paused else Resume()
+        await asyncio.gather(*(self._send(r, msg) for r in self._connected()), return_exceptions=True)
+
+    async def checkpoint(self) -> CheckpointMsg:
+        """Write a checkpoint now (if checkpointing is set up)."""
+        if self.checkpointer is None:
+            return CheckpointMsg(ok=False, message="checkpointing is not enabled on this coordinator")
+        return await self.checkpointer.save_now(self)
+
+    async def _maybe_checkpoint(self) -> None:
+        await self.checkpointer.maybe_save(self)
+
+    async def _eval_loop(self) -> None:
+        interval = self.config.training.eval_interval_sec
+        if self.evaluate_fn is None or interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            if self.running:
+                await self._evaluate_now()
+
+    async def _evaluate_now(self) -> None:
+        if self.evaluate_fn is None:
+            return
+        snap = await self._run_apply(lambda: (self._state_snapshot(), self.version))
+        weights, version = snap
+        loop = asyncio.get_running_loop()
+        try:
+            metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, weights)
+        except Exception as exc:  # noqa: BLE001 - a user's evaluate() may raise anything; keep serving
+            log.error("evaluation failed: %s", exc)
+            return
+        self.metrics = dict(metrics)
+        self.metric_history.append((version, self.metrics))
+        log.info("version %d: %s", version, ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+
+    def _evaluate_snapshot(self, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
+        if self._eval_state is None:
+            self._eval_state = ModelState(copy.deepcopy(self.model))
+        self._eval_state.load(weights)
+        assert self.evaluate_fn is not None
+        return self.evaluate_fn(self._eval_state.model)
+
+    def _event(self, kind: str, **data: Any) -> None:
+        self.events.append({"time": time.time(), "event": kind, **data})
+        if self.run_log is not None:
+            self.run_log.event(kind, **data)
+
+    def status(self) -> dict[str, Any]:
+        """Step, loss, version, metrics and a table of workers (msgpack/JSON-able)."""
+        total = sum(r.samples for r in self.workers.values())
+        return {
+            "version": self.version, "step": self.version, "loss": self.loss_ema,
+            "metrics": dict(self.metrics), "running": self.running, "paused": self.paused,
+            "finished": self._finished, "task": self.task_name,
+            "min_workers": self.config.training.min_workers, "num_shards": self.num_shards,
+            "workers_connected": len(self._connected()), "stats": dict(self.stats),
+            "held_variance_steps": self.held_variance_steps,
+            "uptime_sec": time.monotonic() - self._started_at,
+            "raw_bytes_per_step": self.raw_bytes_per_step,
+            "workers": [r.summary(total, self.raw_bytes_per_step) for r in self.workers.values()],
+            "events": list(self.events)[-20:],
+            "staleness_counts": {str(k): n for k, n in sorted(dict(self.staleness_counts).items())},
+            "traffic": self._server.traffic() if self._server is not None else {},
+            # everything refused, by reason: connections (handshakes, caps) and messages
+            "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),
+            # robust windows: who is left out, and each worker's agreement with the combinations
+            "robust": (self.window.scores.summary() if isinstance(self.window, RobustWindow) else {}),
+        }
+
+
+FUSE_MAX_NUMEL = 1 << 20
+"""Models up to this many parameters get their weight deltas as one :data:`FUSED` entry."""
+
+
+def _master_weights(
+    trainable: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[tuple[int, int, torch.dtype]]]:
+    """The master weights of ``trainable``: (name -> master, the flat buffer they are views
+    of or None, and ``(offset, numel, model dtype)`` of every half-precision parameter).
+
+    When every master is float32 (float32, float16 and bfloat16 models) they are views of
+    one flat buffer, so the flattened master weights cost nothing to read: a float32 CPU
+    parameter is moved into it (the model's tensor *is* its master), a half-precision one
+    gets a float32 master there and the model keeps its own copy (see ``sync_model``).
+    Otherwise (float64, or parameters on an accelerator) each master is its own tensor and
+    :meth:`Coordinator._flat_master` concatenates.
+    """
+    ps = dict(trainable)
+    # offsets in the flattened order, which _flat_master's concatenation keeps too
+    offsets = [0]
+    for p in ps.values():
+        offsets.append(offsets[-1] + p.numel())
+    lowp = [(off, p.numel(), p.dtype) for off, p in zip(offsets, ps.values())
+            if master_dtype(p.dtype) != p.dtype]
+    if all(master_dtype(p.dtype) == torch.float32 and p.device.type == "cpu" for p in ps.values()):
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in ps.values()])
+        masters: dict[str, torch.Tensor] = {}
+        for (name, p), piece in zip(ps.items(), flat.split([p.numel() for p in ps.values()])):
+            if p.dtype == torch.float32:
+                p.data = piece.view_as(p)
+                masters[name] = p
+            else:
+                masters[name] = piece.view(p.shape)
+        return masters, flat, lowp
+    masters = {}
+    for name, p in ps.items():
+        if p.dtype == master_dtype(p.dtype) and p.device.type == "cpu":
+            masters[name] = p
+        else:
+            masters[name] = p.detach().to("cpu", master_dtype(p.dtype)).clone()
+    return masters, None, lowp
+
+
+def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))
+
+
+def _check_identity(msg: Register) -> None:
+    """Refuse worker ids and hardware descriptions no real worker sends (they end up in every
+    status and log line)."""
+    if not _WORKER_ID.fullmatch(msg.worker_id):
+        raise ConfigError(f"worker id {msg.worker_id[:40]!r} is not allowed: use 1-64 letters, digits "
+                          "and . _ - : @ (set --worker-id)")
+    hw = msg.hardware
+    if not isinstance(hw, dict) or len(hw) > 64 or not all(
+            isinstance(k, str) and len(k) <= 64
+            and (isinstance(v, int | float | bool) or v is None or (isinstance(v, str) and len(v) <= 256))
+            for k, v in hw.items()):
+        raise ConfigError("the worker's hardware description is malformed (at most 64 plain "
+                          "entries); is it a swarmtrain worker of the same version?")
+
+
+def _apply_kwargs(cfg: CoordinatorConfig, kwargs: Mapping[str, Any]) -> CoordinatorConfig:
+    from swarmtrain.config import overrides_from_kwargs, with_overrides
+
+    return with_overrides(cfg, overrides_from_kwargs(cfg, kwargs))

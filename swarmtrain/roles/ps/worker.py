@@ -1,0 +1,675 @@
+"""The parameter-server worker: computes gradients on its shard and pushes them.
+
+The forward/backward pass runs on a dedicated thread while the event loop keeps the
+connection alive. With ``max_inflight = 1`` the next gradient may be computed while the
+previous one is packed, sent and answered (the next computation starts first, so the
+compute thread never waits for the encoding) -- but that gradient is then computed on
+weights one round older, which doubles its staleness. So the worker overlaps only when it pays:
+when the measured round trip is more than :data:`OVERLAP_MIN_FRACTION` of a step's compute
+(a slow link); on a fast one it waits the few milliseconds for fresh weights. The worker's
+replica changes only between two computations, by exactly what the coordinator sent (a delta
+or full weights).
+
+Only parameters that got a gradient travel (frozen ones never; see :mod:`swarmtrain.core.modelstate`),
+each in its model's dtype; how the computation changed the model's buffers (BatchNorm statistics)
+travels with it, and the coordinator's current buffer values come back with the answer. A float16
+model scales its loss (:mod:`swarmtrain.core.precision`). Every batch is drawn (shuffling included)
+from a random stream of this worker's own (:mod:`swarmtrain.roles.ps.randomness`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import random
+import secrets as _secrets
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmtrain.compression import Compressed, ErrorFeedback
+from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret, resolve_tls
+from swarmtrain.core import hardware
+from swarmtrain.core.devices import batch_to, resolve_device
+from swarmtrain.core.modelstate import ModelState, buffer_changes, snapshot_buffers
+from swarmtrain.core.precision import LossScaler
+from swarmtrain.errors import (
+    AuthError,
+    ConnectionLost,
+    ProtocolError,
+    RefusedError,
+    SwarmError,
+    SwarmTimeout,
+)
+from swarmtrain.roles.ps.common import (
+    codec_for_step,
+    ema,
+    pack_buffers,
+    pack_compressed,
+    payload_bytes,
+    split_buffers,
+    unpack_compressed,
+)
+from swarmtrain.roles.ps.randomness import CycledIterable, OwnRandomness, loader_generators, worker_seed
+from swarmtrain.tasks import Dataset, Shard
+from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.transport.identity import Identity, node_identity
+from swarmtrain.wire import (
+    Assign,
+    Error,
+    Gradients,
+    Message,
+    Pause,
+    Register,
+    RegisterAck,
+    Resume,
+    Shutdown,
+    Start,
+    Update,
+    Weights,
+)
+
+__all__ = ["Worker"]
+
+#: overlap the next computation with the answer in flight only when the round trip is at
+#: least this fraction of a step's compute; below it, fresher weights are worth more
+OVERLAP_MIN_FRACTION = 0.1
+
+log = logging.getLogger("swarmtrain.worker")
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+#: what one computation hands back: compressed gradients, mean loss, samples, seconds
+#: (throttle included), the error-feedback residual's norm after it, and how it changed the
+#: buffers (empty gradients: a float16 overflow, dropped)
+_Computed = tuple[dict[str, Compressed], float, int, float, float, dict[str, torch.Tensor]]
+
+#: coordinator refusals after which a worker connects again instead of giving up (its
+#: gradients were refused, not its model or config)
+_RETRYABLE_REFUSALS = frozenset({"too_many_bad_gradients"})
+
+
+_MAX_SAMPLES_PER_SEC = Register.BOUNDS["samples_per_sec"].hi or 0.0
+_MAX_LOSS = Gradients.BOUNDS["loss"].hi or 0.0
+
+
+def _wire_float(x: float) -> float:
+    """``x`` as GRADIENTS carries it: a loss or norm that is not finite or beyond the wire's
+    bound (a diverged step) goes as NaN, which the coordinator refuses as "no finite loss"."""
+    return x if math.isfinite(x) and abs(x) <= _MAX_LOSS else math.nan
+
+
+class _ShutdownRequested(SwarmError):
+    """The coordinator said SHUTDOWN: wakes any wait of the training loop."""
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        return _batch_len(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_len(batch[0])
+    return 1
+
+
+class Worker:
+    """Trains a replica of the model on one shard and pushes gradients to a coordinator.
+
+    Args:
+        model: a plain PyTorch model, the same architecture as the coordinator's.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        data: a dataset with ``__len__`` and ``get_batch(indices)`` (sharded by the
+            coordinator), or any iterable of batches (e.g. a DataLoader; cycled).
+        config: a :class:`WorkerConfig` (defaults if None).
+        task_name: the task name, checked against the coordinator's.
+        secret: the cluster secret; default from config / SWARMTRAIN_SECRET.
+        **overrides: config keys by name, e.g. ``coordinator_host="10.0.0.2", batch_size=32``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        data: Dataset | Iterable[Any],
+        config: WorkerConfig | None = None,
+        *,
+        task_name: str = "",
+        secret: bytes | None = None,
+        sample_bytes: int | None = None,
+        identity: Identity | None = None,
+        **overrides: Any,
+    ) -> None:
+        cfg = config or load_worker_config()
+        if overrides:
+            from swarmtrain.config import overrides_from_kwargs, with_overrides
+
+            aliases = {"host": "coordinator_host", "port": "coordinator_port"}
+            named = {aliases.get(k, k): v for k, v in overrides.items()}
+            cfg = with_overrides(cfg, overrides_from_kwargs(cfg, named))
+        self.config = cfg
+        self.model = model
+        self.loss_fn = loss_fn
+        self.data = data
+        self.task_name = task_name
+        self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.tls = resolve_tls(cfg.security)
+        t = cfg.training
+        self.device = resolve_device(t.device)
+        if self.device.type != "cpu":
+            model.to(self.device)  # in place: the caller's model computes on the device
+        self.state = ModelState(model)
+        #: the trainable parameters (the model's own tensors; gradients travel for these)
+        self.params: dict[str, torch.Tensor] = self.state.trainable
+        self.buffers = self.state.synced_buffers
+        self.scaler = LossScaler.for_model(self.params.values())
+        self.worker_id = t.worker_id or f"w-{_secrets.token_hex(4)}"
+        #: this machine's node key: the coordinator binds the worker id to its peer id
+        self.identity = identity or node_identity(
+            "this worker's id cannot be reclaimed by a restarted worker until the coordinator forgets it")
+        self.randomness = OwnRandomness(worker_seed(t.seed, self.worker_id), loader_generators(data),
+                                        cuda=self.device.type == "cuda")
+        self._cycled = CycledIterable(data)  # type: ignore[arg-type]
+        self.hw = hardware.detect()
+        self.plan = hardware.recommend(
+            self.hw, batch_size=t.batch_size, accumulation_steps=t.accumulation_steps,
+            num_threads=cfg.hardware.num_threads, max_memory_mb=cfg.hardware.max_memory_mb,
+            sample_bytes=sample_bytes,
+        )
+        if sample_bytes is not None:  # refuse now what would swap or be killed mid-run
+            hardware.check_fits(
+                self.hw, batch_size=self.plan.batch_size, sample_bytes=sample_bytes,
+                model_bytes=sum(p.numel() * p.element_size() for p in self.state.full_state().values()),
+                max_memory_mb=cfg.hardware.max_memory_mb)
+        if cfg.hardware.num_threads:  # only when asked: the API must not surprise its host program
+            torch.set_num_threads(cfg.hardware.num_threads)
+        c = cfg.compression
+        self.codec = codec_for_step(c, step=c.warmup_steps)  # the codec after warm-up
+        # QSGD is unbiased and needs no memory; what topk and fp16 drop is sent later instead.
+        self.feedback = ErrorFeedback(self.codec) if c.type in ("topk", "fp16") else None
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
+        self.version = 0
+        self.msg_id = 0
+        self.steps = 0
+        self.samples = 0
+        self.samples_per_sec = 0.0
+        self.shards: list[int] = []
+        self.num_shards = 0
+        self.statuses: dict[str, int] = {}
+        self._shard_cache: dict[tuple[int, int], Shard] = {}
+        self._active_shards: list[Shard] = []
+        self._turn = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
+        self._replies: asyncio.Queue[Message | BaseException] = asyncio.Queue()
+        self._changed = asyncio.Event()
+        self._running = False
+        self._paused = False
+        self._stopped = False
+        self._inflight = 0
+        self._sent_at: dict[int, float] = {}
+        self.round_trip_sec: float | None = None  # gradient sent -> its answer arrived (EMA)
+        self.compute_sec: float | None = None  # one message's compute, throttle included (EMA)
+        self.coordinator_aggregates = False  # training.aggregate_samples > 0 there: never overlap
+        self.throttle = hardware.Throttle(self.config.training.speed)
+        self._registered = False
+        self._broken: BaseException | None = None
+        self._conn: Connection | None = None
+        self._gen = torch.Generator().manual_seed(t.seed)
+        self.shutdown_reason = ""
+        self._largest_batch = 0  # samples of the largest batch computed (a DataLoader's may vary)
+        self._claim_cap = 0  # the most samples a gradient may claim, as registered
+
+    # -- public ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Train until the coordinator says SHUTDOWN (blocking)."""
+        asyncio.run(self.run_async())
+
+    async def run_async(self) -> None:
+        """Connect (reconnecting with backoff), train, and return after SHUTDOWN.
+
+        Raises:
+            RefusedError: the coordinator refused this worker (model or config mismatch).
+            AuthError: the cluster secrets differ, or a TLS certificate is refused.
+            SwarmError: the coordinator stayed unreachable for ``reconnect_attempts`` tries.
+        """
+        net = self.config.network
+        failures = 0
+        if self.config.training.probe_seconds > 0 and self.samples_per_sec == 0:
+            loop = asyncio.get_running_loop()
+            self.samples_per_sec = await loop.run_in_executor(self._pool, self.probe)
+            log.info("probe: %.0f samples/s at batch %d (profile %s)", self.samples_per_sec,
+                     self.plan.batch_size, self.hw.profile.value)
+            t = self.config.training
+            if t.accumulation_steps == 0 and t.message_compute_ms > 0 and self.samples_per_sec > 0:
+                accum = hardware.auto_accumulation(
+                    self.plan.batch_size / self.samples_per_sec,
+                    self.config.training.message_compute_ms / 1000)
+                if accum != self.plan.accumulation_steps:
+                    log.info("accumulating %d micro-batches per gradient (automatic: a batch takes "
+                             "%.1f ms, a message should carry %.0f ms)", accum,
+                             1000 * self.plan.batch_size / self.samples_per_sec,
+                             self.config.training.message_compute_ms)
+                    self.plan = dataclasses.replace(self.plan, accumulation_steps=accum)
+        try:
+            while not self._stopped:
+                try:
+                    conn = await connect(
+                        net.coordinator_host, net.coordinator_port, secret=self.secret, tls=self.tls,
+                        role="worker", identity=self.identity,
+                        timeouts=Timeouts(connect=net.connect_timeout_sec,
+                                          handshake=net.handshake_timeout_sec,
+                                          heartbeat_interval=net.heartbeat_interval_sec,
+                                          heartbeat_timeout=net.heartbeat_timeout_sec),
+                    )
+                    self._conn = conn
+                    await self._session(conn)
+                    failures = 0
+                except RefusedError as exc:
+                    if exc.code not in _RETRYABLE_REFUSALS:
+                        raise
+                    # our gradients were refused in a row (a diverging step, a bad batch): the
+                    # coordinator sends fresh weights when we register again
+                    failures = 1
+                    self._registered = False
+                    delay = net.reconnect_delay_sec * random.uniform(0.8, 1.2)
+                    log.warning("the coordinator disconnected us (%s); registering again in %.1f s "
+                                "with fresh weights", exc, delay)
+                    await asyncio.sleep(delay)
+                except AuthError:
+                    raise
+                except _ShutdownRequested:
+                    break
+                except (ConnectionLost, SwarmTimeout, ProtocolError, ConnectionError) as exc:
+                    if self._stopped:
+                        break
+                    failures = 1 if self._registered else failures + 1
+                    self._registered = False
+                    if failures > net.reconnect_attempts:
+                        raise SwarmError(
+                            f"gave up reaching the coordinator at {net.coordinator_host}:"
+                            f"{net.coordinator_port} after {net.reconnect_attempts} attempts: {exc}; "
+                            "is it running, and is the address/port right?"
+                        ) from exc
+                    delay = net.reconnect_delay_sec * min(2 ** (failures - 1), 8) * random.uniform(0.8, 1.2)
+                    log.warning("lost the coordinator (%s); reconnecting in %.1f s (attempt %d of %d)",
+                                exc, delay, failures, net.reconnect_attempts)
+                    await asyncio.sleep(delay)
+                finally:
+                    if self._conn is not None:
+                        await self._conn.close()
+                        self._conn = None
+        finally:
+            self._pool.shutdown(wait=True)
+            self._apply_final()
+
+    def _apply_final(self) -> None:
+        """Apply what arrived with SHUTDOWN (the final weights), so that :meth:`run` returns
+        holding the coordinator's final state."""
+        while not self._replies.empty():
+            item = self._replies.get_nowait()
+            if isinstance(item, Weights):
+                self._load_full(item.tensors, item.version)
+
+    def stop(self) -> None:
+        """Stop after the current step (safe to call from a signal handler on the loop)."""
+        self._stopped = True
+        self._changed.set()
+        if self._conn is not None:
+            self._conn.abort(SwarmError("worker stopped"))
+
+    # -- one connection's life -------------------------------------------------------------
+
+    async def _session(self, conn: Connection) -> None:
+        self._reset_session()
+        comp = self.config.compression
+        # the most samples a gradient of ours claims is batch x accumulation: a DataLoader's
+        # batches may be larger than the plan's (the largest seen is registered)
+        batch = max(self.plan.batch_size, self._largest_batch)
+        await conn.send(Register(
+            worker_id=self.worker_id, task=self.task_name,
+            fingerprint=self.state.fingerprint(), hardware=self.hw.to_dict(),
+            batch_size=batch, accumulation_steps=self.plan.accumulation_steps,
+            shard_index=self.config.data.shard_index,
+            compression={k: getattr(comp, k) for k in comp.SHARED_KEYS},
+            samples_per_sec=min(max(self.samples_per_sec, 0.0), _MAX_SAMPLES_PER_SEC)
+            if math.isfinite(self.samples_per_sec) else 0.0, last_msg_id=self.msg_id,
+        ))
+        self._claim_cap = batch * self.plan.accumulation_steps
+        ack = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
+        if isinstance(ack, Error):
+            raise RefusedError(ack.code, ack.message)
+        if not isinstance(ack, RegisterAck):
+            raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
+        self._use_shards(ack.shards or [ack.shard_index], ack.num_shards)
+        # A restarted process reusing this worker id starts counting at 0; continue after the
+        # last id the coordinator applied, or our new gradients would be taken for old ones.
+        self.msg_id = max(self.msg_id, ack.last_applied_msg_id)
+        weights = await conn.recv(timeout=conn.timeouts.heartbeat_timeout, phase="weights")
+        if not isinstance(weights, Weights):
+            raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
+        self._load_full(weights.tensors, weights.version)
+        self._running, self._paused = ack.running, ack.paused
+        # a coordinator that aggregates holds answers until a window closes: a gradient computed
+        # while one is in flight would always miss that window's update
+        self.coordinator_aggregates = bool(ack.info.get("aggregate_samples"))
+        self._registered = True
+        log.info("registered as %s: shards %s of %d, version %d, batch %d x %d",
+                 self.worker_id, self.shards, self.num_shards, self.version,
+                 self.plan.batch_size, self.plan.accumulation_steps)
+        reader = asyncio.create_task(self._reader(conn))
+        try:
+            await self._train(conn)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    def _reset_session(self) -> None:
+        self._replies = asyncio.Queue()
+        self._inflight = 0
+        self._sent_at.clear()
+        self._running = self._paused = False
+        self._broken = None
+        if self.feedback is not None:
+            self.feedback.reset()
+
+    async def _reader(self, conn: Connection) -> None:
+        try:
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, (Update, Weights)):
+                    if isinstance(msg, Update):
+                        self._note_round_trip(msg.msg_id)
+                    self._replies.put_nowait(msg)
+                elif isinstance(msg, Assign):
+                    self._use_shards(msg.shards, msg.num_shards)
+                    log.info("now training on shards %s of %d", msg.shards, msg.num_shards)
+                elif isinstance(msg, Start):
+                    self._running = True
+                elif isinstance(msg, Pause):
+                    self._paused = True
+                    log.info("paused by the coordinator")
+                elif isinstance(msg, Resume):
+                    self._paused = False
+                    log.info("resumed")
+                elif isinstance(msg, Shutdown):
+                    self.shutdown_reason = msg.reason
+                    log.info("coordinator says shut down: %s", msg.reason)
+                    self._stopped = True
+                    self._replies.put_nowait(_ShutdownRequested(msg.reason))
+                elif isinstance(msg, Error):
+                    if msg.fatal:
+                        raise RefusedError(msg.code, msg.message)
+                    log.warning("coordinator reports: %.300s [%s]", msg.message, msg.code)
+                self._changed.set()
+        except (SwarmError, ConnectionError) as exc:
+            self._broken = exc
+            self._replies.put_nowait(exc)
+            self._changed.set()
+
+    async def _wait_active(self) -> bool:
+        """Wait until training runs and is not paused; False once stopped."""
+        while not self._stopped and not (self._running and not self._paused):
+            self._raise_if_broken()
+            await self._apply_ready()  # stay current while paused: answers still arrive
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._changed.wait()
+        return not self._stopped
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    async def _train(self, conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self.config.training.max_inflight
+        # When overlapping, the next computation starts before this gradient is packed and
+        # sent, so encoding and writing it cost the compute thread nothing: (future, version).
+        ahead: tuple[asyncio.Future[_Computed], int] | None = None
+        try:
+            while True:
+                if ahead is not None:
+                    future, base_version = ahead
+                    ahead = None
+                else:
+                    if not await self._wait_active():
+                        return
+                    # The gradient belongs to the weights it was computed on: take the version
+                    # now, before updates arriving during the computation are applied.
+                    base_version = self.version
+                    future = loop.run_in_executor(self._pool, self._compute)
+                compressed, loss, samples, seconds, residual, changes = await future
+                self._record_speed(samples, seconds)
+                self.compute_sec = ema(self.compute_sec, seconds)
+                await self._apply_ready()
+                if not compressed:  # float16 overflow: the loss scale was halved, compute again
+                    continue
+                if samples > self._claim_cap:
+                    # the data's batches are larger than registered (a DataLoader's own batch
+                    # size): the coordinator would refuse this claim, so register them first
+                    raise ConnectionLost(
+                        f"a gradient of {samples} samples is more than the {self._claim_cap} this "
+                        f"worker registered (batch_size x accumulation_steps); registering again "
+                        f"with batches of {self._largest_batch}")
+                while self._inflight >= max(1, limit):
+                    await self._apply_next()
+                if self._stopped:
+                    return
+                overlap = limit > 0 and self.overlaps()
+                if overlap and self._running and not self._paused:
+                    # the replica is now exactly what the next gradient is computed on; it
+                    # changes again only once that computation is back
+                    ahead = (loop.run_in_executor(self._pool, self._compute), self.version)
+                codecs, tensors = pack_compressed(compressed)
+                buffer_names, buffer_tensors = pack_buffers(changes)
+                tensors.update(buffer_tensors)
+                self.msg_id += 1
+                self.bytes_up += payload_bytes(tensors)
+                self._sent_at[self.msg_id] = time.monotonic()
+                await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
+                                          loss=_wire_float(loss), codecs=codecs,
+                                          residual_norm=_wire_float(residual),
+                                          buffers=buffer_names, tensors=tensors))
+                self._inflight += 1
+                self.steps += 1
+                self.samples += samples
+                if not overlap:
+                    while self._inflight:
+                        await self._apply_next()
+        finally:
+            if ahead is not None:  # never leave the compute thread running into a reset
+                with contextlib.suppress(BaseException):
+                    await ahead[0]
+
+    def overlaps(self) -> bool:
+        """Compute the next gradient while this one's answer is in flight? Only when the round
+        trip is a real fraction of the compute (see the module docstring); not before the first
+        round trip has been measured, and never when the coordinator aggregates."""
+        if self.round_trip_sec is None or self.compute_sec is None or self.coordinator_aggregates:
+            return False
+        return self.round_trip_sec >= OVERLAP_MIN_FRACTION * self.compute_sec
+
+    def _note_round_trip(self, msg_id: int) -> None:
+        sent = self._sent_at.pop(msg_id, None)
+        if sent is not None:
+            self.round_trip_sec = ema(self.round_trip_sec, time.monotonic() - sent)
+
+    async def _apply_ready(self) -> None:
+        while not self._replies.empty():
+            await self._apply_next()
+
+    async def _apply_next(self) -> None:
+        limit = self.config.network.heartbeat_timeout_sec * 3
+        try:
+            async with asyncio.timeout(limit):
+                item = await self._replies.get()
+        except TimeoutError:
+            raise SwarmTimeout("update", limit, "no answer to our gradient") from None
+        if isinstance(item, BaseException):
+            raise item
+        self.bytes_down += payload_bytes(item.tensor_map())
+        if isinstance(item, Weights):
+            self._load_full(item.tensors, item.version)
+        elif isinstance(item, Update):
+            self._inflight = max(0, self._inflight - 1)
+            self.statuses[item.status] = self.statuses.get(item.status, 0) + 1
+            if item.full:
+                self._load_full(item.tensors, item.version)
+            else:
+                values, rest = split_buffers(item.buffers, item.tensors, self.buffers)
+                deltas = unpack_compressed(item.codecs, rest, self.params)
+                self._add_deltas(deltas)
+                if values:  # (split_buffers checked their shapes)
+                    self.state.load(values)
+                self.version = item.version
+
+    def _add_deltas(self, deltas: Mapping[str, torch.Tensor]) -> None:
+        """Add the coordinator's weight deltas (float32, CPU) to our replica. A float32
+        parameter adds them; a half-precision one becomes ``dtype(float32(p) + delta)``, the
+        rounding the coordinator's shadow of us applies too (so both stay bit-identical)."""
+        same, same_deltas = [], []
+        with torch.no_grad():  # the coordinator's shadow of us moves by exactly this
+            for name, p in self.params.items():
+                d = deltas[name].to(self.device, non_blocking=True)
+                if p.dtype == torch.float32:
+                    same.append(p)
+                    same_deltas.append(d)
+                else:
+                    p.copy_(p.to(torch.float32) + d)
+            if same:
+                torch._foreach_add_(same, same_deltas)
+
+    def _load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load full weights: every trainable parameter, and whatever frozen parameters and
+        buffers the message carries (all of them at registration)."""
+        missing = set(self.params) - set(tensors)
+        if missing:
+            raise ProtocolError("shape_mismatch", f"weights lack {sorted(missing)[:3]}")
+        try:
+            self.state.load(tensors)
+        except ValueError as exc:
+            raise ProtocolError("shape_mismatch", str(exc)) from None
+        self.version = version
+
+    # -- compute (runs on the compute thread) ----------------------------------------------
+
+    def _use_shards(self, shards: list[int], count: int) -> None:
+        """Train on ``shards`` of ``count`` from now on (batches rotate over them). An iterable
+        (e.g. a DataLoader) cannot be sliced: it is cycled in this worker's own order instead."""
+        self.shards, self.num_shards = list(shards), count
+        if not (hasattr(self.data, "get_batch") and hasattr(self.data, "__len__")):
+            return
+        active = []
+        for index in shards:
+            key = (index, count)
+            if key not in self._shard_cache:
+                # workers sharing a shard (more workers than shards) walk it in different orders
+                seed = worker_seed(self.config.training.seed, index, count, self.worker_id)
+                self._shard_cache[key] = Shard(self.data, index, count, seed=seed)  # type: ignore[arg-type]
+            active.append(self._shard_cache[key])
+        self._active_shards = active  # one assignment: the compute thread sees old or new list
+
+    def _next_batch(self) -> Any:
+        shards = self._active_shards
+        if shards:
+            self._turn += 1
+            return shards[self._turn % len(shards)].next_batch(self.plan.batch_size)
+        return self._cycled.next()
+
+    def probe(self) -> float:
+        """Samples/second of this machine on the real task at the chosen batch (throttle
+        included), timed for ``probe_seconds``; weights and error feedback are untouched."""
+        shards = self._active_shards
+        if not shards and hasattr(self.data, "get_batch") and hasattr(self.data, "__len__"):
+            shards = [Shard(self.data, 0, 1, seed=worker_seed(self.config.training.seed, "probe"))]  # type: ignore[arg-type]
+        before = snapshot_buffers(self.buffers)  # the probe must not move BatchNorm statistics
+
+        def step() -> int:
+            cpu = self.throttle.start()
+            with self.randomness:
+                batch = shards[0].next_batch(self.plan.batch_size) if shards else self._next_batch()
+            self.model.zero_grad(set_to_none=True)
+            self.loss_fn(self.model, batch_to(batch, self.device)).backward()
+            self.throttle.pause(cpu)
+            n = _batch_len(batch)
+            self._largest_batch = max(self._largest_batch, n)
+            return n
+
+        try:
+            return hardware.probe_speed(step, seconds=self.config.training.probe_seconds)
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            self.state.load(before)
+
+    def _compute(self) -> _Computed:
+        start, cpu = time.perf_counter(), self.throttle.start()
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        before = snapshot_buffers(self.buffers)
+        accum = self.plan.accumulation_steps
+        total_loss, samples = 0.0, 0
+        for _ in range(accum):
+            with self.randomness:
+                batch = self._next_batch()
+            loss = self.loss_fn(self.model, batch_to(batch, self.device))
+            (loss * (self.scaler.scale / accum)).backward()
+            total_loss += float(loss.detach())
+            n = _batch_len(batch)
+            samples += n
+            self._largest_batch = max(self._largest_batch, n)
+        changes = buffer_changes(self.buffers, before)
+        # only what was computed travels: a frozen parameter, or one unused on this step, has
+        # no gradient and must not be stepped as if it had a zero one
+        names = [n for n, p in self.params.items() if p.grad is not None]
+        grads = self.scaler.unscale([self.params[n].grad for n in names])  # type: ignore[misc]
+        if grads is None:
+            log.info("float16 gradients overflowed: loss scale halved to %g, step dropped",
+                     self.scaler.scale)
+            self.state.load(before)
+            self.throttle.pause(cpu)
+            return {}, total_loss / accum, 0, time.perf_counter() - start, 0.0, {}
+        c = self.config.compression
+        codec = codec_for_step(c, self.steps) if self.steps < c.warmup_steps else self.codec
+        if self.feedback is not None:
+            self.feedback.codec = codec
+        out: dict[str, Compressed] = {}
+        for name, g in zip(names, grads):
+            g = g.detach().to("cpu")  # the wire is CPU-only (a no-op on the CPU)
+            out[name] = (self.feedback.compress(name, g, generator=self._gen) if self.feedback
+                         else codec.compress(g, generator=self._gen))
+        residual = self.feedback.residual_norm() if self.feedback else 0.0
+        self.throttle.pause(cpu)  # rehearse a slower machine (speed < 1)
+        return out, total_loss / accum, samples, time.perf_counter() - start, residual, changes
+
+    def _record_speed(self, samples: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = samples / seconds
+            old = self.samples_per_sec
+            self.samples_per_sec = rate if old == 0 else 0.9 * old + 0.1 * rate
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id, "version": self.version, "steps": self.steps,
+            "samples": self.samples, "samples_per_sec": self.samples_per_sec,
+            "shards": list(self.shards), "statuses": dict(self.statuses),
+            "residual_norm": self.feedback.residual_norm() if self.feedback else 0.0,
+            "bytes_up_per_step": self.bytes_up / self.steps if self.steps else 0.0,
+            "bytes_down_per_step": self.bytes_down / self.steps if self.steps else 0.0,
+            "raw_bytes_per_step": self.raw_bytes_per_step,
+            "batch_size": self.plan.batch_size, "accumulation_steps": self.plan.accumulation_steps,
+            "round_trip_ms": 1000 * self.round_trip_sec if self.round_trip_sec is not None else None,
+            "overlapping": self.overlaps(),
+            "loss": math.nan,
+        }

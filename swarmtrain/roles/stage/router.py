@@ -1,0 +1,589 @@
+"""Client side of the pipeline: which replica of each stage gets the next request.
+
+A :class:`Router` knows the replicas of every stage by address and keeps one multiplexed
+connection to each (requests carry ``req`` ids, answers come back in any order). It picks
+the replica with the smallest expected answer time (an EWMA of its measured answer times,
+times the requests it already has in flight; unmeasured replicas are tried first). A
+replica that times out, drops its connection or says it is overloaded is banned for a time
+that doubles with each consecutive failure (``ban_base``, ``2 × ban_base``, … up to
+``ban_cap``), and the request is resent to another replica of the same stage.
+
+A backward must reach the replica that did the forward (it holds the activations), so
+:meth:`Router.backward` does not fail over: it raises :class:`ReplicaFailed` or
+:class:`MicrobatchLost` and the trainer redoes the forward elsewhere.
+
+When every replica of a stage is down, a request waits for one to come back, up to
+``wait_for_replica`` seconds (saying so in the log, with what to run), instead of giving up
+after a number of attempts. Banned replicas are probed (a status request) every
+``probe_interval`` seconds, and a ban is lifted as soon as the replica answers. Every new
+connection starts with a status request, and a replica is not used when it does not fit
+what the route was checked against (:meth:`Router.expect`: another model shape or weight
+lineage) or when it came back with its seed's weights while its stage has trained. A
+replica that comes back as a new process (another ``incarnation``) is reported, with the
+optimizer steps it lost: those no checkpoint or replica held (``lost_steps``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmtrain.errors import RefusedError, SwarmError
+from swarmtrain.roles.stage.buffers import Priority
+from swarmtrain.roles.stage.route import replica_problem, request_status
+from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.transport.tls import TLSConfig
+from swarmtrain.wire import (
+    Error,
+    Message,
+    StageBackward,
+    StageError,
+    StageForward,
+    StageGrad,
+    StageInfer,
+    StageResult,
+    StageStep,
+)
+
+__all__ = ["CacheMissed", "Expected", "MicrobatchLost", "Replica", "ReplicaFailed", "Router", "RouterConfig",
+           "StageUnavailable"]
+
+log = logging.getLogger("swarmtrain.roles.stage")
+
+_RETRYABLE = {"overloaded", "closing"}
+#: seconds between "still waiting for stage I" lines
+_WAIT_REPORT_EVERY = 30.0
+
+
+class ReplicaFailed(SwarmError):
+    """A replica did not answer (timeout, connection lost, overloaded); it is now banned."""
+
+
+class MicrobatchLost(SwarmError):
+    """The replica does not hold the forward a backward needs (evicted or never done there)."""
+
+
+class CacheMissed(SwarmError):
+    """A replica does not hold the attention cache a generation step needs: resend the window
+    from position 0."""
+
+
+class StageUnavailable(SwarmError):
+    """No replica of a stage answered within the attempts and waiting time allowed."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a router waits, bans and retries.
+
+    Attributes:
+        request_timeout: seconds to wait for one answer before the replica counts as failed.
+        ban_base: seconds of the first ban of a failing replica; doubles per further failure.
+        ban_cap: longest ban, in seconds.
+        ewma_alpha: weight of the newest answer time in a replica's average (0 < a <= 1).
+        max_attempts: most live replicas tried one after the other for one request before
+            it waits for one to come back (a round; rounds go on until ``wait_for_replica``).
+        wait_for_replica: most seconds one request waits for a replica of its stage to
+            come back when none answers (then :class:`StageUnavailable`).
+        probe_interval: seconds between status probes of a banned replica (its ban is
+            lifted as soon as one is answered).
+        timeouts: transport timeouts of the connections to replicas.
+    """
+
+    request_timeout: float = 30.0
+    ban_base: float = 2.0
+    ban_cap: float = 60.0
+    ewma_alpha: float = 0.3
+    max_attempts: int = 8
+    wait_for_replica: float = 300.0
+    probe_interval: float = 1.0
+    timeouts: Timeouts = Timeouts()
+
+    def __post_init__(self) -> None:
+        if self.wait_for_replica < 0 or not self.probe_interval > 0 or self.max_attempts < 1:
+            raise ValueError("RouterConfig: wait_for_replica must be >= 0, probe_interval > 0 and "
+                             "max_attempts >= 1")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the replicas of one stage must be to be routed to (from the checked route)."""
+
+    shape: str = ""  # the layers' shape signature ("" = not checked)
+    origin: str = ""  # the weight lineage ("" = not checked)
+
+
+@dataclass(eq=False)
+class Replica:
+    """One server of one stage, and what the router has measured about it."""
+
+    stage: int
+    host: str
+    port: int
+    ewma_seconds: float | None = None  # smoothed answer time; None until measured
+    inflight: int = 0
+    consecutive_failures: int = 0
+    banned_until: float = 0.0
+    answered: int = 0
+    failures: int = 0
+    #: what its answers last said: process id, optimizer steps, steps only it holds
+    incarnation: str = ""
+    steps: int = 0
+    at_risk: int = 0
+    refused: str = ""  # why it is not routed to ("" = it is)
+    restarts: int = 0
+    conn: Connection | None = field(default=None, repr=False)
+    pending: dict[int, asyncio.Future[Message]] = field(default_factory=dict, repr=False)
+    reader: asyncio.Task[None] | None = field(default=None, repr=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"stage{self.stage}@{self.host}:{self.port}"
+
+
+class Router:
+    """Sends stage requests to the best live replica, with bans and failover.
+
+    Args:
+        stages: for each stage, in order, the ``(host, port)`` of its replicas.
+        secret: the cluster secret.
+        config: timeouts, ban lengths, attempts.
+        tls: mutual TLS for the connections to stages (None = plain TCP).
+        clock: monotonic clock for bans and answer times (injectable for tests).
+
+    Raises:
+        ValueError: no stages, or a stage without replicas.
+    """
+
+    def __init__(self, stages: Sequence[Sequence[tuple[str, int]]], *, secret: bytes | None,
+                 config: RouterConfig = RouterConfig(),
+                 clock: Callable[[], float] = time.monotonic, tls: TLSConfig | None = None) -> None:
+        if not stages or any(not s for s in stages):
+            raise ValueError("a router needs at least one stage, and every stage at least one replica")
+        self.config = config
+        self.secret = secret
+        self.tls = tls
+        self._clock = clock
+        self.replicas = [[Replica(i, h, p) for h, p in s] for i, s in enumerate(stages)]
+        self._ids = itertools.count(1)
+        self.resends = 0  # requests sent again to another replica after a failure
+        self.bans = 0
+        self.bans_lifted = 0  # bans ended early because the replica answered a probe
+        self.waits = 0  # times a request waited for a stage with no live replica
+        self.expected: list[Expected] = [Expected() for _ in self.replicas]
+        #: per stage, optimizer steps lost by replicas that restarted (see the module docstring)
+        self.lost_steps = [0] * len(self.replicas)
+        #: one entry per replica restart seen: who, when (monotonic), from what, steps lost
+        self.restart_log: list[dict[str, Any]] = []
+        self._probe_task: asyncio.Task[None] | None = None
+        self._lifted: dict[int, asyncio.Event] = {}  # per stage: set when a ban is lifted
+        #: stages with no live replica now: (since, last reported), monotonic seconds
+        self._outages: dict[int, tuple[float, float]] = {}
+
+    def expect(self, stage: int, *, shape: str = "", origin: str = "") -> None:
+        """Route ``stage``'s requests only to replicas with this shape signature and weight
+        lineage (checked on every new connection and every probe)."""
+        self.expected[stage] = Expected(shape, origin)
+
+    def note_status(self, replica: Replica, status: dict[str, Any]) -> None:
+        """Take what a status says about ``replica`` (its incarnation, steps) as its answers'."""
+        self._seen(replica, str(status.get("incarnation", "")), int(status.get("steps", 0)),
+                   int(status.get("at_risk", 0)), str(status.get("started_from", "")))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    async def forward(self, stage: int, session: str, microbatch: int, x: torch.Tensor,
+                      targets: torch.Tensor | None = None,
+                      priority: Priority = Priority.TRAINING_FORWARD, *,
+                      step: bool | None = None, prefer: Replica | None = None,
+                      group: tuple[int, int] | None = None) -> tuple[Replica, StageResult]:
+        """Training forward on the best replica of ``stage`` (``prefer`` if it is live: the
+        replica the rest of a synchronous group went to), failing over to others. ``step``:
+        the trainer's step decision for the last stage (None: the stage counts).
+
+        Returns:
+            The replica that answered (backwards must go to it) and its answer.
+
+        Raises:
+            StageUnavailable: no replica answered.
+            RefusedError: the stage refused the request itself (bad input).
+        """
+        tensors = {"x": x} if targets is None else {"x": x, "targets": targets}
+        first, size = group or (-1, 0)
+
+        def build(req: int) -> Message:
+            return StageForward(req=req, session=session, microbatch=microbatch, priority=int(priority),
+                                tensors=tensors, sync=step is not None, step=bool(step), group=first,
+                                group_size=size)
+
+        replica, answer = await self._call_stage(stage, build, prefer)
+        assert isinstance(answer, StageResult)
+        return replica, answer
+
+    async def backward(self, replica: Replica, session: str, microbatch: int,
+                       grad: torch.Tensor, *, step: bool | None = None,
+                       group: tuple[int, int] | None = None) -> StageGrad:
+        """The backward of a micro-batch, on the replica that did its forward (``step``: the
+        trainer's step decision, None: the stage counts).
+
+        Raises:
+            ReplicaFailed: the replica did not answer (it is banned now).
+            MicrobatchLost: the replica does not hold the forward.
+            RefusedError: the replica refused the gradient (bad input).
+        """
+        first, size = group or (-1, 0)
+        answer = await self._request(replica, lambda req: StageBackward(
+            req=req, session=session, microbatch=microbatch, tensors={"grad": grad},
+            sync=step is not None, step=bool(step), group=first, group_size=size))
+        assert isinstance(answer, StageGrad)
+        return answer
+
+    async def infer(self, stage: int, session: str, x: torch.Tensor,
+                    priority: Priority = Priority.INFERENCE_NORMAL) -> torch.Tensor:
+        """Forward without gradients on the best replica of ``stage``; its output.
+
+        Raises:
+            StageUnavailable: no replica answered.
+            RefusedError: the stage refused the request itself (bad input).
+        """
+        _, answer = await self._call_stage(stage, lambda req: StageInfer(
+            req=req, session=session, priority=int(priority), tensors={"x": x}))
+        assert isinstance(answer, StageResult)
+        return answer.tensors["y"]
+
+    async def step(self, stage: int, session: str, group: tuple[int, int], scale: float, *,
+                   prefer: Replica | None = None) -> tuple[Replica, StageStep]:
+        """The synchronous step of ``group`` at ``stage``, on ``prefer`` (the replica holding
+        the group's gradients) if it is live, else on another (which then says it misses
+        the group, and the caller gives it the group again).
+
+        Raises:
+            StageUnavailable: no replica answered.
+            RefusedError: the stage refused the request itself.
+        """
+        replica, answer = await self._call_stage(stage, lambda req: StageStep(
+            req=req, session=session, group=group[0], group_size=group[1], scale=scale), prefer)
+        assert isinstance(answer, StageStep)
+        return replica, answer
+
+    async def infer_cached(self, stage: int, session: str, x: torch.Tensor, start: int, *,
+                           prefer: Replica | None = None,
+                           priority: Priority = Priority.INFERENCE_URGENT) -> tuple[Replica, torch.Tensor]:
+        """A cached generation step at ``stage`` (``x``: positions from ``start``), on
+        ``prefer`` (the replica holding the session's cache) if it is live.
+
+        Returns:
+            The replica that answered (send the session's next steps there) and the output.
+
+        Raises:
+            CacheMissed: the replica holds no cache of ``start`` positions for ``session``.
+            StageUnavailable: no replica answered.
+            RefusedError: the stage refused the request itself (bad input).
+        """
+        replica, answer = await self._call_stage(stage, lambda req: StageInfer(
+            req=req, session=session, priority=int(priority), tensors={"x": x}, cache=True, start=start),
+            prefer)
+        assert isinstance(answer, StageResult)
+        return replica, answer.tensors["y"]
+
+    async def close(self) -> None:
+        """Close every connection; pending requests fail."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+        for replica in itertools.chain.from_iterable(self.replicas):
+            self._drop(replica, SwarmError("router closed"))
+            if replica.reader is not None:
+                await asyncio.gather(replica.reader, return_exceptions=True)
+            if replica.conn is not None:
+                await replica.conn.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Resends, bans, and per replica its answers, failures and answer-time average."""
+        now = self._clock()
+        return {
+            "resends": self.resends, "bans": self.bans, "bans_lifted": self.bans_lifted, "waits": self.waits,
+            "lost_steps": list(self.lost_steps), "restarts": list(self.restart_log),
+            "replicas": {r.name: {"answered": r.answered, "failures": r.failures,
+                                  "ewma_ms": None if r.ewma_seconds is None else r.ewma_seconds * 1e3,
+                                  "banned_for": max(0.0, r.banned_until - now), "refused": r.refused,
+                                  "incarnation": r.incarnation, "steps": r.steps, "at_risk": r.at_risk,
+                                  "restarts": r.restarts}
+                         for r in itertools.chain.from_iterable(self.replicas)},
+        }
+
+    # -- choosing and calling --------------------------------------------------------------
+
+    def choose(self, stage: int) -> Replica | None:
+        """The replica of ``stage`` the next request would go to now (None: all banned), for
+        a caller that sends several requests to one replica (a synchronous group)."""
+        return self._pick(stage, ())
+
+    def _pick(self, stage: int, tried: Collection[Replica], prefer: Replica | None = None) -> Replica | None:
+        now = self._clock()
+        live = [r for r in self.replicas[stage] if r.banned_until <= now]
+        if prefer is not None and prefer in live and prefer not in tried:
+            return prefer
+        fresh = [r for r in live if r not in tried] or live
+        if not fresh:
+            return None
+        return min(fresh, key=lambda r: ((r.ewma_seconds or 0.0) * (r.inflight + 1), r.inflight))
+
+    async def _call_stage(self, stage: int, build: Callable[[int], Message],
+                          prefer: Replica | None = None) -> tuple[Replica, Message]:
+        """Send to the best live replica of ``stage``, failing over to the others; when none
+        is live, wait (up to ``wait_for_replica``) for a ban to end or be lifted by a probe."""
+        tried: list[Replica] = []
+        last_error = "every replica is banned"
+        deadline = self._clock() + self.config.wait_for_replica
+        while True:
+            replica = None if len(tried) >= self.config.max_attempts else self._pick(stage, tried, prefer)
+            if replica is not None and replica in tried:
+                replica = None  # every live replica failed this round: wait for one to come back
+            if replica is None:
+                now = self._clock()
+                if now >= deadline:
+                    break
+                self._report_wait(stage, now, deadline - now, last_error)
+                tried.clear()
+                await self._wait_for_stage(stage, min(deadline, self._next_ban_end(stage)) - now)
+                continue
+            if tried:
+                self.resends += 1
+            tried.append(replica)
+            try:
+                answer = await self._request(replica, build)
+            except ReplicaFailed as exc:
+                last_error = str(exc)
+                log.info("%s; resending to another replica", exc)
+                continue
+            outage = self._outages.pop(stage, None)
+            if outage is not None:
+                log.warning("stage %d answers again (%s) after %.0f s without a live replica", stage,
+                            replica.name, self._clock() - outage[0])
+            return replica, answer
+        raise StageUnavailable(
+            f"no replica of stage {stage} answered within {self.config.wait_for_replica:g} s ("
+            + ", ".join(f"{r.name} failed {r.failures}x" + (f", {r.refused}" if r.refused else "")
+                        for r in self.replicas[stage])
+            + f"); last error: {last_error}"
+        )
+
+    def _report_wait(self, stage: int, now: float, left: float, last_error: str) -> None:
+        """Say (once per stage and ``_WAIT_REPORT_EVERY`` seconds, whatever the number of
+        requests waiting) that ``stage`` has no live replica, and what to do."""
+        since, reported = self._outages.get(stage, (now, -math.inf))
+        if now - reported < _WAIT_REPORT_EVERY:
+            return
+        if reported == -math.inf:
+            self.waits += 1
+        self._outages[stage] = (since, now)
+        log.warning("no replica of stage %d answers (%s); waiting up to %.0f s more for one to come back. "
+                    "Restart it: `swarmtrain stage --stage %d ... --resume` (its checkpoints), or with "
+                    "--sync-with a live replica of stage %d", stage, last_error, left, stage, stage)
+
+    def _next_ban_end(self, stage: int) -> float:
+        now = self._clock()
+        ends = [r.banned_until for r in self.replicas[stage] if r.banned_until > now]
+        return min(ends) if ends else now + self.config.probe_interval
+
+    async def _wait_for_stage(self, stage: int, seconds: float) -> None:
+        """Sleep up to ``seconds`` (at least a moment), waking early when a ban of ``stage``
+        is lifted."""
+        event = self._lifted.setdefault(stage, asyncio.Event())
+        event.clear()
+        self._start_probing()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.01, min(seconds, self.config.probe_interval))):
+                await event.wait()
+
+    async def _request(self, replica: Replica, build: Callable[[int], Message]) -> Message:
+        req = next(self._ids)
+        loop = asyncio.get_running_loop()
+        started = self._clock()
+        replica.inflight += 1
+        try:
+            conn = await self._connection(replica)
+            fut: asyncio.Future[Message] = loop.create_future()
+            replica.pending[req] = fut
+            await conn.send(build(req), timeout=self.config.request_timeout)
+            async with asyncio.timeout(self.config.request_timeout):
+                answer = await fut
+        except (TimeoutError, SwarmError, OSError) as exc:
+            if isinstance(exc, RefusedError):
+                raise
+            raise self._failed(replica, exc) from exc
+        finally:
+            replica.inflight -= 1
+            replica.pending.pop(req, None)
+        if isinstance(answer, StageError):
+            if answer.code in _RETRYABLE:
+                raise self._failed(replica, RefusedError(answer.code, answer.message))
+            if answer.code == "unknown_microbatch":
+                raise MicrobatchLost(answer.message)
+            if answer.code == "cache_miss":
+                raise CacheMissed(answer.message)
+            raise RefusedError(answer.code, answer.message)
+        if isinstance(answer, StageResult | StageGrad | StageStep) and answer.incarnation:
+            self._seen(replica, answer.incarnation, answer.steps, answer.at_risk, "")
+        elapsed = self._clock() - started
+        a = self.config.ewma_alpha
+        replica.ewma_seconds = elapsed if replica.ewma_seconds is None else (
+            a * elapsed + (1 - a) * replica.ewma_seconds)
+        replica.consecutive_failures = 0
+        replica.answered += 1
+        return answer
+
+    def _failed(self, replica: Replica, exc: BaseException) -> ReplicaFailed:
+        why = str(exc) or type(exc).__name__
+        replica.failures += 1
+        now = self._clock()
+        # Requests that were in flight when a replica failed fail together: one incident,
+        # one ban. Only a failure after the ban has ended lengthens the next one.
+        if replica.banned_until <= now:
+            replica.consecutive_failures += 1
+            ban = min(self.config.ban_base * 2 ** (replica.consecutive_failures - 1), self.config.ban_cap)
+            replica.banned_until = now + ban
+            self.bans += 1
+            log.warning("banning %s for %.1f s after: %s", replica.name, ban, why)
+        self._drop(replica, exc)
+        self._start_probing()
+        return ReplicaFailed(f"{replica.name}: {why}")
+
+    async def _connection(self, replica: Replica) -> Connection:
+        async with replica.lock:
+            if replica.conn is None or replica.conn.is_closed:
+                conn = await connect(replica.host, replica.port, secret=self.secret, tls=self.tls,
+                                     role="pipeline", timeouts=self.config.timeouts)
+                try:
+                    status = await request_status(conn, self.config.request_timeout)
+                except BaseException:
+                    conn.abort(SwarmError("no status"))
+                    raise
+                why = self._admissible(replica, status)
+                if why:
+                    await conn.close()
+                    raise SwarmError(why)
+                replica.conn = conn
+                replica.reader = asyncio.create_task(self._read(replica, replica.conn),
+                                                     name=f"router-read-{replica.name}")
+            return replica.conn
+
+    def _admissible(self, replica: Replica, status: dict[str, Any]) -> str:
+        """Why ``replica`` must not be routed to, given its status ("" = it may be): see
+        :func:`~swarmtrain.roles.stage.route.replica_problem`, against what the route was
+        checked against."""
+        want = self.expected[replica.stage]
+        trained = max((r.steps for r in self.replicas[replica.stage]), default=0)
+        why = replica_problem(status, replica.stage, shape=want.shape, origin=want.origin, most_steps=trained)
+        if why:
+            if replica.refused != why:
+                log.warning("not routing to %s: %s", replica.name, why)
+            replica.refused = why
+            return why
+        if replica.refused:
+            log.info("%s fits its stage again: routing to it", replica.name)
+        replica.refused = ""
+        self.note_status(replica, status)
+        return ""
+
+    def _seen(self, replica: Replica, incarnation: str, steps: int, at_risk: int, started_from: str) -> None:
+        """What an answer or status says; a new incarnation is a restart: count what it lost."""
+        if not incarnation:
+            return
+        if replica.incarnation and incarnation != replica.incarnation:
+            if started_from.startswith("checkpoint"):
+                lost = max(0, replica.steps - steps)
+            else:  # copied from a replica (or the seed): what only the dead process held
+                lost = replica.at_risk
+            replica.restarts += 1
+            self.lost_steps[replica.stage] += lost
+            self.restart_log.append({"replica": replica.name, "time": self._clock(), "lost_steps": lost,
+                                     "steps_before": replica.steps, "steps_after": steps,
+                                     "started_from": started_from or "?"})
+            log.warning("%s restarted (%s): it had %d optimizer steps and comes back at %d; %d step(s) of "
+                        "its training no checkpoint or replica held are lost", replica.name,
+                        started_from or "state unknown", replica.steps, steps, lost)
+        replica.incarnation, replica.steps, replica.at_risk = incarnation, steps, at_risk
+
+    def _start_probing(self) -> None:
+        if self._probe_task is None or self._probe_task.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to probe from
+                self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop(),
+                                                                          name="router-probe")
+
+    async def _probe_loop(self) -> None:
+        """While a replica is banned, ask each banned one for its status every
+        ``probe_interval`` seconds; lift the ban of one that answers and fits its stage."""
+        while True:
+            now = self._clock()
+            banned = [r for r in itertools.chain.from_iterable(self.replicas) if r.banned_until > now]
+            if not banned:
+                return
+            await asyncio.gather(*(self._probe(r) for r in banned))
+            await asyncio.sleep(self.config.probe_interval)
+
+    async def _probe(self, replica: Replica) -> None:
+        timeout = min(5.0, self.config.request_timeout)
+        try:
+            conn = await connect(replica.host, replica.port, secret=self.secret, tls=self.tls,
+                                 role="pipeline", timeouts=Timeouts(connect=timeout, handshake=timeout))
+        except (SwarmError, OSError):
+            return
+        try:
+            status = await request_status(conn, timeout)
+        except (SwarmError, OSError, TimeoutError):
+            return
+        finally:
+            await conn.close()
+        if self._admissible(replica, status) or replica.banned_until <= self._clock():
+            return
+        replica.banned_until = 0.0
+        replica.consecutive_failures = 0
+        self.bans_lifted += 1
+        log.info("%s answers again: its ban is lifted", replica.name)
+        event = self._lifted.get(replica.stage)
+        if event is not None:
+            event.set()
+
+    async def _read(self, replica: Replica, conn: Connection) -> None:
+        reason: BaseException = SwarmError("connection closed")
+        try:
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, Error):
+                    reason = RefusedError(msg.code, msg.message)
+                    if msg.fatal:
+                        break
+                    continue
+                fut = replica.pending.get(getattr(msg, "req", -1))
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except SwarmError as exc:
+            reason = exc
+        if replica.conn is conn:
+            self._drop(replica, reason)
+
+    def _drop(self, replica: Replica, reason: BaseException) -> None:
+        conn, replica.conn = replica.conn, None
+        if conn is not None:
+            conn.abort(reason if isinstance(reason, Exception) else SwarmError(str(reason)))
+        for fut in replica.pending.values():
+            if not fut.done():
+                fut.set_exception(SwarmError(f"{replica.name}: {reason}"))
+        replica.pending.clear()
+        with contextlib.suppress(RuntimeError):
+            if replica.reader is not None and replica.reader is not asyncio.current_task():
+                replica.reader.cancel()
