@@ -206,7 +206,7 @@ def test_wait_for_peers_timeout_says_found_x_of_y() -> None:
         t0 = time.monotonic()
         with pytest.raises(SwarmTimeout) as info:
             await d.wait_for_peers(3, timeout=0.5)
-        assert 0.4 < time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 > 0.4  # it waited for its timeout (the test's own ends a hang)
         assert info.value.phase == "discovery"
         assert "found 1 of 3 peers for run 'exp-7'" in str(info.value)
         assert "h2:1" in str(info.value)

@@ -34,9 +34,7 @@ def test_worker_killed_others_carry_on_and_it_rejoins(cluster: LanCluster) -> No
     c.start_worker(2, "w2")
     st = c.wait_for(lambda s: s["version"] > 60, 90, "training to get going")
     c.procs["w1"].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
     st = c.wait_for(lambda s: not c.worker(s, "w1")["connected"], 30, "the coordinator to notice w1 died")
-    noticed = time.monotonic() - killed_at
     w2_then = _steps(c, "w2")(st)
     assert c.worker(st, "w2")["shards"] == [0, 1]  # w2 took over w1's shard
     st = c.wait_for(lambda s: _steps(c, "w2")(s) > w2_then + 30, 60, "w2 to keep training alone")
@@ -48,7 +46,6 @@ def test_worker_killed_others_carry_on_and_it_rejoins(cluster: LanCluster) -> No
     assert c.events(st, "first_applied")
     # the new w1 process continued the message ids: none of its gradients was taken for a resend
     assert st["stats"]["duplicates"] == 0
-    assert noticed < 30
 
 
 def test_worker_link_cut_for_10s_comes_back_by_itself(cluster: LanCluster) -> None:
@@ -60,7 +57,10 @@ def test_worker_link_cut_for_10s_comes_back_by_itself(cluster: LanCluster) -> No
     c.lan.hosts[1].cut()
     cut_at = time.monotonic()
     st = c.wait_for(lambda s: not c.worker(s, "w1")["connected"], 20, "the coordinator to drop w1")
-    assert time.monotonic() - cut_at < 10  # heartbeat timeout is 3 s
+    # the cut left the TCP connection open: the coordinator found w1 silent (its heartbeat
+    # timeout), it did not wait for TCP to give up
+    left = [e for e in c.events(st, "left") if e.get("worker") == "w1"]
+    assert left and "went silent" in left[-1]["reason"], left
     w2_then = _steps(c, "w2")(st)
     time.sleep(max(0.0, 10 - (time.monotonic() - cut_at)))
     st = c.status()
