@@ -86,6 +86,39 @@ def test_before_start_a_call_is_refused_and_close_or_interrupt_end_the_backend_f
         interrupted.start()
 
 
+def test_an_interrupt_from_a_signal_handler_inside_a_step_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler runs on the thread it interrupted: one calling interrupt() while that
+    thread is inside start()'s own step must neither deadlock on the lifecycle lock nor be
+    overwritten by the step it interrupted (the peer then never starts)."""
+    b = PeerBackend()
+
+    class SignalDuringLookup(dict):  # type: ignore[type-arg]
+        fired = False
+
+        def get(self, key: object, default: object = None) -> object:
+            if not SignalDuringLookup.fired:
+                SignalDuringLookup.fired = True
+                b.interrupt()  # as a SIGINT handler would, between two bytecodes of _move()
+            return super().get(key, default)
+
+    monkeypatch.setitem(_LIFECYCLE, Lifecycle.NEW, SignalDuringLookup(_LIFECYCLE[Lifecycle.NEW]))
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            b.start()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            raised.append(exc)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(JOIN)
+    assert not thread.is_alive(), "start() deadlocked on the interrupt inside its own step"
+    assert SignalDuringLookup.fired and b.lifecycle is Lifecycle.CLOSED
+    assert len(raised) == 1 and isinstance(raised[0], BackendStateError), raised
+    assert "peer backend is closed: start() is not allowed" in str(raised[0])
+
+
 @pytest.fixture
 def lone_peer() -> Iterator[PeerBackend]:
     """A started peer that waits for a second one that never comes (its static peer is a

@@ -205,8 +205,9 @@ class PeerBackend:
     LEAVING_SEC: ClassVar[float] = 5.0
     FORGET_AFTER_FAILS: ClassVar[int] = 150
     _lifecycle: Lifecycle = Lifecycle.NEW
-    #: guards :attr:`_lifecycle` (start and close run on the caller's thread, interrupt on any)
-    _lifecycle_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: guards :attr:`_lifecycle` (start and close run on the caller's thread, interrupt on any);
+    #: reentrant, as a signal handler calling interrupt() may run inside :meth:`_move`
+    _lifecycle_lock: threading.RLock = field(default_factory=threading.RLock)
     #: the signed goodbye went out (at most once: from interrupt() or from close())
     _goodbye_said: bool = False
     #: why the current ring was closed when nothing went wrong (a member said goodbye), so
@@ -250,15 +251,20 @@ class PeerBackend:
             BackendStateError: ``step`` is not allowed in the current state.
         """
         with self._lifecycle_lock:
-            now = self._lifecycle
-            after = _LIFECYCLE[now].get(step)
-            if after is None:
-                allowed = ", ".join(s.value for s in _LIFECYCLE[now]) or "nothing"
-                raise BackendStateError(f"peer backend is {now.value}: {step.value} is not allowed "
-                                        f"then (allowed: {allowed})"
-                                        + ("; build a new PeerBackend" if now is Lifecycle.CLOSED else ""))
-            self._lifecycle = after
-            return now, after
+            while True:
+                now = self._lifecycle
+                after = _LIFECYCLE[now].get(step)  # (hashing an Enum calls Python code)
+                if after is None:
+                    allowed = ", ".join(s.value for s in _LIFECYCLE[now]) or "nothing"
+                    hint = "; build a new PeerBackend" if now is Lifecycle.CLOSED else ""
+                    raise BackendStateError(f"peer backend is {now.value}: {step.value} is not allowed "
+                                            f"then (allowed: {allowed}){hint}")
+                # A signal handler runs on this thread only at a call or a backward jump, so none
+                # can run between this check and the store; one that ran during the lookup
+                # (interrupt()) moved the state on: decide again from there.
+                if self._lifecycle is now:
+                    self._lifecycle = after
+                    return now, after
 
     def start(self) -> None:
         """Start listening, advertising and discovering (returns when ready).
