@@ -178,6 +178,23 @@ def test_running_then_interrupt_ends_a_wait_then_close(lone_peer: PeerBackend) -
         b.refresh()
 
 
+def test_an_interrupt_from_a_signal_handler_while_its_thread_holds_the_ring_lock_returns(
+        lone_peer: PeerBackend) -> None:
+    """The training thread takes the ring lock to read the current ring and the byte totals;
+    a signal handler that interrupts it there runs interrupt() on that same thread."""
+    b = lone_peer
+    done = threading.Event()
+
+    def handler_inside_the_lock() -> None:
+        with b._ring_lock:
+            b.interrupt()
+        done.set()
+
+    threading.Thread(target=handler_inside_the_lock, daemon=True).start()
+    assert done.wait(JOIN), "interrupt() deadlocked on the ring lock its own thread held"
+    assert b.lifecycle is Lifecycle.STOPPING
+
+
 def test_close_from_another_thread_ends_a_wait_with_ring_broken(lone_peer: PeerBackend) -> None:
     """close() without interrupt() first, while the training thread waits: the wait ends with
     RingBroken, as after interrupt(), not with a bare CancelledError (close() cancels every

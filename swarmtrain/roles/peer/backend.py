@@ -222,7 +222,9 @@ class PeerBackend:
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _ring: RingGroup | None = None
-    _ring_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: guards :attr:`_ring` (and the bytes of the rings let go of); reentrant, as a signal
+    #: handler calling interrupt() may run while its thread holds it
+    _ring_lock: threading.RLock = field(default_factory=threading.RLock)
     _suspects: dict[str, float] = field(default_factory=dict)
     _known: dict[str, Candidate] = field(default_factory=dict)
     #: bytes (sent, received) by the rings this backend has let go of; the current ring's
