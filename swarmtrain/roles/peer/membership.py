@@ -448,7 +448,7 @@ class Membership:
                     self.forgive(c.peer_id)
                     self.left.discard(c.peer_id)
                     continue
-                if good and ans.code in ("stale_epoch", "promised"):  # type: ignore[union-attr]
+                if good and ans.code in (AcceptCode.STALE_EPOCH, AcceptCode.PROMISED):  # type: ignore[union-attr]
                     seen = max(seen, ans.seen)  # type: ignore[union-attr]
                     continue
                 if good and ans.code == AcceptCode.FOLLOWS:  # type: ignore[union-attr]

@@ -172,7 +172,7 @@ class PeerTrainer:
         self.backend.work = int(work)
         self.strategy.after_state_load()
         self.record_event("epoch", epoch=view.epoch, members=len(view.members), round=self.strategy.round,
-                    donor=view.donor, work=self.backend.work, digest=digest)
+                          donor=view.donor, work=self.backend.work, digest=digest)
         log.info("epoch %d: %d member(s), state of round %d (%d samples of training) from %s, digest %s",
                  view.epoch, view.world_size, self.strategy.round, self.backend.work, view.donor[:8], digest)
         if pending.round != self.strategy.round:
