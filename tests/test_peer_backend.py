@@ -332,3 +332,38 @@ def test_all_reduce_copies_nothing_for_its_retry(group: list[PeerBackend]) -> No
             [lambda b=b, t=t: call(b, t) for b, t in zip(group, tensors)]))
         assert extra < n, f"{extra / 1e6:.0f} MB resident above the start (bound: a quarter tensor)"
     assert all(torch.equal(t, torch.full((n,), 9.0)) for t in tensors)  # 3 (sum), 3, 3, 3 x 3
+
+
+def test_the_byte_totals_are_the_rings_counters_over_every_collective_and_epoch(
+        group: list[PeerBackend]) -> None:
+    """bytes_sent/bytes_received are the rings' own counters, summed over the rings let go of:
+    what one member sends another receives, a broadcast counts at once (not at the next
+    all-reduce), a new epoch and close() lose nothing."""
+    def totals() -> list[tuple[int, int]]:
+        return [(b.bytes_sent, b.bytes_received) for b in group]
+
+    n = 30_000
+    in_threads([lambda b=b: b.all_reduce(torch.ones(n), "sum") for b in group])
+    after_reduce = totals()
+    # a ring all-reduce sends 2 (W-1)/W of the tensor from every member (fp32), plus headers
+    assert all(sent >= 2 * 2 * n * 4 // 3 for sent, _ in after_reduce)
+    assert sum(s for s, _ in after_reduce) == sum(r for _, r in after_reduce)
+    assert [(b.status()["bytes_sent"], b.status()["bytes_received"]) for b in group] == after_reduce
+
+    in_threads([lambda b=b: b.broadcast(torch.ones(n), root=0) for b in group])
+    after_broadcast = totals()
+    assert after_broadcast[0][0] > after_reduce[0][0]  # the root sent the tensor
+    assert all(r > r0 for (_, r), (_, r0) in zip(after_broadcast[1:], after_reduce[1:], strict=True))
+
+    epoch = group[0].epoch
+    group[0].membership.healthy = False  # a broken ring with everyone alive: a new epoch
+    in_threads([lambda b=b: b.recover(epoch) for b in group])
+    assert {b.epoch for b in group} == {group[0].epoch} and group[0].epoch > epoch
+    assert totals() == after_broadcast  # the rings let go of keep their bytes
+    in_threads([lambda b=b: b.all_reduce(torch.ones(n), "sum") for b in group])
+    again = totals()
+    assert all(s > s0 for (s, _), (s0, _) in zip(again, after_broadcast, strict=True))
+    assert sum(s for s, _ in again) == sum(r for _, r in again)
+
+    group[2].close()
+    assert group[2].bytes_sent == again[2][0] and group[2].bytes_received == again[2][1]

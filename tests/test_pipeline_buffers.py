@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.roles.stage import (
@@ -313,6 +315,50 @@ def test_metrics_hand_counted() -> None:
     assert (m.packets_in, m.packets_out, m.dropped, m.rejected) == (12, 2, 10, 2)
     assert m.avg_wait_ms == 5000.0  # cleared packets do not count towards the wait
     assert m.count_by_priority == {p.name: 0 for p in Priority}
+
+
+#: one operation on a buffer: put (a packet of this priority), get, peek or clear
+_OPS = hs.one_of(hs.sampled_from(list(Priority)).map(lambda p: ("put", p)),
+                 hs.sampled_from([("get", None), ("peek", None), ("clear", None)]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=hs.integers(1, 8), ops=hs.lists(_OPS, max_size=60))
+def test_counts_by_priority_are_what_is_queued_after_any_puts_and_gets(
+        capacity: int, ops: list[tuple[str, Priority | None]]) -> None:
+    """Against a plain model (one list per priority): every get returns the oldest packet of
+    the most urgent priority queued, and the size, the counts by priority and the counters
+    are what the model holds after every operation."""
+    buf = ActivationBuffer(capacity=capacity, clock=FakeClock())
+    model: dict[Priority, list[int]] = {p: [] for p in Priority}
+    n_in = n_out = dropped = rejected = 0
+    for i, (op, priority) in enumerate(ops):
+        queued = sum(map(len, model.values()))
+        urgent = next((model[p] for p in sorted(Priority) if model[p]), None)
+        if op == "put":
+            assert priority is not None
+            accepted = buf.put_nowait(packet(priority, i))
+            assert accepted == (queued < capacity)
+            if accepted:
+                model[priority].append(i)
+                n_in += 1
+            else:
+                rejected += 1
+        elif op == "get":
+            got = buf.get_nowait()
+            assert (got.microbatch_id if got else None) == (urgent.pop(0) if urgent else None)
+            n_out += got is not None
+        elif op == "peek":
+            seen = buf.peek()
+            assert (seen.microbatch_id if seen else None) == (urgent[0] if urgent else None)
+        else:
+            assert buf.clear() == queued
+            dropped += queued
+            model = {p: [] for p in Priority}
+        m = buf.metrics()
+        assert m.count_by_priority == {p.name: len(model[p]) for p in Priority}
+        assert m.size == len(buf) == sum(map(len, model.values()))
+        assert (m.packets_in, m.packets_out, m.dropped, m.rejected) == (n_in, n_out, dropped, rejected)
 
 
 # --- OutboundBuffer -----------------------------------------------------------------------

@@ -331,14 +331,14 @@ def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
         _raise_identity_conflict(backend)
         share.seen(_local_peer_count(backend))
         share.apply()
-        trainer._event("started", run=cfg.peer.run, peer=peer_id, mode=cfg.training.mode)
+        trainer.record_event("started", run=cfg.peer.run, peer=peer_id, mode=cfg.training.mode)
         trainer.run()
     finally:
         summary = peer_summary(trainer, peer_id)  # before close: the last view is still there
         if http is not None:
             http.close()
         if status_file:
-            trainer._write_status()
+            trainer.write_status()
         backend.close()
         if trainer.run_log is not None:
             trainer.run_log.event("finished", round=trainer.strategy.round, metrics=trainer.metrics)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ import torch
 from swarmtrain.errors import AuthError, SwarmError, SwarmTimeout
 from swarmtrain.roles.peer.control import ControlPlane
 from swarmtrain.roles.peer.discovery import Discovery, MdnsDiscovery, PeerInfo, StaticDiscovery
-from swarmtrain.roles.peer.membership import Candidate, Membership, View, check_signature
+from swarmtrain.roles.peer.membership import Candidate, Membership, ReformKind, View, check_signature
 from swarmtrain.roles.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
 from swarmtrain.transport.endpoints import ServerLimits
@@ -46,7 +47,8 @@ from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import PROTOCOL_VERSION, PeerInfoMsg, Reform
 
-__all__ = ["NonFiniteResult", "PeerBackend", "PeerOptions", "load_state_bytes", "state_bytes"]
+__all__ = ["BackendStateError", "Lifecycle", "NonFiniteResult", "PeerBackend", "PeerOptions",
+           "load_state_bytes", "state_bytes"]
 
 log = logging.getLogger("swarmtrain.roles.peer")
 T = TypeVar("T")
@@ -72,6 +74,51 @@ class NonFiniteResult(SwarmError):
     """An all-reduce result holds NaN or Inf (asked for with ``check_finite=True``): some
     member contributed a non-finite value. Every member holds the same reduced bits, so every
     member raises alike and can skip the step alike."""
+
+
+class Lifecycle(enum.Enum):
+    """Where a :class:`PeerBackend` is in its life. What may follow what, and on which call,
+    is :data:`_LIFECYCLE`; :meth:`PeerBackend._move` refuses anything else."""
+
+    NEW = "new"  #: built: start() next
+    STARTING = "starting"  #: start() is bringing up the control loop, the listeners, discovery
+    RUNNING = "running"  #: collectives, epochs, recovery
+    STOPPING = "stopping"  #: interrupt() was called: every wait ends with RingBroken; close() next
+    CLOSING = "closing"  #: close() is saying goodbye and closing every connection
+    CLOSED = "closed"  #: nothing runs any more; a closed backend does not start again
+
+
+class _Step(enum.Enum):
+    """What moves a :class:`PeerBackend` from one :class:`Lifecycle` state to the next."""
+
+    START = "start()"
+    STARTED = "the end of start()"
+    INTERRUPT = "interrupt()"
+    CLOSE = "close()"
+    CLOSED = "the end of close()"
+
+
+#: the lifecycle's transitions: for each state, the steps allowed in it and the state each
+#: leads to (anything else is refused). An interrupt is allowed everywhere, as signal handlers
+#: call it whenever they fire: before start() the peer never starts, while starting it stops
+#: as soon as it is up, and once stopping or closing it changes nothing. close() before
+#: start() has nothing to close.
+_LIFECYCLE: dict[Lifecycle, dict[_Step, Lifecycle]] = {
+    Lifecycle.NEW: {_Step.START: Lifecycle.STARTING, _Step.INTERRUPT: Lifecycle.CLOSED,
+                    _Step.CLOSE: Lifecycle.CLOSED},
+    Lifecycle.STARTING: {_Step.STARTED: Lifecycle.RUNNING, _Step.INTERRUPT: Lifecycle.STOPPING,
+                         _Step.CLOSE: Lifecycle.CLOSING},
+    Lifecycle.RUNNING: {_Step.INTERRUPT: Lifecycle.STOPPING, _Step.CLOSE: Lifecycle.CLOSING},
+    Lifecycle.STOPPING: {_Step.STARTED: Lifecycle.STOPPING, _Step.INTERRUPT: Lifecycle.STOPPING,
+                         _Step.CLOSE: Lifecycle.CLOSING},
+    Lifecycle.CLOSING: {_Step.INTERRUPT: Lifecycle.CLOSING, _Step.CLOSED: Lifecycle.CLOSED},
+    Lifecycle.CLOSED: {_Step.INTERRUPT: Lifecycle.CLOSED, _Step.CLOSE: Lifecycle.CLOSED},
+}
+
+
+class BackendStateError(SwarmError):
+    """A :class:`PeerBackend` was asked for something its :class:`Lifecycle` state does not
+    allow (start() twice, start() after close(), a collective before start()...)."""
 
 
 #: the ring listener's refusal names that mean what a control server's ERROR codes say
@@ -157,7 +204,11 @@ class PeerBackend:
     _left_at: dict[str, float] = field(default_factory=dict)
     LEAVING_SEC: ClassVar[float] = 5.0
     FORGET_AFTER_FAILS: ClassVar[int] = 150
-    _stopping: bool = False
+    _lifecycle: Lifecycle = Lifecycle.NEW
+    #: guards :attr:`_lifecycle` (start and close run on the caller's thread, interrupt on any);
+    #: reentrant, as a signal handler calling interrupt() may run inside :meth:`_move`
+    _lifecycle_lock: threading.RLock = field(default_factory=threading.RLock)
+    #: the signed goodbye went out (at most once: from interrupt() or from close())
     _goodbye_said: bool = False
     #: why the current ring was closed when nothing went wrong (a member said goodbye), so
     #: the training loop reports it as routine; "" otherwise
@@ -171,26 +222,66 @@ class PeerBackend:
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _ring: RingGroup | None = None
-    _ring_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: guards :attr:`_ring` (and the bytes of the rings let go of); reentrant, as a signal
+    #: handler calling interrupt() may run while its thread holds it
+    _ring_lock: threading.RLock = field(default_factory=threading.RLock)
     _suspects: dict[str, float] = field(default_factory=dict)
     _known: dict[str, Candidate] = field(default_factory=dict)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    _closed_bytes: tuple[int, int] = (0, 0)
+    #: bytes (sent, received) by the rings this backend has let go of; the current ring's
+    #: own counters hold the rest (:attr:`bytes_sent`, :attr:`bytes_received`)
+    _retired_bytes: tuple[int, int] = (0, 0)
     GOODBYE_SEC: ClassVar[float] = 0.5  # telling the members we leave
     CLOSE_POLITELY_SEC: ClassVar[float] = 1.0  # mDNS goodbyes and closing connections
     CLOSE_FORCE_SEC: ClassVar[float] = 0.5  # then cancelling whatever is left
 
     # -- life cycle ------------------------------------------------------------------------
 
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """Where this backend is in its life (see :class:`Lifecycle`)."""
+        return self._lifecycle
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`interrupt` or :meth:`close` was called: waits end at once."""
+        return self._lifecycle in (Lifecycle.STOPPING, Lifecycle.CLOSING, Lifecycle.CLOSED)
+
+    def _move(self, step: _Step) -> tuple[Lifecycle, Lifecycle]:
+        """Take ``step`` from the current state (:data:`_LIFECYCLE`): the states before and after.
+
+        Raises:
+            BackendStateError: ``step`` is not allowed in the current state.
+        """
+        with self._lifecycle_lock:
+            while True:
+                now = self._lifecycle
+                after = _LIFECYCLE[now].get(step)  # (hashing an Enum calls Python code)
+                if after is None:
+                    allowed = ", ".join(s.value for s in _LIFECYCLE[now]) or "nothing"
+                    hint = "; build a new PeerBackend" if now is Lifecycle.CLOSED else ""
+                    raise BackendStateError(f"peer backend is {now.value}: {step.value} is not allowed "
+                                            f"then (allowed: {allowed}){hint}")
+                # A signal handler runs on this thread only at a call or a backward jump, so none
+                # can run between this check and the store; one that ran during the lookup
+                # (interrupt()) moved the state on: decide again from there.
+                if self._lifecycle is now:
+                    self._lifecycle = after
+                    return now, after
+
     def start(self) -> None:
-        """Start listening, advertising and discovering (returns when ready)."""
+        """Start listening, advertising and discovering (returns when ready).
+
+        Raises:
+            BackendStateError: started before, closed, or interrupted before it started.
+        """
+        self._move(_Step.START)
         self.identity = self.identity or Identity.load_or_create()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-peer-control",
                                         daemon=True)
         self._thread.start()
         self._call(self._start_async(), timeout=30)
+        self._move(_Step.STARTED)
 
     async def _start_async(self) -> None:
         o = self.options
@@ -232,20 +323,32 @@ class PeerBackend:
                  o.run, self.port, self.listener.address[1])
 
     def close(self) -> None:
-        """Leave: stop advertising, close the ring and every connection."""
-        with self._ring_lock:
-            if self._ring is not None:
-                self._ring.close()
-                self._ring = None
-        if self._loop is not None:
-            try:
-                self._call(self._close_async(), timeout=self.CLOSE_POLITELY_SEC + self.CLOSE_FORCE_SEC + 5)
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                if self._thread is not None:
-                    self._thread.join(timeout=10)
-                self._loop.close()
-                self._loop = None
+        """Leave: stop advertising, close the ring and every connection. Closing a closed
+        backend (or one never started) does nothing.
+
+        Raises:
+            BackendStateError: another thread is closing it right now.
+        """
+        if self._move(_Step.CLOSE)[1] is Lifecycle.CLOSED:
+            return
+        try:
+            with self._ring_lock:
+                if self._ring is not None:
+                    self._retire(self._ring)
+                    self._ring.close()
+                    self._ring = None
+            if self._loop is not None:
+                try:
+                    self._call(self._close_async(),
+                               timeout=self.CLOSE_POLITELY_SEC + self.CLOSE_FORCE_SEC + 5)
+                finally:
+                    self._loop.call_soon_threadsafe(self._loop.stop)
+                    if self._thread is not None:
+                        self._thread.join(timeout=10)
+                    self._loop.close()
+                    self._loop = None
+        finally:
+            self._move(_Step.CLOSED)
 
     async def _close_async(self) -> None:
         self._probe_task.cancel()
@@ -278,19 +381,27 @@ class PeerBackend:
         if v is None or self.identity is None or self._goodbye_said:
             return
         self._goodbye_said = True
-        msg = self.membership.reform_request(v.epoch, "leave")
+        msg = self.membership.reform_request(v.epoch, ReformKind.LEAVE)
         members = [c for p, c in self._candidates().items() if p in v.members]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.GOODBYE_SEC):
                 await asyncio.gather(*(self.control.ask(c, msg, self.GOODBYE_SEC) for c in members))
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        assert self._loop is not None, "call start() first"
+        if self._loop is None:
+            coro.close()  # it never runs: closed, so Python does not warn that it was never awaited
+            raise BackendStateError(f"peer backend is {self._lifecycle.value}: call start() first"
+                                    if self._lifecycle is Lifecycle.NEW else
+                                    f"peer backend is {self._lifecycle.value}: its control loop is gone")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout)
         except SwarmTimeout:
             raise  # a named phase inside the call (reform, discovery...): its own name and limit
+        except concurrent.futures.CancelledError:
+            if self.stopping:  # close() ends every task on the control loop, this call's too
+                raise RingBroken("close", None, "this peer was closed during the call") from None
+            raise
         except concurrent.futures.TimeoutError:
             if fut.done():  # finished meanwhile, or failed with a timeout of its own: its outcome
                 return fut.result(0)
@@ -468,7 +579,7 @@ class PeerBackend:
                         msg.peer_id[:8], self.forged_reforms)
             return
         v = self.view
-        if msg.kind == "join":
+        if msg.kind == ReformKind.JOIN:
             self._suspects.pop(msg.peer_id, None)
             self.membership.forgive(msg.peer_id)
             if msg.peer_id in self._known and msg.peer_id not in self._verified:
@@ -476,7 +587,7 @@ class PeerBackend:
                 self._wake_probe.set()
             log.debug("peer %s asks to be taken in", msg.peer_id[:8])
             return
-        if msg.kind == "leave":
+        if msg.kind == ReformKind.LEAVE:
             self._left_at[msg.peer_id] = time.monotonic()  # first: the trainer reads it (left_recently)
             log.info("peer %s is leaving", msg.peer_id[:8])
             self.membership.on_leave(msg.peer_id)
@@ -617,7 +728,7 @@ class PeerBackend:
                 raise SwarmTimeout("reform", self.options.reform_timeout,
                                    f"no new epoch after epoch {above}; authenticated peers: "
                                    f"{sorted(p[:8] for p in self._verified) or 'none'}")
-            if self._stopping:
+            if self.stopping:
                 raise RingBroken("reform", None, "this peer is stopping")
             if above and now - noted > self.PAUSED_NOTE_SEC:
                 noted = now
@@ -632,7 +743,8 @@ class PeerBackend:
                 continue
             m.changed.clear()
             if leader in cands:  # tell the leader our ring broke, or that we are back
-                kind = "broke" if m.view is not None and leader in m.view.members else "join"
+                broke = m.view is not None and leader in m.view.members
+                kind = ReformKind.BROKE if broke else ReformKind.JOIN
                 answer = await self.control.ask(cands[leader], m.reform_request(above, kind),
                                                 self.options.propose_timeout)
                 if answer is None:
@@ -660,8 +772,9 @@ class PeerBackend:
         with self._ring_lock:
             old, self._ring, self._ring_view = self._ring, ring, v
             self.routine_close = ""
+            if old is not None:
+                self._retire(old)
         if old is not None:
-            self._account(old, closing=True)
             old.close()
         return True
 
@@ -696,8 +809,12 @@ class PeerBackend:
 
     def interrupt(self) -> None:
         """Stop waiting (from any thread): a collective in progress and a paused recovery end
-        with :class:`RingBroken`, so the caller's loop can wind down (:meth:`close` next)."""
-        self._stopping = True
+        with :class:`RingBroken`, so the caller's loop can wind down (:meth:`close` next).
+        Allowed any number of times in any state: before :meth:`start` it means the peer never
+        starts; while starting, it stops as soon as it is up (waits end at once)."""
+        before, _ = self._move(_Step.INTERRUPT)
+        if before not in (Lifecycle.RUNNING, Lifecycle.STOPPING):
+            return  # nothing is up to wake yet (or close() is taking it all down)
         if self._loop is not None:
             # goodbye first: the members then read our ring closing as a leave, not a failure
             with contextlib.suppress(SwarmError, concurrent.futures.CancelledError, RuntimeError):
@@ -855,7 +972,6 @@ class PeerBackend:
             except RingBroken:
                 intact = intact and ring.input_intact
                 raise
-            self._account(ring)
             return out
 
         out, ring = self._retrying("the all-reduce", reduce, retries)
@@ -911,18 +1027,34 @@ class PeerBackend:
                 self.recover(epoch)
         raise AssertionError("unreachable")
 
-    def _account(self, ring: RingGroup, *, closing: bool = False) -> None:
-        """Bytes moved by collectives: those of closed rings plus the current one's."""
-        if closing:
-            self._closed_bytes = (self._closed_bytes[0] + ring.bytes_sent,
-                                  self._closed_bytes[1] + ring.bytes_received)
-            self.bytes_sent, self.bytes_received = self._closed_bytes
-        else:
-            self.bytes_sent = self._closed_bytes[0] + ring.bytes_sent
-            self.bytes_received = self._closed_bytes[1] + ring.bytes_received
+    def _retire(self, ring: RingGroup) -> None:
+        """Keep the bytes ``ring`` moved, as this backend lets go of it (with ``_ring_lock``
+        held, so :meth:`_bytes_moved` never counts a ring twice or not at all)."""
+        self._retired_bytes = (self._retired_bytes[0] + ring.bytes_sent,
+                               self._retired_bytes[1] + ring.bytes_received)
+
+    def _bytes_moved(self) -> tuple[int, int]:
+        """Bytes (sent, received) by every collective so far: the rings let go of, plus the
+        current one's own counters."""
+        with self._ring_lock:
+            ring, (sent, received) = self._ring, self._retired_bytes
+        if ring is None:
+            return sent, received
+        return sent + ring.bytes_sent, received + ring.bytes_received
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this peer sent in collectives (ring frames: headers and payloads), all epochs."""
+        return self._bytes_moved()[0]
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this peer received in collectives, all epochs."""
+        return self._bytes_moved()[1]
 
     def status(self) -> dict[str, Any]:
         v = self.view
+        sent, received = self._bytes_moved()
         server = self.control.server
         return {"peer_id": self.identity.peer_id if self.identity else "", "run": self.options.run,
                 "epoch": self.epoch, "members": list(v.members) if v else [],
@@ -943,7 +1075,7 @@ class PeerBackend:
                 "forged_reforms": self.forged_reforms,
                 # everything refused, by reason: both listeners' connections and messages
                 "refusals": self.all_refusals(),
-                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+                "bytes_sent": sent, "bytes_received": received}
 
     def all_refusals(self) -> dict[str, int]:
         """What this peer refused, by reason, in the codes of the control server's ERRORs:

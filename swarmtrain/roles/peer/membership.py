@@ -36,6 +36,7 @@ sockets.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -48,8 +49,8 @@ from swarmtrain.errors import SwarmError
 from swarmtrain.transport.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
 from swarmtrain.wire import Accept, Commit, Message, Propose, Reform, Status
 
-__all__ = ["Anchor", "Candidate", "Membership", "QUORUM_RULES", "View", "check_signature", "has_quorum",
-           "plan_view", "signed_bytes"]
+__all__ = ["AcceptCode", "Anchor", "Candidate", "Membership", "QUORUM_RULES", "ReformKind", "View",
+           "check_signature", "has_quorum", "plan_view", "signed_bytes"]
 
 log = logging.getLogger("swarmtrain.roles.peer.membership")
 
@@ -178,6 +179,26 @@ def plan_view(me: str, standing: Mapping[str, _Standing], *, left: set[str] | fr
     return None
 
 
+class ReformKind(enum.StrEnum):
+    """What a REFORM says (its ``kind``; a ``str``, so it is signed and sent as its value)."""
+
+    BROKE = "broke"  #: my ring of the epoch broke: abort yours and agree a new epoch
+    JOIN = "join"  #: I am back and not in your view: take me in at your next boundary
+    LEAVE = "leave"  #: I am shutting down: do not wait for me, do not count me in a quorum
+
+
+class AcceptCode(enum.StrEnum):
+    """Why a member refused a proposal (an ACCEPT's ``code``; empty when it accepted)."""
+
+    ACCEPTED = ""
+    BAD_SIGNATURE = "bad_signature"
+    NOT_READY = "not_ready"  #: not taking part yet (or leaving)
+    NOT_MEMBER = "not_member"  #: the proposal does not name this member
+    FOLLOWS = "follows"  #: it follows another leader, named in the answer
+    STALE_EPOCH = "stale_epoch"  #: the proposed epoch is not above the member's
+    PROMISED = "promised"  #: it already accepted another proposal of that epoch
+
+
 def signed_bytes(msg: Message) -> bytes:
     """The canonical bytes a membership message's signature covers (all but the signature)."""
     fields = {k: v for k, v in msg.fields().items() if k != "signature"}
@@ -304,25 +325,25 @@ class Membership:
 
     def on_propose(self, msg: Propose) -> Accept:
         """Answer a proposal (called by the control server)."""
-        ok, reason, code = True, "", ""
+        ok, reason, code = True, "", AcceptCode.ACCEPTED
         leader = self.my_leader()
         if not check_signature(msg):
-            ok, reason, code = False, "bad signature", "bad_signature"
+            ok, reason, code = False, "bad signature", AcceptCode.BAD_SIGNATURE
         elif not self.ready:
-            ok, reason, code = False, "not ready yet", "not_ready"
+            ok, reason, code = False, "not ready yet", AcceptCode.NOT_READY
         elif self.me not in msg.members:
-            ok, reason, code = False, "not a member of the proposal", "not_member"
+            ok, reason, code = False, "not a member of the proposal", AcceptCode.NOT_MEMBER
         elif (self.healthy and self.view is not None and msg.proposer != leader
               and (msg.group, msg.work, -_rank(msg.proposer)) <= (self.group(), self.work(), -_rank(leader))):
-            ok, code = False, "follows"
+            ok, code = False, AcceptCode.FOLLOWS
             reason = f"following {leader[:8]}'s epoch {self.epoch}, whose state carries as much training"
         elif msg.epoch <= self.epoch:
-            ok, code = False, "stale_epoch"
+            ok, code = False, AcceptCode.STALE_EPOCH
             reason = f"epoch {msg.epoch} is not above the current {self.epoch}"
         elif msg.epoch < self._accepted[0] or (
             msg.epoch == self._accepted[0] and msg.proposer > self._accepted[1]
         ):
-            ok, code = False, "promised"
+            ok, code = False, AcceptCode.PROMISED
             reason = f"epoch {msg.epoch}: already accepted {self._accepted[1][:8]}'s"
         if ok:
             self._accepted = (msg.epoch, msg.proposer)
@@ -330,7 +351,7 @@ class Membership:
         return _sign(self.identity, Accept(
             epoch=msg.epoch, peer_id=self.me, ok=ok, rounds=self.rounds(), reason=reason,
             work=self.work(), group=self.group(), anchors=[a.to_wire() for a in self.anchors()], code=code,
-            leader=leader if code == "follows" else "", seen=max(self.epoch, self._accepted[0])))
+            leader=leader if code is AcceptCode.FOLLOWS else "", seen=max(self.epoch, self._accepted[0])))
 
     def on_commit(self, msg: Commit) -> bool:
         """Install a committed view if it is newer and names us (called by the control server)."""
@@ -427,16 +448,16 @@ class Membership:
                     self.forgive(c.peer_id)
                     self.left.discard(c.peer_id)
                     continue
-                if good and ans.code in ("stale_epoch", "promised"):  # type: ignore[union-attr]
+                if good and ans.code in (AcceptCode.STALE_EPOCH, AcceptCode.PROMISED):  # type: ignore[union-attr]
                     seen = max(seen, ans.seen)  # type: ignore[union-attr]
                     continue
-                if good and ans.code == "follows":  # type: ignore[union-attr]
+                if good and ans.code == AcceptCode.FOLLOWS:  # type: ignore[union-attr]
                     assert isinstance(ans, Accept)
                     if (ans.group, ans.work, -_rank(ans.leader)) > best:
                         best = (ans.group, ans.work, -_rank(ans.leader))
                         follow = (ans.leader, ans.seen, ans.work, time.monotonic() + self.FOLLOW_SEC)
                     continue
-                if good and ans.code == "not_ready":  # type: ignore[union-attr]
+                if good and ans.code == AcceptCode.NOT_READY:  # type: ignore[union-attr]
                     self._cooldown[c.peer_id] = time.monotonic() + 1.0  # it is starting: soon
                     continue
                 # left out; asked again after a short pause (1, 2, 4, 8 s); the backend's
@@ -501,7 +522,7 @@ class Membership:
                 f"whose state this peer holds; a majority ({len(counted) // 2 + 1}) is needed to train "
                 "(the rest may be training without us); waiting for the partition to heal")
 
-    def reform_request(self, epoch: int, kind: str = "broke") -> Reform:
+    def reform_request(self, epoch: int, kind: ReformKind = ReformKind.BROKE) -> Reform:
         """A signed REFORM: this node's ring of ``epoch`` broke, or it is back (``join``) or
         leaving (``leave``)."""
         return _sign(self.identity, Reform(epoch=epoch, peer_id=self.me, kind=kind))

@@ -97,7 +97,7 @@ class PeerTrainer:
                 self.rounds_refused += 1
                 log.warning("round %d (epoch %d): %s; not applied, the weights stay as they were",
                             self.strategy.round, self.backend.epoch, exc)
-                self._event("round_refused", round=self.strategy.round, epoch=self.backend.epoch)
+                self.record_event("round_refused", round=self.strategy.round, epoch=self.backend.epoch)
                 self.strategy.skip_round()
                 mean = None  # and its samples never reached the weights:
                 pending = Contribution(pending.flat, 0.0, pending.round, 0, 0, pending.flags)
@@ -116,7 +116,7 @@ class PeerTrainer:
                 else:
                     log.warning("round %d: ring of epoch %d broke (%s); re-forming", self.strategy.round,
                                 epoch, exc)
-                self._event("ring_broken", epoch=epoch, phase=exc.phase, round=self.strategy.round)
+                self.record_event("ring_broken", epoch=epoch, phase=exc.phase, round=self.strategy.round)
                 resync = True
                 broken += 1
                 if broken > 1:
@@ -171,8 +171,8 @@ class PeerTrainer:
         load_state_bytes(flat, state)
         self.backend.work = int(work)
         self.strategy.after_state_load()
-        self._event("epoch", epoch=view.epoch, members=len(view.members), round=self.strategy.round,
-                    donor=view.donor, work=self.backend.work, digest=digest)
+        self.record_event("epoch", epoch=view.epoch, members=len(view.members), round=self.strategy.round,
+                          donor=view.donor, work=self.backend.work, digest=digest)
         log.info("epoch %d: %d member(s), state of round %d (%d samples of training) from %s, digest %s",
                  view.epoch, view.world_size, self.strategy.round, self.backend.work, view.donor[:8], digest)
         if pending.round != self.strategy.round:
@@ -193,7 +193,7 @@ class PeerTrainer:
         self.nonfinite_local += 1
         log.warning("round %d: this peer's own contribution holds NaN or Inf (diverged, or bad "
                     "data?); contributing nothing this round", work.round)
-        self._event("nonfinite_local", round=work.round)
+        self.record_event("nonfinite_local", round=work.round)
         self.strategy.discard_local_work()
         return self._nothing(work, work.round)
 
@@ -271,17 +271,19 @@ class PeerTrainer:
                                   trim=self.robust_trim)["flat"]
         left, back = self.scores.update(members)
         for peer in left:
-            self._event("member_excluded", peer=peer, agreement=self.scores.mean(peer))
+            self.record_event("member_excluded", peer=peer, agreement=self.scores.mean(peer))
             self.backend.refusals.count("member_excluded")
             log.warning("peer %s is left out of the robust combination: its contributions pull against "
                         "the others' (mean cosine %.3f); check its data and code, or stop it if it is "
                         "not yours", str(peer)[:8], self.scores.mean(peer))
         for peer in back:
-            self._event("member_readmitted", peer=peer)
+            self.record_event("member_readmitted", peer=peer)
         shares = (rows[voting, n:n + f].sum(dim=0) > 0).to(torch.float32)
         return combined, shares
 
-    def _event(self, kind: str, **data: Any) -> None:
+    def record_event(self, kind: str, **data: Any) -> None:
+        """Note that ``kind`` happened (with ``data``): in :attr:`events` (the status shows the
+        last 50) and in the run log, if there is one."""
         self.events.append({"time": time.time(), "event": kind, **data})
         if self.run_log is not None:
             self.run_log.event(kind, **data)
@@ -316,7 +318,7 @@ class PeerTrainer:
                 bytes_sent=self.backend.bytes_sent, bytes_received=self.backend.bytes_received,
                 **({"eval": dict(self.metrics)} if evaluated else {}))
         if self.status_file:
-            self._write_status()
+            self.write_status()
 
     def checksum(self) -> float:
         """A cheap fingerprint of the weights (equal on every member after each round)."""
@@ -331,7 +333,14 @@ class PeerTrainer:
                 "checksum": self.checksum(), "events": self.events[-50:],
                 "history": self.history[-2000:]}
 
-    def _write_status(self) -> None:
+    def write_status(self) -> None:
+        """Rewrite :attr:`status_file` with :meth:`status` (whole: written aside, then renamed).
+
+        Raises:
+            SwarmError: no ``status_file`` is set.
+        """
+        if not self.status_file:
+            raise SwarmError("write_status() needs a status_file: set PeerTrainer.status_file first")
         path = Path(self.status_file)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(self.status(), default=str))

@@ -3,18 +3,17 @@
 The compute loop of a stage must never wait on the network, so every packet that arrives
 (activations going forward, gradients going backward, inference requests, gradient sync)
 lands here first and the compute loop takes the most urgent one. Lower :class:`Priority`
-goes first; within one priority packets leave in the order they were put (FIFO by a
-sequence number). The buffer is bounded; a full buffer makes producers wait or refuses
+goes first; within one priority packets leave in the order they were put (one FIFO queue
+per priority). The buffer is bounded; a full buffer makes producers wait or refuses
 them, and never discards an accepted packet except through :meth:`ActivationBuffer.clear`.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -142,8 +141,9 @@ class BufferMetrics:
 class ActivationBuffer:
     """Bounded, thread-safe priority queue of inbound :class:`WorkPacket`.
 
-    Any number of producer and consumer threads may use it. One lock guards the heap; two
-    conditions on that lock wake producers (space freed) and consumers (packet added).
+    Any number of producer and consumer threads may use it. One lock guards one FIFO queue per
+    priority (what is queued, by priority, is their lengths); two conditions on that lock wake
+    producers (space freed) and consumers (packet added).
 
     Args:
         capacity: most packets held at once (>= 1).
@@ -162,12 +162,10 @@ class ActivationBuffer:
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
-        # (priority, sequence number, enqueue time, packet): the sequence number keeps FIFO
-        # order within a priority and means packets themselves are never compared.
-        self._heap: list[tuple[int, int, float, WorkPacket]] = []
-        self._sequence = itertools.count()
+        # one FIFO queue per priority, most urgent first: a get takes from the first that is
+        # not empty, and the counts by priority are their lengths
+        self._queues: dict[Priority, deque[WorkPacket]] = {p: deque() for p in sorted(Priority)}
         self._closed = False
-        self._queued_by_priority = {p: 0 for p in Priority}
         self._packets_in = 0
         self._packets_out = 0
         self._dropped = 0
@@ -187,7 +185,7 @@ class ActivationBuffer:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._heap)
+            return self._queued()
 
     def put(self, packet: WorkPacket, timeout: float | None = None) -> bool:
         """Add ``packet``, waiting for space while the buffer is full.
@@ -210,7 +208,7 @@ class ActivationBuffer:
             while True:
                 if self._closed:
                     raise BufferClosed("cannot put into a closed ActivationBuffer")
-                if len(self._heap) < self._capacity:
+                if self._queued() < self._capacity:
                     self._push(packet)
                     return True
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -248,7 +246,7 @@ class ActivationBuffer:
         """
         deadline = _deadline(timeout)
         with self._lock:
-            while not self._heap:
+            while not self._queued():
                 if self._closed:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -264,7 +262,7 @@ class ActivationBuffer:
     def peek(self) -> WorkPacket | None:
         """The packet :meth:`get` would return next, left in the buffer; None if empty."""
         with self._lock:
-            return self._heap[0][3] if self._heap else None
+            return next((q[0] for q in self._queues.values() if q), None)
 
     def clear(self) -> int:
         """Discard every queued packet (counted as ``dropped``) and wake waiting producers.
@@ -273,9 +271,9 @@ class ActivationBuffer:
             How many packets were discarded.
         """
         with self._lock:
-            removed = len(self._heap)
-            self._heap.clear()
-            self._queued_by_priority = {p: 0 for p in Priority}
+            removed = self._queued()
+            for q in self._queues.values():
+                q.clear()
             self._dropped += removed
             self._not_full.notify_all()
             return removed
@@ -294,7 +292,7 @@ class ActivationBuffer:
     def metrics(self) -> BufferMetrics:
         """A consistent snapshot of size, fill state and counters."""
         with self._lock:
-            size = len(self._heap)
+            size = self._queued()
             out = self._packets_out
             return BufferMetrics(
                 capacity=self._capacity,
@@ -307,24 +305,33 @@ class ActivationBuffer:
                 dropped=self._dropped,
                 rejected=self._rejected,
                 avg_wait_ms=self._total_wait / out * 1000.0 if out else 0.0,
-                count_by_priority={p.name: n for p, n in self._queued_by_priority.items()},
+                count_by_priority={p.name: len(q) for p, q in self._queues.items()},
             )
 
     # The helpers below run with self._lock held.
 
+    def _queued(self) -> int:
+        """Packets queued now: every accepted one that was neither handed out nor cleared (the
+        counters are kept anyway, and reading them is cheaper than summing the queues' lengths
+        on every put and get)."""
+        return self._packets_in - self._packets_out - self._dropped
+
     def _push(self, packet: WorkPacket) -> None:
-        now = self._clock()
-        entry = (int(packet.priority), next(self._sequence), now, replace(packet, enqueued_at=now))
-        heapq.heappush(self._heap, entry)
-        self._queued_by_priority[packet.priority] += 1
+        self._queues[packet.priority].append(replace(packet, enqueued_at=self._clock()))
         self._packets_in += 1
         self._not_empty.notify()
 
     def _pop(self) -> WorkPacket:
-        _, _, enqueued_at, packet = heapq.heappop(self._heap)
-        self._queued_by_priority[packet.priority] -= 1
+        """The head of the most urgent queue that is not empty (the caller saw one)."""
+        for queue in self._queues.values():
+            if queue:
+                packet = queue.popleft()
+                break
+        else:
+            raise AssertionError("_pop on an empty ActivationBuffer")
         self._packets_out += 1
-        self._total_wait += self._clock() - enqueued_at
+        assert packet.enqueued_at is not None  # stamped by _push
+        self._total_wait += self._clock() - packet.enqueued_at
         self._not_full.notify()
         return packet
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from swarmtrain.errors import SwarmTimeout
 from swarmtrain.roles.stage.buffers import ActivationBuffer
-from swarmtrain.roles.stage.outbound import OutboundBuffer
+from swarmtrain.roles.stage.outbound import OutboundBuffer, PressureLevel
 
 __all__ = ["BufferMonitor", "BufferSample", "BufferSummary"]
 
@@ -201,7 +201,7 @@ def _sample_of(buffer: ActivationBuffer | OutboundBuffer, now: float) -> BufferS
         size, capacity, fill = m.size, m.capacity, m.fill
     else:
         o = buffer.metrics()
-        starved, backpressured = False, o.pressure != "ok"
+        starved, backpressured = False, o.pressure is not PressureLevel.OK
         size, capacity, fill = o.size, o.capacity, o.fill
     return BufferSample(
         at=now, size=size, capacity=capacity, fill=fill, starved=starved, backpressured=backpressured

@@ -10,12 +10,12 @@ results back and keep computing locally instead of stalling (DiLoCo-style).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from swarmtrain.errors import SwarmTimeout
 from swarmtrain.roles.stage.buffers import BufferClosed, WorkPacket
@@ -24,8 +24,25 @@ __all__ = ["OfferResult", "OutboundBuffer", "OutboundMetrics", "PressureLevel"]
 
 log = logging.getLogger("swarmtrain.roles.stage")
 
-PressureLevel = Literal["ok", "soft_overflow", "hard_overflow"]
-OfferResult = Literal["ok", "soft_overflow", "hard_overflow", "refused"]
+class PressureLevel(enum.StrEnum):
+    """How full an :class:`OutboundBuffer` is (a ``str``: statuses carry it as its value)."""
+
+    OK = "ok"
+    SOFT_OVERFLOW = "soft_overflow"  #: fill >= 90 %: hold further results back
+    HARD_OVERFLOW = "hard_overflow"  #: fill >= 99 %: the buffer is (nearly) full
+
+
+class OfferResult(enum.StrEnum):
+    """What :meth:`OutboundBuffer.offer` did: queued at a :class:`PressureLevel`, or refused."""
+
+    OK = "ok"
+    SOFT_OVERFLOW = "soft_overflow"
+    HARD_OVERFLOW = "hard_overflow"
+    REFUSED = "refused"  #: the buffer was full: the caller keeps the packet
+
+
+#: the offer's answer for each pressure level it queued at
+_QUEUED_AT = {level: OfferResult(level.value) for level in PressureLevel}
 
 
 @dataclass(frozen=True)
@@ -141,9 +158,9 @@ class OutboundBuffer:
                 raise BufferClosed("cannot offer to a closed OutboundBuffer")
             if len(self._queue) >= self._capacity:
                 self._refused += 1
-                return "refused"
+                return OfferResult.REFUSED
             self._queue.append(packet)
-            level = _pressure(len(self._queue), self._capacity)
+            level = _QUEUED_AT[_pressure(len(self._queue), self._capacity)]
             loop = self._loop
         if loop is not None:
             try:
@@ -316,7 +333,7 @@ class OutboundBuffer:
 def _pressure(size: int, capacity: int) -> PressureLevel:
     # Integer comparisons keep the 90 % / 99 % thresholds exact for every capacity.
     if size * 100 >= capacity * 99:
-        return "hard_overflow"
+        return PressureLevel.HARD_OVERFLOW
     if size * 10 >= capacity * 9:
-        return "soft_overflow"
-    return "ok"
+        return PressureLevel.SOFT_OVERFLOW
+    return PressureLevel.OK

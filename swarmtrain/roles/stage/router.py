@@ -39,6 +39,7 @@ import torch
 
 from swarmtrain.errors import RefusedError, SwarmError
 from swarmtrain.roles.stage.buffers import Priority
+from swarmtrain.roles.stage.codes import RETRYABLE, StageErrorCode
 from swarmtrain.roles.stage.route import replica_problem, request_status
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.tls import TLSConfig
@@ -59,7 +60,6 @@ __all__ = ["CacheMissed", "Expected", "MicrobatchLost", "Replica", "ReplicaFaile
 
 log = logging.getLogger("swarmtrain.roles.stage")
 
-_RETRYABLE = {"overloaded", "closing"}
 #: seconds between "still waiting for stage I" lines
 _WAIT_REPORT_EVERY = 30.0
 
@@ -429,11 +429,11 @@ class Router:
             replica.inflight -= 1
             replica.pending.pop(req, None)
         if isinstance(answer, StageError):
-            if answer.code in _RETRYABLE:
+            if answer.code in RETRYABLE:
                 raise self._failed(replica, RefusedError(answer.code, answer.message))
-            if answer.code == "unknown_microbatch":
+            if answer.code == StageErrorCode.UNKNOWN_MICROBATCH:
                 raise MicrobatchLost(answer.message)
-            if answer.code == "cache_miss":
+            if answer.code == StageErrorCode.CACHE_MISS:
                 raise CacheMissed(answer.message)
             raise RefusedError(answer.code, answer.message)
         if isinstance(answer, StageResult | StageGrad | StageStep) and answer.incarnation:

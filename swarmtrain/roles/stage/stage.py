@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import secrets
@@ -46,6 +47,7 @@ from torch import nn
 
 from swarmtrain.errors import RemoteProtocolError, SwarmError
 from swarmtrain.roles.stage.buffers import ActivationBuffer, BufferClosed, Priority, WorkPacket
+from swarmtrain.roles.stage.codes import SENDERS_FAULT, StageErrorCode
 from swarmtrain.roles.stage.compute import (
     BadInput,
     CacheMiss,
@@ -56,7 +58,7 @@ from swarmtrain.roles.stage.compute import (
     UnknownMicrobatch,
 )
 from swarmtrain.roles.stage.monitor import BufferMonitor
-from swarmtrain.roles.stage.outbound import OutboundBuffer
+from swarmtrain.roles.stage.outbound import OfferResult, OutboundBuffer
 from swarmtrain.roles.stage.partition import LossFn
 from swarmtrain.roles.stage.replicas import ReplicaState, ReplicaSync, fetch_replica_state, sync_fractions
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
@@ -91,9 +93,6 @@ _ROLES = ("pipeline", "stage")
 _HEADER_BYTES = 1 << 16
 #: header bytes per tensor descriptor besides its name (measured ~24: dtype, shape, offsets)
 _HEADER_BYTES_PER_TENSOR = 64
-#: refusals a sender earned with what it sent (``overloaded``, ``closing``, ``internal`` and
-#: ``unknown_microbatch``, an evicted forward, are the stage's doing and never count)
-_SENDERS_FAULT = frozenset({"bad_input", "unexpected"})
 #: addresses the per-sender refusal record keeps (the oldest is forgotten first)
 _MAX_SENDER_RECORDS = 1024
 #: characters of a refusal kept in the record (a message may quote a client's session id)
@@ -168,11 +167,32 @@ class _Sender:
     disconnecting: bool = False
 
 
+class JobKind(enum.Enum):
+    """What a compute thread does with a :class:`_Job`. The first six come from a connection
+    and are answered on it; the last four come from the stage itself (its replica rounds,
+    its state export and import) and are answered through the job's future."""
+
+    FORWARD = "forward"  #: a training micro-batch's forward (STAGE_FORWARD)
+    BACKWARD = "backward"  #: its backward (STAGE_BACKWARD)
+    INFER = "infer"  #: an inference step (STAGE_INFER), on the inference thread
+    STEP = "step"  #: an optimizer step over a named group of micro-batches (STAGE_STEP)
+    JOIN_SERVE = "join_serve"  #: a joining replica copies this stage's whole state
+    SYNC_SERVE = "sync_serve"  #: a replica's averaging round, served here
+    SNAPSHOT = "snapshot"  #: this stage's synced tensors, for its own averaging round
+    SYNC_APPLY = "sync_apply"  #: the result of its own averaging round, applied
+    EXPORT = "export"  #: the whole state, for a checkpoint
+    IMPORT = "import"  #: a whole state taken over (a checkpoint, a replica)
+
+
+#: the kinds a compute thread answers through the job's future, not on a connection
+_INTERNAL_KINDS = frozenset({JobKind.SNAPSHOT, JobKind.SYNC_APPLY, JobKind.EXPORT, JobKind.IMPORT})
+
+
 @dataclass(frozen=True, eq=False)
 class _Job(WorkPacket):
-    """A packet with what the compute thread needs to answer it."""
+    """A packet with what the compute thread needs to answer it (``kind``: what that is)."""
 
-    kind: str = ""  # forward, backward, infer, sync_serve, sync_apply, snapshot, export, import
+    kind: JobKind = field(kw_only=True)
     req: int = 0
     conn: Connection | None = None
     targets: torch.Tensor | None = None
@@ -186,6 +206,13 @@ class _Job(WorkPacket):
     cache_start: int | None = None  # a cached inference step from this position (None: no cache)
     scale: float = 1.0  # a step's gradient scale (the trainer's global clipping)
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.result is None) == (self.kind in _INTERNAL_KINDS):
+            raise TypeError(f"a {self.kind.value} job is answered "
+                            + ("through its result future: give it one" if self.result is None
+                               else "on its connection: it takes no result future"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -509,7 +536,7 @@ class StageServer:
         :meth:`_disconnect` it (True once per connection). Any thread."""
         if isinstance(answer, StageError):
             self.refusals.count(answer.code)
-        refused = isinstance(answer, StageError) and answer.code in _SENDERS_FAULT
+        refused = isinstance(answer, StageError) and answer.code in SENDERS_FAULT
         if not refused and not isinstance(answer, StageResult | StageGrad | StageSync | StageStep):
             return False
         with self._senders_lock:
@@ -552,24 +579,24 @@ class StageServer:
         if isinstance(msg, StatusRequest):
             return Status(status=self.status())
         if isinstance(msg, StageSync) and role != "stage":  # only replicas move our weights
-            return StageError(req=req, code="unexpected",
+            return StageError(req=req, code=StageErrorCode.UNEXPECTED,
                               message=f"{self.name}: replica sync is for role 'stage', not {role!r}")
         try:
             job = self._job_for(conn, msg)
         except (BadInput, ValueError) as exc:  # WorkPacket refuses negative ids with ValueError
-            return StageError(req=req, code="bad_input", message=f"{self.name}: {exc}")
+            return StageError(req=req, code=StageErrorCode.BAD_INPUT, message=f"{self.name}: {exc}")
         if job is None:
-            return StageError(req=req, code="unexpected",
+            return StageError(req=req, code=StageErrorCode.UNEXPECTED,
                               message=f"{self.name} does not serve {msg.TYPE.name} messages")
-        buf = self.infer_inbound if job.kind == "infer" else self.inbound
+        buf = self.infer_inbound if job.kind is JobKind.INFER else self.inbound
         try:
             queued = buf.put_nowait(job)
         except BufferClosed:
-            return StageError(req=req, code="closing", message=f"{self.name} is shutting down")
+            return StageError(req=req, code=StageErrorCode.CLOSING, message=f"{self.name} is shutting down")
         if not queued:
             self.refused += 1
             what = "inference" if buf is self.infer_inbound else "inbound"
-            return StageError(req=req, code="overloaded",
+            return StageError(req=req, code=StageErrorCode.OVERLOADED,
                               message=f"{self.name}: {what} buffer full ({buf.capacity} packets)")
         return None
 
@@ -584,29 +611,30 @@ class StageServer:
                                f"use one of {sorted(int(p) for p in allowed)}")
             if isinstance(msg, StageForward):
                 return _Job(Priority(msg.priority), msg.session, msg.microbatch, x, peer, first,
-                            "forward", kind="forward", req=msg.req, conn=conn,
+                            "forward", kind=JobKind.FORWARD, req=msg.req, conn=conn,
                             targets=msg.tensors.get("targets"), step=msg.step if msg.sync else None,
                             group=_group(msg))
             return _Job(Priority(msg.priority), msg.session, 0, x, peer, first, "forward",
-                        kind="infer", req=msg.req, conn=conn, cache_start=msg.start if msg.cache else None)
+                        kind=JobKind.INFER, req=msg.req, conn=conn,
+                        cache_start=msg.start if msg.cache else None)
         if isinstance(msg, StageBackward):
             grad = _tensor(msg.tensors, "grad")
             return _Job(Priority.TRAINING_BACKWARD, msg.session, msg.microbatch, grad, peer, first,
-                        "backward", grad=grad, kind="backward", req=msg.req, conn=conn,
+                        "backward", grad=grad, kind=JobKind.BACKWARD, req=msg.req, conn=conn,
                         step=msg.step if msg.sync else None, group=_group(msg))
         if isinstance(msg, StageStep) and not msg.reply:
             if msg.group < 0 or msg.group_size < 1:
                 raise BadInput(f"a step needs its group (group >= 0, group_size >= 1), got {msg.group}, "
                                f"{msg.group_size}")
             return _Job(Priority.TRAINING_BACKWARD, msg.session, msg.group, torch.zeros(()), peer, first,
-                        "forward", kind="step", req=msg.req, conn=conn, group=(msg.group, msg.group_size),
-                        scale=msg.scale)
+                        "forward", kind=JobKind.STEP, req=msg.req, conn=conn,
+                        group=(msg.group, msg.group_size), scale=msg.scale)
         if isinstance(msg, StageSync) and msg.join and not msg.reply:
             return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
-                        "forward", kind="join_serve", req=msg.req, conn=conn, sync_round=msg.round)
+                        "forward", kind=JobKind.JOIN_SERVE, req=msg.req, conn=conn, sync_round=msg.round)
         if isinstance(msg, StageSync) and not msg.reply:
             return _Job(Priority.GRADIENT_SYNC, "sync", msg.round, torch.zeros(()), peer, first,
-                        "forward", kind="sync_serve", req=msg.req, conn=conn, theirs=dict(msg.tensors),
+                        "forward", kind=JobKind.SYNC_SERVE, req=msg.req, conn=conn, theirs=dict(msg.tensors),
                         sync_round=msg.round, meta=dict(msg.meta), sync_step=msg.step)
         return None
 
@@ -618,10 +646,12 @@ class StageServer:
         log.info("%s: answer for %s/%d not delivered (client gone)", self.name, packet.session_id,
                  packet.microbatch_id)
 
-    async def _on_compute_thread(self, kind: str, **extra: Any) -> Any:
+    async def _on_compute_thread(self, kind: JobKind | str, **extra: Any) -> Any:
+        """Run a job of one of the :data:`_INTERNAL_KINDS` (or its value: the replica rounds
+        name theirs) on the training compute thread, between two requests; its result."""
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         job = _Job(Priority.GRADIENT_SYNC, "sync", 0, torch.zeros(()), self.name, self.layer_range[0],
-                   "forward", kind=kind, result=done, **extra)
+                   "forward", kind=JobKind(kind), result=done, **extra)
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(None, self.inbound.put, job, self.config.sync_timeout):
             raise SwarmError(f"{self.name}: inbound buffer stayed full; sync skipped")
@@ -682,21 +712,22 @@ class StageServer:
                     return
 
     def _failure(self, job: _Job, exc: Exception) -> StageError:
+        code: StageErrorCode
         if isinstance(exc, BadInput):
-            code = "bad_input"
+            code = StageErrorCode.BAD_INPUT
         elif isinstance(exc, UnknownMicrobatch):
-            code = "unknown_microbatch"
+            code = StageErrorCode.UNKNOWN_MICROBATCH
         elif isinstance(exc, CacheMiss):
-            code = "cache_miss"
+            code = StageErrorCode.CACHE_MISS
         else:  # a bug: log it, tell the client, keep serving
-            code = "internal"
-            log.error("%s: %s of %s/%d failed", self.name, job.kind, job.session_id, job.microbatch_id,
+            code = StageErrorCode.INTERNAL
+            log.error("%s: %s of %s/%d failed", self.name, job.kind.value, job.session_id, job.microbatch_id,
                       exc_info=exc)
         return StageError(req=job.req, code=code, message=f"{self.name}: {exc}")
 
     def _run(self, job: _Job) -> Message | None:
         c = self.compute
-        if job.kind == "forward":
+        if job.kind is JobKind.FORWARD:
             steps = c.steps
             out = c.forward(job.session_id, job.microbatch_id, job.tensor, job.targets, job.step, job.group)
             self._after(steps)
@@ -705,7 +736,7 @@ class StageServer:
                 tensors["grad"] = out.grad
             return StageResult(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
                                done=out.done, tensors=tensors, **self._training_answer(out))
-        if job.kind == "backward":
+        if job.kind is JobKind.BACKWARD:
             assert job.grad is not None
             steps = c.steps
             out = c.backward(job.session_id, job.microbatch_id, job.grad, job.step, job.group)
@@ -713,11 +744,11 @@ class StageServer:
             return StageGrad(req=job.req, session=job.session_id, microbatch=job.microbatch_id,
                              duplicate=out.cached, tensors={} if out.grad is None else {"grad": out.grad},
                              **self._training_answer(out))
-        if job.kind == "infer":
+        if job.kind is JobKind.INFER:
             y = c.infer(job.tensor) if job.cache_start is None else c.infer_cached(
                 job.session_id, job.tensor, job.cache_start)
             return StageResult(req=job.req, session=job.session_id, microbatch=0, tensors={"y": y})
-        if job.kind == "step":
+        if job.kind is JobKind.STEP:
             assert job.group is not None
             steps = c.steps
             missing = c.step_group(job.session_id, job.group, job.scale)
@@ -725,7 +756,7 @@ class StageServer:
             return StageStep(req=job.req, session=job.session_id, group=job.group[0], group_size=job.group[1],
                              scale=job.scale, reply=True, missing=list(missing),
                              **self._training_answer())
-        if job.kind == "join_serve":
+        if job.kind is JobKind.JOIN_SERVE:
             tensors, meta = c.export_state()
             self.joins_served += 1
             self.last_join_served = {"to": str(job.source), "steps": meta["steps"],
@@ -734,7 +765,7 @@ class StageServer:
                      "fingerprint %s)", self.name, job.source, meta["steps"], meta["fingerprint"])
             return StageSync(req=job.req, round=job.sync_round, step=c.steps, reply=True, join=True,
                              tensors=tensors, meta=meta)
-        if job.kind == "sync_serve":
+        if job.kind is JobKind.SYNC_SERVE:
             mine = c.parameters_snapshot()
             theirs_trained = job.meta.get("trained")
             ours, their_share = sync_fractions(c.trained_since_sync,
@@ -748,14 +779,14 @@ class StageServer:
             return StageSync(req=job.req, round=job.sync_round, step=c.steps, reply=True, tensors=mine,
                              meta={"fraction": their_share})
         assert job.result is not None
-        if job.kind == "export":
+        if job.kind is JobKind.EXPORT:
             job.result.set_result(c.export_state())
-        elif job.kind == "import":
+        elif job.kind is JobKind.IMPORT:
             c.import_state(job.theirs, job.meta)
             job.result.set_result(None)
-        elif job.kind == "snapshot":
+        elif job.kind is JobKind.SNAPSHOT:
             job.result.set_result(c.parameters_snapshot())
-        elif job.kind == "sync_apply":
+        elif job.kind is JobKind.SYNC_APPLY:
             fraction = job.meta.get("fraction", 0.5)
             fraction = float(fraction) if fraction in (0.0, 0.5, 1.0) else 0.5
             c.move_towards(job.mine, job.theirs, fraction=fraction)
@@ -799,7 +830,7 @@ class StageServer:
     def _answer(self, job: _Job, answer: Message) -> None:
         reply = self._reply(job, answer)
         try:
-            if self.outbound.offer(reply) != "refused":
+            if self.outbound.offer(reply) is not OfferResult.REFUSED:
                 return
         except BufferClosed:
             return
