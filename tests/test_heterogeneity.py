@@ -16,11 +16,16 @@ from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.testing.procs import swarm_cmd
 from tests.test_ps_inprocess import DATA, TASK, coordinator, worker
 
-pytestmark = [pytest.mark.serial]  # speed ratios: the machine's cores to itself (conftest.py)
+# Tests whose assertions depend on measured speeds (a ratio of steps, the measured step and
+# round-trip times that choose accumulation and overlap) are marked ``serial``: the machine's
+# cores to themselves (conftest.py). The rest check arithmetic, refusals and output, which
+# CPU contention cannot change, and run beside other files.
+serial = pytest.mark.serial
 
 BIG = {"training.batch_size": 256, "training.accumulation_steps": 4}  # compute-dominated steps
 
 
+@serial
 def test_quarter_speed_worker_does_about_a_quarter_of_the_steps() -> None:
     async def main() -> tuple[Coordinator, Worker, Worker]:
         c = coordinator(**{"training.min_workers": 2, "training.max_steps": 150})
@@ -44,6 +49,7 @@ def test_quarter_speed_worker_does_about_a_quarter_of_the_steps() -> None:
     assert c.workers["quarter"].hardware["profile"] == hardware.detect().profile.value
 
 
+@serial
 def test_gradients_are_weighted_by_the_samples_behind_them() -> None:
     async def main() -> Coordinator:
         c = coordinator(**{"training.min_workers": 2, "training.max_steps": 200})
@@ -120,6 +126,7 @@ def _solo_run(**over: object) -> tuple[Coordinator, Worker]:
     return asyncio.run(main())
 
 
+@serial
 def test_tiny_steps_are_accumulated_automatically_and_the_samples_say_so() -> None:
     # digits at batch 8 takes well under a millisecond: alone, every message would be overhead
     c, w = _solo_run(**{"training.batch_size": 8, "training.accumulation_steps": 0,
@@ -135,6 +142,7 @@ def test_explicit_accumulation_wins_over_the_automatic_one() -> None:
     assert w.plan.accumulation_steps == 3
 
 
+@serial
 def test_on_a_fast_link_each_gradient_is_computed_on_fresh_weights() -> None:
     # slow steps (a throttled machine) over loopback: the round trip is a sliver of a step, so
     # the worker waits for each answer instead of computing on weights one update old. (At
@@ -159,6 +167,7 @@ def test_overlap_is_chosen_only_when_the_round_trip_is_a_real_part_of_a_step() -
     assert w.overlaps()
 
 
+@serial
 def test_an_overlapping_worker_computes_ahead_on_the_weights_it_says(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Force overlap (any round trip counts as slow): the next gradient is then computed while
