@@ -55,7 +55,7 @@ _COMMAND = textwrap.dedent("""
                 await asyncio.wait_for(stop.wait(), 60)
                 print("stopping", flush=True)
                 if stop_kind == "slow":
-                    await asyncio.sleep(60)  # the clean stop hangs
+                    time.sleep(60)  # the clean stop hangs, blocking the event loop itself
                     sys.exit(4)
                 print("stopped cleanly", flush=True)
         asyncio.run(main())
@@ -126,6 +126,21 @@ def test_handlers_are_put_back() -> None:
     with graceful_signals(lambda sig: None):
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_once_the_loop_is_closed_the_previous_handler_takes_the_signal() -> None:
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        loop = asyncio.new_event_loop()
+        graceful_signals(lambda sig: pytest.fail("the command is over: nothing to stop"), loop=loop)
+        loop.close()
+        signal.raise_signal(signal.SIGTERM)
+        assert got == [signal.SIGTERM]
+        signal.raise_signal(signal.SIGTERM)  # and it stays with it
+        assert got == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_a_reader_never_sees_a_partial_status_file(tmp_path: Path) -> None:

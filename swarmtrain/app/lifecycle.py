@@ -5,7 +5,7 @@ step in flight, write the last checkpoint and status) and logs that a second one
 the second ends the process at once, killed by that signal as if nothing had handled it (so
 ``kill`` twice, or Ctrl-C twice, always works, even when the clean stop hangs on a dead
 peer). :func:`graceful_signals` installs this the same way for asyncio commands
-(``loop.add_signal_handler``) and for synchronous ones (``signal.signal``: the peer).
+and for synchronous ones (the peer), and works even while the clean stop blocks the loop.
 
 Status files: :func:`write_status_file` replaces the file with a JSON snapshot atomically
 (:func:`~swarmtrain.fsutil.write_atomic`), so ``ctl status`` or a script reading it never
@@ -42,6 +42,11 @@ class GracefulSignals:
     Made by :func:`graceful_signals`; :meth:`restore` (or leaving its ``with`` block) puts
     the previous handlers back.
 
+    The handlers are ``signal.signal`` ones even for an asyncio command (``on_stop`` is then
+    handed to the loop with ``call_soon_threadsafe``, which wakes it): a handler the loop
+    runs (``loop.add_signal_handler``) would not run while the clean stop blocks the loop,
+    and the second signal must work exactly then.
+
     Attributes:
         received: the signals received so far, in order.
     """
@@ -52,7 +57,6 @@ class GracefulSignals:
         self._what = what
         self._loop = loop
         self._previous: dict[signal.Signals, Any] = {}
-        self._in_loop: list[signal.Signals] = []
         self.received: list[signal.Signals] = []
 
     def _install(self) -> None:
@@ -62,27 +66,23 @@ class GracefulSignals:
             log.debug("not installing signal handlers outside the main thread")
             return
         for sig in SIGNALS:
-            if self._loop is not None:
-                try:
-                    self._loop.add_signal_handler(sig, self._handle, sig)
-                    self._in_loop.append(sig)
-                    continue
-                except NotImplementedError:  # an event loop without signal support (Windows)
-                    pass
-            self._previous[sig] = signal.signal(sig, self._from_signal_module)
+            self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _from_signal_module(self, signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
-        if self._loop is not None:  # never touch asyncio state from inside a signal handler
-            self._loop.call_soon_threadsafe(self._handle, sig)
-        else:
-            self._handle(sig)
-
-    def _handle(self, sig: signal.Signals) -> None:
+        if self._loop is not None and self._loop.is_closed():
+            # the command's loop is over: as if these handlers were gone (as the loop's own
+            # are when it closes), the previous handler takes the signal
+            self.restore()
+            signal.raise_signal(sig)
+            return
         self.received.append(sig)
         if len(self.received) == 1:
             log.warning("received %s: %s; send it again to stop at once", sig.name, self._what)
-            self._on_stop(sig)
+            if self._loop is not None:  # asyncio state is only touched from the loop itself
+                self._loop.call_soon_threadsafe(self._on_stop, sig)
+            else:
+                self._on_stop(sig)
             return
         log.warning("received %s again: stopping at once", sig.name)
         signal.signal(sig, signal.SIG_DFL)
@@ -90,12 +90,9 @@ class GracefulSignals:
 
     def restore(self) -> None:
         """Put back the handlers that were there before (idempotent)."""
-        for sig in self._in_loop:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_signal_handler(sig)
-        self._in_loop.clear()
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            # None: a handler installed from outside Python, which cannot be put back
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous.clear()
 
     def __enter__(self) -> GracefulSignals:
@@ -115,6 +112,7 @@ def graceful_signals(on_stop: Callable[[signal.Signals], object], *, what: str =
         on_stop: starts the clean stop; it must return quickly (set an event, cancel a task,
             ask the role to shut down). With ``loop`` it runs in the event loop; without,
             in the main thread between two Python instructions (so only set flags there).
+            It is called at most once.
         what: what the clean stop does, for the log line (``"finishing the step in flight"``).
         loop: the running event loop of an asyncio command; None for a synchronous one.
 
