@@ -385,8 +385,6 @@ def _describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     }
 
 
-
-
 def adam_state_to_tensors(
     optimizer: torch.optim.Optimizer, names: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
