@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 
+import pytest
+
+from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.ps.hooks import CheckpointHook
+from swarmtrain.transport import Connection, start_server
 from swarmtrain.transport.connection import FrameProtocol
 from swarmtrain.wire import Limits
 
@@ -49,3 +54,18 @@ def test_the_coordinator_checkpointer_provides_the_checkpoint_hook() -> None:
         hook, impl = getattr(CheckpointHook, name), getattr(CoordinatorCheckpointer, name)
         assert inspect.iscoroutinefunction(hook) == inspect.iscoroutinefunction(impl), name
         assert list(inspect.signature(hook).parameters) == list(inspect.signature(impl).parameters), name
+
+
+def test_start_server_on_a_taken_port_is_a_swarm_error_naming_it() -> None:
+    async def handler(conn: Connection, role: str) -> None:
+        raise AssertionError("no connection is expected")
+
+    async def main(port: int) -> None:
+        await start_server("127.0.0.1", port, handler, secret=b"s")
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SwarmError, match=f"cannot listen on 127.0.0.1:{port}.*choose another --port"):
+            asyncio.run(main(port))

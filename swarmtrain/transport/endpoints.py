@@ -452,15 +452,18 @@ async def start_server(
     acceptor = _Acceptor(handler, secret=secret, timeouts=timeouts, limits=limits,
                          send_queue_size=send_queue_size, role_limits=role_limits or {},
                          server_tls=tls.server_context() if tls is not None else None)
+    srv: asyncio.base_events.Server | None = None
     try:
-        # not serving yet: no connection is accepted before the Server that admits it exists
+        # bound but not serving: no connection is accepted before the Server admitting it exists
         srv = await acceptor.loop.create_server(acceptor.protocol, host, port, reuse_address=True,
                                                 start_serving=False)
+        acceptor.state = Server(srv, set(), Admission(server_limits, refusals))
+        await srv.start_serving()  # listen(): may still find the port taken meanwhile
     except OSError as exc:
+        if srv is not None:
+            srv.close()
         raise SwarmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
                          "is another coordinator running there? choose another --port") from exc
-    acceptor.state = Server(srv, set(), Admission(server_limits, refusals))
-    await srv.start_serving()
     return acceptor.state
 
 
