@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "swarmtrain"
 
 # lowest first; a module may import from its own rank or a lower one
 LAYERS: list[tuple[str, ...]] = [
-    ("swarmtrain.errors",),
+    ("swarmtrain.errors", "swarmtrain.fsutil"),
     ("swarmtrain.wire",),
     ("swarmtrain.transport",),
     ("swarmtrain.compression",),

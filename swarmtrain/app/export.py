@@ -28,6 +28,7 @@ from torch import nn
 
 from swarmtrain.core.checkpoint import MODEL_PREFIX, Checkpoint, load_checkpoint, newest_valid_checkpoint
 from swarmtrain.errors import CheckpointError
+from swarmtrain.fsutil import FileWriteError, write_atomic
 
 __all__ = ["MODEL_PREFIX", "export_checkpoint", "export_model", "write_model_file"]
 
@@ -36,7 +37,7 @@ __all__ = ["MODEL_PREFIX", "export_checkpoint", "export_model", "write_model_fil
 
 def write_model_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], *,
                      task: str = "", version: int = 0) -> Path:
-    """Write ``tensors`` to ``path`` as safetensors, atomically (a temporary file, renamed).
+    """Write ``tensors`` to ``path`` as safetensors, atomically (:func:`~swarmtrain.fsutil.write_atomic`).
 
     Args:
         path: the file to write (its directory is created); an existing file is replaced.
@@ -57,14 +58,14 @@ def write_model_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.T
              for n, t in tensors.items()}
     data = serialise_safetensors(plain, metadata={"format": "swarmtrain-model", "task": task,
                                                   "version": str(version)})
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, out)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write the model to {out}: {exc}; choose another path") from exc
+    try:
+        write_atomic(out, data)
+    except FileWriteError as exc:
+        raise CheckpointError(f"cannot export the model: {exc}") from exc
     return out
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain.app.runlog import RunLogError, read_run_log
+from swarmtrain.fsutil import FileWriteError, write_atomic
 
 __all__ = ["plot_run_log"]
 
@@ -35,7 +36,8 @@ def plot_run_log(path: str | os.PathLike[str], out_dir: str | os.PathLike[str] |
         The PNG files written, in the order listed in the module docstring.
 
     Raises:
-        RunLogError: the log is missing, empty, not JSONL, or has no metrics to draw.
+        RunLogError: the log is missing, empty, not JSONL, or has no metrics to draw, or a
+            chart cannot be written.
     """
     import matplotlib
 
@@ -138,10 +140,7 @@ def _draw(target: Path, title: str, xlabel: str, ylabel: str, series: Mapping[st
     if len(series) > 1 or marks:
         ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
-    tmp = target.with_name(f".{target.name}.tmp")
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, target)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise RunLogError(f"cannot write {target}: {exc}; choose another --out") from exc
+        write_atomic(target, lambda f: fig.savefig(f, format="png"))
+    except FileWriteError as exc:
+        raise RunLogError(f"{exc} with --out") from exc

@@ -51,6 +51,7 @@ from safetensors.torch import load as parse_safetensors  # JSON header + raw byt
 from safetensors.torch import save as serialise_safetensors
 
 from swarmtrain.errors import CheckpointError, ConfigError
+from swarmtrain.fsutil import fsync_directory, write_new_file
 
 __all__ = [
     "MODEL_PREFIX",
@@ -157,14 +158,14 @@ class CheckpointStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
-            _write_durably(tmp / _TENSORS_FILE, data)
-            _write_durably(tmp / _META_FILE, meta_text.encode())
-            _fsync_dir(tmp)
+            write_new_file(tmp / _TENSORS_FILE, data)
+            write_new_file(tmp / _META_FILE, meta_text.encode())
+            fsync_directory(tmp)
             if final.exists():
                 aside = tmp.with_name(f"{tmp.name}-replaced")
                 os.replace(final, aside)
             os.replace(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_directory(self.directory)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if aside is not None and not final.exists():
@@ -382,21 +383,6 @@ def _describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         for name, t in tensors.items()
     }
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def adam_state_to_tensors(

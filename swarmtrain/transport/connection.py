@@ -118,7 +118,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._refusals += 1
         if self._refusals <= 3:  # a flood of them is counted, not logged line by line
             log.warning("refused a message from %s: %s", self._peer(), exc)
-        if (self.transport is not None and not self.transport.is_closing() and self._can_write.is_set()
+        if (self.transport is not None and not self.transport.is_closing() and self.can_write
                 and self.transport.get_write_buffer_size() < _GATHER_BYTES):
             with contextlib.suppress(Exception):
                 self.transport.write(b"".join(encode(Error(code=exc.code, message=str(exc), fatal=False))))
@@ -171,6 +171,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._can_write.set()
+
+    @property
+    def can_write(self) -> bool:
+        """False while the transport's write buffer is over its high-water mark (flow
+        control); True again once it drains, or once the connection is lost."""
+        return self._can_write.is_set()
+
+    async def writable(self) -> None:
+        """Wait until :attr:`can_write` (returns at once if it already is); the caller's
+        timeout, if any, bounds the wait."""
+        await self._can_write.wait()
 
 
 class Connection:
@@ -230,7 +241,7 @@ class Connection:
                 msg = await self._outbox.get()
                 if msg is None or self.transport.is_closing():
                     return
-                await self._proto._can_write.wait()
+                await self._proto.writable()
                 if self.transport.is_closing():
                     return
                 size = self._write_frame(encode(msg, self.limits))

@@ -449,24 +449,63 @@ async def start_server(
         SwarmError: the address cannot be bound (in use, no such address).
         ConfigError: ``tls`` names files that cannot be loaded.
     """
-    loop = asyncio.get_running_loop()
-    state: Server | None = None
+    acceptor = _Acceptor(handler, secret=secret, timeouts=timeouts, limits=limits,
+                         send_queue_size=send_queue_size, role_limits=role_limits or {},
+                         server_tls=tls.server_context() if tls is not None else None)
+    srv: asyncio.base_events.Server | None = None
+    try:
+        # bound but not serving: no connection is accepted before the Server admitting it exists
+        srv = await acceptor.loop.create_server(acceptor.protocol, host, port, reuse_address=True,
+                                                start_serving=False)
+        acceptor.state = Server(srv, set(), Admission(server_limits, refusals))
+        await srv.start_serving()  # listen(): may still find the port taken meanwhile
+    except OSError as exc:
+        if srv is not None:
+            srv.close()
+        raise SwarmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                         "is another coordinator running there? choose another --port") from exc
+    return acceptor.state
 
-    server_tls = tls.server_context() if tls is not None else None
 
-    def factory() -> asyncio.BaseProtocol:
+class _Acceptor:
+    """What :func:`start_server` does with each accepted TCP connection: take a slot of its
+    address (or refuse it), the TLS handshake if any, the secret handshake, then the handler."""
+
+    def __init__(self, handler: Handler, *, secret: bytes | None, timeouts: Timeouts, limits: Limits,
+                 send_queue_size: int, role_limits: Mapping[str, Limits],
+                 server_tls: ssl.SSLContext | None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.handler = handler
+        self.secret = secret
+        self.timeouts = timeouts
+        self.limits = limits
+        self.send_queue_size = send_queue_size
+        self.role_limits = role_limits
+        self.server_tls = server_tls
+        #: set by start_server before the first connection is accepted
+        self.state: Server | None = None
+
+    def protocol(self) -> asyncio.BaseProtocol:
+        """The protocol factory of ``loop.create_server``."""
         proto = FrameProtocol(HANDSHAKE_LIMITS)
-        if server_tls is not None:
-            return PendingTLS(lambda tcp: loop.create_task(_serve_tls(tcp, proto)))
-        loop.create_task(_serve_plain(proto))
+        if self.server_tls is not None:
+            return PendingTLS(lambda tcp: self.loop.create_task(self._serve_tls(tcp, proto)))
+        self.loop.create_task(self._serve_plain(proto))
         return proto
 
-    async def _in_slot(address: str, who: str, refuse: Callable[[str, str], Awaitable[None]],
+    def _server(self) -> Server:
+        assert self.state is not None  # start_server sets it before it starts serving
+        return self.state
+
+    def _connection(self, proto: FrameProtocol) -> Connection:
+        return Connection(proto, self.timeouts, send_queue_size=self.send_queue_size, limits=self.limits)
+
+    async def _in_slot(self, address: str, who: str, refuse: Callable[[str, str], Awaitable[None]],
                        serve: Callable[[bool], Awaitable[None]]) -> None:
         """Take a connection slot of ``address`` and ``serve(ctl_only)``, giving the slot back
         after; or, over a limit, ``refuse(code, message)``."""
-        assert state is not None
-        ctl_only, refusal = state.admission.reserve_or_ctl(address)
+        admission = self._server().admission
+        ctl_only, refusal = admission.reserve_or_ctl(address)
         if refusal is not None:
             log.warning("refused connection from %s: %s", who, refusal[1])
             await refuse(*refusal)
@@ -474,77 +513,65 @@ async def start_server(
         try:
             await serve(ctl_only)
         finally:
-            state.admission.release(address, ctl_only=ctl_only)
+            admission.release(address, ctl_only=ctl_only)
 
-    async def _serve_plain(proto: FrameProtocol) -> None:
+    async def _serve_plain(self, proto: FrameProtocol) -> None:
         await asyncio.sleep(0)  # let connection_made run
         assert proto.transport is not None
-        conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
+        conn = self._connection(proto)
         address = peer_ip(proto.transport)
 
         async def refuse(code: str, message: str) -> None:
             await conn.close(Error(code=code, message=message), timeout=1.0)
 
-        await _in_slot(address, conn.peer, refuse, lambda ctl_only: _serve_one(conn, address, ctl_only))
+        await self._in_slot(address, conn.peer, refuse,
+                            lambda ctl_only: self._serve_one(conn, address, ctl_only))
 
-    async def _serve_tls(tcp: asyncio.Transport, proto: FrameProtocol) -> None:
+    async def _serve_tls(self, tcp: asyncio.Transport, proto: FrameProtocol) -> None:
         address = peer_ip(tcp)
 
         async def refuse(code: str, message: str) -> None:
             tcp.abort()  # before paying for a TLS handshake; nothing can be said in plain text
 
-        await _in_slot(address, peer_name(tcp), refuse,
-                       lambda ctl_only: _tls_then_serve(tcp, proto, address, ctl_only))
+        await self._in_slot(address, peer_name(tcp), refuse,
+                            lambda ctl_only: self._tls_then_serve(tcp, proto, address, ctl_only))
 
-    async def _tls_then_serve(tcp: asyncio.Transport, proto: FrameProtocol, address: str,
+    async def _tls_then_serve(self, tcp: asyncio.Transport, proto: FrameProtocol, address: str,
                               ctl_only: bool) -> None:
-        assert state is not None and server_tls is not None
+        assert self.server_tls is not None
         transport: asyncio.Transport | None = None
         why = "it closed the connection before the TLS handshake ended"
+        handshake = self.timeouts.handshake
         try:
             if not tcp.is_closing():
-                async with asyncio.timeout(timeouts.handshake + 1.0):
-                    transport = await loop.start_tls(tcp, proto, server_tls, server_side=True,
-                                                     ssl_handshake_timeout=timeouts.handshake)
+                async with asyncio.timeout(handshake + 1.0):
+                    transport = await self.loop.start_tls(tcp, proto, self.server_tls, server_side=True,
+                                                          ssl_handshake_timeout=handshake)
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
-            why = server_refusal_reason(exc, timeouts.handshake)
+            why = server_refusal_reason(exc, handshake)
         if transport is None:
-            state.admission.note_failed_handshake(address, "tls")
+            self._server().admission.note_failed_handshake(address, "tls")
             log.warning("refused connection from %s: %s", peer_name(tcp), why)
             tcp.abort()
             return
         proto.connection_made(transport)
-        await _serve_one(Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits),
-                         address, ctl_only)
+        await self._serve_one(self._connection(proto), address, ctl_only)
 
-    async def _serve_one(conn: Connection, address: str, ctl_only: bool = False) -> None:
+    async def _serve_one(self, conn: Connection, address: str, ctl_only: bool = False) -> None:
         """The secret handshake and the handler, on a connection holding a slot (of the
         ``ctl`` reserve when ``ctl_only``: any other role is refused once authenticated)."""
-        assert state is not None
+        state = self._server()
         state.connections.add(conn)
         served = False
         try:
-            try:
-                role = await _server_handshake(conn, secret)
-            except (SwarmError, ConnectionError) as exc:
-                code = _refusal_code(exc)
-                state.admission.note_failed_handshake(address, code or "handshake_closed")
-                log.warning("refused connection from %s: %s", conn.peer, exc)
-                if code is not None:
-                    await conn.close(Error(code=code, message=str(exc)))
+            role = await self._authenticate(conn, address, ctl_only)
+            if role is None:
                 return
-            if ctl_only and role != "ctl":
-                state.admission.note_refused("too_many_connections")
-                why = (f"the server holds its maximum of {state.limits.max_connections} connections "
-                       f"(its last {state.limits.ctl_slots} are kept for ctl); try again later")
-                log.warning("refused %s connection from %s: %s", role, conn.peer, why)
-                await conn.close(Error(code="too_many_connections", message=why))
-                return
-            conn.set_inbound_limits((role_limits or {}).get(role, limits))
+            conn.set_inbound_limits(self.role_limits.get(role, self.limits))
             conn.count_refusals_with(state.admission.note_refused)  # messages out of range, every role
             conn.start_heartbeats()
             served = True
-            await handler(conn, role)
+            await self.handler(conn, role)
         finally:
             state.retire(conn)
             await conn.close()
@@ -552,13 +579,26 @@ async def start_server(
             if served and isinstance(reason, RemoteProtocolError) and not isinstance(reason, ConnectionLost):
                 state.admission.note_refused(reason.code)  # a malformed frame of a connection served
 
-    try:
-        srv = await loop.create_server(factory, host, port, reuse_address=True)
-    except OSError as exc:
-        raise SwarmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
-                         "is another coordinator running there? choose another --port") from exc
-    state = Server(srv, set(), Admission(server_limits, refusals))
-    return state
+    async def _authenticate(self, conn: Connection, address: str, ctl_only: bool) -> str | None:
+        """The secret handshake: the client's role, or None if it was refused (and told why)."""
+        state = self._server()
+        try:
+            role = await _server_handshake(conn, self.secret)
+        except (SwarmError, ConnectionError) as exc:
+            code = _refusal_code(exc)
+            state.admission.note_failed_handshake(address, code or "handshake_closed")
+            log.warning("refused connection from %s: %s", conn.peer, exc)
+            if code is not None:
+                await conn.close(Error(code=code, message=str(exc)))
+            return None
+        if ctl_only and role != "ctl":
+            state.admission.note_refused("too_many_connections")
+            why = (f"the server holds its maximum of {state.limits.max_connections} connections "
+                   f"(its last {state.limits.ctl_slots} are kept for ctl); try again later")
+            log.warning("refused %s connection from %s: %s", role, conn.peer, why)
+            await conn.close(Error(code="too_many_connections", message=why))
+            return None
+        return role
 
 
 async def connect(

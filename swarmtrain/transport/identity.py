@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from swarmtrain.errors import SwarmError
+from swarmtrain.fsutil import create_atomic
 
 log = logging.getLogger("swarmtrain.identity")
 
@@ -169,31 +170,13 @@ def _read_key(path: Path) -> Ed25519PrivateKey:
 
 
 def _write_new_key(path: Path, key: Ed25519PrivateKey) -> bool:
-    """Create `path` holding `key`, atomically; False if it already exists.
+    """Create `path` holding `key` (mode 0600), atomically; False if it already exists.
 
-    The key is written to a temporary file (O_EXCL, 0600) and hard-linked into place, so a
-    concurrent reader sees either no file or a complete one, and `link` never overwrites.
+    :func:`~swarmtrain.fsutil.create_atomic` hard-links a complete temporary file into
+    place, so a concurrent reader sees either no file or a complete one, and a second
+    process creating the key at the same time keeps the first one's.
     """
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)  # whatever the umask
-            f.write(pem)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return True
+    return create_atomic(path, pem, mode=0o600)

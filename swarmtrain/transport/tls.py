@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmtrain.errors import AuthError, ConfigError, ConnectionLost, SwarmError
+from swarmtrain.fsutil import create_atomic
 
 __all__ = [
     "TLSConfig",
@@ -226,12 +227,11 @@ def _reason(exc: BaseException) -> str:
 
 
 def _write(path: Path, data: bytes, *, private: bool) -> None:
-    # a key file is created 0600 from the start (never briefly readable by others)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    if private:
-        os.chmod(path, 0o600)  # in case the umask or the file system widened it
+    # a key file is 0600 from its first byte (never briefly readable by others), and a crash
+    # leaves no half-written key or certificate under its name
+    if not create_atomic(path, data, mode=0o600 if private else 0o644):
+        raise ConfigError(f"refusing to overwrite {path}, created meanwhile by another process: "
+                          "delete the old keys first or choose another --out directory")
 
 
 # -- turning TLS failures into errors that say what to do ---------------------------------
