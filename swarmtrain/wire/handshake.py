@@ -284,7 +284,7 @@ class ClientHandshake(_Machine):
     Args:
         secret: the cluster secret (None: an open cluster).
         ring_id, epoch, from_rank: the announcement (ValueError if they do not fit).
-        where: how messages name the listener (its address).
+        where: how messages name the listener (its ``host:port``).
         nonce: this side's nonce (default: fresh random bytes; tests give their own).
     """
 
@@ -292,7 +292,7 @@ class ClientHandshake(_Machine):
     _FAILED = ClientState.FAILED
 
     def __init__(self, secret: bytes | None, *, ring_id: str, epoch: int, from_rank: int,
-                 where: str = "the listener", nonce: bytes | None = None) -> None:
+                 where: str, nonce: bytes | None = None) -> None:
         super().__init__(ClientState.AWAIT_HELLO, SERVER_HELLO_BYTES)
         self._secret = secret
         self._announcement = announcement_bytes(ring_id, epoch, from_rank)
