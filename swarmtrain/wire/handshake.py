@@ -46,6 +46,7 @@ __all__ = [
     "OPENING_BYTES",
     "PROOF_BYTES",
     "REFUSALS",
+    "REFUSAL_CODES",
     "REFUSAL_COUNTERS",
     "RING_VERSION",
     "SERVER_HELLO_BYTES",
@@ -142,6 +143,11 @@ REFUSALS = {
 REFUSAL_COUNTERS = {Refusal.AUTH: "auth", Refusal.STALE: "stale", Refusal.BUSY: "busy",
                     Refusal.MALFORMED: "malformed", Refusal.VERSION: "version", Refusal.OPENING: "malformed"}
 
+#: the code of the RingHandshakeError a listener raises with each refusal of its own checks
+#: (stale and busy are the listener's decisions: :meth:`ServerHandshake.refuse`)
+REFUSAL_CODES = {Refusal.AUTH: "auth_failed", Refusal.MALFORMED: "malformed_announcement",
+                 Refusal.VERSION: "unsupported_version", Refusal.OPENING: "bad_magic"}
+
 TLS_OFF_HERE = ("it speaks TLS and this node has TLS off: set [security] tls_cert, tls_key and tls_ca "
                 "here too, or remove them there")
 
@@ -150,8 +156,9 @@ class RingHandshakeError(RemoteProtocolError):
     """The other side of a ring link handshake sent something this side refuses.
 
     Attributes:
-        code: ``bad_magic``, ``unsupported_version``, ``auth_failed``, ``malformed``, ``tls``
-            (a TLS client on a listener with TLS off), or ``refused`` (the listener said no).
+        code: ``bad_magic``, ``unsupported_version``, ``auth_failed``, ``malformed_announcement``,
+            ``tls`` (a TLS client on a listener with TLS off), ``refused`` (the listener said
+            no), ``truncated`` (the stream ended mid-handshake); docs/protocol.md lists them.
         refusal: the status byte of the refusal (sent by a listener; received by a dialler,
             as an int, which may be a code this release does not know); None if there is none.
         failed: the listener counts it as a failed handshake of the dialler's address.
@@ -400,10 +407,11 @@ class ServerHandshake(_Machine):
             self._ring_id(message)
 
     def _refused(self, code: Refusal, *, opening: bool = False) -> RingHandshakeError:
+        """Queue the answer refusing the dialler with `code`; the error to raise."""
         # an opening is answered as long as a server hello, so that any dialler reads it whole
         self._out += (MAGIC + bytes([code]).ljust(SERVER_HELLO_BYTES - len(MAGIC), b"\0")
                       if opening else bytes([code]))
-        return RingHandshakeError(REFUSAL_COUNTERS[code], REFUSALS[code], refusal=code)
+        return RingHandshakeError(REFUSAL_CODES[code], REFUSALS[code], refusal=code)
 
     def _opening(self, hello: bytes) -> None:
         if hello[: len(MAGIC)] != MAGIC:
