@@ -16,6 +16,12 @@ contention, which matters on small machines where the members' processes already
 core. A member that sends nothing and takes nothing for ``timeout`` seconds fails the
 collective with :class:`RingBroken` naming the phase and its rank; a closed link fails it at once.
 
+The frames' format, their order and the checks on them are sans-IO, in
+:mod:`swarmtrain.wire.ring` (the schedules, and :class:`~swarmtrain.wire.ring.FrameReader`,
+which lends the buffers each received byte goes to and checks every header); the loop here
+(:class:`_Pump`) only moves bytes. A group's lifecycle is one :class:`RingState` with the
+transition table :data:`RING_TRANSITIONS`.
+
 The all-reduce keeps no copy of its input and still lets a caller retry with it: with
 ``keep_input`` the caller's tensor is written only once every member has joined the
 collective (the partial sums of the early reduce-scatter steps go to scratch reused by every
