@@ -1,7 +1,7 @@
 """Fuzz a peer's ring listener and a ring group that claims a link from it.
 
 The ring port does not speak the framed transport: its handshake is raw (see
-:mod:`swarmtrain.roles.peer.links`: MAGIC and a nonce, the listener's nonce and proof, the client's
+:mod:`swarmtrain.wire.handshake`: MAGIC and a nonce, the listener's nonce and proof, the client's
 proof and announcement ``epoch u64, from_rank u32, len u16, ring_id``, a status byte) and
 then the link carries ring frames (:mod:`swarmtrain.wire.ring`). Each input is one
 connection to the listener under fuzz, ``L``, from its own loopback address, that goes wrong
@@ -34,7 +34,6 @@ import itertools
 import math
 import random
 import socket
-import struct
 import threading
 import time
 import traceback
@@ -46,16 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swarmtrain.roles.peer.links import (
-    ACCEPTED,
-    MAGIC,
-    MAX_RING_ID_BYTES,
-    RING_VERSION,
-    RingBroken,
-    RingListener,
-    dial,
-    recv_exact,
-)
+from swarmtrain.roles.peer.links import RingBroken, RingListener, dial, recv_exact
 from swarmtrain.roles.peer.ring import RingGroup
 from swarmtrain.testing.fuzz_engine import (
     INPUT_TIMEOUT,
@@ -67,7 +57,19 @@ from swarmtrain.testing.fuzz_engine import (
     run_inputs,
     source_address,
 )
-from swarmtrain.transport.auth import NONCE_BYTES, proofs_equal, ring_client_proof, ring_server_proof
+from swarmtrain.wire.handshake import (
+    ACCEPTED,
+    ANNOUNCE,
+    MAGIC,
+    MAX_RING_ID_BYTES,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    RING_VERSION,
+    SERVER_HELLO_BYTES,
+    proofs_equal,
+    ring_client_proof,
+    ring_server_proof,
+)
 from swarmtrain.wire.ring import (
     HEADER,
     KIND_ALL_REDUCE,
@@ -87,9 +89,9 @@ _MEMBER_LIMIT = 3 * RING_TIMEOUT + INPUT_TIMEOUT  # a member's collective must e
 ELEMENTS = 1000
 """The member's tensor: two chunks of 500 float32, one frame each way per step."""
 
-_ANNOUNCE = struct.Struct("<QIH")  # epoch, from_rank, len(ring_id): the documented handshake
-_PROOF_BYTES = 32
-_SERVER_HELLO = len(MAGIC) + NONCE_BYTES + _PROOF_BYTES
+_ANNOUNCE = ANNOUNCE  # epoch, from_rank, len(ring_id): the documented handshake
+_PROOF_BYTES = PROOF_BYTES
+_SERVER_HELLO = SERVER_HELLO_BYTES
 
 Progress = Callable[[FuzzReport], None] | None
 

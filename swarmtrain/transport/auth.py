@@ -15,36 +15,30 @@ also signs the transcript (:func:`identity_statement`): the server then knows th
 
 An open cluster (no secret) is an explicit choice: both sides then use the empty key,
 which authenticates nothing but keeps one code path.
+
+The MAC itself (and the ring link's proofs) is in :mod:`swarmtrain.wire.handshake`, sans-IO,
+shared by both handshakes; this module adds the transport's transcript and its proofs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import struct
 from dataclasses import dataclass
 
 from swarmtrain.wire.frame import PROTOCOL_VERSION
+from swarmtrain.wire.handshake import (
+    DOMAIN,
+    NONCE_BYTES,
+    length_prefixed,
+    mac,
+    new_nonce,
+    proofs_equal,
+    ring_client_proof,
+    ring_server_proof,
+)
 
 __all__ = ["NONCE_BYTES", "DOMAIN", "Transcript", "new_nonce", "mac", "server_proof", "client_proof",
            "welcome_proof", "identity_statement", "ring_server_proof", "ring_client_proof", "proofs_equal",
            "secret_hint", "SECRET_HELP"]
-
-NONCE_BYTES = 32
-DOMAIN = b"swarmtrain handshake"
-_LEN = struct.Struct("<H")
-
-
-def new_nonce() -> bytes:
-    return os.urandom(NONCE_BYTES)
-
-
-def mac(secret: bytes | None, label: bytes, *fields: bytes) -> bytes:
-    """HMAC-SHA256 keyed with the secret (empty for an open cluster) over ``DOMAIN``, ``label``
-    and ``fields``, each preceded by its length (u16 LE)."""
-    data = b"".join(_LEN.pack(len(f)) + f for f in (DOMAIN, label, *fields))
-    return hmac.new(secret or b"", data, hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -89,27 +83,12 @@ def identity_statement(t: Transcript) -> bytes:
     """What a client with a node identity signs (Ed25519) in AUTH: this very transcript, under
     its own label, so the signature proves that the key behind ``t.node`` took part in this
     session (both nonces are fresh) and cannot serve any other session, direction or purpose."""
-    return b"".join(_LEN.pack(len(f)) + f for f in (DOMAIN, b"node identity", *t.fields()))
+    return length_prefixed(DOMAIN, b"node identity", *t.fields())
 
 
 def welcome_proof(secret: bytes | None, t: Transcript, session: str) -> bytes:
     """WELCOME.proof: the server accepted this session (binds the session id too)."""
     return mac(secret, b"welcome", *t.fields(), session.encode())
-
-
-def ring_server_proof(secret: bytes | None, version: int, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """The ring listener's proof (``version``: the ring link's, the last byte of its magic)."""
-    return mac(secret, b"ring server", bytes([version]), client_nonce, server_nonce)
-
-
-def ring_client_proof(secret: bytes | None, version: int, client_nonce: bytes, server_nonce: bytes,
-                      announcement: bytes) -> bytes:
-    """The ring dialler's proof, binding its announcement (epoch, rank, ring id) as sent."""
-    return mac(secret, b"ring client", bytes([version]), client_nonce, server_nonce, announcement)
-
-
-def proofs_equal(a: bytes, b: bytes) -> bool:
-    return hmac.compare_digest(a, b)
 
 
 SECRET_HELP = (

@@ -1,4 +1,5 @@
-"""Sans-IO wire protocol: frames, messages and tensor payloads. No sockets here."""
+"""Sans-IO wire protocol: frames, messages and tensor payloads, and the peer ring's own format
+(:mod:`~swarmtrain.wire.handshake`, :mod:`~swarmtrain.wire.ring`). No sockets here."""
 
 from swarmtrain.wire.frame import (
     MAGIC,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import msgpack
@@ -38,7 +39,9 @@ __all__ = [
     "Limits",
     "encode",
     "encode_bytes",
+    "DECODER_TRANSITIONS",
     "Decoder",
+    "DecoderState",
     "looks_like_tls",
 ]
 
@@ -112,7 +115,23 @@ def encode_bytes(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     return b"".join(encode(msg, limits))
 
 
-_PRE, _HEAD, _BODY = 0, 1, 2
+class DecoderState(Enum):
+    """What a :class:`Decoder` is waiting for: the preamble of a frame, its header, its
+    payload; or nothing ever again (``BROKEN``: the stream cannot be resynchronised)."""
+
+    PREAMBLE = "preamble"
+    HEADER = "header"
+    PAYLOAD = "payload"
+    BROKEN = "broken"
+
+
+#: every legal move of a decoder (a frame with an empty payload passes through PAYLOAD too)
+DECODER_TRANSITIONS: dict[DecoderState, frozenset[DecoderState]] = {
+    DecoderState.PREAMBLE: frozenset({DecoderState.HEADER, DecoderState.BROKEN}),
+    DecoderState.HEADER: frozenset({DecoderState.PAYLOAD, DecoderState.BROKEN}),
+    DecoderState.PAYLOAD: frozenset({DecoderState.PREAMBLE, DecoderState.BROKEN}),
+    DecoderState.BROKEN: frozenset(),
+}
 
 
 def looks_like_tls(prefix: bytes) -> bool:
@@ -136,7 +155,9 @@ class Decoder:
         #: well-framed messages dropped for a field out of range (the stream went on)
         self.refused: deque[OutOfRange] = deque(maxlen=256)
         self._error: RemoteProtocolError | None = None
-        self._start(_PRE, bytearray(PREAMBLE.size))
+        self._state = DecoderState.PREAMBLE
+        self._buf = bytearray(PREAMBLE.size)
+        self._filled = 0
         self._mtype = MsgType.HEARTBEAT
         self._header_len = 0
         self._payload_len = 0
@@ -144,13 +165,30 @@ class Decoder:
         self._descs: list[Any] = []
         self.bytes_received = 0
 
-    def _start(self, state: int, buf: bytearray) -> None:
-        self._state = state
+    @property
+    def state(self) -> DecoderState:
+        """What the decoder waits for (see :class:`DecoderState`)."""
+        return self._state
+
+    def _move(self, to: DecoderState) -> None:
+        """The one way the state changes.
+
+        Raises:
+            LocalProtocolError: ``illegal_transition``: `to` is not reachable from here (a bug).
+        """
+        if to not in DECODER_TRANSITIONS[self._state]:
+            raise LocalProtocolError("illegal_transition",
+                                     f"decoder: no transition from {self._state.name} to {to.name}")
+        self._state = to
+
+    def _start(self, state: DecoderState, buf: bytearray) -> None:
+        self._move(state)
         self._buf = buf
         self._filled = 0
 
     def _fail(self, exc: RemoteProtocolError) -> RemoteProtocolError:
         self._error = exc
+        self._move(DecoderState.BROKEN)
         return exc
 
     # -- the two ways of getting bytes in --------------------------------------------------
@@ -183,9 +221,9 @@ class Decoder:
     # -- state machine ----------------------------------------------------------------------
 
     def _advance(self) -> None:
-        if self._state == _PRE:
+        if self._state is DecoderState.PREAMBLE:
             self._parse_preamble()
-        elif self._state == _HEAD:
+        elif self._state is DecoderState.HEADER:
             self._parse_header()
         else:
             self._finish()
@@ -223,7 +261,7 @@ class Decoder:
         if hlen == 0:
             raise self._fail(RemoteProtocolError("bad_header", "frame has an empty header"))
         self._header_len, self._payload_len = hlen, plen
-        self._start(_HEAD, bytearray(hlen))
+        self._start(DecoderState.HEADER, bytearray(hlen))
 
     def _parse_header(self) -> None:
         try:
@@ -242,7 +280,7 @@ class Decoder:
                 "too_many_tensors", f"frame carries {len(obj['t'])} tensors; limit {self.limits.max_tensors}"
             ))
         self._fields, self._descs = obj["f"], obj["t"]
-        self._start(_BODY, bytearray(self._payload_len))
+        self._start(DecoderState.PAYLOAD, bytearray(self._payload_len))
         if self._payload_len == 0:
             self._finish()
 
@@ -256,14 +294,14 @@ class Decoder:
                 raise self._fail(exc) from None
             # a sound frame with a value out of range: dropped, the stream goes on
             self.refused.append(exc)
-            self._start(_PRE, bytearray(PREAMBLE.size))
+            self._start(DecoderState.PREAMBLE, bytearray(PREAMBLE.size))
             return
         except RemoteProtocolError as exc:
             raise self._fail(exc) from None
         except (TypeError, ValueError) as exc:
             raise self._fail(RemoteProtocolError("bad_message", f"{self._mtype.name}: {exc}")) from None
         self._ready.append(msg)
-        self._start(_PRE, bytearray(PREAMBLE.size))
+        self._start(DecoderState.PREAMBLE, bytearray(PREAMBLE.size))
 
     # -- output ----------------------------------------------------------------------------
 
@@ -278,16 +316,16 @@ class Decoder:
     @property
     def mid_frame(self) -> bool:
         """True if some bytes of an unfinished frame have been received."""
-        return self._state != _PRE or self._filled > 0
+        return self._state is not DecoderState.PREAMBLE or self._filled > 0
 
     def end_of_stream(self) -> TruncatedFrame | None:
         """The stream has ended: the ``truncated_frame`` error if it ended inside a frame
         (saying how far in), else None. Messages already complete stay available."""
         if self._error is not None or not self.mid_frame:
             return None
-        if self._state == _PRE:
+        if self._state is DecoderState.PREAMBLE:
             where = f"{self._filled} of the {PREAMBLE.size} preamble bytes"
-        elif self._state == _HEAD:
+        elif self._state is DecoderState.HEADER:
             where = f"{self._filled} of the {self._header_len} header bytes of a {self._mtype.name} frame"
         else:
             where = f"{self._filled} of the {self._payload_len} payload bytes of a {self._mtype.name} frame"

@@ -19,6 +19,15 @@ Decoding is one fixed float32 operation (fp16 -> fp32 is exact; ``q * scale`` is
 IEEE multiply), so the owner of a chunk, which replaces its own values by the decoded ones,
 and every receiver of the same bytes end with bit-identical values.
 
+Frames are read by a :class:`FrameReader` per collective: it lends the caller the buffers the
+next bytes go to (the header, then the payload's place in the tensor or in scratch: no
+copies), checks each header against the schedule's as soon as it is in, and hands each
+completed frame to the schedule. ``feed`` takes bytes in any split, for tests and fuzzing.
+Every check raises a :class:`~swarmtrain.errors.RemoteProtocolError`: :class:`RingDesync`
+(code ``ring_desync``) for a header that differs from the expected one, naming the first
+field that differs; ``ring_trailing_bytes`` for bytes past the collective's last frame;
+``truncated_frame`` from :meth:`FrameReader.end_of_stream` for a stream that ended inside one.
+
 The header's ``scale`` also carries two flags of an all-reduce (fp32 and fp16 frames leave it
 0 otherwise, int8 decodes with its absolute value): its sign bit says that some member's
 input was not valid, and NaN in an all-gather frame that the segment holds NaN or Inf (see
@@ -36,6 +45,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from swarmtrain.errors import RemoteProtocolError, TruncatedFrame
+
 __all__ = [
     "CHECKED_BYTES",
     "CODEC_FP16",
@@ -50,8 +61,10 @@ __all__ = [
     "AllReduceSchedule",
     "BroadcastSchedule",
     "FrameHeader",
+    "FrameReader",
     "Incoming",
     "Outgoing",
+    "RingDesync",
     "Schedule",
     "ScratchBuffers",
     "accumulate",
@@ -76,6 +89,7 @@ FP16_MAX = 65504.0
 # seq (u32), kind (u8), codec (u8), step (u16), segment (u32), payload bytes (u32), scale (f32)
 HEADER = struct.Struct("<IBBHIIf")
 CHECKED_BYTES = HEADER.size - 4  # all but the trailing scale is known to the receiver in advance
+_SCALE = struct.Struct("<f")
 
 
 @dataclass(frozen=True)
@@ -594,3 +608,128 @@ class BroadcastSchedule(Schedule):
     def build(self, frame: Outgoing) -> tuple[bytes, memoryview]:
         s, e = self.segments[frame.segment]
         return self._header(CODEC_RAW, 0, frame.segment, e - s), self.raw[s:e]
+
+
+# --- reading a link ---------------------------------------------------------------------
+
+
+class RingDesync(RemoteProtocolError):
+    """A frame's header is not the one the schedule expects next (code ``ring_desync``): the
+    members are not running the same collective in step, or the bytes are not ring frames.
+
+    Attributes:
+        step: the ring step of the frame that was expected.
+        problem: the first field that differs, e.g. ``seq 3 where 2 was expected``.
+    """
+
+    def __init__(self, step: int, problem: str) -> None:
+        super().__init__("ring_desync", f"desynchronised ring: frame has {problem}")
+        self.step = step
+        self.problem = problem
+
+
+class FrameReader:
+    """The receiving end of one collective's link, without I/O: the frames of `schedule`
+    (its :meth:`~Schedule.incoming`), in order, each a :data:`HEADER` and its payload.
+
+    Zero-copy use (the ring's loop): :meth:`buffers` gives the views the next bytes go to
+    (what is left of the header, then of the payload), :meth:`updated` records how many were
+    written. The header is checked as soon as it is complete, before a payload byte is used;
+    a complete frame goes to ``schedule.received``. After an error every call raises it again.
+
+    Args:
+        schedule: the collective as this member sees it.
+        header: where headers land (reused across collectives; default: a new buffer).
+    """
+
+    def __init__(self, schedule: Schedule, header: bytearray | None = None) -> None:
+        self.schedule = schedule
+        self._incoming = schedule.incoming()
+        #: the frame being received (None once every frame is in)
+        self.frame: Incoming | None = next(self._incoming, None)
+        self._header = header if header is not None else bytearray(HEADER.size)
+        self._header_view = memoryview(self._header)
+        self._got = 0  # bytes of `frame` (header + payload) received so far
+        self._error: RemoteProtocolError | None = None
+        #: frames fully received and handed to the schedule
+        self.frames = 0
+
+    @property
+    def remaining(self) -> int:
+        """Bytes left of the current frame (0 once every frame is in)."""
+        frame = self.frame
+        return 0 if frame is None else HEADER.size + len(frame.payload) - self._got
+
+    def buffers(self) -> list[memoryview]:
+        """Writable views of the current frame's missing bytes, in order (none once done)."""
+        if self._error is not None:
+            raise self._error
+        frame, got, hlen = self.frame, self._got, HEADER.size
+        if frame is None:
+            return []
+        if got < hlen:
+            return [self._header_view[got:], frame.payload]
+        return [frame.payload[got - hlen :]]
+
+    def updated(self, n: int) -> bool:
+        """Record that the first `n` bytes of :meth:`buffers` were written; True if that
+        completed a frame (then handed to the schedule).
+
+        Raises:
+            RingDesync: the header just completed is not the expected one.
+        """
+        if self._error is not None:
+            raise self._error
+        frame, got, hlen = self.frame, self._got, HEADER.size
+        if frame is None:
+            raise self._fail(RemoteProtocolError("ring_trailing_bytes", f"{n} bytes after the "
+                                                 f"collective's last frame ({self.frames} frames)"))
+        if frame.into_caller and got + n > hlen:
+            self.schedule.touched = True
+        if got < hlen <= got + n and self._header[:CHECKED_BYTES] != frame.expect:
+            raise self._fail(self._desync(frame))
+        got += n
+        if got < hlen + len(frame.payload):
+            self._got = got
+            return False
+        self.schedule.received(frame, _SCALE.unpack_from(self._header, CHECKED_BYTES)[0])
+        self.frames += 1
+        self._got = 0
+        self.frame = next(self._incoming, None)
+        return True
+
+    def feed(self, data: bytes | bytearray | memoryview) -> int:
+        """Take bytes of the stream in any split (copied into :meth:`buffers`); the number of
+        frames they completed. Raises RemoteProtocolError (RingDesync, ``ring_trailing_bytes``)."""
+        view = memoryview(data).cast("B")
+        done = 0
+        while view.nbytes:
+            bufs = self.buffers()
+            if not bufs:
+                self.updated(view.nbytes)  # raises: past the last frame
+            n = min(len(bufs[0]), view.nbytes)
+            bufs[0][:n] = view[:n]
+            view = view[n:]
+            done += self.updated(n)
+        return done
+
+    def end_of_stream(self) -> TruncatedFrame | None:
+        """The stream has ended: the ``truncated_frame`` error if frames were still expected
+        (saying how far into which one), else None."""
+        if self._error is not None or self.frame is None:
+            return None
+        frame = self.frame
+        err = TruncatedFrame(f"the stream ended after {self._got} of the {HEADER.size + len(frame.payload)} "
+                             f"bytes of ring frame {frame.step}/{frame.segment} "
+                             f"({self.frames} complete frames before it)")
+        self._fail(err)
+        return err
+
+    def _fail(self, exc: RemoteProtocolError) -> RemoteProtocolError:
+        self._error = exc
+        return exc
+
+    def _desync(self, frame: Incoming) -> RingDesync:
+        got = FrameHeader.unpack(self._header)
+        problem = got.mismatch(FrameHeader.unpack(frame.expect + bytes(HEADER.size - CHECKED_BYTES)))
+        return RingDesync(frame.step, problem or "a header that differs from the expected one")

@@ -6,23 +6,12 @@ own listener (:meth:`RingListener.claim`). Connections may arrive before the mem
 will use them has built its group, so the listener parks authenticated connections until they
 are claimed, for a bounded time and in bounded number.
 
-Handshake on a new connection (client = the dialling side; both directions authenticated
-with the cluster secret over the transcript, fresh nonces each, as in
-:mod:`swarmtrain.transport.auth`)::
-
-    client -> server   MAGIC, client nonce nc (32)
-    server -> client   MAGIC, server nonce ns (32), server proof (32) = MAC("ring server", v, nc, ns)
-    client -> server   client proof (32) = MAC("ring client", v, nc, ns, A), announcement A =
-                       epoch u64, from_rank u32, len u16, ring_id (utf-8)
-    server -> client   status u8 (0 = accepted; else why it was refused: :data:`REFUSALS`)
-
-``v`` is the ring link version (the last byte of MAGIC). The client's proof binds its
-announcement, so a relay without the secret can neither change the epoch, rank or ring a
-dialler claims nor splice two sessions. An opening with another version (or no MAGIC) is
-answered MAGIC and a status byte, padded to the length of a server hello, and closed: a
-dialler of another release reads a clear refusal instead of timing out. Only an opening that
-looks like TLS (this listener has TLS off) is closed without a word: nothing can be said to it
-in plain text.
+The handshake on a new connection (both directions authenticated with the cluster secret
+over the transcript, fresh nonces each) is :mod:`swarmtrain.wire.handshake`: its message
+layout, what is checked and in which order, as two sans-IO state machines. This module only
+drives them over blocking sockets (:func:`run_handshake`): it reads exactly the bytes the
+current step waits for, so no ring frame behind the handshake is consumed, and sends what
+they queue. docs/protocol.md, "The ring link handshake", has the bytes.
 
 After that the link carries only ring frames (see :mod:`swarmtrain.wire.ring`), from
 the client to the server; the reverse direction is unused.
@@ -37,19 +26,11 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections import OrderedDict
 
 from swarmtrain.errors import SwarmError
-from swarmtrain.transport.auth import (
-    NONCE_BYTES,
-    new_nonce,
-    proofs_equal,
-    ring_client_proof,
-    ring_server_proof,
-)
 from swarmtrain.transport.endpoints import Admission, ServerLimits
 from swarmtrain.transport.refusals import RefusalCounter
 from swarmtrain.transport.tls import (
@@ -59,33 +40,24 @@ from swarmtrain.transport.tls import (
     client_tls_error,
     server_refusal_reason,
 )
-from swarmtrain.wire.frame import looks_like_tls
+from swarmtrain.wire.handshake import (
+    ACCEPTED,
+    MAGIC,
+    MAX_RING_ID_BYTES,
+    REFUSAL_COUNTERS,
+    REFUSALS,
+    RING_VERSION,
+    ClientHandshake,
+    Refusal,
+    RingHandshakeError,
+    ServerHandshake,
+    announcement_bytes,
+)
 
-__all__ = ["REFUSALS", "RingBroken", "RingListener", "dial", "tune_socket"]
+__all__ = ["ACCEPTED", "MAGIC", "MAX_RING_ID_BYTES", "REFUSALS", "RING_VERSION", "RingBroken", "RingListener",
+           "dial", "recv_exact", "run_handshake", "tune_socket"]
 
 log = logging.getLogger(__name__)
-
-RING_VERSION = 2
-MAGIC = b"STRING\x00" + bytes([RING_VERSION])  # swarmtrain ring link, and its version
-_PROOF_BYTES = 32
-_SERVER_HELLO_BYTES = len(MAGIC) + NONCE_BYTES + _PROOF_BYTES
-_ANNOUNCE = struct.Struct("<QIH")  # epoch, from_rank, len(ring_id)
-MAX_RING_ID_BYTES = 256
-
-ACCEPTED = 0
-#: every status byte a ring listener refuses a handshake with, and what it means
-REFUSALS = {
-    1: "authentication failed: the listener does not accept our cluster secret (a different "
-       "secret, or a relay changed the handshake)",
-    2: "stale epoch: the listener has already moved on to a newer epoch of this ring",
-    3: "the listener has too many connections waiting to be claimed",
-    4: "malformed announcement",
-    5: "unsupported version: the listener speaks another ring link version (run the same "
-       "swarmtrain release on every machine)",
-    6: "not a ring link opening: the listener did not find its MAGIC",
-}
-_REFUSED_AUTH, _REFUSED_STALE, _REFUSED_BUSY, _REFUSED_BAD = 1, 2, 3, 4
-_REFUSED_VERSION, _REFUSED_OPENING = 5, 6
 
 SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -133,6 +105,19 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def run_handshake(sock: socket.socket, hs: ClientHandshake | ServerHandshake) -> None:
+    """Drive `hs` over blocking `sock` until it waits for no more bytes: send what it queued,
+    read exactly what its step waits for. Raises what ``hs.feed`` raises (the answer it queued
+    with it, if any, is left to the caller to send) and OSError / ConnectionError."""
+    while True:
+        out = hs.data_to_send()
+        if out:
+            sock.sendall(out)
+        if not hs.need:
+            return
+        hs.feed(recv_exact(sock, hs.need))
+
+
 def dial(
     address: tuple[str, int], *, secret: bytes | None, ring_id: str, epoch: int, from_rank: int,
     peer: int, timeout: float, tls: TLSConfig | None = None,
@@ -152,9 +137,7 @@ def dial(
             refused (stale epoch, busy, malformed), or a certificate was refused either way.
         ConfigError: the TLS files cannot be loaded.
     """
-    rid = ring_id.encode()
-    if len(rid) > MAX_RING_ID_BYTES:
-        raise ValueError(f"ring_id is longer than {MAX_RING_ID_BYTES} bytes")
+    announcement_bytes(ring_id, epoch, from_rank)  # ValueError before any connection
     where = f"{address[0]}:{address[1]}"
     context = tls.client_context() if tls is not None else None
     deadline = time.monotonic() + timeout
@@ -170,7 +153,12 @@ def dial(
                 if context is not None:
                     # a failed handshake closes the TLS socket; `sock` is detached by then
                     sock = context.wrap_socket(sock, server_hostname=None)
-                _client_handshake(sock, secret, rid, epoch, from_rank, peer, where)
+                tune_socket(sock)
+                try:
+                    run_handshake(sock, ClientHandshake(secret, ring_id=ring_id, epoch=epoch,
+                                                        from_rank=from_rank, where=where))
+                except RingHandshakeError as exc:
+                    raise RingBroken("connect", peer, str(exc)) from None
                 sock.settimeout(None)
                 return sock
             except RingBroken:
@@ -201,32 +189,6 @@ def _dropped(where: str, exc: OSError, tls: TLSConfig | None) -> str:
     return (f"{exc!r}; with TLS on, {where} closing the connection before answering most likely "
             f"means it does not accept this node's certificate {tls.cert} (signed by another "
             f"cluster CA?) or has TLS off (its log says why); {KEYS_HELP}")
-
-
-def _client_handshake(
-    sock: socket.socket, secret: bytes | None, rid: bytes, epoch: int, from_rank: int, peer: int, where: str
-) -> None:
-    tune_socket(sock)
-    client_nonce = new_nonce()
-    sock.sendall(MAGIC + client_nonce)
-    reply = recv_exact(sock, _SERVER_HELLO_BYTES)
-    if reply[: len(MAGIC) - 1] == MAGIC[:-1] and reply[len(MAGIC) - 1] != RING_VERSION:
-        raise RingBroken("connect", peer, f"{where} speaks ring link version {reply[len(MAGIC) - 1]}, "
-                         f"this node {RING_VERSION}: run the same swarmtrain release on every machine")
-    if reply[: len(MAGIC)] != MAGIC:
-        raise RingBroken("connect", peer, f"{where} is not a swarmtrain ring listener")
-    server_nonce = reply[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
-    theirs = reply[-_PROOF_BYTES:]
-    if not proofs_equal(theirs, ring_server_proof(secret, RING_VERSION, client_nonce, server_nonce)):
-        raise RingBroken("connect", peer, f"authentication failed: the listener at {where} does not know "
-                         "our cluster secret (every member needs the same one), or a relay changed the "
-                         "handshake")
-    announcement = _ANNOUNCE.pack(epoch, from_rank, len(rid)) + rid
-    proof = ring_client_proof(secret, RING_VERSION, client_nonce, server_nonce, announcement)
-    sock.sendall(proof + announcement)
-    status = recv_exact(sock, 1)[0]
-    if status != ACCEPTED:
-        raise RingBroken("connect", peer, f"refused by {where}: " + REFUSALS.get(status, f"status {status}"))
 
 
 class _Deadline:
@@ -482,18 +444,13 @@ class RingListener:
         if not parked:
             conn.close()
 
-    def _refuse(self, conn: socket.socket, code: int, counter: str, address: str, *, failed: bool,
-                opening: bool = False) -> bool:
-        """Count, log and answer a refusal; `failed`: it counts as a failed handshake of `address`."""
-        self.admission.note_refused(counter)
-        if failed:
-            self.admission.note_failed_handshake(address)
+    def _refuse(self, conn: socket.socket, hs: ServerHandshake, code: Refusal, address: str) -> bool:
+        """Refuse the announced dialler for a reason of the listener's own (not a failed handshake)."""
+        self.admission.note_refused(REFUSAL_COUNTERS[code])
         log.warning("ring listener %s: refused a connection from %s: %s", self.address, address,
                     REFUSALS[code])
         try:
-            # an opening is answered as long as a server hello, so that any dialler reads it whole
-            conn.sendall(MAGIC + bytes([code]).ljust(_SERVER_HELLO_BYTES - len(MAGIC), b"\0")
-                         if opening else bytes([code]))
+            conn.sendall(hs.refuse(code))
         except OSError:
             pass
         return False
@@ -502,50 +459,35 @@ class RingListener:
         """Authenticate and park `conn`; True if it was parked (else the caller closes it)."""
         tune_socket(conn)
         conn.settimeout(self._handshake_timeout)
-        hello = recv_exact(conn, len(MAGIC) + NONCE_BYTES)
-        if hello[: len(MAGIC)] != MAGIC:
-            if self._tls_context is None and looks_like_tls(hello):
-                self.admission.note_failed_handshake(address)
-                self.admission.note_refused("tls")
-                log.warning("ring listener %s: refused a connection: it speaks TLS and this node has "
-                            "TLS off: set [security] tls_cert, tls_key and tls_ca here too, or remove "
-                            "them there", self.address)
-                return False
-            if hello[: len(MAGIC) - 1] == MAGIC[:-1]:
-                return self._refuse(conn, _REFUSED_VERSION, "version", address, failed=True, opening=True)
-            return self._refuse(conn, _REFUSED_OPENING, "malformed", address, failed=True, opening=True)
-        client_nonce = hello[len(MAGIC) :]
-        server_nonce = new_nonce()
-        conn.sendall(MAGIC + server_nonce + ring_server_proof(self._secret, RING_VERSION, client_nonce,
-                                                              server_nonce))
-        head = recv_exact(conn, _PROOF_BYTES + _ANNOUNCE.size)
-        epoch, from_rank, rid_len = _ANNOUNCE.unpack(head[_PROOF_BYTES:])
-        if rid_len > MAX_RING_ID_BYTES:
-            return self._refuse(conn, _REFUSED_BAD, "malformed", address, failed=True)
-        rid = recv_exact(conn, rid_len)
-        announcement = head[_PROOF_BYTES:] + rid
-        if not proofs_equal(head[:_PROOF_BYTES], ring_client_proof(self._secret, RING_VERSION, client_nonce,
-                                                                   server_nonce, announcement)):
-            return self._refuse(conn, _REFUSED_AUTH, "auth", address, failed=True)
+        hs = ServerHandshake(self._secret, tls_on=self._tls_context is not None)
         try:
-            ring_id = rid.decode()
-        except UnicodeDecodeError:
-            return self._refuse(conn, _REFUSED_BAD, "malformed", address, failed=True)
-        key = (ring_id, epoch, from_rank)
+            run_handshake(conn, hs)
+        except RingHandshakeError as exc:
+            self.admission.note_refused(exc.counter)
+            if exc.failed:
+                self.admission.note_failed_handshake(address)
+            log.warning("ring listener %s: refused a connection from %s: %s", self.address, address, exc)
+            try:
+                conn.sendall(hs.data_to_send())  # counted first: a dialler that reads it sees the count
+            except OSError:
+                pass
+            return False
+        ann = hs.announced
+        key = (ann.ring_id, ann.epoch, ann.from_rank)
         with self._cond:
-            newest = self._newest_epoch.get(ring_id)
+            newest = self._newest_epoch.get(ann.ring_id)
             if self._closed:
                 return False
-            if newest is not None and epoch < newest:
-                return self._refuse(conn, _REFUSED_STALE, "stale", address, failed=False)
+            if newest is not None and ann.epoch < newest:
+                return self._refuse(conn, hs, Refusal.STALE, address)
             if len(self._parked) >= self._max_parked and key not in self._parked:
-                return self._refuse(conn, _REFUSED_BUSY, "busy", address, failed=False)
+                return self._refuse(conn, hs, Refusal.BUSY, address)
         if not deadline.stop():
             return False  # it took longer than the handshake timeout: the socket is shut already
-        conn.sendall(bytes([ACCEPTED]))
+        conn.sendall(hs.accept())
         with self._cond:
-            newest = self._newest_epoch.get(ring_id)
-            if self._closed or (newest is not None and epoch < newest) or (
+            newest = self._newest_epoch.get(ann.ring_id)
+            if self._closed or (newest is not None and ann.epoch < newest) or (
                 len(self._parked) >= self._max_parked and key not in self._parked
             ):
                 return False  # things changed meanwhile: the dialler will see EOF

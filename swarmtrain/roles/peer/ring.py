@@ -16,6 +16,12 @@ contention, which matters on small machines where the members' processes already
 core. A member that sends nothing and takes nothing for ``timeout`` seconds fails the
 collective with :class:`RingBroken` naming the phase and its rank; a closed link fails it at once.
 
+The frames' format, their order and the checks on them are sans-IO, in
+:mod:`swarmtrain.wire.ring` (the schedules, and :class:`~swarmtrain.wire.ring.FrameReader`,
+which lends the buffers each received byte goes to and checks every header); the loop here
+(:class:`_Pump`) only moves bytes. A group's lifecycle is one :class:`RingState` with the
+transition table :data:`RING_TRANSITIONS`.
+
 The all-reduce keeps no copy of its input and still lets a caller retry with it: with
 ``keep_input`` the caller's tensor is written only once every member has joined the
 collective (the partial sums of the early reduce-scatter steps go to scratch reused by every
@@ -34,18 +40,18 @@ from __future__ import annotations
 import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
+from enum import Enum
 
 import numpy as np
 import torch
 
+from swarmtrain.errors import SwarmError
 from swarmtrain.roles.peer.links import RingBroken, RingListener, dial
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire.ring import (
-    CHECKED_BYTES,
     CODEC_FP32,
     HEADER,
     KIND_ALL_REDUCE,
@@ -53,19 +59,19 @@ from swarmtrain.wire.ring import (
     WIRES,
     AllReduceSchedule,
     BroadcastSchedule,
-    FrameHeader,
-    Incoming,
+    FrameReader,
     Outgoing,
+    RingDesync,
     Schedule,
     ScratchBuffers,
     all_finite,
 )
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "RingBroken", "RingGroup", "RingListener"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "RING_TRANSITIONS", "RingBroken", "RingGroup", "RingListener",
+           "RingState", "RingStateError"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 LOCAL_BUFFER_BYTES = 1 << 20  # socket buffers of a link within this host (the kernel doubles it)
-_SCALE = struct.Struct("<f")
 # poll() reports the predecessor's link readable once this much of the frame has landed (or
 # all of it, if less is left): one wake-up per frame of the default size instead of one per
 # 64 KB skb. Fewer, longer turns matter when the members outnumber the cores: on 2 cores a
@@ -98,6 +104,51 @@ def _consume(bufs: list[memoryview], n: int) -> list[memoryview] | None:
     return bufs or None
 
 
+class RingState(Enum):
+    """Where a :class:`RingGroup` is in its life.
+
+    - ``IDLE``: links up (or a group of one), no collective running;
+    - ``BUSY``: a collective is running;
+    - ``ABORTING``: :meth:`RingGroup.close` came during a collective: the links are shut
+      down, the collective is failing (or, if it was just finishing, ends anyway);
+    - ``BROKEN``: a collective failed: the links are closed, every later call fails;
+    - ``CLOSED``: closed by its owner (terminal, like ``BROKEN``).
+    """
+
+    IDLE = "idle"
+    BUSY = "busy"
+    ABORTING = "aborting"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+#: every legal move of a ring group's state (anything else is refused with RingStateError)
+RING_TRANSITIONS: dict[RingState, frozenset[RingState]] = {
+    RingState.IDLE: frozenset({RingState.BUSY, RingState.CLOSED}),
+    RingState.BUSY: frozenset({RingState.IDLE, RingState.ABORTING, RingState.BROKEN}),
+    RingState.ABORTING: frozenset({RingState.BROKEN, RingState.CLOSED}),
+    RingState.BROKEN: frozenset(),
+    RingState.CLOSED: frozenset(),
+}
+
+_REFUSED_BECAUSE = {
+    (RingState.BUSY, RingState.BUSY):
+        "another collective is running on this group (calls must be sequential)",
+    (RingState.ABORTING, RingState.BUSY): "the group is being closed during a collective",
+}
+
+
+class RingStateError(SwarmError, RuntimeError):
+    """A :class:`RingGroup` was asked for a move its state does not allow (e.g. a second
+    collective while one runs: collectives on a group must be sequential)."""
+
+    def __init__(self, current: RingState, target: RingState) -> None:
+        why = _REFUSED_BECAUSE.get((current, target), "not a legal transition")
+        super().__init__(f"ring group: cannot go from {current.name} to {target.name}: {why}")
+        self.current = current
+        self.target = target
+
+
 class RingGroup:
     """A ring of ``len(addresses)`` members for one epoch; this member is `rank`.
 
@@ -106,6 +157,7 @@ class RingGroup:
     detected (every frame header is checked) and breaks the group. A failed collective breaks
     the group for good: build a new one for a new epoch. With one member, collectives are
     no-ops. One collective at a time; :meth:`close` may come from any thread (it aborts).
+    :attr:`state` is a :class:`RingState`, moved only along :data:`RING_TRANSITIONS`.
 
     Args:
         listener: this node's ring listener (its address is ``addresses[rank]``).
@@ -149,17 +201,14 @@ class RingGroup:
         self.result_finite: bool | None = None
         self._segment_bytes = segment_bytes
         self._seq = 0
-        self._broken: RingBroken | None = None
-        self._closed = False
-        self._busy = False
-        self._aborted = False
+        self._state = RingState.IDLE
+        self._broken: RingBroken | None = None  # why the group broke (state BROKEN)
         self._state_lock = threading.Lock()
         self._next, self._prev = (rank + 1) % self.world_size, (rank - 1) % self.world_size
         self._out: socket.socket | None = None
         self._in: socket.socket | None = None
         self._poll = select.poll()
         self._rcvlowat = 1  # the kernel default
-        self._send_step = 0  # of the frame being sent (for error messages)
         if self.world_size == 1:
             return
         self._header_buf = bytearray(HEADER.size)
@@ -290,6 +339,21 @@ class RingGroup:
             seq=seq, kind=KIND_BARRIER, rank=self.rank, world=self.world_size, flat=token, codec=CODEC_FP32,
             segment_bytes=self._segment_bytes, buffers=self._buffers), "barrier")
 
+    @property
+    def state(self) -> RingState:
+        """Where the group is in its life (see :class:`RingState`)."""
+        return self._state
+
+    def _move(self, to: RingState) -> None:
+        """The one way the state changes (under ``_state_lock``).
+
+        Raises:
+            RingStateError: `to` is not reachable from the current state.
+        """
+        if to not in RING_TRANSITIONS[self._state]:
+            raise RingStateError(self._state, to)
+        self._state = to
+
     def close(self) -> None:
         """Close the links; the neighbours' collectives then fail at once. Idempotent.
 
@@ -297,20 +361,23 @@ class RingGroup:
         promptly with :class:`RingBroken` ("closed during the collective").
         """
         with self._state_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._aborted = self._busy
-            for sock in (self._in, self._out):
-                if sock is not None:
-                    try:
-                        # wakes a poll() on it, tells the neighbour; the plain socket's method,
-                        # as SSLSocket.shutdown would drop the TLS state under the pumping thread
-                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-            if not self._busy:
+            if self._state is RingState.IDLE:
+                self._move(RingState.CLOSED)
+                self._shut_links()
                 self._release()
+            elif self._state is RingState.BUSY:
+                self._move(RingState.ABORTING)  # the collective's thread releases the links
+                self._shut_links()
+
+    def _shut_links(self) -> None:
+        for sock in (self._in, self._out):
+            if sock is not None:
+                try:
+                    # wakes a poll() on it, tells the neighbour; the plain socket's method,
+                    # as SSLSocket.shutdown would drop the TLS state under the pumping thread
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _release(self) -> None:
         for sock in (self._in, self._out):
@@ -332,173 +399,215 @@ class RingGroup:
         return err
 
     def _check_usable(self, phase: str) -> None:
-        if self._broken is not None:
-            raise self._broken_here(phase, self._broken.peer,
-                                    f"the group broke earlier: {self._broken.detail}")
-        if self._closed:
+        if self._state is RingState.BROKEN:
+            broken = self._broken  # set with the move to BROKEN
+            raise self._broken_here(phase, broken.peer if broken else None,
+                                    f"the group broke earlier: {broken.detail if broken else '?'}")
+        if self._state is RingState.CLOSED:
             raise self._broken_here(phase, None, "the group is closed")
 
-    def _run(self, plan: Callable[[int], Schedule], phase: str) -> None:
+    def _begin(self, phase: str) -> None:
         with self._state_lock:
-            if self._busy:
-                raise RuntimeError("another collective is running on this group (calls must be sequential)")
             self._check_usable(phase)
-            self._busy = True
+            self._move(RingState.BUSY)
+
+    def _end(self, failure: RingBroken | None) -> None:
+        """The collective is over: back to IDLE, or BROKEN with `failure`, or CLOSED if it
+        was aborted but finished anyway; the links are closed unless the group is IDLE."""
+        with self._state_lock:
+            if failure is not None:
+                self._broken = failure
+                self._move(RingState.BROKEN)
+                self._shut_links()
+            elif self._state is RingState.ABORTING:
+                self._move(RingState.CLOSED)
+            else:
+                self._move(RingState.IDLE)
+                return
+            self._release()
+
+    def _run(self, plan: Callable[[int], Schedule], phase: str) -> None:
+        self._begin(phase)
+        failure: RingBroken | None = None
         try:
             self._seq += 1
             self._pump(plan(self._seq))
         except RingBroken as exc:
             exc.epoch = self.epoch
-            err = exc
-            if self._aborted:
-                err = self._broken_here(exc.phase, None, "the group was closed during the collective")
-            self._broken = err
-            self.close()
-            if err is exc:
+            failure = exc
+            if self._state is RingState.ABORTING:
+                failure = self._broken_here(exc.phase, None, "the group was closed during the collective")
+            if failure is exc:
                 raise
-            raise err from exc
+            raise failure from exc
         except BaseException as exc:  # interrupted mid-collective: the ring is out of step
-            self._broken = self._broken_here(phase, None, f"interrupted: {exc!r}")
-            self.close()
+            failure = self._broken_here(phase, None, f"interrupted: {exc!r}")
             raise
         finally:
-            with self._state_lock:
-                self._busy = False
-                if self._closed:
-                    self._release()
+            self._end(failure)
 
     def _pump(self, op: Schedule) -> None:
-        """Move `op`'s frames until all are sent and received; the only blocking call is poll.
+        """Move `op`'s frames until all are sent and received (see :class:`_Pump`)."""
+        _Pump(self, op).run()
 
-        A socket is only tried again after poll says so once a call came back short (its
-        buffer is drained or full), which keeps the loop at about two calls per frame. A TLS
-        socket is tried until it raises a want-read / want-write error instead: a short TLS
-        read only means one record was consumed (the kernel may hold more), and a TLS write
-        sends the whole buffer or nothing.
-        """
-        sock_in, sock_out, poller = self._in, self._out, self._poll
+
+class _Pump:
+    """One collective's frames moving over a group's two links; the only blocking call is poll.
+
+    Each turn sends what the successor's socket takes (:meth:`send`), receives what has
+    arrived (:meth:`receive`), and, if neither moved a byte, fails a collective stalled for
+    the group's timeout (:meth:`stalled`) or waits for a link (:meth:`wait`).
+
+    A socket is only tried again after poll says so once a call came back short (its buffer
+    is drained or full), which keeps the loop at about two calls per frame. A TLS socket is
+    tried until it raises a want-read / want-write error instead: a short TLS read only means
+    one record was consumed (the kernel may hold more), and a TLS write sends the whole buffer
+    or nothing.
+    """
+
+    def __init__(self, group: RingGroup, op: Schedule) -> None:
+        sock_in, sock_out = group._in, group._out
         if sock_in is None or sock_out is None:
             raise RingBroken(op.phase(0), None, "the group has no links")
-        in_fd, out_fd = sock_in.fileno(), sock_out.fileno()
-        tls_in, tls_out = isinstance(sock_in, ssl.SSLSocket), isinstance(sock_out, ssl.SSLSocket)
-        header = self._header_buf
-        header_view = memoryview(header)
-        hlen = len(header)
-        incoming, outgoing = op.incoming(), op.outgoing()
-        frame_in: Incoming | None = next(incoming, None)
-        frame_out: Outgoing | None = next(outgoing, None)
-        got = 0  # bytes of frame_in (header + payload) received so far
-        sending: list[memoryview] | None = None  # what is left of the frame being sent
-        send_left = 0
-        received = 0  # frames fully received and processed
-        can_read = can_write = True
-        watched: set[int] = set()
-        idle_since = time.monotonic()
-        while frame_in is not None or frame_out is not None or sending is not None:
-            moved = False
-            while can_write:  # send what the successor's socket takes
-                if sending is None:
-                    if frame_out is None or frame_out.after > received:
-                        break
-                    head, payload = op.build(frame_out)
-                    sending, send_left = [memoryview(head), payload], len(head) + len(payload)
-                    self._send_step = frame_out.step
-                    frame_out = next(outgoing, None)
-                try:
-                    if tls_out:
-                        # after a want-error, the same view again: the record OpenSSL started
-                        # must be retried with the same bytes
-                        n = sock_out.send(sending[0])
-                    else:
-                        n = sock_out.sendmsg(sending)
-                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                    can_write = False
-                    break
-                except OSError as exc:
-                    raise RingBroken(op.phase(self._send_step), self._next, f"send failed: {exc}") from exc
-                self.bytes_sent += n
-                moved = True
-                send_left -= n
-                if send_left:
-                    sending = _consume(sending, n)
-                    can_write = tls_out  # the socket buffer is full (TLS: the next buffer is due)
-                else:
-                    sending = None
-            while can_read and frame_in is not None:  # receive what has arrived
-                want = hlen + len(frame_in.payload) - got
-                if got < hlen:
-                    bufs = [header_view[got:], frame_in.payload]
-                else:
-                    bufs = [frame_in.payload[got - hlen :]]
-                try:
-                    n = sock_in.recv_into(bufs[0]) if tls_in else sock_in.recvmsg_into(bufs)[0]
-                except (BlockingIOError, ssl.SSLWantReadError):
-                    can_read = False
-                    break
-                except OSError as exc:
-                    raise RingBroken(op.phase(frame_in.step), self._prev, f"receive failed: {exc}") from exc
-                if n == 0:
-                    raise RingBroken(op.phase(frame_in.step), self._prev,
-                                     f"rank {self._prev} closed the connection")
-                self.bytes_received += n
-                moved = True
-                if frame_in.into_caller and got + n > hlen:
-                    op.touched = True
-                if got < hlen <= got + n and header[:CHECKED_BYTES] != frame_in.expect:
-                    raise self._desync(op, frame_in)
-                got += n
-                if n < want:
-                    # plain: the socket buffer is drained; TLS: one record (or the header) is
-                    # in, read on until SSLWantReadError (nothing decrypted is left pending then)
-                    can_read = tls_in
-                    continue
-                op.received(frame_in, _SCALE.unpack_from(header, CHECKED_BYTES)[0])
-                received += 1
-                got = 0
-                frame_in = next(incoming, None)
-                break  # a send may have been waiting for this frame
-            now = time.monotonic()
-            if moved:
-                idle_since = now
-                continue
-            remaining = idle_since + self.timeout - now
-            if remaining <= 0:
-                if sending is not None:
-                    raise RingBroken(op.phase(self._send_step), self._next,
-                                     f"rank {self._next} took nothing for {self.timeout:g} s")
-                step = frame_in.step if frame_in is not None else 0
-                raise RingBroken(op.phase(step), self._prev,
-                                 f"nothing from rank {self._prev} for {self.timeout:g} s")
-            # not with TLS: OpenSSL may already hold part of a record, so the kernel might never
-            # hold `lowat` more bytes and poll would sleep until the timeout
-            if frame_in is not None and not tls_in:
-                lowat = min(hlen + len(frame_in.payload) - got, _RCVLOWAT_MAX)
-                if lowat != self._rcvlowat:
-                    sock_in.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-                    self._rcvlowat = lowat
-            # Watch a link only while we wait on it: poll always reports a hang-up, which would
-            # spin this loop if, say, the predecessor left once we had all its frames.
-            can_send = sending is not None or (frame_out is not None and frame_out.after <= received)
-            for fd, mask in ((in_fd, select.POLLIN if frame_in is not None else 0),
-                             (out_fd, select.POLLOUT if can_send else 0)):
-                if mask:
-                    poller.register(fd, mask)
-                    watched.add(fd)
-                elif fd in watched:
-                    poller.unregister(fd)
-                    watched.discard(fd)
-            for fd, _ in poller.poll(remaining * 1000):
-                if fd == in_fd:
-                    can_read = True  # data, or a hang-up / error that recv will report
-                elif fd == out_fd:
-                    can_write = True
-        for fd in watched:
-            poller.unregister(fd)
+        self.group, self.op = group, op
+        self.sock_in, self.sock_out = sock_in, sock_out
+        self.in_fd, self.out_fd = sock_in.fileno(), sock_out.fileno()
+        self.tls_in, self.tls_out = isinstance(sock_in, ssl.SSLSocket), isinstance(sock_out, ssl.SSLSocket)
+        self.reader = FrameReader(op, group._header_buf)
+        self.outgoing = op.outgoing()
+        self.frame_out: Outgoing | None = next(self.outgoing, None)
+        self.sending: list[memoryview] | None = None  # what is left of the frame being sent
+        self.send_left = 0
+        self.send_step = 0  # of the frame being sent (for error messages)
+        self.can_read = self.can_write = True
+        self.watched: set[int] = set()
 
-    def _desync(self, op: Schedule, frame: Incoming) -> RingBroken:
-        got = FrameHeader.unpack(self._header_buf)
-        problem = got.mismatch(FrameHeader.unpack(frame.expect + bytes(HEADER.size - CHECKED_BYTES)))
-        return RingBroken(op.phase(frame.step), self._prev, f"desynchronised ring: frame has {problem}")
+    def run(self) -> None:
+        idle_since = time.monotonic()
+        timeout = self.group.timeout
+        try:
+            while self.reader.frame is not None or self.frame_out is not None or self.sending is not None:
+                moved = self.send()
+                moved = self.receive() or moved
+                now = time.monotonic()
+                if moved:
+                    idle_since = now
+                    continue
+                remaining = idle_since + timeout - now
+                if remaining <= 0:
+                    raise self.stalled()
+                self.wait(remaining)
+        finally:
+            for fd in self.watched:
+                self.group._poll.unregister(fd)
+
+    def _send_due(self) -> bool:
+        """A frame is being sent, or the next one may be (its receive is in)."""
+        return self.sending is not None or (
+            self.frame_out is not None and self.frame_out.after <= self.reader.frames)
+
+    def send(self) -> bool:
+        """Send while the successor's socket takes bytes; True if any went."""
+        moved = False
+        while self.can_write:
+            if self.sending is None:
+                frame = self.frame_out
+                if frame is None or frame.after > self.reader.frames:
+                    break
+                head, payload = self.op.build(frame)
+                self.sending, self.send_left = [memoryview(head), payload], len(head) + len(payload)
+                self.send_step = frame.step
+                self.frame_out = next(self.outgoing, None)
+            try:
+                if self.tls_out:
+                    # after a want-error, the same view again: the record OpenSSL started
+                    # must be retried with the same bytes
+                    n = self.sock_out.send(self.sending[0])
+                else:
+                    n = self.sock_out.sendmsg(self.sending)
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                self.can_write = False
+                break
+            except OSError as exc:
+                raise RingBroken(self.op.phase(self.send_step), self.group._next,
+                                 f"send failed: {exc}") from exc
+            self.group.bytes_sent += n
+            moved = True
+            self.send_left -= n
+            if self.send_left:
+                self.sending = _consume(self.sending, n)
+                self.can_write = self.tls_out  # the socket buffer is full (TLS: the next buffer is due)
+            else:
+                self.sending = None
+        return moved
+
+    def receive(self) -> bool:
+        """Receive what has arrived, up to the end of a frame (a send may wait for it); True
+        if any bytes came."""
+        reader, op, prev = self.reader, self.op, self.group._prev
+        moved = False
+        while self.can_read and reader.frame is not None:
+            want, step = reader.remaining, reader.frame.step
+            bufs = reader.buffers()
+            try:
+                n = self.sock_in.recv_into(bufs[0]) if self.tls_in else self.sock_in.recvmsg_into(bufs)[0]
+            except (BlockingIOError, ssl.SSLWantReadError):
+                self.can_read = False
+                break
+            except OSError as exc:
+                raise RingBroken(op.phase(step), prev, f"receive failed: {exc}") from exc
+            if n == 0:
+                raise RingBroken(op.phase(step), prev, f"rank {prev} closed the connection")
+            self.group.bytes_received += n
+            moved = True
+            try:
+                reader.updated(n)
+            except RingDesync as exc:
+                raise RingBroken(op.phase(exc.step), prev, str(exc)) from None
+            if n < want:
+                # plain: the socket buffer is drained; TLS: one record (or the header) is
+                # in, read on until SSLWantReadError (nothing decrypted is left pending then)
+                self.can_read = self.tls_in
+                continue
+            break  # a frame is complete: a send may have been waiting for it
+        return moved
+
+    def stalled(self) -> RingBroken:
+        """Nothing moved for the group's timeout: blame the link we were waiting on."""
+        group = self.group
+        if self.sending is not None:
+            return RingBroken(self.op.phase(self.send_step), group._next,
+                              f"rank {group._next} took nothing for {group.timeout:g} s")
+        step = self.reader.frame.step if self.reader.frame is not None else 0
+        return RingBroken(self.op.phase(step), group._prev,
+                          f"nothing from rank {group._prev} for {group.timeout:g} s")
+
+    def wait(self, remaining: float) -> None:
+        """Poll the links we are waiting on, for at most `remaining` seconds."""
+        group, frame_in = self.group, self.reader.frame
+        # not with TLS: OpenSSL may already hold part of a record, so the kernel might never
+        # hold `lowat` more bytes and poll would sleep until the timeout
+        if frame_in is not None and not self.tls_in:
+            lowat = min(self.reader.remaining, _RCVLOWAT_MAX)
+            if lowat != group._rcvlowat:
+                self.sock_in.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                group._rcvlowat = lowat
+        # Watch a link only while we wait on it: poll always reports a hang-up, which would
+        # spin this loop if, say, the predecessor left once we had all its frames.
+        poller, watched = group._poll, self.watched
+        for fd, mask in ((self.in_fd, select.POLLIN if frame_in is not None else 0),
+                         (self.out_fd, select.POLLOUT if self._send_due() else 0)):
+            if mask:
+                poller.register(fd, mask)
+                watched.add(fd)
+            elif fd in watched:
+                poller.unregister(fd)
+                watched.discard(fd)
+        for fd, _ in poller.poll(remaining * 1000):
+            if fd == self.in_fd:
+                self.can_read = True  # data, or a hang-up / error that recv will report
+            elif fd == self.out_fd:
+                self.can_write = True
 
 
 def _check_tensor(tensor: torch.Tensor, *, float_only: bool) -> None:
