@@ -718,7 +718,12 @@ class Coordinator:
         rec.gradients += 1
         rec.bytes_up += payload_bytes(msg.tensors)
         staleness = self.version - msg.version
-        if msg.msg_id <= rec.last_msg_id:
+        limit = self.config.training.max_steps
+        if limit and self.version >= limit:
+            # the run is over (the shutdown is on its way): gradients still queued here are
+            # answered, not applied, so a run ends at exactly max_steps updates
+            status = "finished"
+        elif msg.msg_id <= rec.last_msg_id:
             status = "duplicate"
             rec.duplicates += 1
             self.stats["duplicates"] += 1
