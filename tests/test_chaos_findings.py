@@ -5,8 +5,13 @@ silence, a resume missing from the run log, a status file without a clock, an un
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+from swarmtrain.app.runlog import read_run_log
+from swarmtrain.app.session import run_coordinator
+from swarmtrain.config import load_coordinator_config
 from swarmtrain.roles.ps.worker import Worker
+from tests.test_coordinator_state import make_coordinator
 from tests.test_ps_inprocess import coordinator, worker
 
 # --- max_steps ---------------------------------------------------------------------------
@@ -33,3 +38,44 @@ def test_a_run_stops_applying_at_exactly_max_steps_with_many_workers() -> None:
     # what came after the last update was answered 'finished', not applied
     answered = [w.statuses for w in ws]
     assert all(set(s) <= {"applied", "finished"} for s in answered), answered
+
+
+# --- the resume in the run log -------------------------------------------------------------
+
+
+def _checkpoint_at(directory: Path, version: int) -> Path:
+    """A coordinator checkpoint at ``version`` in ``directory`` (as a killed run leaves)."""
+    c = make_coordinator(directory, **{"checkpointing.interval": 0})
+    c.version = version
+    reply = asyncio.run(c.checkpointer.save_now(c))
+    assert reply.ok, reply
+    return Path(reply.path)
+
+
+def test_a_resume_is_in_the_run_log_under_its_own_name(tmp_path: Path) -> None:
+    # before, the run log opened after restore(): a resumed run's log did not say so
+    path = _checkpoint_at(tmp_path / "ckpt", 30)
+    log_path = tmp_path / "coordinator.jsonl"
+    cfg = load_coordinator_config(overrides={
+        "network.host": "127.0.0.1", "network.port": 0, "training.task": "digits",
+        "training.max_steps": 30,  # the checkpoint's run is over: it ends at once
+        "checkpointing.directory": str(tmp_path / "ckpt"), "logging.run_log": str(log_path)})
+    assert run_coordinator(cfg, resume=True) == 0
+    events = [r for r in read_run_log(log_path) if r["kind"] == "event"]
+    resumed = [e for e in events if e["event"] == "resumed_from_checkpoint"]
+    assert len(resumed) == 1, events
+    assert resumed[0]["step"] == resumed[0]["version"] == 30 and resumed[0]["path"] == str(path)
+    assert [e["event"] for e in events].index("resumed_from_checkpoint") < \
+        [e["event"] for e in events].index("listening")
+
+
+def test_unpausing_is_not_called_resumed() -> None:
+    c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0})
+
+    async def main() -> None:
+        await c.set_paused(True, source="ctl")
+        await c.set_paused(False, source="ctl")
+
+    asyncio.run(main())
+    assert [e["event"] for e in c.events][-2:] == ["paused", "unpaused"]
+    assert c.events[-1]["source"] == "ctl"

@@ -156,6 +156,7 @@ class CoordinatorCheckpointer:
             if wid in coord.workers:
                 coord.workers[wid].node = str(node)
         self.last_saved_version = coord.version
-        coord._event("resumed", step=coord.version, path=str(ckpt.path))
+        coord._event("resumed_from_checkpoint", step=coord.version, version=coord.version,
+                     path=str(ckpt.path))
         log.info("resumed from %s at version %d", ckpt.path, coord.version)
         return True

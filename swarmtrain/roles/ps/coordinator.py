@@ -1053,7 +1053,8 @@ class Coordinator:
         """Pause (workers stop computing, keep their connection) or resume the cluster;
         ``source`` says who asked (the ctl's address), recorded in the event."""
         self.paused = paused
-        self._event("paused" if paused else "resumed", **({"source": source} if source else {}))
+        # "unpaused", not "resumed": that names a restart from a checkpoint (resumed_from_checkpoint)
+        self._event("paused" if paused else "unpaused", **({"source": source} if source else {}))
         msg: Message = Pause() if paused else Resume()
         await asyncio.gather(*(self._send(r, msg) for r in self._connected()), return_exceptions=True)
 

@@ -401,7 +401,7 @@ class Worker:
                     log.info("paused by the coordinator")
                 elif isinstance(msg, Resume):
                     self._paused = False
-                    log.info("resumed")
+                    log.info("unpaused by the coordinator: training again")
                 elif isinstance(msg, Shutdown):
                     self.shutdown_reason = msg.reason
                     log.info("coordinator says shut down: %s", msg.reason)
