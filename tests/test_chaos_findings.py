@@ -5,11 +5,16 @@ silence, a resume missing from the run log, a status file without a clock, an un
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from swarmtrain.app.runlog import read_run_log
 from swarmtrain.app.session import run_coordinator
 from swarmtrain.config import load_coordinator_config
+from swarmtrain.roles.ps.coordinator import WorkerRecord
 from swarmtrain.roles.ps.worker import Worker
 from tests.test_coordinator_state import make_coordinator
 from tests.test_ps_inprocess import coordinator, worker
@@ -43,10 +48,13 @@ def test_a_run_stops_applying_at_exactly_max_steps_with_many_workers() -> None:
 # --- the resume in the run log -------------------------------------------------------------
 
 
-def _checkpoint_at(directory: Path, version: int) -> Path:
-    """A coordinator checkpoint at ``version`` in ``directory`` (as a killed run leaves)."""
+def _checkpoint_at(directory: Path, version: int, workers: tuple[str, ...] = ()) -> Path:
+    """A coordinator checkpoint at ``version`` in ``directory`` (as a killed run leaves) of a
+    run that had ``workers``."""
     c = make_coordinator(directory, **{"checkpointing.interval": 0})
     c.version = version
+    for wid in workers:
+        c.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0)
     reply = asyncio.run(c.checkpointer.save_now(c))
     assert reply.ok, reply
     return Path(reply.path)
@@ -79,3 +87,36 @@ def test_unpausing_is_not_called_resumed() -> None:
     asyncio.run(main())
     assert [e["event"] for e in c.events][-2:] == ["paused", "unpaused"]
     assert c.events[-1]["source"] == "ctl"
+
+
+# --- a resumed coordinator waiting for workers ---------------------------------------------
+
+
+def test_a_resumed_coordinator_says_it_waits_for_workers_and_what_to_do(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # before, it waited for min_workers in silence: nothing said why nothing trained
+    _checkpoint_at(tmp_path, 30, workers=("gone",))
+    c = make_coordinator(tmp_path, **{"checkpointing.interval": 0, "training.min_workers": 2})
+    assert c.checkpointer.restore(c) and c.version == 30
+    c.WAITING_LOG_INTERVAL_SEC = 0.05
+
+    async def waits() -> list[dict[str, Any]]:
+        await c.start()
+        try:
+            async with asyncio.timeout(30):
+                while len(found := [e for e in c.events if e["event"] == "waiting_for_workers"]) < 2:
+                    await asyncio.sleep(0.01)
+            return found
+        finally:
+            c.stop()
+            await c.close()
+
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.coordinator"):
+        found = asyncio.run(waits())
+    assert found[0]["connected"] == 0 and found[0]["min_workers"] == 2 and found[0]["had"] == ["gone"]
+    assert found[0]["version"] == 30
+    lines = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert len(lines) >= 2  # at once (it was resumed), then every interval
+    assert "2 more worker(s)" in lines[0] and "resumes at version 30" in lines[0]
+    assert "this run had gone" in lines[0] and "--min-workers" in lines[0]
+    assert "Any worker counts" in lines[0]

@@ -311,6 +311,7 @@ class Coordinator:
                                        max_per_address=net.max_connections_per_address,
                                        max_failed_auth=net.max_failed_auth, ctl_slots=net.ctl_slots))
         self._tasks.append(asyncio.create_task(self._eval_loop()))
+        self._tasks.append(asyncio.create_task(self._say_waiting_forever()))
         self._event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
                  net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
@@ -320,6 +321,38 @@ class Coordinator:
                         "train, so the run ends now; to train on, raise training.max_steps "
                         "(--max-steps)", self.version, limit)
             self.request_shutdown(f"reached max_steps={limit}")
+
+    #: while training waits for ``min_workers``, a line (and a ``waiting_for_workers`` event)
+    #: says so this often
+    WAITING_LOG_INTERVAL_SEC = 30.0
+
+    async def _say_waiting_forever(self) -> None:
+        """Until training starts, say every :data:`WAITING_LOG_INTERVAL_SEC` that it waits for
+        workers; a resumed coordinator (it knows workers from its checkpoint) says so at once."""
+        if not any(r.connected for r in self.workers.values()) and self.workers:
+            self._say_waiting()
+        while True:
+            await asyncio.sleep(self.WAITING_LOG_INTERVAL_SEC)
+            if self.running or self._finished:
+                return
+            self._say_waiting()
+
+    def _say_waiting(self) -> None:
+        """Log and record that training waits for ``min_workers``: how many are connected,
+        which workers this run had, and what to do."""
+        need = self.config.training.min_workers
+        connected = sorted(r.worker_id for r in self._connected())
+        had = sorted(w for w in self.workers if w not in connected)
+        self._event("waiting_for_workers", connected=len(connected), min_workers=need,
+                    workers=connected, had=had[:32], version=self.version)
+        log.warning(
+            "waiting for %d more worker(s) before training %s: %d of min_workers %d connected%s%s. "
+            "Any worker counts, not only the ones this run had: start workers (swarmtrain worker "
+            "--host <this host> --port %d), or restart this coordinator with a lower --min-workers",
+            need - len(connected), f"resumes at version {self.version}" if self.version else "starts",
+            len(connected), need, f" ({', '.join(connected)})" if connected else "",
+            f"; this run had {', '.join(had[:8])}{' ...' if len(had) > 8 else ''}" if had else "",
+            self.port)
 
     def _role_limits(self) -> dict[str, Limits]:
         """What a frame from each role may carry: a worker's gradient is at most the model's
