@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import pytest
 from swarmtrain.app.runlog import read_run_log
 from swarmtrain.app.session import run_coordinator
 from swarmtrain.config import load_coordinator_config
+from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ps.coordinator import WorkerRecord
 from swarmtrain.roles.ps.worker import Worker
 from tests.test_coordinator_state import make_coordinator
@@ -120,3 +124,81 @@ def test_a_resumed_coordinator_says_it_waits_for_workers_and_what_to_do(
     assert "2 more worker(s)" in lines[0] and "resumes at version 30" in lines[0]
     assert "this run had gone" in lines[0] and "--min-workers" in lines[0]
     assert "Any worker counts" in lines[0]
+
+
+# --- what a worker says when the link goes -------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_worker_that_never_connected_says_it_could_not_reach_the_coordinator(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # before: "lost the coordinator", for a coordinator it never had
+    port = _free_port()  # nothing listens there
+    w = worker(port, **{"network.reconnect_attempts": 2, "network.reconnect_delay_sec": 0.01,
+                        "training.probe_seconds": 0.0})
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.worker"), \
+            pytest.raises(SwarmError, match="gave up reaching"):
+        asyncio.run(asyncio.wait_for(w.run_async(), 60))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"could not reach the coordinator at 127.0.0.1:{port}" in m and "is it running?" in m
+               and "--host/--port" in m for m in lines), lines
+    assert not any("lost the coordinator" in m for m in lines), lines
+
+
+def test_a_frozen_worker_says_it_was_frozen_not_that_the_coordinator_went_silent(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The coordinator runs on its own thread and event loop; the worker's loop is then blocked
+    # for three heartbeat timeouts, as SIGSTOP freezes a process (its compute thread aside).
+    # Before, the worker woke up blaming the coordinator ("lost the coordinator ... silent").
+    fast = {"network.heartbeat_interval_sec": 0.2, "network.heartbeat_timeout_sec": 1.0}
+    c = coordinator(**{"training.min_workers": 1, **fast})
+    ready = threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def serve() -> None:
+        async def main() -> None:
+            await c.start()
+            loops.append(asyncio.get_running_loop())
+            ready.set()
+            await c.run()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    w = worker(c.port, **{**fast, "network.reconnect_attempts": 5, "network.reconnect_delay_sec": 0.05,
+                          "training.probe_seconds": 0.0, "training.batch_size": 8})
+
+    def said_frozen() -> bool:
+        return any("was paused or frozen" in r.getMessage() for r in caplog.records)
+
+    async def main() -> None:
+        task = asyncio.create_task(w.run_async())
+        try:
+            async with asyncio.timeout(60):
+                while w.steps < 3:
+                    await asyncio.sleep(0.01)
+            time.sleep(3.0)  # the freeze itself (not a synchronisation): nothing here runs
+            async with asyncio.timeout(60):
+                while not said_frozen():
+                    await asyncio.sleep(0.01)
+        finally:
+            w.stop()
+            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="swarmtrain.worker"):
+            asyncio.run(main())
+    finally:
+        loops[0].call_soon_threadsafe(c.stop)
+        thread.join(30)
+    lines = [r.getMessage() for r in caplog.records if r.name == "swarmtrain.worker"]
+    frozen = [m for m in lines if "was paused or frozen" in m]
+    assert frozen and "heartbeat timeout of 1 s" in frozen[0] and "reconnecting" in frozen[0], lines
+    assert not any("lost the coordinator" in m for m in lines), lines
