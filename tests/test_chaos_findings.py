@@ -5,21 +5,26 @@ silence, a resume missing from the run log, a status file without a clock, an un
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from swarmtrain.app.runlog import read_run_log
 from swarmtrain.app.session import run_coordinator
+from swarmtrain.app.ui import print_status
 from swarmtrain.config import load_coordinator_config
 from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ps.coordinator import WorkerRecord
 from swarmtrain.roles.ps.worker import Worker
+from swarmtrain.testing.procs import swarm_cmd
 from tests.test_coordinator_state import make_coordinator
 from tests.test_ps_inprocess import coordinator, worker
 
@@ -202,3 +207,89 @@ def test_a_frozen_worker_says_it_was_frozen_not_that_the_coordinator_went_silent
     frozen = [m for m in lines if "was paused or frozen" in m]
     assert frozen and "heartbeat timeout of 1 s" in frozen[0] and "reconnecting" in frozen[0], lines
     assert not any("lost the coordinator" in m for m in lines), lines
+
+
+# --- the status file's clock and what `ctl status` shows -------------------------------------
+
+
+def _render(status: dict[str, Any], now: float | None = None) -> str:
+    console = Console(width=200, force_terminal=False, color_system=None)
+    with console.capture() as captured:
+        print_status(status, console, **({} if now is None else {"now": now}))
+    return captured.get()
+
+
+def _status_with_workers() -> dict[str, Any]:
+    """The status of a coordinator that had two workers: 'here' connected, 'gone' gone."""
+    c = coordinator()
+    for wid in ("here", "gone"):
+        rec = WorkerRecord(wid, "10.0.0.2:4000", {"profile": "PI"}, 32, 5432.0, 1, shards=[1], steps=9,
+                           samples=288)
+        c.workers[wid] = rec
+    c.workers["here"].conn = FakeConn()  # type: ignore[assignment]
+    c.workers["here"].welcomed = True
+    c.loss_ema, c.metrics = 0.08, {"accuracy": 0.95, "loss": 0.15}
+    return c.status()
+
+
+class FakeConn:
+    is_closed = False
+
+
+def test_the_status_says_when_it_was_written_and_a_stale_one_says_so(tmp_path: Path) -> None:
+    # before, the status had no wall-clock time: a dead coordinator's file read 'running'
+    before = time.time()
+    status = _status_with_workers()
+    assert before <= status["time"] <= time.time()
+    assert status["updated"].endswith("Z") and status["updated"][:4].isdigit()
+    status.update(running=True, time=status["time"] - 60)
+    text = _render(status, now=status["time"] + 60)
+    assert "stale (last written 60 s ago; is the coordinator still running?)" in text, text
+    assert "stale (" not in _render(status)  # a status asked of the coordinator itself is live
+    assert "stale (" not in _render({**status, "finished": True}, now=status["time"] + 60)
+
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps(status))
+    old = subprocess.run(swarm_cmd("ctl", "status", "--status-file", str(path)),
+                         capture_output=True, text=True, timeout=120)
+    assert old.returncode == 1 and "is the coordinator still running?" in old.stdout, old
+    # fresh: written "later" than the command reads it, so that the command's own start-up (slow
+    # on a loaded machine) cannot make it look stale
+    path.write_text(json.dumps({**status, "time": time.time() + 600}))
+    fresh = subprocess.run(swarm_cmd("ctl", "status", "--status-file", str(path)),
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0 and "stale (" not in fresh.stdout, fresh
+
+
+def test_ctl_status_labels_both_losses() -> None:
+    # before: "loss 0.0800  accuracy 0.9500  loss 0.1500", two losses with one name
+    first = _render(_status_with_workers()).splitlines()[0]
+    assert "loss (EMA of workers' training loss) 0.0800" in first, first
+    assert "held-out accuracy 0.9500" in first and "held-out loss 0.1500" in first, first
+
+
+def test_a_gone_worker_shows_its_steps_but_no_speed_and_no_shards() -> None:
+    # before: a gone worker kept the start-up probe's speed and its old shards
+    status = _status_with_workers()
+    rows = {w["id"]: w for w in status["workers"]}
+    assert rows["gone"]["samples_per_sec"] == 0.0 and rows["gone"]["shards"] == []
+    assert rows["here"]["samples_per_sec"] == 5432.0 and rows["here"]["shards"] == [1]
+    text = _render(status)
+    lines = [line for line in text.splitlines() if line.startswith(("here", "gone"))]
+    assert [line.split()[0] for line in lines] == ["here", "gone"]  # connected ones first
+    gone = lines[1]
+    assert "5432" not in gone and "(gone)" in gone and " 9 " in gone, gone
+    assert "5432" in lines[0]
+
+
+def test_per_worker_steps_carry_on_across_a_resume(tmp_path: Path) -> None:
+    # before: a resumed coordinator's workers started again from 0 steps
+    c = make_coordinator(tmp_path, **{"checkpointing.interval": 0})
+    c.version = 40
+    c.workers["w"] = WorkerRecord("w", "", {}, 32, 0.0, 0, steps=40, samples=1280, staleness_total=12)
+    assert asyncio.run(c.checkpointer.save_now(c)).ok
+    resumed = make_coordinator(tmp_path, **{"checkpointing.interval": 0})
+    assert resumed.checkpointer.restore(resumed)
+    rec = resumed.workers["w"]
+    assert (rec.steps, rec.samples, rec.staleness_total) == (40, 1280, 12)
+    assert resumed.status()["workers"][0]["avg_staleness"] == pytest.approx(12 / 40)

@@ -164,11 +164,13 @@ class WorkerRecord:
                                         if self.connected and connected_for > 0 else 0.0),
             "id": self.worker_id, "address": self.address, "connected": self.connected,
             "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
-            "shard": self.shard_index, "shards": list(self.shards), "steps": self.steps,
+            "shard": self.shard_index, "shards": list(self.shards) if self.connected else [],
+            "steps": self.steps,
             "samples": self.samples,
             "share": self.samples / total_samples if total_samples else 0.0,
-            "samples_per_sec": self.samples_per_sec if not self.connected or not self.samples_since_join
-            else self.samples_since_join / max(connected_for, 1e-9),
+            # connected: its applied rate (its probe until one is applied); gone: none
+            "samples_per_sec": 0.0 if not self.connected else self.samples_per_sec
+            if not self.samples_since_join else self.samples_since_join / max(connected_for, 1e-9),
             "stale": self.stale, "rejected": self.rejected, "last_refusal": self.last_refusal,
             "clipped": self.clipped,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
@@ -1140,6 +1142,9 @@ class Coordinator:
         """Step, loss, version, metrics and a table of workers (msgpack/JSON-able)."""
         total = sum(r.samples for r in self.workers.values())
         return {
+            # when this status was taken (unix seconds, and UTC for people): a status file whose
+            # coordinator died says how old it is
+            "time": time.time(), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "version": self.version, "step": self.version, "loss": self.loss_ema,
             "metrics": dict(self.metrics), "running": self.running, "paused": self.paused,
             "finished": self._finished, "task": self.task_name,
