@@ -6,57 +6,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import subprocess
-import threading
-import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
-from swarmtrain.config import load_worker_config
 from swarmtrain.core import hardware
 from swarmtrain.errors import ConfigError
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.testing.procs import swarm_cmd
-from tests.test_ps_inprocess import DATA, SECRET, TASK, coordinator, worker
+from swarmtrain.testing.turns import ComputeTurns
+from tests.test_ps_inprocess import DATA, TASK, coordinator, worker
 
 pytestmark = [pytest.mark.serial]  # speed ratios: the machine's cores to itself (conftest.py)
 
 BIG = {"training.batch_size": 256, "training.accumulation_steps": 4}  # compute-dominated steps
-
-
-class ComputeTurns:
-    """A virtual clock for compute: a worker's loss computation waits for its turn to run, and
-    the turns go round the workers in order, one slot each per round. A worker whose step
-    costs ``n`` slots then runs at ``1/n`` of the speed of one whose step costs one, whatever
-    the load on this machine (wall-clock throttles stretch unevenly under load: the throttle's
-    sleep does not, the other worker's computing does). Once ``done()`` every wait ends."""
-
-    def __init__(self, order: list[str], done: Callable[[], bool]) -> None:
-        self.order, self.done, self.turn = order, done, 0
-        self._cond = threading.Condition()
-
-    def take(self, name: str, timeout: float = 60.0) -> None:
-        """Wait for ``name``'s turn (or ``done()``) and pass the turn on."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self.order[self.turn] != name and not self.done():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} waited {timeout} s for its compute turn")
-                self._cond.wait(0.05)  # (and checks done(), which no one notifies)
-            self.turn = (self.turn + 1) % len(self.order)
-            self._cond.notify_all()
-
-    def loss(self, name: str, slots: int) -> Callable[[nn.Module, Any], torch.Tensor]:
-        """The task's loss, costing ``slots`` turns of ``name``."""
-        def loss(model: nn.Module, batch: Any) -> torch.Tensor:
-            for _ in range(slots):
-                self.take(name)
-            return TASK.loss(model, batch)
-        return loss
 
 
 def test_quarter_speed_worker_does_about_a_quarter_of_the_steps() -> None:
@@ -68,12 +31,9 @@ def test_quarter_speed_worker_does_about_a_quarter_of_the_steps() -> None:
     turns = ComputeTurns(["full", "quarter"], done=lambda: c.version >= max_steps)
 
     def make(name: str, slots: int) -> Worker:
-        cfg = load_worker_config(overrides={
-            "network.coordinator_port": c.port, "hardware.num_threads": 1, "training.batch_size": 64,
-            "training.accumulation_steps": 1, "network.reconnect_attempts": 0,
-            "training.probe_seconds": 0.0, "training.worker_id": name})
-        return Worker(TASK.build_model(), turns.loss(name, slots), DATA.train, cfg, task_name="digits",
-                      secret=SECRET)
+        return worker(c.port, loss_fn=turns.loss(name, slots, TASK.loss),
+                      **{"training.worker_id": name, "training.batch_size": 64,
+                         "training.probe_seconds": 0.0})
 
     async def main() -> None:
         await c.start()
