@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import subprocess
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from swarmtrain.app.ops.serve import serve_coordinator
 from swarmtrain.app.runlog import read_run_log
 from swarmtrain.app.session import run_coordinator
 from swarmtrain.app.ui import print_status
@@ -26,6 +28,7 @@ from swarmtrain.roles.ps.coordinator import WorkerRecord
 from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.testing.procs import swarm_cmd
 from tests.test_coordinator_state import make_coordinator
+from tests.test_dashboard import run_chromium
 from tests.test_ps_inprocess import coordinator, worker
 
 # --- max_steps ---------------------------------------------------------------------------
@@ -293,3 +296,22 @@ def test_per_worker_steps_carry_on_across_a_resume(tmp_path: Path) -> None:
     rec = resumed.workers["w"]
     assert (rec.steps, rec.samples, rec.staleness_total) == (40, 1280, 12)
     assert resumed.status()["workers"][0]["avg_staleness"] == pytest.approx(12 / 40)
+
+
+def test_the_dashboard_says_stale_for_a_status_taken_long_before_it_was_served() -> None:
+    c = coordinator()
+    live = c.status
+    c.status = lambda: {**live(), "running": True, "time": time.time() - 60}  # type: ignore[method-assign]
+
+    async def main() -> str:
+        await c.start()
+        http = await serve_coordinator(c, "127.0.0.1", 0, max_age=0)
+        try:
+            return await run_chromium(f"http://127.0.0.1:{http.port}/", "--dump-dom", budget_ms=3000)
+        finally:
+            await http.close()
+            c.stop()
+            await c.close()
+
+    dom = asyncio.run(main())
+    assert re.search(r'<span id="state" class="stale">stale</span>', dom), dom[:3000]
