@@ -169,8 +169,9 @@ class WorkerRecord:
             "samples": self.samples,
             "share": self.samples / total_samples if total_samples else 0.0,
             # connected: its applied rate (its probe until one is applied); gone: none
-            "samples_per_sec": 0.0 if not self.connected else self.samples_per_sec
-            if not self.samples_since_join else self.samples_since_join / max(connected_for, 1e-9),
+            "samples_per_sec": 0.0 if not self.connected else (
+                self.samples_per_sec if not self.samples_since_join
+                else self.samples_since_join / max(connected_for, 1e-9)),
             "stale": self.stale, "rejected": self.rejected, "last_refusal": self.last_refusal,
             "clipped": self.clipped,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
@@ -331,7 +332,7 @@ class Coordinator:
     async def _say_waiting_forever(self) -> None:
         """Until training starts, say every :data:`WAITING_LOG_INTERVAL_SEC` that it waits for
         workers; a resumed coordinator (it knows workers from its checkpoint) says so at once."""
-        if not any(r.connected for r in self.workers.values()) and self.workers:
+        if self.workers:  # (none is connected yet)
             self._say_waiting()
         while True:
             await asyncio.sleep(self.WAITING_LOG_INTERVAL_SEC)

@@ -323,7 +323,7 @@ class Worker:
     async def _watch_clock(self) -> None:
         """Note when this process did not run for longer than the heartbeat timeout (frozen by
         SIGSTOP, a suspended machine or VM, or starved of CPU): the event loop's ticks stop, the
-        monotonic clock does not. :meth:`frozen_for` reads it."""
+        monotonic clock does not. :meth:`_frozen_for` reads it."""
         interval = self.config.network.heartbeat_interval_sec
         self._last_tick = time.monotonic()
         while True:
@@ -333,13 +333,16 @@ class Worker:
                 self._frozen = (now - self._last_tick - interval, now)
             self._last_tick = now
 
-    def frozen_for(self, since: float) -> float:
-        """Seconds this process was frozen in one stretch after ``since`` (monotonic), as far as
-        its clock watch saw, or ending now (the watch has not ticked since); 0.0 if it was not."""
-        gap = time.monotonic() - self._last_tick - self.config.network.heartbeat_interval_sec
-        frozen = gap if gap > self.config.network.heartbeat_timeout_sec else 0.0
+    def _frozen_for(self, since: float) -> float:
+        """Seconds this process was frozen in one stretch ending now (the clock watch has not
+        ticked since), or noticed after ``since`` (monotonic) and lately enough to be why a
+        connection failed now (within three heartbeat timeouts); 0.0 if it was not."""
+        net, now = self.config.network, time.monotonic()
+        gap = now - self._last_tick - net.heartbeat_interval_sec
+        frozen = gap if gap > net.heartbeat_timeout_sec else 0.0
         seconds, at = self._frozen
-        return max(frozen, seconds if at >= since else 0.0)
+        recent = since <= at and now - at <= 3 * net.heartbeat_timeout_sec
+        return max(frozen, seconds if recent else 0.0)
 
     def _say_disconnected(self, exc: BaseException, was_registered: bool, delay: float,
                           attempt: int) -> None:
@@ -348,7 +351,7 @@ class Worker:
         net = self.config.network
         where = f"{net.coordinator_host}:{net.coordinator_port}"
         retry = f"reconnecting in {delay:.1f} s (attempt {attempt} of {net.reconnect_attempts})"
-        frozen = self.frozen_for(self._connected_at)
+        frozen = self._frozen_for(self._connected_at)
         if frozen:
             log.warning("this process was paused or frozen for %.0f s (SIGSTOP, a suspended machine "
                         "or VM, or starved of CPU), longer than the heartbeat timeout of %g s, so its "
