@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
+import signal
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ from swarmtrain.config import load_coordinator_config
 from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ps.coordinator import WorkerRecord
 from swarmtrain.roles.ps.worker import Worker
-from swarmtrain.testing.procs import swarm_cmd
+from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
 from tests.test_coordinator_state import make_coordinator
 from tests.test_dashboard import run_chromium
 from tests.test_ps_inprocess import coordinator, worker
@@ -315,3 +318,55 @@ def test_the_dashboard_says_stale_for_a_status_taken_long_before_it_was_served()
 
     dom = asyncio.run(main())
     assert re.search(r'<span id="state" class="stale">stale</span>', dom), dom[:3000]
+
+
+def test_a_worker_process_woken_from_sigstop_says_it_was_frozen(tmp_path: Path) -> None:
+    # the chaos run's case itself: a real worker process stopped and continued
+    (tmp_path / "fast.toml").write_text(
+        "[network]\nheartbeat_interval_sec = 0.2\nheartbeat_timeout_sec = 1.0\n")
+    config = ("--config", str(tmp_path / "fast.toml"))
+    env = {"SWARMTRAIN_SECRET": "chaos-test-secret"}
+    status_path = tmp_path / "status.json"
+    coord, port = start_coordinator(tmp_path, "--task", "digits", "--min-workers", "1",
+                                    "--checkpoint-interval", "0", "--status-file", str(status_path),
+                                    *config, env=env)
+    log_path = tmp_path / "w.log"
+    w = subprocess.Popen(
+        swarm_cmd("worker", "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+                  "--worker-id", "frozen", "--batch-size", "32", "--reconnect-attempts", "5",
+                  "--reconnect-delay", "0.1", *config),
+        env={**os.environ, **env}, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+    def worker_row() -> dict[str, Any]:  # from the coordinator's status file (every second)
+        rows = json.loads(status_path.read_text())["workers"] if status_path.exists() else []
+        return rows[0] if rows else {}
+
+    def wait(what: str, ok: Callable[[], bool], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ok():
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{tail(log_path)}"
+            time.sleep(0.1)
+
+    try:
+        wait("training", lambda: worker_row().get("steps", 0) >= 3)
+        os.kill(w.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait("drop of the stopped worker", lambda: worker_row().get("connected") is False)
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - stopped)))  # the freeze itself: 3 s at least
+        os.kill(w.pid, signal.SIGCONT)
+        wait("'frozen' line", lambda: "was paused or frozen" in log_path.read_text(errors="replace"))
+        wait("reconnection", lambda: worker_row().get("connected") is True)
+        text = log_path.read_text(errors="replace")
+        assert "lost the coordinator" not in text, text
+        stop = subprocess.run(swarm_cmd("ctl", "shutdown", "--port", str(port)), env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        assert wait_exit(coord, 60, tmp_path / "coordinator.log") == 0
+        assert wait_exit(w, 60, log_path) == 0
+    finally:
+        for p in (w, coord):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=10)
