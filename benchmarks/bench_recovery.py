@@ -117,8 +117,8 @@ def coordinator_rounds(tmp: Path, repeats: int) -> dict[str, list[float]]:
                 c.procs["coordinator"].wait(timeout=10)
                 t_restart = time.time()
                 c.start_coordinator(*args, resume=True)
-                st = c.wait_for(lambda s: bool(c.events(s, "resumed")), 60, "resume")
-                resumed = c.events(st, "resumed")[0]["step"]
+                st = c.wait_for(lambda s: bool(c.events(s, "resumed_from_checkpoint")), 60, "resume")
+                resumed = c.events(st, "resumed_from_checkpoint")[0]["step"]
                 c.wait_for(lambda s, v=resumed: s["version"] > v, 120, "training after resume")
                 out["updates_lost"].append(float(last - resumed))
                 st = c.status() or {}

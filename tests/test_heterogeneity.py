@@ -14,6 +14,7 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.testing.procs import swarm_cmd
+from swarmtrain.testing.turns import ComputeTurns
 from tests.test_ps_inprocess import DATA, TASK, coordinator, worker
 
 # Tests whose assertions depend on measured speeds (a ratio of steps, the measured step and
@@ -27,25 +28,32 @@ BIG = {"training.batch_size": 256, "training.accumulation_steps": 4}  # compute-
 
 @serial
 def test_quarter_speed_worker_does_about_a_quarter_of_the_steps() -> None:
-    async def main() -> tuple[Coordinator, Worker, Worker]:
-        c = coordinator(**{"training.min_workers": 2, "training.max_steps": 150})
+    # A quarter-speed worker by compute slots, not by wall-clock: the coordinator applies each
+    # worker's gradients as they come (no worker waits for another), so the steps follow the
+    # speeds. (With the wall-clock throttle this measured 1.71 and 2.36 under load, for 4.)
+    max_steps = 150
+    c = coordinator(**{"training.min_workers": 2, "training.max_steps": max_steps})
+    turns = ComputeTurns(["full", "quarter"], done=lambda: c.version >= max_steps)
+
+    def make(name: str, slots: int) -> Worker:
+        return worker(c.port, loss_fn=turns.loss(name, slots, TASK.loss),
+                      **{"training.worker_id": name, "training.batch_size": 64,
+                         "training.probe_seconds": 0.0})
+
+    async def main() -> None:
         await c.start()
-        full = worker(c.port, **{"training.worker_id": "full", **BIG})
-        quarter = worker(c.port, **{"training.worker_id": "quarter", **BIG, "training.speed": 0.25})
-        tasks = [asyncio.create_task(w.run_async()) for w in (full, quarter)]
+        tasks = [asyncio.create_task(w.run_async()) for w in (make("full", 1), make("quarter", 4))]
         await asyncio.wait_for(c.run(), 120)
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        return c, full, quarter
 
-    c, full, quarter = asyncio.run(main())
-    # steps each worker computed (the coordinator may drop a very stale one, which would skew
-    # its count): about 4x; the unthrottled round trip shrinks it, CPU contention stretches it
-    ratio = full.steps / quarter.steps
-    assert 2.5 <= ratio <= 7.0, ratio
+    asyncio.run(main())
+    # applied steps (the coordinator's count: a gradient answered 'finished' is not one): 4 to
+    # 1, give or take the last step of each (120 and 30 of 150)
+    full, quarter = c.workers["full"].steps, c.workers["quarter"].steps
+    assert full + quarter == max_steps
+    assert 3.5 <= full / quarter <= 4.6, (full, quarter)
     shares = {w["id"]: w["share"] for w in c.status()["workers"]}
-    assert shares["full"] > 0.7 and abs(sum(shares.values()) - 1) < 1e-9
-    # the probe ran with the throttle on, and each worker reported its speed when it joined
-    assert 0 < quarter.samples_per_sec < full.samples_per_sec
+    assert 0.77 <= shares["full"] <= 0.83 and abs(sum(shares.values()) - 1) < 1e-9, shares
     assert c.workers["quarter"].hardware["profile"] == hardware.detect().profile.value
 
 

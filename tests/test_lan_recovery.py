@@ -88,8 +88,8 @@ def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanC
     last = c.status()  # the last status written before the kill (at most 1 s old)
     assert last is not None
     c.start_coordinator(*args, resume=True)
-    st = c.wait_for(lambda s: bool(c.events(s, "resumed")), 30, "the coordinator to resume")
-    resumed = c.events(st, "resumed")[0]["step"]
+    st = c.wait_for(lambda s: bool(c.events(s, "resumed_from_checkpoint")), 30, "the coordinator to resume")
+    resumed = c.events(st, "resumed_from_checkpoint")[0]["step"]
     # checkpoints are taken once 50 updates have passed since the last (a few more may land
     # while one is written), so at most about one interval of work is lost
     assert resumed >= last["version"] - 60, (resumed, last["version"])

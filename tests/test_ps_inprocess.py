@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -18,6 +19,7 @@ from swarmtrain.errors import ConfigError, RefusedError
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import DigitsTask
+from swarmtrain.testing.turns import ComputeTurns
 from swarmtrain.transport import auth
 from swarmtrain.wire import (
     PREAMBLE,
@@ -44,12 +46,13 @@ def coordinator(**over: Any) -> Coordinator:
                        task_name="digits", secret=SECRET)
 
 
-def worker(port: int, model: nn.Module | None = None, **over: Any) -> Worker:
+def worker(port: int, model: nn.Module | None = None, loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+           **over: Any) -> Worker:
     cfg = load_worker_config(overrides={
         "network.coordinator_port": port, "hardware.num_threads": 1, "training.batch_size": 32,
         "network.reconnect_attempts": 0, "training.probe_seconds": 0.2,
         "training.accumulation_steps": 1, **over})
-    return Worker(model or TASK.build_model(), TASK.loss, DATA.train, cfg, task_name="digits",
+    return Worker(model or TASK.build_model(), loss_fn or TASK.loss, DATA.train, cfg, task_name="digits",
                   secret=SECRET)
 
 
@@ -67,11 +70,13 @@ def test_slow_worker_does_not_hold_back_the_fast_one() -> None:
     async def main() -> tuple[Worker, Worker, Coordinator]:
         c = coordinator(**{"training.min_workers": 2, "training.max_steps": 150})
         await c.start()
-        # Four accumulated batches of 256 per gradient make compute, not the event loop that
-        # all three roles share in this test, the cost of a step.
-        big = {"training.batch_size": 256, "training.accumulation_steps": 4}
-        fast = worker(c.port, **{"training.worker_id": "fast", **big})
-        slow = worker(c.port, **{"training.worker_id": "slow", **big, "training.speed": 0.1})
+        # The slow worker's step costs ten compute turns to the fast one's one (a virtual
+        # clock: a wall-clock throttle's ratio shrinks with the machine's load)
+        turns = ComputeTurns(["fast", "slow"], done=lambda: c.version >= 150)
+        fast = worker(c.port, loss_fn=turns.loss("fast", 1, TASK.loss),
+                      **{"training.worker_id": "fast", "training.probe_seconds": 0.0})
+        slow = worker(c.port, loss_fn=turns.loss("slow", 10, TASK.loss),
+                      **{"training.worker_id": "slow", "training.probe_seconds": 0.0})
         tasks = [asyncio.create_task(w.run_async()) for w in (fast, slow)]
         await asyncio.wait_for(c.run(), 120)
         await asyncio.wait_for(asyncio.gather(*tasks), 30)

@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--secret-file")
     _tls_flags(k)
     k.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    k.add_argument("--status-file", help="status only: read it from this file (the coordinator's "
+                   "--status-file) instead of asking the coordinator, and say when it is stale")
 
     s = sub.add_parser("secret", help="create a new random cluster secret file")
     s.add_argument("--out", required=True, help="file to write (mode 0600)")
@@ -468,6 +471,8 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     from swarmtrain.app.ui import print_status
     from swarmtrain.roles.ps.ctl import ctl_request
 
+    if args.status_file:
+        return _ctl_status_file(args)
     reply = asyncio.run(ctl_request(args.host, args.port, args.action, secret=_cli_secret(args),
                                     tls=_cli_tls(args)))
     data = {k: v for k, v in reply.fields().items()}
@@ -478,6 +483,28 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     else:
         print(data)
     return 0 if data.get("ok", True) else 1
+
+
+def _ctl_status_file(args: argparse.Namespace) -> int:
+    """``ctl status --status-file F``: the status a coordinator last wrote, marked stale when
+    its writer has stopped (exit 1 then)."""
+    from swarmtrain.app.ui import print_status, stale_note
+
+    if args.action != "status":
+        raise SwarmError(f"--status-file only reads a status; 'ctl {args.action}' must reach the "
+                         "coordinator (drop --status-file)")
+    try:
+        status = json.loads(Path(args.status_file).read_text())
+    except (OSError, ValueError) as exc:
+        raise SwarmError(f"cannot read the status file {args.status_file}: {exc}; is it the "
+                         "coordinator's --status-file?") from None
+    now = time.time()
+    stale = stale_note(status, now)
+    if args.json:
+        print(json.dumps({"status": status, "stale": stale}, default=str, indent=2))
+    else:
+        print_status(status, now=now)
+    return 1 if stale else 0
 
 
 def cmd_secret(args: argparse.Namespace) -> int:

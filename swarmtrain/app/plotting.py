@@ -25,7 +25,8 @@ from swarmtrain.fsutil import FileWriteError, write_atomic
 
 __all__ = ["plot_run_log"]
 
-_MEMBERSHIP_EVENTS = frozenset({"joined", "left", "worker_refused", "epoch", "ring_broken", "resumed"})
+_MEMBERSHIP_EVENTS = frozenset({"joined", "left", "worker_refused", "epoch", "ring_broken",
+                                "resumed_from_checkpoint"})
 Series = tuple[list[float], list[float]]
 
 

@@ -24,6 +24,7 @@ from swarmtrain.app.runlogging import (
 )
 from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, with_overrides
 from swarmtrain.core import hardware
+from swarmtrain.core.events import RunRecorder
 from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.ps.coordinator import Coordinator
@@ -40,8 +41,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarmtrain")
 
 
-def build_coordinator(cfg: CoordinatorConfig, *, resume: bool = False) -> Coordinator:
-    """A coordinator for ``cfg.training.task`` with held-out evaluation and checkpoints."""
+def build_coordinator(cfg: CoordinatorConfig, *, resume: bool = False,
+                      run_log: RunRecorder | None = None) -> Coordinator:
+    """A coordinator for ``cfg.training.task`` with held-out evaluation and checkpoints.
+
+    ``run_log`` is set before a ``resume`` restores the checkpoint, so the run log records
+    where the run resumed (``resumed_from_checkpoint``)."""
     task = load_task(cfg.training.task)
     model = task.build_model(seed=cfg.training.seed)
     data = task.load_data(cfg.data.path or None)
@@ -49,6 +54,7 @@ def build_coordinator(cfg: CoordinatorConfig, *, resume: bool = False) -> Coordi
         cfg = with_overrides(cfg, {"training.learning_rate": task.default_learning_rate})
     coord = Coordinator(model, cfg, evaluate=lambda m: task.evaluate(m, data),
                         task_name=cfg.training.task)
+    coord.run_log = run_log
     ck = cfg.checkpointing
     if ck.interval or resume:
         coord.checkpointer = CoordinatorCheckpointer(ck.directory, interval=ck.interval, keep=ck.keep)
@@ -87,8 +93,14 @@ def run_coordinator(
     summary_file: str | None = None, status_file: str | None = None,
 ) -> int:
     async def main() -> dict[str, Any]:
-        coord = build_coordinator(cfg, resume=resume)
-        coord.run_log = open_run_log(cfg.logging.run_log, "coordinator.jsonl")
+        # the run log opens first: a resume is recorded in it
+        run_log = open_run_log(cfg.logging.run_log, "coordinator.jsonl")
+        try:
+            coord = build_coordinator(cfg, resume=resume, run_log=run_log)
+        except BaseException:
+            if run_log is not None:
+                run_log.close()
+            raise
         sampler = CoordinatorSampler(coord)
         await coord.start()
         http = (await serve_coordinator(coord, cfg.ops.http_host, cfg.ops.http_port)
@@ -97,8 +109,8 @@ def run_coordinator(
             write_atomic(port_file, str(coord.port))
         if status_file:
             coord._tasks.append(asyncio.create_task(_write_status_forever(coord, status_file)))
-        if coord.run_log is not None:
-            coord._tasks.append(asyncio.create_task(log_coordinator_forever(coord, coord.run_log, sampler)))
+        if run_log is not None:
+            coord._tasks.append(asyncio.create_task(log_coordinator_forever(coord, run_log, sampler)))
         loop = asyncio.get_running_loop()
 
         def on_signal(sig: signal.Signals) -> None:
@@ -109,12 +121,12 @@ def run_coordinator(
                 loop.add_signal_handler(sig, on_signal, sig)
         try:
             await coord.run()
-            if coord.run_log is not None:
-                coord.run_log.metrics(force=True, **sampler.sample())
+            if run_log is not None:
+                run_log.metrics(force=True, **sampler.sample())
             export_final_weights(coord, cfg.checkpointing.export)
         finally:
-            if coord.run_log is not None:
-                coord.run_log.close()
+            if run_log is not None:
+                run_log.close()
             if http is not None:
                 await http.close()
         return coord.status()

@@ -11,7 +11,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["print_status", "print_pipeline_status", "print_profile", "format_metrics"]
+__all__ = ["STALE_AFTER_SEC", "format_metrics", "print_pipeline_status", "print_profile", "print_status",
+           "stale_note"]
+
+STALE_AFTER_SEC = 5.0
+"""A status file this much older than its ``time`` is stale: it is rewritten every second
+(``--status-file``), so a few missed writes mean its writer has stopped."""
 
 
 def _num(v: Any, fmt: str = ".4f") -> str:
@@ -35,7 +40,21 @@ _WIDE = 160
 """Console width when the output is not a terminal (a pipe or a file): room for every column."""
 
 
-def print_status(status: dict[str, Any], console: Console | None = None) -> None:
+def stale_note(status: dict[str, Any], now: float, after: float = STALE_AFTER_SEC) -> str:
+    """"" for a status written within ``after`` seconds before ``now`` (unix seconds) or
+    of a finished run; else what to say: how long ago it was written and what to check (a
+    status without ``time``, from before it was recorded, cannot tell)."""
+    written = status.get("time")
+    if not isinstance(written, (int, float)) or status.get("finished"):
+        return ""
+    age = now - written
+    if age <= after:
+        return ""
+    return f"stale (last written {age:.0f} s ago; is the coordinator still running?)"
+
+
+def print_status(status: dict[str, Any], console: Console | None = None, *,
+                 now: float | None = None) -> None:
     """Print a coordinator's status: step, loss, metrics, and the workers table.
 
     The id, address, profile, steps and last-seen columns are never cut. Other columns are
@@ -46,14 +65,22 @@ def print_status(status: dict[str, Any], console: Console | None = None) -> None
         status: a coordinator's ``status()`` dict (as ``swarmtrain ctl status`` receives it).
         console: where to print; by default the terminal, or a wide console when the output
             is not a terminal, so that a pipe or a file gets every column.
+        now: for a status read from a file, the time now (unix seconds): a status written
+            more than :data:`STALE_AFTER_SEC` before it is shown as stale (:func:`stale_note`).
     """
     console = console or _default_console()
     state = "finished" if status.get("finished") else "paused" if status.get("paused") else (
         "running" if status.get("running") else "waiting for workers")
+    stale = stale_note(status, now) if now is not None else ""
+    if stale:
+        state = f"[bold red]{stale}[/] (it said: {state})"
+    # two losses: the running mean of what the workers report with their gradients, and the
+    # held-out evaluation's (metrics) on the coordinator
+    held_out = "  ".join(f"held-out {k} {_num(v)}" for k, v in status.get("metrics", {}).items())
     console.print(
         f"[bold]task[/] {status.get('task') or 'custom'}  [bold]state[/] {state}  "
         f"[bold]step[/] {status.get('step')}  [bold]version[/] {status.get('version')}  "
-        f"[bold]loss[/] {_num(status.get('loss'))}  {format_metrics(status.get('metrics', {}))}"
+        f"[bold]loss[/] (EMA of workers' training loss) {_num(status.get('loss'))}  {held_out}"
     )
     stats = status.get("stats", {})
     console.print(f"applied {stats.get('applied', 0)}  stale-dropped {stats.get('stale', 0)}  "
@@ -62,7 +89,9 @@ def print_status(status: dict[str, Any], console: Console | None = None) -> None
                   f"min {status.get('min_workers')}")
     if refusals := status.get("refusals"):
         console.print("refused " + "  ".join(f"{reason} {n}" for reason, n in sorted(refusals.items())))
-    rows = [_worker_cells(w) for w in status.get("workers", [])]
+    # connected workers first; a gone one keeps its steps and share, not a speed or shards
+    workers = sorted(status.get("workers", []), key=lambda w: not w.get("connected"))
+    rows = [_worker_cells(w) for w in workers]
     if not rows:
         console.print("no workers have joined yet")
         return
@@ -97,10 +126,11 @@ def _worker_cells(w: dict[str, Any]) -> dict[str, str]:
         "id": str(w.get("id")), "address": str(w.get("address") or "-"),
         "profile": str(w.get("profile")), "steps": str(w.get("steps")),
         "last seen": f"{seen:.1f} s ago" if connected else f"{seen:.0f} s ago (gone)",
-        "shards": ",".join(str(s) for s in w.get("shards", [])) or "-",
+        "shards": (",".join(str(s) for s in w.get("shards", [])) or "-") if connected else "-",
         "batch": str(w.get("batch_size")), "share": f"{100 * w.get('share', 0):.0f}%",
-        "samples/s": _num(w.get("samples_per_sec"), ".0f"),
-        "probe": _num(w.get("probe_samples_per_sec"), ".0f"), "weight": _num(w.get("weight"), ".2f"),
+        "samples/s": _num(w.get("samples_per_sec"), ".0f") if connected else "-",
+        "probe": _num(w.get("probe_samples_per_sec"), ".0f") if connected else "-",
+        "weight": _num(w.get("weight"), ".2f"),
         "staleness": _num(w.get("avg_staleness"), ".1f"), "up x": _num(w.get("up_ratio"), ".1f"),
         "down x": _num(w.get("down_ratio"), ".1f"),
     }

@@ -361,7 +361,8 @@ class Update(Message):
     that brings the worker's replica from its last known state to ``version``.
 
     ``status`` is one of ``applied``, ``stale`` (dropped: older than max_staleness),
-    ``duplicate`` (already applied before a reconnect) or ``rejected`` (bad values).
+    ``duplicate`` (already applied before a reconnect), ``rejected`` (bad values) or
+    ``finished`` (not applied: the run reached ``max_steps``, SHUTDOWN follows).
     With ``full`` set, ``tensors`` are the complete weights (a resync) and ``codecs`` is empty.
     """
 

@@ -22,6 +22,9 @@ from swarmtrain.wire import CheckpointMsg
 MASTER_PREFIX = "master/"
 """Checkpoint tensors holding the float32 masters of half-precision parameters and buffers."""
 
+#: the per-worker counters a checkpoint keeps (``WorkerRecord`` fields)
+_WORKER_COUNTS = ("steps", "samples", "staleness_total")
+
 if TYPE_CHECKING:
     from swarmtrain.roles.ps.coordinator import Coordinator
 
@@ -104,6 +107,10 @@ class CoordinatorCheckpointer:
             "loss_ema": None if math.isnan(coord.loss_ema) else coord.loss_ema,
             "samples_ema": coord._samples_ema,
             "workers": {w: r.last_msg_id for w, r in coord.workers.items()},
+            # each worker's applied steps, samples and their staleness, so its counts go on
+            # after a resume (absent from checkpoints before it)
+            "worker_counts": {w: {k: getattr(r, k) for k in _WORKER_COUNTS}
+                              for w, r in coord.workers.items()},
             # which node's key owns each worker id (absent from checkpoints before it)
             "worker_nodes": {w: r.node for w, r in coord.workers.items() if r.node},
             "screen": coord.screen.state_dict(),
@@ -152,10 +159,15 @@ class CoordinatorCheckpointer:
 
         for wid, last in meta.get("workers", {}).items():
             coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0, last_msg_id=int(last))
+        for wid, counts in meta.get("worker_counts", {}).items():
+            if wid in coord.workers and isinstance(counts, dict):
+                for k in _WORKER_COUNTS:
+                    setattr(coord.workers[wid], k, int(counts.get(k, 0)))
         for wid, node in meta.get("worker_nodes", {}).items():
             if wid in coord.workers:
                 coord.workers[wid].node = str(node)
         self.last_saved_version = coord.version
-        coord._event("resumed", step=coord.version, path=str(ckpt.path))
+        coord._event("resumed_from_checkpoint", step=coord.version, version=coord.version,
+                     path=str(ckpt.path))
         log.info("resumed from %s at version %d", ckpt.path, coord.version)
         return True

@@ -164,11 +164,14 @@ class WorkerRecord:
                                         if self.connected and connected_for > 0 else 0.0),
             "id": self.worker_id, "address": self.address, "connected": self.connected,
             "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
-            "shard": self.shard_index, "shards": list(self.shards), "steps": self.steps,
+            "shard": self.shard_index, "shards": list(self.shards) if self.connected else [],
+            "steps": self.steps,
             "samples": self.samples,
             "share": self.samples / total_samples if total_samples else 0.0,
-            "samples_per_sec": self.samples_per_sec if not self.connected or not self.samples_since_join
-            else self.samples_since_join / max(connected_for, 1e-9),
+            # connected: its applied rate (its probe until one is applied); gone: none
+            "samples_per_sec": 0.0 if not self.connected else (
+                self.samples_per_sec if not self.samples_since_join
+                else self.samples_since_join / max(connected_for, 1e-9)),
             "stale": self.stale, "rejected": self.rejected, "last_refusal": self.last_refusal,
             "clipped": self.clipped,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
@@ -311,6 +314,7 @@ class Coordinator:
                                        max_per_address=net.max_connections_per_address,
                                        max_failed_auth=net.max_failed_auth, ctl_slots=net.ctl_slots))
         self._tasks.append(asyncio.create_task(self._eval_loop()))
+        self._tasks.append(asyncio.create_task(self._say_waiting_forever()))
         self._event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
                  net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
@@ -320,6 +324,38 @@ class Coordinator:
                         "train, so the run ends now; to train on, raise training.max_steps "
                         "(--max-steps)", self.version, limit)
             self.request_shutdown(f"reached max_steps={limit}")
+
+    #: while training waits for ``min_workers``, a line (and a ``waiting_for_workers`` event)
+    #: says so this often
+    WAITING_LOG_INTERVAL_SEC = 30.0
+
+    async def _say_waiting_forever(self) -> None:
+        """Until training starts, say every :data:`WAITING_LOG_INTERVAL_SEC` that it waits for
+        workers; a resumed coordinator (it knows workers from its checkpoint) says so at once."""
+        if self.workers:  # (none is connected yet)
+            self._say_waiting()
+        while True:
+            await asyncio.sleep(self.WAITING_LOG_INTERVAL_SEC)
+            if self.running or self._finished:
+                return
+            self._say_waiting()
+
+    def _say_waiting(self) -> None:
+        """Log and record that training waits for ``min_workers``: how many are connected,
+        which workers this run had, and what to do."""
+        need = self.config.training.min_workers
+        connected = sorted(r.worker_id for r in self._connected())
+        had = sorted(w for w in self.workers if w not in connected)
+        self._event("waiting_for_workers", connected=len(connected), min_workers=need,
+                    workers=connected, had=had[:32], version=self.version)
+        log.warning(
+            "waiting for %d more worker(s) before training %s: %d of min_workers %d connected%s%s. "
+            "Any worker counts, not only the ones this run had: start workers (swarmtrain worker "
+            "--host <this host> --port %d), or restart this coordinator with a lower --min-workers",
+            need - len(connected), f"resumes at version {self.version}" if self.version else "starts",
+            len(connected), need, f" ({', '.join(connected)})" if connected else "",
+            f"; this run had {', '.join(had[:8])}{' ...' if len(had) > 8 else ''}" if had else "",
+            self.port)
 
     def _role_limits(self) -> dict[str, Limits]:
         """What a frame from each role may carry: a worker's gradient is at most the model's
@@ -718,7 +754,12 @@ class Coordinator:
         rec.gradients += 1
         rec.bytes_up += payload_bytes(msg.tensors)
         staleness = self.version - msg.version
-        if msg.msg_id <= rec.last_msg_id:
+        limit = self.config.training.max_steps
+        if limit and self.version >= limit:
+            # the run is over (the shutdown is on its way): gradients still queued here are
+            # answered, not applied, so a run ends at exactly max_steps updates
+            status = "finished"
+        elif msg.msg_id <= rec.last_msg_id:
             status = "duplicate"
             rec.duplicates += 1
             self.stats["duplicates"] += 1
@@ -1048,7 +1089,8 @@ class Coordinator:
         """Pause (workers stop computing, keep their connection) or resume the cluster;
         ``source`` says who asked (the ctl's address), recorded in the event."""
         self.paused = paused
-        self._event("paused" if paused else "resumed", **({"source": source} if source else {}))
+        # "unpaused", not "resumed": that names a restart from a checkpoint (resumed_from_checkpoint)
+        self._event("paused" if paused else "unpaused", **({"source": source} if source else {}))
         msg: Message = Pause() if paused else Resume()
         await asyncio.gather(*(self._send(r, msg) for r in self._connected()), return_exceptions=True)
 
@@ -1101,6 +1143,9 @@ class Coordinator:
         """Step, loss, version, metrics and a table of workers (msgpack/JSON-able)."""
         total = sum(r.samples for r in self.workers.values())
         return {
+            # when this status was taken (unix seconds, and UTC for people): a status file whose
+            # coordinator died says how old it is
+            "time": time.time(), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "version": self.version, "step": self.version, "loss": self.loss_ema,
             "metrics": dict(self.metrics), "running": self.running, "paused": self.paused,
             "finished": self._finished, "task": self.task_name,

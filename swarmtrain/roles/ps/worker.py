@@ -228,6 +228,9 @@ class Worker:
         self.shutdown_reason = ""
         self._largest_batch = 0  # samples of the largest batch computed (a DataLoader's may vary)
         self._claim_cap = 0  # the most samples a gradient may claim, as registered
+        self._last_tick = self._connected_at = time.monotonic()
+        #: (seconds, when noticed) of the last stretch this process was frozen (_watch_clock)
+        self._frozen: tuple[float, float] = (0.0, 0.0)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -261,6 +264,7 @@ class Worker:
                              1000 * self.plan.batch_size / self.samples_per_sec,
                              self.config.training.message_compute_ms)
                     self.plan = dataclasses.replace(self.plan, accumulation_steps=accum)
+        clock = asyncio.create_task(self._watch_clock())
         try:
             while not self._stopped:
                 try:
@@ -273,6 +277,7 @@ class Worker:
                                           heartbeat_timeout=net.heartbeat_timeout_sec),
                     )
                     self._conn = conn
+                    self._connected_at = time.monotonic()
                     await self._session(conn)
                     failures = 0
                 except RefusedError as exc:
@@ -293,6 +298,7 @@ class Worker:
                 except (ConnectionLost, SwarmTimeout, ProtocolError, ConnectionError) as exc:
                     if self._stopped:
                         break
+                    was_registered = self._registered
                     failures = 1 if self._registered else failures + 1
                     self._registered = False
                     if failures > net.reconnect_attempts:
@@ -302,16 +308,60 @@ class Worker:
                             "is it running, and is the address/port right?"
                         ) from exc
                     delay = net.reconnect_delay_sec * min(2 ** (failures - 1), 8) * random.uniform(0.8, 1.2)
-                    log.warning("lost the coordinator (%s); reconnecting in %.1f s (attempt %d of %d)",
-                                exc, delay, failures, net.reconnect_attempts)
+                    self._say_disconnected(exc, was_registered, delay, failures)
                     await asyncio.sleep(delay)
                 finally:
                     if self._conn is not None:
                         await self._conn.close()
                         self._conn = None
         finally:
+            clock.cancel()
+            await asyncio.gather(clock, return_exceptions=True)
             self._pool.shutdown(wait=True)
             self._apply_final()
+
+    async def _watch_clock(self) -> None:
+        """Note when this process did not run for longer than the heartbeat timeout (frozen by
+        SIGSTOP, a suspended machine or VM, or starved of CPU): the event loop's ticks stop, the
+        monotonic clock does not. :meth:`_frozen_for` reads it."""
+        interval = self.config.network.heartbeat_interval_sec
+        self._last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - self._last_tick - interval > self.config.network.heartbeat_timeout_sec:
+                self._frozen = (now - self._last_tick - interval, now)
+            self._last_tick = now
+
+    def _frozen_for(self, since: float) -> float:
+        """Seconds this process was frozen in one stretch ending now (the clock watch has not
+        ticked since), or noticed after ``since`` (monotonic) and lately enough to be why a
+        connection failed now (within three heartbeat timeouts); 0.0 if it was not."""
+        net, now = self.config.network, time.monotonic()
+        gap = now - self._last_tick - net.heartbeat_interval_sec
+        frozen = gap if gap > net.heartbeat_timeout_sec else 0.0
+        seconds, at = self._frozen
+        recent = since <= at and now - at <= 3 * net.heartbeat_timeout_sec
+        return max(frozen, seconds if recent else 0.0)
+
+    def _say_disconnected(self, exc: BaseException, was_registered: bool, delay: float,
+                          attempt: int) -> None:
+        """The line for a lost or unreachable coordinator: this process frozen (its connection
+        timed out, not the coordinator), a coordinator lost, or one never reached."""
+        net = self.config.network
+        where = f"{net.coordinator_host}:{net.coordinator_port}"
+        retry = f"reconnecting in {delay:.1f} s (attempt {attempt} of {net.reconnect_attempts})"
+        frozen = self._frozen_for(self._connected_at)
+        if frozen:
+            log.warning("this process was paused or frozen for %.0f s (SIGSTOP, a suspended machine "
+                        "or VM, or starved of CPU), longer than the heartbeat timeout of %g s, so its "
+                        "connection to the coordinator at %s timed out (%s); %s", frozen,
+                        net.heartbeat_timeout_sec, where, exc, retry)
+        elif was_registered:
+            log.warning("lost the coordinator at %s (%s); %s", where, exc, retry)
+        else:
+            log.warning("could not reach the coordinator at %s (%s); is it running? check --host/"
+                        "--port (coordinator_host/coordinator_port); %s", where, exc, retry)
 
     def _apply_final(self) -> None:
         """Apply what arrived with SHUTDOWN (the final weights), so that :meth:`run` returns
@@ -401,7 +451,7 @@ class Worker:
                     log.info("paused by the coordinator")
                 elif isinstance(msg, Resume):
                     self._paused = False
-                    log.info("resumed")
+                    log.info("unpaused by the coordinator: training again")
                 elif isinstance(msg, Shutdown):
                     self.shutdown_reason = msg.reason
                     log.info("coordinator says shut down: %s", msg.reason)
