@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
+from swarmtrain.transport import connect
+from swarmtrain.wire import Start
 from tests.test_coordinator_state import gradient, make_coordinator, record
+from tests.test_transport import HOST, echo, serving, timeouts
 
 
 def test_saves_racing_at_one_interval_boundary_write_one_checkpoint(tmp_path: Path) -> None:
@@ -47,3 +50,61 @@ def test_saves_racing_at_one_interval_boundary_write_one_checkpoint(tmp_path: Pa
     written = [e["step"] for e in c.events if e["event"] == "checkpoint"]
     assert written == [5], written
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-000000000005"]
+
+
+class _LateConnectionMade(asyncio.BufferedProtocol):
+    """Passes everything to ``inner`` but calls its ``connection_made`` a few event loop turns
+    late: asyncio promises to call it, not when (another event loop may well be later)."""
+
+    def __init__(self, inner: asyncio.BufferedProtocol) -> None:
+        self.inner = inner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        loop = asyncio.get_running_loop()
+
+        def later(turns: int) -> None:
+            if turns:
+                loop.call_soon(later, turns - 1)
+            else:
+                self.inner.connection_made(transport)
+
+        later(5)
+
+    def get_buffer(self, sizehint: int) -> Any:
+        return self.inner.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.inner.buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def test_the_server_serves_a_connection_once_connection_made_ran_however_late() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        real_create_server = loop.create_server
+
+        async def create_server(factory: Any, *args: Any, **kwargs: Any) -> Any:
+            return await real_create_server(lambda: _LateConnectionMade(factory()), *args, **kwargs)
+
+        loop.create_server = create_server  # type: ignore[method-assign]
+        async with serving(echo) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker",
+                                 timeouts=timeouts(handshake=5))
+            try:
+                await conn.send(Start(version=7))
+                assert await conn.recv(timeout=10) == Start(version=7)
+            finally:
+                await conn.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

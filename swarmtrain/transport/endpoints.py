@@ -120,6 +120,21 @@ HANDSHAKE_ERRORS: dict[str, str] = {
 }
 
 
+class _ServerProtocol(FrameProtocol):
+    """A server connection's :class:`FrameProtocol`: :attr:`made` resolves to the transport
+    once ``connection_made`` has run, so the task serving it waits for that, not for a
+    guessed number of event loop turns."""
+
+    def __init__(self, limits: Limits) -> None:
+        super().__init__(limits)
+        self.made: asyncio.Future[asyncio.Transport] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.transport is not None and not self.made.done():
+            self.made.set_result(self.transport)
+
+
 class _Refused(AuthError):
     """A handshake refusal: ``code`` (a key of :data:`HANDSHAKE_ERRORS`) goes in the ``ERROR``."""
 
@@ -455,7 +470,7 @@ async def start_server(
     server_tls = tls.server_context() if tls is not None else None
 
     def factory() -> asyncio.BaseProtocol:
-        proto = FrameProtocol(HANDSHAKE_LIMITS)
+        proto = _ServerProtocol(HANDSHAKE_LIMITS)
         if server_tls is not None:
             return PendingTLS(lambda tcp: loop.create_task(_serve_tls(tcp, proto)))
         loop.create_task(_serve_plain(proto))
@@ -476,11 +491,16 @@ async def start_server(
         finally:
             state.admission.release(address, ctl_only=ctl_only)
 
-    async def _serve_plain(proto: FrameProtocol) -> None:
-        await asyncio.sleep(0)  # let connection_made run
-        assert proto.transport is not None
+    async def _serve_plain(proto: _ServerProtocol) -> None:
+        # asyncio calls connection_made when it chooses (after this task may have started)
+        try:
+            async with asyncio.timeout(timeouts.handshake):
+                transport = await proto.made
+        except TimeoutError:  # the accepted socket never became a transport
+            log.warning("an accepted connection was never set up; dropped")
+            return
         conn = Connection(proto, timeouts, send_queue_size=send_queue_size, limits=limits)
-        address = peer_ip(proto.transport)
+        address = peer_ip(transport)
 
         async def refuse(code: str, message: str) -> None:
             await conn.close(Error(code=code, message=message), timeout=1.0)
