@@ -154,7 +154,8 @@ class CoordinatorCheckpointer:
                         master.copy_(saved)
         adam_state_from_tensors(coord.optimizer, list(coord.params), ckpt.tensors, meta["adam"])
         coord.version = int(meta["version"])
-        coord.stats.update(meta.get("stats", {}))
+        # the restored records start counting afresh: what they counted before is departed
+        coord.departed_stats.update({k: int(n) for k, n in meta.get("stats", {}).items()})
         coord.loss_ema = math.nan if meta.get("loss_ema") is None else float(meta["loss_ema"])
         coord._samples_ema = float(meta.get("samples_ema", 0.0))
         if isinstance(meta.get("screen"), dict):
@@ -162,7 +163,7 @@ class CoordinatorCheckpointer:
         from swarmtrain.roles.ps.coordinator import WorkerRecord
 
         for wid, last in meta.get("workers", {}).items():
-            coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0, last_msg_id=int(last))
+            coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, last_msg_id=int(last))
         for wid, node in meta.get("worker_nodes", {}).items():
             if wid in coord.workers:
                 coord.workers[wid].node = str(node)
