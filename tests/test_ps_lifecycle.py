@@ -322,3 +322,13 @@ def test_the_server_serves_a_connection_once_connection_made_ran_however_late() 
                 await conn.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_shard_planner_preconditions_are_typed_errors_that_survive_python_o() -> None:
+    from swarmtrain.errors import ConfigError
+    from swarmtrain.roles.ps.shards import ShardPlanner
+
+    with pytest.raises(ConfigError, match="num_shards must be >= 1"):
+        ShardPlanner(0)
+    with pytest.raises(ConfigError, match=r"shard 7 is out of range: there are 3 shards \(0..2\)"):
+        ShardPlanner(3).join("x", pinned=7)

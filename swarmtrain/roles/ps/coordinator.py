@@ -566,7 +566,6 @@ class Coordinator:
                 "keeps its node key in its config directory, identity.key)")
         if rec is not None and rec.conn is not None and not rec.conn.is_closed and rec.conn is not conn:
             log.info("worker %s reconnected; closing its old connection", msg.worker_id)
-            assert rec.conn is not None
             rec.conn.abort(SwarmError("replaced by a new connection"))
         changed = self.shard_plan.join(msg.worker_id, msg.shard_index if msg.shard_index >= 0 else None)
         shards = changed[msg.worker_id]
@@ -866,8 +865,8 @@ class Coordinator:
                             sparse=is_sparse(msg.codecs))
         if self.window is not None:
             self._window_ids.add(rec.worker_id)
-            if self._window_closes():
-                self._step_window()
+            if self._window_closes(self.window):
+                self._step_window(self.window)
         else:
             rec.weight = self._sample_weight(msg.samples)
             self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
@@ -976,16 +975,15 @@ class Coordinator:
         """A gradient ``staleness`` updates behind moves the weights 1/staleness as far."""
         return 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
 
-    def _report_exclusions(self, left: list[Any], back: list[Any]) -> None:
+    def _report_exclusions(self, window: RobustWindow, left: list[Any], back: list[Any]) -> None:
         """Say which workers a robust window left out (their gradients pull against the
         others': docs/robustness.md) or took back; each exclusion is a refusal."""
-        assert isinstance(self.window, RobustWindow)
         for worker in left:
             self.refusals.count("member_excluded")
-            self._event("member_excluded", worker=str(worker), agreement=self.window.scores.mean(worker))
+            self._event("member_excluded", worker=str(worker), agreement=window.scores.mean(worker))
             log.warning("worker %s is left out of the robust combination: its gradients pull against the "
                         "others' (mean cosine %.3f over its last rounds); check its data and code, or "
-                        "stop it if it is not yours", worker, self.window.scores.mean(worker))
+                        "stop it if it is not yours", worker, window.scores.mean(worker))
         for worker in back:
             self._event("member_readmitted", worker=str(worker))
             log.info("worker %s agrees with the others again; its gradients count again", worker)
@@ -997,12 +995,10 @@ class Coordinator:
         q = self.config.training.robust_quorum or max(3, connected // 2 + 1)
         return max(1, min(q, connected))
 
-    def _window_closes(self) -> bool:
+    def _window_closes(self, window: GradientWindow | RobustWindow) -> bool:
         """Whether the open window steps now: it has its samples (a robust one: from a quorum,
         :meth:`_robust_window_closes`) and no worker's fresh gradient is still due before its
         deadline (:meth:`_any_due`); else the deadline is set for the timer."""
-        window = self.window
-        assert window is not None
         ready = (self._robust_window_closes(window) if isinstance(window, RobustWindow)
                  else window.samples >= self.config.training.aggregate_samples)
         if not ready:
@@ -1033,14 +1029,12 @@ class Coordinator:
                    and r.worker_id not in out and r.answered_at + r.step_sec <= deadline
                    for r in self._connected())
 
-    def _step_window(self) -> None:
+    def _step_window(self, window: GradientWindow | RobustWindow) -> None:
         """One Adam step on the open window's combination; the next window opens empty."""
-        window = self.window
-        assert window is not None
         combined, sparse = window.take()
         self._adam(combined, self.base_lr, sparse)
         if isinstance(window, RobustWindow):
-            self._report_exclusions(*window.last_changes)
+            self._report_exclusions(window, *window.last_changes)
         self._window_ids.clear()
         self._window_ready_at = self._window_deadline = None
 
@@ -1048,7 +1042,7 @@ class Coordinator:
         """(apply thread) Step the open window if its deadline has passed."""
         if (self._window_deadline is not None and time.monotonic() >= self._window_deadline
                 and self.window is not None and self.window.gradients):
-            self._step_window()
+            self._step_window(self.window)
 
     def _robust_window_closes(self, window: RobustWindow) -> bool:
         """A robust window closes once it holds ``aggregate_samples`` samples (no slot counted
@@ -1183,13 +1177,14 @@ class Coordinator:
                 await self._evaluate_now()
 
     async def _evaluate_now(self) -> None:
-        if self.evaluate_fn is None:
+        evaluate = self.evaluate_fn
+        if evaluate is None:
             return
         snap = await self._run_apply(lambda: (self._state_snapshot(), self.version))
         weights, version = snap
         loop = asyncio.get_running_loop()
         try:
-            metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, weights)
+            metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, evaluate, weights)
         except Exception as exc:  # noqa: BLE001 - a user's evaluate() may raise anything; keep serving
             log.error("evaluation failed: %s", exc)
             return
@@ -1197,12 +1192,11 @@ class Coordinator:
         self.metric_history.append((version, self.metrics))
         log.info("version %d: %s", version, ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
 
-    def _evaluate_snapshot(self, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
+    def _evaluate_snapshot(self, evaluate: Evaluate, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
         if self._eval_state is None:
             self._eval_state = ModelState(copy.deepcopy(self.model))
         self._eval_state.load(weights)
-        assert self.evaluate_fn is not None
-        return self.evaluate_fn(self._eval_state.model)
+        return evaluate(self._eval_state.model)
 
     def _event(self, kind: str, **data: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **data})
