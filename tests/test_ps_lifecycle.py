@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from swarmtrain.compression import make_codec
-from swarmtrain.errors import ConnectionLost, StateError
+from swarmtrain.errors import ConfigError, ConnectionLost, StateError
 from swarmtrain.roles.ps import coordinator as coordinator_module
 from swarmtrain.roles.ps import worker as worker_module
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.ps.coordinator import Coordinator, CoordinatorState, WorkerRecord
+from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.roles.ps.worker import Worker, WorkerState
 from swarmtrain.transport import connect
 from swarmtrain.wire import Decoder, Start, Update, UpdateStatus, encode_bytes
@@ -325,9 +326,6 @@ def test_the_server_serves_a_connection_once_connection_made_ran_however_late() 
 
 
 def test_shard_planner_preconditions_are_typed_errors_that_survive_python_o() -> None:
-    from swarmtrain.errors import ConfigError
-    from swarmtrain.roles.ps.shards import ShardPlanner
-
     with pytest.raises(ConfigError, match="num_shards must be >= 1"):
         ShardPlanner(0)
     with pytest.raises(ConfigError, match=r"shard 7 is out of range: there are 3 shards \(0..2\)"):
