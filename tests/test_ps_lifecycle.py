@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from swarmtrain.compression import make_codec
-from swarmtrain.errors import ConfigError, ConnectionLost, StateError
+from swarmtrain.errors import ConfigError, ConnectionLost, RefusedError, StateError
 from swarmtrain.roles.ps import coordinator as coordinator_module
 from swarmtrain.roles.ps import worker as worker_module
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.ps.coordinator import Coordinator, CoordinatorState, WorkerRecord
+from swarmtrain.roles.ps.ctl import ctl_request
 from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.roles.ps.worker import Worker, WorkerState
 from swarmtrain.transport import connect
 from swarmtrain.wire import Decoder, Start, Update, UpdateStatus, encode_bytes
 from tests.test_coordinator_state import gradient, make_coordinator, record
-from tests.test_ps_inprocess import coordinator, worker
+from tests.test_ps_inprocess import SECRET, coordinator, worker
 from tests.test_transport import HOST, echo, serving, timeouts
 
 pytestmark = pytest.mark.timeout(180)
@@ -112,6 +113,21 @@ def test_coordinator_pause_resume_and_shutdown_move_through_the_table_once_each(
     kinds = [e["event"] for e in c.events if e["event"] in ("paused", "resumed", "shutdown")]
     assert kinds == ["paused", "resumed", "shutdown"]
     assert next(e for e in c.events if e["event"] == "shutdown")["reason"] == "test over"
+
+
+def test_a_ctl_pause_of_a_finishing_run_is_answered_with_a_non_fatal_error() -> None:
+    async def main() -> None:
+        c = coordinator()
+        await c.start()
+        try:
+            c._enter(CoordinatorState.FINISHING)  # (the rest of a shutdown is not run here)
+            with pytest.raises(RefusedError, match="can no longer be paused") as refused:
+                await ctl_request(HOST, c.port, "pause", secret=SECRET, timeout=20)
+            assert refused.value.code == "finished" and c.lifecycle is CoordinatorState.FINISHING
+        finally:
+            await c.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_a_cluster_paused_before_the_start_starts_paused_and_trains_once_resumed() -> None:
