@@ -139,7 +139,7 @@ class ApplyBench:
         self.coord = Coordinator(build_model(), cfg, task_name="bench")
         self.rx = received_message(grads, cfg)
         self.wire_bytes = sum(t.numel() * t.element_size() for t in self.rx.tensors.values())
-        self.rec = WorkerRecord("bench", "127.0.0.1:0", {}, 32, 0.0, 0)
+        self.rec = WorkerRecord("bench", "127.0.0.1:0", {}, 32, 0.0, [0])
         self.coord.workers[self.rec.worker_id] = self.rec
         self.coord._snapshot_for(self.rec)  # what registration does: the worker's shadow
         self._msg_id = 0

@@ -22,6 +22,7 @@ __all__ = [
     "ModelMismatch",
     "CheckpointError",
     "TaskError",
+    "StateError",
 ]
 
 
@@ -106,3 +107,8 @@ class TruncatedFrame(RemoteProtocolError, ConnectionLost):
 
     def __init__(self, message: str) -> None:
         RemoteProtocolError.__init__(self, "truncated_frame", message)
+
+
+class StateError(SwarmError):
+    """An operation the object's current lifecycle state does not allow (pausing a run that is
+    shutting down, a move its state table does not list); the message names the state."""

@@ -49,7 +49,7 @@ def gradient(c: Coordinator, msg_id: int, scale: float = 1.0) -> Gradients:
 
 
 def record(c: Coordinator, wid: str = "w") -> WorkerRecord:
-    rec = WorkerRecord(wid, "test", {}, 32, 0.0, 0)
+    rec = WorkerRecord(wid, "test", {}, 32, 0.0, [0])
     c.workers[wid] = rec
     c._snapshot_for(rec)
     return rec

@@ -235,7 +235,7 @@ def test_an_unused_parameter_is_not_stepped_as_torch_does() -> None:
     from swarmtrain.wire import Gradients
 
     codec = make_codec("none")
-    rec = WorkerRecord("w", "", {}, 32, 0.0, 0)
+    rec = WorkerRecord("w", "", {}, 32, 0.0, [0])
     for msg_id, (bx, by) in enumerate([(x, y), (x2, y2)], start=1):
         opt.zero_grad(set_to_none=True)
         loss_fn(ref, (bx, by)).backward()

@@ -259,9 +259,9 @@ async def fuzz_ctl(count: int = 300, *, seconds: float = math.inf, seed: int = 0
                                lambda: _live(coord.port, "ctl", StatusRequest(), Status),
                                count=count, seconds=seconds, concurrency=concurrency, progress=progress,
                                forbid=(Pause, Shutdown))
-            if coord.paused or coord._finished:
+            if coord.paused or coord.finished:
                 report.health.append(f"the cluster was paused ({coord.paused}) or shut down "
-                                     f"({coord._finished}) by inputs that carried no valid PAUSE/SHUTDOWN")
+                                     f"({coord.finished}) by inputs that carried no valid PAUSE/SHUTDOWN")
             if not torch.equal(coord._flat_master(), before) or coord.version != version:
                 report.health.append(f"the master weights or version changed ({version} -> {coord.version})")
             for msg, expect, paused in ((StatusRequest(), Status, False), (Pause(), Status, True),
@@ -273,9 +273,9 @@ async def fuzz_ctl(count: int = 300, *, seconds: float = math.inf, seed: int = 0
             if not isinstance(answer := await ctl(Shutdown(reason="fuzz health check")), Status):
                 report.health.append(f"a legitimate SHUTDOWN was answered with {answer}")
             deadline = time.monotonic() + 30
-            while not coord._finished and time.monotonic() < deadline:
+            while not coord.finished and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if not coord._finished:
+            if not coord.finished:
                 report.health.append("a legitimate SHUTDOWN did not shut the cluster down")
         except (SwarmError, OSError, TimeoutError) as exc:
             report.health.append(f"health check failed: {type(exc).__name__}: {exc}")

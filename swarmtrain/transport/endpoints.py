@@ -120,6 +120,21 @@ HANDSHAKE_ERRORS: dict[str, str] = {
 }
 
 
+class _ServerProtocol(FrameProtocol):
+    """A server connection's :class:`FrameProtocol`: :attr:`made` resolves to the transport
+    once ``connection_made`` has run, so the task serving it waits for that, not for a
+    guessed number of event loop turns."""
+
+    def __init__(self, limits: Limits) -> None:
+        super().__init__(limits)
+        self.made: asyncio.Future[asyncio.Transport] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.transport is not None and not self.made.done():
+            self.made.set_result(self.transport)
+
+
 class _Refused(AuthError):
     """A handshake refusal: ``code`` (a key of :data:`HANDSHAKE_ERRORS`) goes in the ``ERROR``."""
 
@@ -487,7 +502,7 @@ class _Acceptor:
 
     def protocol(self) -> asyncio.BaseProtocol:
         """The protocol factory of ``loop.create_server``."""
-        proto = FrameProtocol(HANDSHAKE_LIMITS)
+        proto = _ServerProtocol(HANDSHAKE_LIMITS)
         if self.server_tls is not None:
             return PendingTLS(lambda tcp: self.loop.create_task(self._serve_tls(tcp, proto)))
         self.loop.create_task(self._serve_plain(proto))
@@ -515,11 +530,16 @@ class _Acceptor:
         finally:
             admission.release(address, ctl_only=ctl_only)
 
-    async def _serve_plain(self, proto: FrameProtocol) -> None:
-        await asyncio.sleep(0)  # let connection_made run
-        assert proto.transport is not None
+    async def _serve_plain(self, proto: _ServerProtocol) -> None:
+        # asyncio calls connection_made when it chooses (after this task may have started)
+        try:
+            async with asyncio.timeout(self.timeouts.handshake):
+                transport = await proto.made
+        except TimeoutError:  # the accepted socket never became a transport
+            log.warning("an accepted connection was never set up; dropped")
+            return
         conn = self._connection(proto)
-        address = peer_ip(proto.transport)
+        address = peer_ip(transport)
 
         async def refuse(code: str, message: str) -> None:
             await conn.close(Error(code=code, message=message), timeout=1.0)

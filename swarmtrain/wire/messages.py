@@ -355,14 +355,25 @@ class Gradients(Message):
     tensors: TensorMap = field(default_factory=dict)
 
 
+class UpdateStatus(enum.StrEnum):
+    """What became of the gradient an UPDATE answers; travels as its string value."""
+
+    APPLIED = "applied"
+    STALE = "stale"  # dropped: older than max_staleness
+    DUPLICATE = "duplicate"  # already applied before a reconnect
+    REJECTED = "rejected"  # bad values
+    FINISHED = "finished"  # not applied: the run reached max_steps (SHUTDOWN follows)
+
+
 @dataclass(frozen=True)
 class Update(Message):
     """Coordinator → worker: answer to GRADIENTS ``msg_id`` and the (compressed) weight delta
     that brings the worker's replica from its last known state to ``version``.
 
-    ``status`` is one of ``applied``, ``stale`` (dropped: older than max_staleness),
-    ``duplicate`` (already applied before a reconnect), ``rejected`` (bad values) or
-    ``finished`` (not applied: the run reached ``max_steps``, SHUTDOWN follows).
+    ``status`` is an :class:`UpdateStatus` value: ``applied``, ``stale`` (dropped: older than
+    max_staleness), ``duplicate`` (already applied before a reconnect), ``rejected`` (bad
+    values) or ``finished`` (not applied: the run reached ``max_steps``, SHUTDOWN follows). It
+    decodes as a plain string, so a worker counts one it does not know.
     With ``full`` set, ``tensors`` are the complete weights (a resync) and ``codecs`` is empty.
     """
 

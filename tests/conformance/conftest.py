@@ -24,7 +24,7 @@ def _static_peers_probed_often(monkeypatch: pytest.MonkeyPatch) -> None:
     started probes the others before they listen, so every peer-mode run here waited ~2 s
     for the next round before training (18 runs). What is measured here is the training;
     probing every 0.25 s finds the other peer as soon as it listens."""
-    from swarmtrain.peer import discovery
+    from swarmtrain.roles.peer import discovery
 
     monkeypatch.setattr(discovery.StaticDiscovery, "__init__",
                         functools.partialmethod(discovery.StaticDiscovery.__init__, interval=0.25))

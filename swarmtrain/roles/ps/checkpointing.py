@@ -55,30 +55,41 @@ class CoordinatorCheckpointer:
         return self.streak.in_a_row
 
     async def maybe_save(self, coord: Coordinator) -> None:
-        """Save if ``interval`` updates have been applied since the last attempt."""
-        since = max(self.last_saved_version, self.last_attempted_version, 0)
-        if self.interval and coord.version - since >= self.interval:
-            await self.save_now(coord)
+        """Save if ``interval`` updates have been applied since the last attempt.
+
+        The interval is checked under the lock the save holds: calls made while a save is
+        under way (one per applied gradient) see that save's version once it is taken, so
+        they write nothing until the next interval, not one checkpoint each."""
+        if not self.interval:
+            return
+        async with self._lock:
+            since = max(self.last_saved_version, self.last_attempted_version, 0)
+            if coord.version - since >= self.interval:
+                await self._save(coord)
 
     async def save_now(self, coord: Coordinator) -> CheckpointMsg:
         """Snapshot on the apply thread (consistent), write on another thread."""
         async with self._lock:
-            if coord.version == self.last_saved_version:
-                return CheckpointMsg(ok=True, step=coord.version, message="already saved")
-            tensors, meta = await coord._run_apply(self._snapshot, coord)
-            version = meta["version"]
-            self.last_attempted_version = version
-            loop = asyncio.get_running_loop()
-            try:
-                path = await loop.run_in_executor(None, self.store.save, version, tensors, meta)
-            except CheckpointError as exc:
-                self._report_failure(coord, version, exc)
-                return CheckpointMsg(ok=False, step=version, message=str(exc))
-            self.streak.succeeded()
-            self.last_saved_version = version
-            coord._event("checkpoint", step=version, path=str(path))
-            log.info("checkpoint at version %d: %s", version, path)
-            return CheckpointMsg(ok=True, step=version, path=str(path))
+            return await self._save(coord)
+
+    async def _save(self, coord: Coordinator) -> CheckpointMsg:
+        """(holding the lock) Snapshot and write one checkpoint."""
+        if coord.version == self.last_saved_version:
+            return CheckpointMsg(ok=True, step=coord.version, message="already saved")
+        tensors, meta = await coord._run_apply(self._snapshot, coord)
+        version = meta["version"]
+        self.last_attempted_version = version
+        loop = asyncio.get_running_loop()
+        try:
+            path = await loop.run_in_executor(None, self.store.save, version, tensors, meta)
+        except CheckpointError as exc:
+            self._report_failure(coord, version, exc)
+            return CheckpointMsg(ok=False, step=version, message=str(exc))
+        self.streak.succeeded()
+        self.last_saved_version = version
+        coord._event("checkpoint", step=version, path=str(path))
+        log.info("checkpoint at version %d: %s", version, path)
+        return CheckpointMsg(ok=True, step=version, path=str(path))
 
     def _report_failure(self, coord: Coordinator, version: int, exc: CheckpointError) -> None:
         retry = f"; next attempt in {self.interval} updates" if self.interval else ""
@@ -150,7 +161,8 @@ class CoordinatorCheckpointer:
                         master.copy_(saved)
         adam_state_from_tensors(coord.optimizer, list(coord.params), ckpt.tensors, meta["adam"])
         coord.version = int(meta["version"])
-        coord.stats.update(meta.get("stats", {}))
+        # the restored records start counting afresh: what they counted before is departed
+        coord.departed_stats.update({k: int(n) for k, n in meta.get("stats", {}).items()})
         coord.loss_ema = math.nan if meta.get("loss_ema") is None else float(meta["loss_ema"])
         coord._samples_ema = float(meta.get("samples_ema", 0.0))
         if isinstance(meta.get("screen"), dict):
@@ -158,11 +170,14 @@ class CoordinatorCheckpointer:
         from swarmtrain.roles.ps.coordinator import WorkerRecord
 
         for wid, last in meta.get("workers", {}).items():
-            coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0, last_msg_id=int(last))
+            coord.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, last_msg_id=int(last))
         for wid, counts in meta.get("worker_counts", {}).items():
             if wid in coord.workers and isinstance(counts, dict):
                 for k in _WORKER_COUNTS:
                     setattr(coord.workers[wid], k, int(counts.get(k, 0)))
+                # its applied steps are counted by its record again, no longer as departed
+                applied = coord.departed_stats.get("applied", 0) - coord.workers[wid].steps
+                coord.departed_stats["applied"] = max(0, applied)
         for wid, node in meta.get("worker_nodes", {}).items():
             if wid in coord.workers:
                 coord.workers[wid].node = str(node)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import enum
 import logging
 import math
 import re
@@ -41,6 +42,7 @@ from swarmtrain.errors import (
     ConfigError,
     ModelMismatch,
     RemoteProtocolError,
+    StateError,
     SwarmError,
 )
 from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
@@ -78,10 +80,11 @@ from swarmtrain.wire import (
     Status,
     StatusRequest,
     Update,
+    UpdateStatus,
     Weights,
 )
 
-__all__ = ["Coordinator", "WorkerRecord"]
+__all__ = ["Coordinator", "CoordinatorState", "TRANSITIONS", "WorkerRecord"]
 
 log = logging.getLogger("swarmtrain.coordinator")
 
@@ -90,6 +93,46 @@ MAX_WORKER_RECORDS = 1024
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 Evaluate = Callable[[nn.Module], Mapping[str, float]]
+
+
+class CoordinatorState(enum.Enum):
+    """Where a coordinator is in its life; it moves only as :data:`TRANSITIONS` allows."""
+
+    #: fewer than ``min_workers`` workers have joined: those that have wait, holding the weights
+    WAITING = "waiting for workers"
+    #: paused before training started: it starts paused once ``min_workers`` have joined
+    WAITING_PAUSED = "paused while waiting for workers"
+    RUNNING = "running"
+    #: workers keep their connections and compute nothing (ctl pause)
+    PAUSED = "paused"
+    #: shutting the cluster down: last evaluation, checkpoint, final weights, SHUTDOWN
+    FINISHING = "finishing"
+    #: not serving any more
+    STOPPED = "stopped"
+
+
+_S = CoordinatorState
+#: every move a coordinator may make, from each state (a move not listed raises StateError)
+TRANSITIONS: Mapping[CoordinatorState, frozenset[CoordinatorState]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.WAITING_PAUSED, _S.FINISHING, _S.STOPPED}),
+    _S.WAITING_PAUSED: frozenset({_S.WAITING, _S.PAUSED, _S.FINISHING, _S.STOPPED}),
+    _S.RUNNING: frozenset({_S.PAUSED, _S.FINISHING, _S.STOPPED}),
+    _S.PAUSED: frozenset({_S.RUNNING, _S.FINISHING, _S.STOPPED}),
+    _S.FINISHING: frozenset({_S.STOPPED}),
+    _S.STOPPED: frozenset(),
+}
+#: the event each move records (moves not listed record none)
+_EVENTS: Mapping[tuple[CoordinatorState, CoordinatorState], str] = {
+    (_S.WAITING, _S.RUNNING): "start", (_S.WAITING_PAUSED, _S.PAUSED): "start",
+    (_S.WAITING, _S.WAITING_PAUSED): "paused", (_S.RUNNING, _S.PAUSED): "paused",
+    (_S.WAITING_PAUSED, _S.WAITING): "unpaused", (_S.PAUSED, _S.RUNNING): "unpaused",
+    **{(state, _S.FINISHING): "shutdown" for state in (_S.WAITING, _S.WAITING_PAUSED, _S.RUNNING, _S.PAUSED)},
+}
+#: where a pause (resume) moves from each state that allows one
+_PAUSE = {_S.WAITING: _S.WAITING_PAUSED, _S.RUNNING: _S.PAUSED}
+_RESUME = {_S.WAITING_PAUSED: _S.WAITING, _S.PAUSED: _S.RUNNING}
+#: the counters of :attr:`Coordinator.stats`, and the record field behind each
+_STATS = {"applied": "steps", "stale": "stale", "duplicates": "duplicates", "rejected": "rejected"}
 
 
 @dataclass
@@ -101,7 +144,6 @@ class WorkerRecord:
     hardware: dict[str, Any]
     batch_size: int
     samples_per_sec: float
-    shard_index: int
     shards: list[int] = field(default_factory=list)
     conn: Connection | None = None
     welcomed: bool = False
@@ -151,27 +193,37 @@ class WorkerRecord:
         """Connected and sent its weights (so it may receive broadcasts)."""
         return self.conn is not None and not self.conn.is_closed and self.welcomed
 
+    @property
+    def shard_index(self) -> int:
+        """Its first shard (-1 while it holds none: restored from a checkpoint, not back yet)."""
+        return self.shards[0] if self.shards else -1
+
+    def counts(self) -> dict[str, int]:
+        """Its gradients applied, dropped as stale, duplicates and rejected (as :attr:`Coordinator.stats`)."""
+        return {key: getattr(self, name) for key, name in _STATS.items()}
+
     def summary(self, total_samples: int, raw_bytes: int) -> dict[str, Any]:
         up = self.bytes_up / self.gradients if self.gradients else 0.0
         connected_for = time.monotonic() - self.joined_at
         down = self.bytes_down / self.updates if self.updates else 0.0
+        # samples applied per second since it joined (0 while it is gone)
+        applied_rate = (self.samples_since_join / connected_for
+                        if self.connected and connected_for > 0 else 0.0)
         return {
             "bytes_up_per_step": up, "bytes_down_per_step": down,
             "up_ratio": raw_bytes / up if up else 0.0, "down_ratio": raw_bytes / down if down else 0.0,
             "residual_norm": self.residual_norm, "drift": self.drift, "resyncs": self.resyncs,
             "weight": self.weight, "probe_samples_per_sec": self.samples_per_sec,
-            "applied_samples_per_sec": (self.samples_since_join / connected_for
-                                        if self.connected and connected_for > 0 else 0.0),
+            "applied_samples_per_sec": applied_rate,
             "id": self.worker_id, "address": self.address, "connected": self.connected,
             "profile": self.hardware.get("profile", "?"), "batch_size": self.batch_size,
             "shard": self.shard_index, "shards": list(self.shards) if self.connected else [],
             "steps": self.steps,
             "samples": self.samples,
             "share": self.samples / total_samples if total_samples else 0.0,
-            # connected: its applied rate (its probe until one is applied); gone: none
-            "samples_per_sec": 0.0 if not self.connected else (
-                self.samples_per_sec if not self.samples_since_join
-                else self.samples_since_join / max(connected_for, 1e-9)),
+            # connected: what it does now once it has applied samples, until then what its
+            # probe said; gone: none
+            "samples_per_sec": (applied_rate or self.samples_per_sec) if self.connected else 0.0,
             "stale": self.stale, "rejected": self.rejected, "last_refusal": self.last_refusal,
             "clipped": self.clipped,
             "avg_staleness": self.staleness_total / self.steps if self.steps else 0.0,
@@ -259,9 +311,11 @@ class Coordinator:
         self.shard_plan = ShardPlanner(self.num_shards)
         self.version = 0
         self.workers: dict[str, WorkerRecord] = {}
-        self.running = False
-        self.paused = False
-        self.stats = {"applied": 0, "stale": 0, "duplicates": 0, "rejected": 0}
+        #: where the coordinator is in its life; changed by :meth:`_enter` alone
+        self.lifecycle = CoordinatorState.WAITING
+        #: :attr:`stats` of workers whose records are gone: forgotten ones, and (after a resume)
+        #: the run before the checkpoint
+        self.departed_stats: Counter[str] = Counter({key: 0 for key in _STATS})
         self.staleness_counts: Counter[int] = Counter()  # applied gradients by staleness
         self.held_variance_steps = 0  # sparse gradients applied with Adam's second moment held
         c = cfg.compression
@@ -283,15 +337,56 @@ class Coordinator:
         #: ``status()["refusals"]`` adds what the server counted: connections turned away and
         #: messages dropped for a field out of range
         self.refusals = RefusalCounter()
-        self._stop = asyncio.Event()
-        self._finished = False
+        self._stopped = asyncio.Event()  # set by _enter(STOPPED) alone: what run() waits for
         self._started_at = time.monotonic()
         self._tasks: list[asyncio.Task[Any]] = []
         self.checkpointer: Any = None  # a CoordinatorCheckpointer, set by session.build_coordinator
         self.run_log: RunRecorder | None = None  # every event is also written here (session sets it)
-        self._shutdown_task: asyncio.Future[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Training has started (it may be paused) and is not over."""
+        return self.lifecycle in (CoordinatorState.RUNNING, CoordinatorState.PAUSED)
+
+    @property
+    def paused(self) -> bool:
+        """Paused by a ctl (before or after training started)."""
+        return self.lifecycle in (CoordinatorState.PAUSED, CoordinatorState.WAITING_PAUSED)
+
+    @property
+    def finished(self) -> bool:
+        """Shutting down or stopped: no gradient is applied any more."""
+        return self.lifecycle in (CoordinatorState.FINISHING, CoordinatorState.STOPPED)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Gradients applied, dropped as stale, duplicates and rejected: the workers' own
+        counters summed, with those of :attr:`departed_stats`."""
+        total = Counter(self.departed_stats)
+        for rec in list(self.workers.values()):  # (the apply thread asks too: checkpoints)
+            total.update(rec.counts())
+        return {key: total[key] for key in _STATS}
+
+    def _enter(self, state: CoordinatorState, **data: Any) -> None:
+        """Move to ``state``: the one place the lifecycle changes. Each move is logged and
+        records its event (:data:`_EVENTS`, with ``data``) once.
+
+        Raises:
+            StateError: :data:`TRANSITIONS` has no move from the current state to ``state``.
+        """
+        old = self.lifecycle
+        if state not in TRANSITIONS[old]:
+            raise StateError(f"the coordinator cannot go from {old.value!r} to {state.value!r} "
+                             f"(from {old.value!r} it may go to "
+                             f"{', '.join(repr(s.value) for s in TRANSITIONS[old]) or 'nothing'})")
+        self.lifecycle = state
+        log.debug("coordinator: %s -> %s", old.value, state.value)
+        if (event := _EVENTS.get((old, state))) is not None:
+            self._event(event, **data)
+        if state is CoordinatorState.STOPPED:
+            self._stopped.set()
 
     @property
     def port(self) -> int:
@@ -336,7 +431,7 @@ class Coordinator:
             self._say_waiting()
         while True:
             await asyncio.sleep(self.WAITING_LOG_INTERVAL_SEC)
-            if self.running or self._finished:
+            if self.lifecycle not in (CoordinatorState.WAITING, CoordinatorState.WAITING_PAUSED):
                 return
             self._say_waiting()
 
@@ -373,19 +468,22 @@ class Coordinator:
         if self._server is None:
             await self.start()
         try:
-            await self._stop.wait()
+            await self._stopped.wait()
         finally:
             await self.close()
 
     def stop(self) -> None:
         """Stop serving at once (workers are not told; see :meth:`request_shutdown`)."""
-        self._stop.set()
+        if self.lifecycle is not CoordinatorState.STOPPED:
+            self._enter(CoordinatorState.STOPPED)
 
     def request_shutdown(self, reason: str = "shutdown requested") -> None:
         """Shut the cluster down gracefully from synchronous code (e.g. a signal handler):
-        checkpoint, tell every worker SHUTDOWN, then stop. Call from the event loop's thread."""
-        if self._shutdown_task is None:
-            self._shutdown_task = asyncio.ensure_future(self.shutdown_cluster(reason))
+        checkpoint, tell every worker SHUTDOWN, then stop. Call from the event loop's thread.
+        Once it is shutting down (or stopped) this does nothing."""
+        if not self.finished:
+            self._enter(CoordinatorState.FINISHING, reason=reason)
+            self._tasks.append(asyncio.ensure_future(self._finish(reason)))
 
     async def close(self) -> None:
         tasks = [*self._tasks, *([self._window_timer] if self._window_timer is not None else [])]
@@ -399,15 +497,18 @@ class Coordinator:
         self.sync_model()  # nothing applies any more: `model` now holds the final state
 
     async def shutdown_cluster(self, reason: str) -> None:
-        """Checkpoint, tell every worker to stop, and stop serving."""
-        if self._finished:
-            return
-        self._finished = True
+        """Checkpoint, tell every worker to stop, and stop serving (returns at once if the
+        cluster is already shutting down or stopped)."""
+        if not self.finished:
+            self._enter(CoordinatorState.FINISHING, reason=reason)
+            await self._finish(reason)
+
+    async def _finish(self, reason: str) -> None:
+        """(FINISHING) Evaluate, checkpoint, send the final weights and SHUTDOWN, stop."""
         log.info("shutting down the cluster: %s", reason)
         await self._evaluate_now()
         if self.checkpointer is not None:
             await self.checkpoint()
-        self._event("shutdown", reason=reason)
         conns = [r.conn for r in self._connected() if r.conn is not None]
         # the final weights first, so that every Worker.run() returns holding them
         final = await self._run_apply(self._final_weights)
@@ -462,7 +563,7 @@ class Coordinator:
                 rec.last_seen = time.monotonic()
                 await self._on_worker_message(rec, msg)
         except SwarmError as exc:
-            if not self._finished:
+            if not self.finished:
                 log.info("worker %s left: %s", rec.worker_id, exc)
         finally:
             if rec.conn is conn:
@@ -470,7 +571,7 @@ class Coordinator:
                 rec.welcomed = False
                 rec.shadow = None
                 self._event("left", worker=rec.worker_id, reason=str(self._leave_reason(conn)))
-                if not self._finished:
+                if not self.finished:
                     with contextlib.suppress(SwarmError):
                         await self._send_assignments(self.shard_plan.leave(rec.worker_id))
 
@@ -500,25 +601,24 @@ class Coordinator:
                 "keeps its node key in its config directory, identity.key)")
         if rec is not None and rec.conn is not None and not rec.conn.is_closed and rec.conn is not conn:
             log.info("worker %s reconnected; closing its old connection", msg.worker_id)
-            assert rec.conn is not None
             rec.conn.abort(SwarmError("replaced by a new connection"))
         changed = self.shard_plan.join(msg.worker_id, msg.shard_index if msg.shard_index >= 0 else None)
         shards = changed[msg.worker_id]
         for wid, theirs in changed.items():  # owed to them once this worker is welcomed
             other = self.workers.get(wid)
             if wid != msg.worker_id and other is not None:
-                other.shards, other.shard_index, other.assign_pending = list(theirs), theirs[0], True
-        shard = shards[0]
+                other.shards, other.assign_pending = list(theirs), True
         if rec is None:
             rec = WorkerRecord(msg.worker_id, conn.peer, msg.hardware, msg.batch_size,
-                               msg.samples_per_sec, shard)
+                               msg.samples_per_sec)
             self.workers[msg.worker_id] = rec
             self._forget_old_workers()
         rec.conn, rec.address, rec.hardware, rec.welcomed = conn, conn.peer, msg.hardware, False
         rec.node = rec.node or conn.node  # bound to the first verified node that registers it
-        rec.batch_size, rec.samples_per_sec, rec.shard_index = msg.batch_size, msg.samples_per_sec, shard
+        rec.batch_size, rec.samples_per_sec = msg.batch_size, msg.samples_per_sec
         rec.accumulation_steps = msg.accumulation_steps
         rec.shards = shards
+        shard = rec.shard_index
         rec.first_applied_pending = True
         rec.joined_at = time.monotonic()
         rec.samples_since_join = 0
@@ -543,6 +643,7 @@ class Coordinator:
         gone = sorted((r for r in self.workers.values() if r.conn is None or r.conn.is_closed),
                       key=lambda r: r.last_seen)
         for rec in gone[:excess]:
+            self.departed_stats.update(rec.counts())  # its counts stay in the totals
             del self.workers[rec.worker_id]
 
     async def _send_assignments(self, changed: Mapping[str, list[int]]) -> None:
@@ -551,7 +652,7 @@ class Coordinator:
             rec = self.workers.get(wid)
             if rec is None:
                 continue
-            rec.shards, rec.shard_index = list(shards), shards[0]
+            rec.shards = list(shards)
             if rec.connected:
                 await self._send(rec, Assign(shards=list(shards), num_shards=self.num_shards))
         if changed:
@@ -580,20 +681,23 @@ class Coordinator:
         await self._send(rec, weights)
         rec.welcomed = True
         await self._send_owed_assignments()
-        if not self.running and len(self._connected()) >= self.config.training.min_workers:
-            self.running = True
-            self._event("start", version=self.version)
+        state = self.lifecycle
+        waiting = state in (CoordinatorState.WAITING, CoordinatorState.WAITING_PAUSED)
+        if waiting and len(self._connected()) >= self.config.training.min_workers:
+            # (paused before the start: it starts paused; the workers were told at the pause)
+            self._enter(CoordinatorState.RUNNING if state is CoordinatorState.WAITING
+                        else CoordinatorState.PAUSED, version=self.version)
             log.info("%d worker(s) connected: starting training", len(self._connected()))
             await asyncio.gather(*(self._send(r, Start(version=self.version)) for r in self._connected()),
                                  return_exceptions=True)
-        elif self.running:
+        elif state in (CoordinatorState.RUNNING, CoordinatorState.PAUSED):
             await self._send(rec, Start(version=self.version))
-            if self.paused:
+            if state is CoordinatorState.PAUSED:
                 await self._send(rec, Pause())
 
     async def _on_worker_message(self, rec: WorkerRecord, msg: Message) -> None:
         if isinstance(msg, Gradients):
-            if self._finished:
+            if self.finished:
                 return  # the run is over; SHUTDOWN is on its way to this worker
             arrived = time.monotonic()
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
@@ -602,22 +706,21 @@ class Coordinator:
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
             if self.version != version:
                 self._after_update()
-            elif self.window is not None and status == "applied":
+            elif self.window is not None and status is UpdateStatus.APPLIED:
                 if self._window_deadline is not None and self._window_timer is None:
                     self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
-            if reply is None and not self._finished:
+            if reply is None and not self.finished:
                 reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
-            if self._finished:  # the final weights went out (or are going): a delta now would be
-                return  # added on top of them, and the replica would overshoot the masters
-            assert reply is not None
+            if self.finished or reply is None:  # the final weights went out (or are going): a
+                return  # delta now would be added on top of them, and the replica would overshoot
             await self._send(rec, reply)
             rec.answered_at = time.monotonic()
-            if status == "rejected" and rec.bad_in_row >= self.config.training.max_bad_in_row:
+            if status is UpdateStatus.REJECTED and rec.bad_in_row >= self.config.training.max_bad_in_row:
                 await self._disconnect_bad_sender(rec)
                 return
             # (a shutdown, which checkpoints, may have been asked for: max_steps in _after_update)
-            if self.checkpointer is not None and status == "applied" and self._shutdown_task is None:
+            if self.checkpointer is not None and status is UpdateStatus.APPLIED and not self.finished:
                 await self._maybe_checkpoint()
         elif isinstance(msg, StatusRequest):
             await self._send(rec, Status(status=self.status()))
@@ -716,7 +819,7 @@ class Coordinator:
         """Close a window that has its samples but waits for due gradients, at its deadline
         (when they did not come), and wake the answers held for it."""
         try:
-            while (deadline := self._window_deadline) is not None and not self._finished:
+            while (deadline := self._window_deadline) is not None and not self.finished:
                 await asyncio.sleep(max(0.0, deadline - time.monotonic()))
                 version = self.version
                 await self._run_apply(self._close_window_if_due)
@@ -747,7 +850,7 @@ class Coordinator:
             async with asyncio.timeout(limit):
                 await self._updated.wait()
 
-    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[str, Message | None]:
+    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[UpdateStatus, Update | None]:
         # Only an applied gradient moves the training state (weights, versions, last_msg_id,
         # the worker's loss); a duplicate, stale or refused one moves its own counter and the
         # traffic counts (gradients received, bytes up) alone.
@@ -758,34 +861,32 @@ class Coordinator:
         if limit and self.version >= limit:
             # the run is over (the shutdown is on its way): gradients still queued here are
             # answered, not applied, so a run ends at exactly max_steps updates
-            status = "finished"
+            status = UpdateStatus.FINISHED
         elif msg.msg_id <= rec.last_msg_id:
-            status = "duplicate"
+            status = UpdateStatus.DUPLICATE
             rec.duplicates += 1
-            self.stats["duplicates"] += 1
             self.refusals.count("duplicate_gradient")
         elif staleness > self.config.training.max_staleness or staleness < 0:
-            status = "stale"  # dropped: a resend of it is stale again, never applied
+            status = UpdateStatus.STALE  # dropped: a resend of it is stale again, never applied
             rec.stale += 1
-            self.stats["stale"] += 1
             self.refusals.count("stale_gradient")
         else:
             status = self._apply_checked(rec, msg, staleness)
-        if status == "applied":
+        if status is UpdateStatus.APPLIED:
             rec.loss = msg.loss
             rec.residual_norm = msg.residual_norm
-        if self.window is not None and status == "applied" and self.window.gradients:
+        if self.window is not None and status is UpdateStatus.APPLIED and self.window.gradients:
             return status, None  # in an open window: answered once it closes (or the hold ends)
         return status, self._reply(rec, msg.msg_id, status)
 
-    def _reply(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
+    def _reply(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
         reply = self._update_for(rec, msg_id, status)
         rec.holds_version = reply.version
         rec.updates += 1
         rec.bytes_down += payload_bytes(reply.tensor_map())
         return reply
 
-    def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> str:
+    def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> UpdateStatus:
         try:
             buffer_changes, rest = split_buffers(msg.buffers, msg.tensors, self.buffers)
             grads = unpack_compressed(msg.codecs, rest, self.params, subset=True)
@@ -804,8 +905,8 @@ class Coordinator:
                             sparse=is_sparse(msg.codecs))
         if self.window is not None:
             self._window_ids.add(rec.worker_id)
-            if self._window_closes():
-                self._step_window()
+            if self._window_closes(self.window):
+                self._step_window(self.window)
         else:
             rec.weight = self._sample_weight(msg.samples)
             self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
@@ -825,9 +926,8 @@ class Coordinator:
         rec.samples_since_join += msg.samples
         rec.staleness_total += staleness
         self.staleness_counts[staleness] += 1
-        self.stats["applied"] += 1
         self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
-        return "applied"
+        return UpdateStatus.APPLIED
 
     def _adam(self, grads: Mapping[str, torch.Tensor], lr: float, sparse: bool) -> None:
         """One update: an optimizer step on ``grads`` (a parameter without one is not stepped,
@@ -892,16 +992,15 @@ class Coordinator:
                             self.screen.reference(), self.screen.clipped)
         return ""
 
-    def _reject(self, rec: WorkerRecord, msg: Gradients, why: str) -> str:
+    def _reject(self, rec: WorkerRecord, msg: Gradients, why: str) -> UpdateStatus:
         log.warning("refused gradient %d from %s: %s", msg.msg_id, rec.worker_id, why)
         rec.rejected += 1
         rec.bad_in_row += 1
         rec.last_refusal = why
         # last_msg_id stays: a refused gradient changes nothing but the refusal counts (else a
         # hostile msg_id would make the worker's real gradients look like duplicates)
-        self.stats["rejected"] += 1
         self.refusals.count("rejected_gradient")
-        return "rejected"
+        return UpdateStatus.REJECTED
 
     async def _disconnect_bad_sender(self, rec: WorkerRecord) -> None:
         why = (f"disconnected: {rec.bad_in_row} gradients in a row were refused (last: "
@@ -916,16 +1015,15 @@ class Coordinator:
         """A gradient ``staleness`` updates behind moves the weights 1/staleness as far."""
         return 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
 
-    def _report_exclusions(self, left: list[Any], back: list[Any]) -> None:
+    def _report_exclusions(self, window: RobustWindow, left: list[Any], back: list[Any]) -> None:
         """Say which workers a robust window left out (their gradients pull against the
         others': docs/robustness.md) or took back; each exclusion is a refusal."""
-        assert isinstance(self.window, RobustWindow)
         for worker in left:
             self.refusals.count("member_excluded")
-            self._event("member_excluded", worker=str(worker), agreement=self.window.scores.mean(worker))
+            self._event("member_excluded", worker=str(worker), agreement=window.scores.mean(worker))
             log.warning("worker %s is left out of the robust combination: its gradients pull against the "
                         "others' (mean cosine %.3f over its last rounds); check its data and code, or "
-                        "stop it if it is not yours", worker, self.window.scores.mean(worker))
+                        "stop it if it is not yours", worker, window.scores.mean(worker))
         for worker in back:
             self._event("member_readmitted", worker=str(worker))
             log.info("worker %s agrees with the others again; its gradients count again", worker)
@@ -937,12 +1035,10 @@ class Coordinator:
         q = self.config.training.robust_quorum or max(3, connected // 2 + 1)
         return max(1, min(q, connected))
 
-    def _window_closes(self) -> bool:
+    def _window_closes(self, window: GradientWindow | RobustWindow) -> bool:
         """Whether the open window steps now: it has its samples (a robust one: from a quorum,
         :meth:`_robust_window_closes`) and no worker's fresh gradient is still due before its
         deadline (:meth:`_any_due`); else the deadline is set for the timer."""
-        window = self.window
-        assert window is not None
         ready = (self._robust_window_closes(window) if isinstance(window, RobustWindow)
                  else window.samples >= self.config.training.aggregate_samples)
         if not ready:
@@ -973,14 +1069,12 @@ class Coordinator:
                    and r.worker_id not in out and r.answered_at + r.step_sec <= deadline
                    for r in self._connected())
 
-    def _step_window(self) -> None:
+    def _step_window(self, window: GradientWindow | RobustWindow) -> None:
         """One Adam step on the open window's combination; the next window opens empty."""
-        window = self.window
-        assert window is not None
         combined, sparse = window.take()
         self._adam(combined, self.base_lr, sparse)
         if isinstance(window, RobustWindow):
-            self._report_exclusions(*window.last_changes)
+            self._report_exclusions(window, *window.last_changes)
         self._window_ids.clear()
         self._window_ready_at = self._window_deadline = None
 
@@ -988,7 +1082,7 @@ class Coordinator:
         """(apply thread) Step the open window if its deadline has passed."""
         if (self._window_deadline is not None and time.monotonic() >= self._window_deadline
                 and self.window is not None and self.window.gradients):
-            self._step_window()
+            self._step_window(self.window)
 
     def _robust_window_closes(self, window: RobustWindow) -> bool:
         """A robust window closes once it holds ``aggregate_samples`` samples (no slot counted
@@ -1009,7 +1103,7 @@ class Coordinator:
         self._samples_ema = samples if mean == 0 else 0.9 * mean + 0.1 * samples
         return min(4.0, max(0.05, samples / self._samples_ema))
 
-    def _update_for(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
+    def _update_for(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
         """The weight delta that brings ``rec``'s replica to the master weights, compressed.
 
         Drift bound: after every update, the worker's weights (equal to ``rec.shadow``, bit for
@@ -1048,7 +1142,7 @@ class Coordinator:
         return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs,
                       buffers=buffer_names, tensors={**tensors, **buffer_tensors})
 
-    def _full_update(self, rec: WorkerRecord, msg_id: int, status: str) -> Update:
+    def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
         w = self._snapshot_for(rec)
         rec.resyncs += 1
         rec.drift = 0.0
@@ -1068,12 +1162,13 @@ class Coordinator:
                     self._event("ctl", action=msg.TYPE.name.lower(), address=conn.peer, node=conn.node)
                 if isinstance(msg, StatusRequest):
                     await conn.send(Status(status=self.status()))
-                elif isinstance(msg, Pause):
-                    await self.set_paused(True, source=conn.peer)
-                    await conn.send(Status(status=self.status()))
-                elif isinstance(msg, Resume):
-                    await self.set_paused(False, source=conn.peer)
-                    await conn.send(Status(status=self.status()))
+                elif isinstance(msg, Pause | Resume):
+                    try:
+                        await self.set_paused(isinstance(msg, Pause), source=conn.peer)
+                    except StateError as exc:
+                        await conn.send(Error(code="finished", fatal=False, message=str(exc)))
+                    else:
+                        await conn.send(Status(status=self.status()))
                 elif isinstance(msg, CheckpointMsg):
                     await conn.send(await self.checkpoint())
                 elif isinstance(msg, Shutdown):
@@ -1087,10 +1182,19 @@ class Coordinator:
 
     async def set_paused(self, paused: bool, *, source: str = "") -> None:
         """Pause (workers stop computing, keep their connection) or resume the cluster;
-        ``source`` says who asked (the ctl's address), recorded in the event."""
-        self.paused = paused
-        # "unpaused", not "resumed": that names a restart from a checkpoint (resumed_from_checkpoint)
-        self._event("paused" if paused else "unpaused", **({"source": source} if source else {}))
+        ``source`` says who asked (the ctl's address), recorded in the event. Pausing a paused
+        cluster changes nothing (the workers are told again).
+
+        Raises:
+            StateError: the cluster is shutting down or stopped.
+        """
+        state = self.lifecycle
+        target = (_PAUSE if paused else _RESUME).get(state)
+        if target is None and self.finished:
+            raise StateError(f"the run is {state.value}: it can no longer be "
+                             f"{'paused' if paused else 'resumed'}")
+        if target is not None:
+            self._enter(target, **({"source": source} if source else {}))
         msg: Message = Pause() if paused else Resume()
         await asyncio.gather(*(self._send(r, msg) for r in self._connected()), return_exceptions=True)
 
@@ -1113,13 +1217,14 @@ class Coordinator:
                 await self._evaluate_now()
 
     async def _evaluate_now(self) -> None:
-        if self.evaluate_fn is None:
+        evaluate = self.evaluate_fn
+        if evaluate is None:
             return
         snap = await self._run_apply(lambda: (self._state_snapshot(), self.version))
         weights, version = snap
         loop = asyncio.get_running_loop()
         try:
-            metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, weights)
+            metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, evaluate, weights)
         except Exception as exc:  # noqa: BLE001 - a user's evaluate() may raise anything; keep serving
             log.error("evaluation failed: %s", exc)
             return
@@ -1127,12 +1232,11 @@ class Coordinator:
         self.metric_history.append((version, self.metrics))
         log.info("version %d: %s", version, ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
 
-    def _evaluate_snapshot(self, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
+    def _evaluate_snapshot(self, evaluate: Evaluate, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
         if self._eval_state is None:
             self._eval_state = ModelState(copy.deepcopy(self.model))
         self._eval_state.load(weights)
-        assert self.evaluate_fn is not None
-        return self.evaluate_fn(self._eval_state.model)
+        return evaluate(self._eval_state.model)
 
     def _event(self, kind: str, **data: Any) -> None:
         self.events.append({"time": time.time(), "event": kind, **data})
@@ -1146,9 +1250,12 @@ class Coordinator:
             # when this status was taken (unix seconds, and UTC for people): a status file whose
             # coordinator died says how old it is
             "time": time.time(), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # "step" is the same number, for the readers every mode's status shares (the
+            # swarmtrain_step metric, the demo's progress bar)
             "version": self.version, "step": self.version, "loss": self.loss_ema,
-            "metrics": dict(self.metrics), "running": self.running, "paused": self.paused,
-            "finished": self._finished, "task": self.task_name,
+            "metrics": dict(self.metrics), "state": self.lifecycle.name.lower(),
+            "running": self.running, "paused": self.paused,
+            "finished": self.finished, "task": self.task_name,
             "min_workers": self.config.training.min_workers, "num_shards": self.num_shards,
             "workers_connected": len(self._connected()), "stats": dict(self.stats),
             "held_variance_steps": self.held_variance_steps,

@@ -9,6 +9,8 @@ Pure bookkeeping, no I/O.
 
 from __future__ import annotations
 
+from swarmtrain.errors import ConfigError
+
 __all__ = ["ShardPlanner"]
 
 
@@ -17,7 +19,8 @@ class ShardPlanner:
 
     def __init__(self, num_shards: int) -> None:
         if num_shards < 1:
-            raise ValueError("num_shards must be >= 1")
+            raise ConfigError(f"num_shards must be >= 1, got {num_shards} (set training.num_shards, "
+                              "or 0 for one shard per min_workers)")
         self.num_shards = num_shards
         self.assigned: dict[str, list[int]] = {}
         self.pinned: dict[str, int] = {}
@@ -36,7 +39,8 @@ class ShardPlanner:
             changed.update(self.leave(worker))
         if pinned is not None:
             if not 0 <= pinned < self.num_shards:
-                raise ValueError(f"shard {pinned} out of range 0..{self.num_shards - 1}")
+                raise ConfigError(f"shard {pinned} is out of range: there are {self.num_shards} shards "
+                                  f"(0..{self.num_shards - 1}); pin one of them, or -1 for automatic")
             self.pinned[worker] = pinned
             self.assigned[worker] = [pinned]
             for other, shards in self.assigned.items():  # others may let go of it now

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import math
 import random
@@ -45,6 +46,7 @@ from swarmtrain.errors import (
     ConnectionLost,
     ProtocolError,
     RefusedError,
+    StateError,
     SwarmError,
     SwarmTimeout,
 )
@@ -76,7 +78,7 @@ from swarmtrain.wire import (
     Weights,
 )
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "WorkerState", "TRANSITIONS"]
 
 #: overlap the next computation with the answer in flight only when the round trip is at
 #: least this fraction of a step's compute; below it, fresher weights are worth more
@@ -105,6 +107,65 @@ def _wire_float(x: float) -> float:
     """``x`` as GRADIENTS carries it: a loss or norm that is not finite or beyond the wire's
     bound (a diverged step) goes as NaN, which the coordinator refuses as "no finite loss"."""
     return x if math.isfinite(x) and abs(x) <= _MAX_LOSS else math.nan
+
+
+class WorkerState(enum.Enum):
+    """Where a worker is in its life; it moves only as :data:`TRANSITIONS` allows."""
+
+    #: not registered: connecting, registering, or about to connect again
+    CONNECTING = "connecting"
+    #: registered; the coordinator waits for ``min_workers`` before training starts
+    WAITING = "waiting for the start"
+    #: registered, training not started, and the cluster paused
+    WAITING_PAUSED = "paused before the start"
+    TRAINING = "training"
+    #: the coordinator paused the cluster: connected, computing nothing
+    PAUSED = "paused"
+    #: the connection failed under the reader (``_broken_by`` says how): the session ends
+    BROKEN = "connection broken"
+    #: stopped (:meth:`Worker.stop`, or the coordinator said SHUTDOWN)
+    STOPPED = "stopped"
+
+
+_S = WorkerState
+_REGISTERED = (_S.WAITING, _S.WAITING_PAUSED, _S.TRAINING, _S.PAUSED)
+#: every move a worker may make, from each state (a move not listed raises StateError)
+TRANSITIONS: Mapping[WorkerState, frozenset[WorkerState]] = {
+    _S.CONNECTING: frozenset({*_REGISTERED, _S.STOPPED}),
+    _S.WAITING: frozenset({_S.TRAINING, _S.WAITING_PAUSED, _S.BROKEN, _S.CONNECTING, _S.STOPPED}),
+    _S.WAITING_PAUSED: frozenset({_S.PAUSED, _S.WAITING, _S.BROKEN, _S.CONNECTING, _S.STOPPED}),
+    _S.TRAINING: frozenset({_S.PAUSED, _S.BROKEN, _S.CONNECTING, _S.STOPPED}),
+    _S.PAUSED: frozenset({_S.TRAINING, _S.BROKEN, _S.CONNECTING, _S.STOPPED}),
+    _S.BROKEN: frozenset({_S.CONNECTING, _S.STOPPED}),
+    _S.STOPPED: frozenset(),
+}
+#: where START, PAUSE and RESUME move a registered worker (absent: they change nothing)
+_ON_CONTROL: Mapping[type[Message], Mapping[WorkerState, WorkerState]] = {
+    Start: {_S.WAITING: _S.TRAINING, _S.WAITING_PAUSED: _S.PAUSED},
+    Pause: {_S.WAITING: _S.WAITING_PAUSED, _S.TRAINING: _S.PAUSED},
+    Resume: {_S.WAITING_PAUSED: _S.WAITING, _S.PAUSED: _S.TRAINING},
+}
+#: the state a REGISTER_ACK's (running, paused) puts a worker in
+_REGISTERED_AS = {(False, False): _S.WAITING, (False, True): _S.WAITING_PAUSED,
+                  (True, False): _S.TRAINING, (True, True): _S.PAUSED}
+
+
+async def _wait_out(future: asyncio.Future[Any]) -> None:
+    """Wait until ``future`` (a computation on the compute thread) is done, whatever it returns
+    or raises: a reset must not find the thread still running. A cancellation meanwhile is
+    not lost: it is raised once the computation is done."""
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        except Exception:  # noqa: BLE001 - the computation is not wanted any more
+            pass
+    if not future.cancelled():
+        future.exception()  # (retrieved: no "never retrieved" warning)
+    if cancelled is not None:
+        raise cancelled
 
 
 class _ShutdownRequested(SwarmError):
@@ -212,17 +273,15 @@ class Worker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-compute")
         self._replies: asyncio.Queue[Message | BaseException] = asyncio.Queue()
         self._changed = asyncio.Event()
-        self._running = False
-        self._paused = False
-        self._stopped = False
+        #: where the worker is in its life; changed by :meth:`_enter` alone
+        self.lifecycle = WorkerState.CONNECTING
+        self._broken_by: BaseException | None = None  # why it is BROKEN
         self._inflight = 0
         self._sent_at: dict[int, float] = {}
         self.round_trip_sec: float | None = None  # gradient sent -> its answer arrived (EMA)
         self.compute_sec: float | None = None  # one message's compute, throttle included (EMA)
         self.coordinator_aggregates = False  # training.aggregate_samples > 0 there: never overlap
         self.throttle = hardware.Throttle(self.config.training.speed)
-        self._registered = False
-        self._broken: BaseException | None = None
         self._conn: Connection | None = None
         self._gen = torch.Generator().manual_seed(t.seed)
         self.shutdown_reason = ""
@@ -231,6 +290,28 @@ class Worker:
         self._last_tick = self._connected_at = time.monotonic()
         #: (seconds, when noticed) of the last stretch this process was frozen (_watch_clock)
         self._frozen: tuple[float, float] = (0.0, 0.0)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _enter(self, state: WorkerState) -> None:
+        """Move to ``state``: the one place the lifecycle changes (each move logged once).
+
+        Raises:
+            StateError: :data:`TRANSITIONS` has no move from the current state to ``state``.
+        """
+        old = self.lifecycle
+        if state not in TRANSITIONS[old]:
+            raise StateError(f"the worker cannot go from {old.value!r} to {state.value!r} "
+                             f"(from {old.value!r} it may go to "
+                             f"{', '.join(repr(s.value) for s in TRANSITIONS[old]) or 'nothing'})")
+        self.lifecycle = state
+        log.debug("worker %s: %s -> %s", self.worker_id, old.value, state.value)
+        self._changed.set()
+
+    def _reconnecting(self) -> None:
+        """The session is over (not by a stop): register again on the next connection."""
+        if self.lifecycle not in (WorkerState.CONNECTING, WorkerState.STOPPED):
+            self._enter(WorkerState.CONNECTING)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -266,7 +347,7 @@ class Worker:
                     self.plan = dataclasses.replace(self.plan, accumulation_steps=accum)
         clock = asyncio.create_task(self._watch_clock())
         try:
-            while not self._stopped:
+            while self.lifecycle is not WorkerState.STOPPED:
                 try:
                     conn = await connect(
                         net.coordinator_host, net.coordinator_port, secret=self.secret, tls=self.tls,
@@ -286,7 +367,7 @@ class Worker:
                     # our gradients were refused in a row (a diverging step, a bad batch): the
                     # coordinator sends fresh weights when we register again
                     failures = 1
-                    self._registered = False
+                    self._reconnecting()
                     delay = net.reconnect_delay_sec * random.uniform(0.8, 1.2)
                     log.warning("the coordinator disconnected us (%s); registering again in %.1f s "
                                 "with fresh weights", exc, delay)
@@ -296,11 +377,12 @@ class Worker:
                 except _ShutdownRequested:
                     break
                 except (ConnectionLost, SwarmTimeout, ProtocolError, ConnectionError) as exc:
-                    if self._stopped:
+                    if self.lifecycle is WorkerState.STOPPED:
                         break
-                    was_registered = self._registered
-                    failures = 1 if self._registered else failures + 1
-                    self._registered = False
+                    # a session that got as far as registering starts the count afresh
+                    was_registered = self.lifecycle is not WorkerState.CONNECTING
+                    failures = 1 if was_registered else failures + 1
+                    self._reconnecting()
                     if failures > net.reconnect_attempts:
                         raise SwarmError(
                             f"gave up reaching the coordinator at {net.coordinator_host}:"
@@ -373,8 +455,8 @@ class Worker:
 
     def stop(self) -> None:
         """Stop after the current step (safe to call from a signal handler on the loop)."""
-        self._stopped = True
-        self._changed.set()
+        if self.lifecycle is not WorkerState.STOPPED:
+            self._enter(WorkerState.STOPPED)
         if self._conn is not None:
             self._conn.abort(SwarmError("worker stopped"))
 
@@ -409,11 +491,11 @@ class Worker:
         if not isinstance(weights, Weights):
             raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
         self._load_full(weights.tensors, weights.version)
-        self._running, self._paused = ack.running, ack.paused
         # a coordinator that aggregates holds answers until a window closes: a gradient computed
         # while one is in flight would always miss that window's update
         self.coordinator_aggregates = bool(ack.info.get("aggregate_samples"))
-        self._registered = True
+        if self.lifecycle is not WorkerState.STOPPED:  # (stopped meanwhile: it trains no more)
+            self._enter(_REGISTERED_AS[ack.running, ack.paused])
         log.info("registered as %s: shards %s of %d, version %d, batch %d x %d",
                  self.worker_id, self.shards, self.num_shards, self.version,
                  self.plan.batch_size, self.plan.accumulation_steps)
@@ -428,8 +510,7 @@ class Worker:
         self._replies = asyncio.Queue()
         self._inflight = 0
         self._sent_at.clear()
-        self._running = self._paused = False
-        self._broken = None
+        self._broken_by = None
         if self.feedback is not None:
             self.feedback.reset()
 
@@ -444,18 +525,18 @@ class Worker:
                 elif isinstance(msg, Assign):
                     self._use_shards(msg.shards, msg.num_shards)
                     log.info("now training on shards %s of %d", msg.shards, msg.num_shards)
-                elif isinstance(msg, Start):
-                    self._running = True
-                elif isinstance(msg, Pause):
-                    self._paused = True
-                    log.info("paused by the coordinator")
-                elif isinstance(msg, Resume):
-                    self._paused = False
-                    log.info("unpaused by the coordinator: training again")
+                elif isinstance(msg, Start | Pause | Resume):
+                    target = _ON_CONTROL[type(msg)].get(self.lifecycle)
+                    if target is not None:  # (else it changes nothing: e.g. a START when training)
+                        self._enter(target)
+                        if isinstance(msg, Pause | Resume):
+                            log.info("paused by the coordinator" if isinstance(msg, Pause)
+                                     else "unpaused by the coordinator: training again")
                 elif isinstance(msg, Shutdown):
                     self.shutdown_reason = msg.reason
                     log.info("coordinator says shut down: %s", msg.reason)
-                    self._stopped = True
+                    if self.lifecycle is not WorkerState.STOPPED:
+                        self._enter(WorkerState.STOPPED)
                     self._replies.put_nowait(_ShutdownRequested(msg.reason))
                 elif isinstance(msg, Error):
                     if msg.fatal:
@@ -463,24 +544,26 @@ class Worker:
                     log.warning("coordinator reports: %.300s [%s]", msg.message, msg.code)
                 self._changed.set()
         except (SwarmError, ConnectionError) as exc:
-            self._broken = exc
+            if self.lifecycle in _REGISTERED:
+                self._broken_by = exc
+                self._enter(WorkerState.BROKEN)
             self._replies.put_nowait(exc)
             self._changed.set()
 
     async def _wait_active(self) -> bool:
         """Wait until training runs and is not paused; False once stopped."""
-        while not self._stopped and not (self._running and not self._paused):
+        while self.lifecycle not in (WorkerState.TRAINING, WorkerState.STOPPED):
             self._raise_if_broken()
             await self._apply_ready()  # stay current while paused: answers still arrive
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
                     await self._changed.wait()
-        return not self._stopped
+        return self.lifecycle is not WorkerState.STOPPED
 
     def _raise_if_broken(self) -> None:
-        if self._broken is not None:
-            raise self._broken
+        if self.lifecycle is WorkerState.BROKEN and self._broken_by is not None:
+            raise self._broken_by
 
     async def _train(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -515,10 +598,10 @@ class Worker:
                         f"with batches of {self._largest_batch}")
                 while self._inflight >= max(1, limit):
                     await self._apply_next()
-                if self._stopped:
+                if self.lifecycle is WorkerState.STOPPED:
                     return
                 overlap = limit > 0 and self.overlaps()
-                if overlap and self._running and not self._paused:
+                if overlap and self.lifecycle is WorkerState.TRAINING:
                     # the replica is now exactly what the next gradient is computed on; it
                     # changes again only once that computation is back
                     ahead = (loop.run_in_executor(self._pool, self._compute), self.version)
@@ -540,8 +623,7 @@ class Worker:
                         await self._apply_next()
         finally:
             if ahead is not None:  # never leave the compute thread running into a reset
-                with contextlib.suppress(BaseException):
-                    await ahead[0]
+                await _wait_out(ahead[0])
 
     def overlaps(self) -> bool:
         """Compute the next gradient while this one's answer is in flight? Only when the round
@@ -711,7 +793,8 @@ class Worker:
 
     def status(self) -> dict[str, Any]:
         return {
-            "worker_id": self.worker_id, "version": self.version, "steps": self.steps,
+            "worker_id": self.worker_id, "state": self.lifecycle.name.lower(),
+            "version": self.version, "steps": self.steps,
             "samples": self.samples, "samples_per_sec": self.samples_per_sec,
             "shards": list(self.shards), "statuses": dict(self.statuses),
             "residual_norm": self.feedback.residual_norm() if self.feedback else 0.0,
