@@ -1,9 +1,23 @@
-"""TOML configuration of the coordinator, the worker and the peer.
+"""The configuration of every mode: one tree of frozen dataclasses.
 
-Each TOML section is a frozen dataclass; each field carries its help text and its allowed
-values in the field metadata, and one generic checker validates every field of every section
-(also when a section is built directly in Python). Precedence: defaults < file < overrides
-(overrides come from CLI flags as dotted keys, ``{"network.port": 7200}``).
+Each TOML section is a frozen dataclass; each field carries its help text, its allowed values
+and its command-line flag in the field metadata (:func:`_opt`), and one generic checker
+validates every field of every section (also when a section is built directly in Python).
+The CLI flags (``swarmtrain.app.cli``), the Python keyword overrides
+(:func:`overrides_from_kwargs`) and docs/config.md (:func:`render_config_doc`) are all
+generated from that metadata. Precedence: defaults < file < ``SWARMTRAIN_<SECTION>__<KEY>``
+environment variables < overrides (CLI flags, as dotted keys: ``{"network.port": 7200}``).
+
+The modes and their sections (:data:`MODES`):
+
+- ``coordinator`` (:class:`CoordinatorConfig`) and ``worker`` (:class:`WorkerConfig`): the
+  parameter server;
+- ``peer`` (:class:`PeerConfig`): peer mode;
+- ``stage`` (:class:`StageConfig`) and ``pipeline`` (:class:`PipelineConfig`): pipeline mode.
+
+Servers of every mode share one limits section (:class:`ServerLimitsConfig`, whose keys sit
+in the mode's ``[network]`` or ``[stage]``) and one builder of the transport's
+``ServerLimits`` from it (:meth:`ServerLimitsConfig.server_limits`).
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import math
 import os
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -22,43 +36,90 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from swarmtrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from swarmtrain.transport.endpoints import ServerLimits
     from swarmtrain.transport.tls import TLSConfig
 
 __all__ = [
+    "MODES",
     "SECRET_ENV_VAR",
     "CheckpointingConfig",
+    "ClientSecurityConfig",
     "CompressionConfig",
+    "ConsoleLoggingConfig",
     "CoordinatorConfig",
     "CoordinatorDataConfig",
     "CoordinatorNetworkConfig",
     "CoordinatorTrainingConfig",
+    "FieldInfo",
     "HardwareConfig",
     "LoggingConfig",
+    "ModelConfig",
     "OpsConfig",
+    "PeerConfig",
+    "PeerDataConfig",
+    "PeerDiscoveryConfig",
+    "PeerNetworkConfig",
+    "PeerTrainingConfig",
+    "PipelineConfig",
+    "PipelineTrainingConfig",
     "SecurityConfig",
+    "ServerLimitsConfig",
+    "StageConfig",
+    "StageLimitsConfig",
+    "StageServingConfig",
     "WorkerConfig",
     "WorkerDataConfig",
     "WorkerNetworkConfig",
     "WorkerTrainingConfig",
+    "apply_kwargs",
+    "field_infos",
+    "load_config",
     "load_coordinator_config",
-    "load_worker_config",
     "load_peer_config",
-    "PeerConfig",
+    "load_pipeline_config",
+    "load_stage_config",
+    "load_worker_config",
     "overrides_from_kwargs",
+    "render_config_doc",
     "resolve_secret",
     "resolve_tls",
+    "reused",
+    "section_values",
     "to_dict",
     "with_overrides",
 ]
 
 SECRET_ENV_VAR = "SWARMTRAIN_SECRET"
 _REDACTED = "<redacted>"
-_TOML_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+_TOML_TYPE_NAMES: dict[Any, str] = {bool: "boolean", int: "integer", float: "number", str: "string",
+                                    tuple[str, ...]: "array of strings"}
 
 
-def _opt(default: Any, help: str, **checks: Any) -> Any:
-    """A field with help text and checks: ``ge``, ``gt``, ``le``, ``lt`` or ``choices``."""
-    return field(default=default, metadata={"help": help, **checks})
+def _opt(default: Any, help: str, *, flag: str | tuple[str, ...] = "", cli: bool = True,
+         required: bool = False, **checks: Any) -> Any:
+    """A config field with its help text, its command-line flag and its checks.
+
+    Args:
+        default: the value when no file, variable or flag sets it.
+        help: what the key means (the flag's help and the docs' row).
+        flag: the flag's name(s), the first one shown; default ``--key-with-dashes``. A
+            boolean whose default is True gets ``--no-...`` (setting it False).
+        cli: False keeps the key off the command line (``security.secret``: other users of
+            the machine would see it in the process list).
+        required: a file, a variable or the flag must set it (its default serves only
+            sections built in Python).
+        **checks: ``ge``, ``gt``, ``le``, ``lt`` (bounds) or ``choices``.
+    """
+    names = (flag,) if isinstance(flag, str) and flag else tuple(flag)
+    return field(default=default, metadata={"help": help, "flags": names, "cli": cli,
+                                            "required": required, **checks})
+
+
+def reused(section: type, name: str) -> Any:
+    """The field ``name`` of ``section`` again (same default, help and checks), for a class
+    derived from config sections that needs one more key of another section."""
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    return field(default=f.default, metadata=f.metadata)
 
 
 class _Section:
@@ -80,10 +141,10 @@ class _Section:
                 )
 
 
-_SPECS: dict[type, dict[str, tuple[type, Mapping[str, Any]]]] = {}
+_SPECS: dict[type, dict[str, tuple[Any, Mapping[str, Any]]]] = {}
 
 
-def _field_specs(cls: type) -> dict[str, tuple[type, Mapping[str, Any]]]:
+def _field_specs(cls: type) -> dict[str, tuple[Any, Mapping[str, Any]]]:
     """Field name -> (type, metadata) of a section class, resolved once per class."""
     if cls not in _SPECS:
         hints = typing.get_type_hints(cls)
@@ -91,24 +152,39 @@ def _field_specs(cls: type) -> dict[str, tuple[type, Mapping[str, Any]]]:
     return _SPECS[cls]
 
 
-def _check_value(cls: type[_Section], name: str, value: Any) -> Any:
+def _type_name(t: Any) -> str:
+    return _TOML_TYPE_NAMES.get(t, getattr(t, "__name__", str(t)))
+
+
+def _check_type(expected: Any, value: Any) -> tuple[Any, bool]:
+    """``(value, ok)``: ints widened for float fields, lists of strings made tuples."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value), True
+    if expected == tuple[str, ...]:
+        ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        return (tuple(value) if ok else value), ok
+    origin = typing.get_origin(expected) or expected
+    if not isinstance(origin, type):  # e.g. an Optional of a role's own class: not checked here
+        return value, True
+    return value, isinstance(value, origin) and not (isinstance(value, bool) and origin is not bool)
+
+
+def _check_value(cls: type, name: str, value: Any) -> Any:
     """Return ``value`` (ints widened to float for float fields) or raise ConfigError."""
     expected, meta = _field_specs(cls)[name]
-    key = f"{cls.SECTION}.{name}"
-    ok = isinstance(value, expected) and not (isinstance(value, bool) and expected is not bool)
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
+    key = f"{cls.SECTION}.{name}"  # type: ignore[attr-defined]
+    value, ok = _check_type(expected, value)
     if not ok:
         raise ConfigError(
-            f"{key}: expected {_TOML_TYPE_NAMES[expected]}, got {value!r} "
-            f"({_TOML_TYPE_NAMES.get(type(value), type(value).__name__)})"
+            f"{key}: expected {_type_name(expected)}, got {value!r} ({_type_name(type(value))})"
         )
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{key} = {value!r} is not allowed; allowed values: {allowed}")
+        raise ConfigError(
+            f"{key} = {value!r} is not allowed; allowed values: {allowed}{_flag_hint(name, meta)}")
     lower = [(meta[op], sym) for op, sym in (("ge", "<="), ("gt", "<")) if op in meta]
     upper = [(meta[op], sym) for op, sym in (("le", "<="), ("lt", "<")) if op in meta]
     in_range = all(value >= b if s == "<=" else value > b for b, s in lower) and all(
@@ -116,21 +192,37 @@ def _check_value(cls: type[_Section], name: str, value: Any) -> Any:
     )
     if not in_range:
         text = " ".join([*(f"{b} {s}" for b, s in lower), name, *(f"{s} {b}" for b, s in upper)])
-        raise ConfigError(f"{key} = {value!r} is out of range; allowed: {text}")
+        raise ConfigError(f"{key} = {value!r} is out of range; allowed: {text}{_flag_hint(name, meta)}")
     return value
 
 
-# ---------------------------------------------------------------- sections shared by both roles
+def _flag_hint(name: str, meta: Mapping[str, Any]) -> str:
+    """`` (--flag)``: the flag that sets a config key, for its error messages; "" for a key
+    with no flag and for the plain fields of the roles' own classes."""
+    if "help" not in meta or not meta.get("cli", True):
+        return ""
+    flags = meta.get("flags") or ("--" + name.replace("_", "-"),)
+    return f" ({flags[0]})"
+
+
+def section_values(section: Any) -> dict[str, Any]:
+    """The fields of a section (or of a class derived from sections) by name, unconverted
+    (``dataclasses.asdict`` would turn tuples into lists): ``Derived(**section_values(s))``."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+# ---------------------------------------------------------------- sections shared by the modes
 
 
 @dataclass(frozen=True)
-class SecurityConfig(_Section):
-    """[security]: the cluster secret that authenticates every connection, and optional TLS."""
+class ClientSecurityConfig(_Section):
+    """[security] of a process that only connects: the cluster secret, and optional TLS."""
 
     SECTION = "security"
-    secret: str = _opt("", "cluster secret; takes precedence over secret_file and the env var")
-    secret_file: str = _opt("", "file holding the cluster secret (whitespace stripped)")
-    insecure: bool = _opt(False, "allow running without any secret (trusted networks only)")
+    secret: str = _opt("", "cluster secret; takes precedence over secret_file and the env var",
+                       cli=False)
+    secret_file: str = _opt("", "file holding the cluster secret (whitespace stripped; or set "
+                            "SWARMTRAIN_SECRET)")
     tls_cert: str = _opt("", 'this node\'s certificate (PEM) from `swarmtrain keys` ("" = TLS off)')
     tls_key: str = _opt("", 'this node\'s private key (PEM) from `swarmtrain keys` ("" = TLS off)')
     tls_ca: str = _opt("", 'the cluster CA certificate, ca.pem from `swarmtrain keys` ("" = TLS off)')
@@ -149,11 +241,21 @@ class SecurityConfig(_Section):
 
 
 @dataclass(frozen=True)
+class SecurityConfig(ClientSecurityConfig):
+    """[security] of a process that listens: the cluster secret, optional TLS, and whether it
+    may run with no secret."""
+
+    insecure: bool = _opt(False, "allow running without any secret: anyone who can reach the port "
+                          "can join (trusted networks only)")
+
+
+@dataclass(frozen=True)
 class CompressionConfig(_Section):
     """[compression]: how gradients (and weight deltas) are compressed on the wire."""
 
     SECTION = "compression"
-    type: str = _opt("none", "codec", choices=("none", "fp16", "topk", "qsgd"))
+    type: str = _opt("none", "gradient codec", flag="--compression",
+                     choices=("none", "fp16", "topk", "qsgd"))
     topk_ratio: float = _opt(0.1, "fraction of entries topk keeps", gt=0.0, le=1.0)
     qsgd_bits: int = _opt(8, "bits per QSGD level index", choices=(2, 4, 8))
     bucket_size: int = _opt(512, "elements per QSGD bucket (one norm each)", ge=1)
@@ -177,11 +279,18 @@ class CompressionConfig(_Section):
 
 
 @dataclass(frozen=True)
-class LoggingConfig(_Section):
-    """[logging]: console verbosity and the optional JSONL run log."""
+class ConsoleLoggingConfig(_Section):
+    """[logging] of a process without a run log: console verbosity."""
 
     SECTION = "logging"
-    level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    level: str = _opt("info", "log level", flag="--log-level",
+                      choices=("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class LoggingConfig(ConsoleLoggingConfig):
+    """[logging]: console verbosity and the optional JSONL run log."""
+
     run_log: str = _opt(
         "auto", 'JSONL log of the run\'s metrics and events, for `swarmtrain plot`: "auto" = '
         'runs/<date-time>/<role>.jsonl (under $SWARMTRAIN_RUNS_DIR if set), "" or "none" = no '
@@ -193,9 +302,10 @@ class CheckpointingConfig(_Section):
     """[checkpointing]: periodic atomic checkpoints of weights and optimizer state."""
 
     SECTION = "checkpointing"
-    interval: int = _opt(1000, "updates between checkpoints (0 = off)", ge=0)
-    directory: str = _opt("checkpoints", "where checkpoints are written")
-    keep: int = _opt(3, "newest checkpoints kept on disk", ge=1)
+    interval: int = _opt(1000, "updates between checkpoints (0 = off)", flag="--checkpoint-interval",
+                         ge=0)
+    directory: str = _opt("checkpoints", "where checkpoints are written", flag="--checkpoint-dir")
+    keep: int = _opt(3, "newest checkpoints kept on disk", flag="--keep-checkpoints", ge=1)
     export: str = _opt(
         "auto", 'where the final weights go (safetensors) when the run ends: "auto" = '
         'model.safetensors next to the run log (none without one), "" or "none" = no export, '
@@ -207,7 +317,9 @@ class HardwareConfig(_Section):
     """[hardware]: limits on what the worker uses of its machine."""
 
     SECTION = "hardware"
-    num_threads: int = _opt(0, "torch threads (0 = auto)", ge=0)
+    num_threads: int = _opt(0, "torch threads (0 = auto: a worker's from its hardware profile, a "
+                            "peer's the cores shared out among the swarmtrain peers on this machine)",
+                            flag="--threads", ge=0)
     max_memory_mb: int = _opt(0, "memory budget for training in MB (0 = auto)", ge=0)
 
 
@@ -216,16 +328,40 @@ class OpsConfig(_Section):
     """[ops]: the read-only HTTP port serving Prometheus metrics and the live dashboard."""
 
     SECTION = "ops"
-    http_port: int = _opt(0, "port of /metrics, /api/status and the dashboard (0 = off)", ge=0, le=65535)
+    http_port: int = _opt(0, "serve Prometheus /metrics, /api/status (JSON) and, but for a stage, a "
+                          "live dashboard at / on this port (read-only, no secret; 0 = off)", ge=0, le=65535)
     http_host: str = _opt(
         "127.0.0.1", "address the HTTP port listens on; it has no secret, so keep it on a trusted interface")
+
+
+@dataclass(frozen=True)
+class ServerLimitsConfig(_Section):
+    """Who may hold connections to a server of this process (against floods and secret
+    guessing): the keys every mode's server reads, in its ``[network]`` (``[stage]`` for a
+    stage). A peer's control server and its ring listener each hold these limits."""
+
+    SECTION = "network"
+    max_connections: int = _opt(256, "open connections at most, handshakes included", ge=1)
+    max_connections_per_address: int = _opt(32, "open connections at most from one IP address", ge=1)
+    max_failed_auth: int = _opt(
+        10, "failed handshakes from one address within a minute before it is refused for a minute",
+        ge=1)
+
+    def server_limits(self) -> ServerLimits:
+        """These limits as the transport's :class:`~swarmtrain.transport.endpoints.ServerLimits`
+        (the one place the two are mapped)."""
+        from swarmtrain.transport.endpoints import ServerLimits
+
+        return ServerLimits(max_connections=self.max_connections,
+                            max_per_address=self.max_connections_per_address,
+                            max_failed_auth=self.max_failed_auth)
 
 
 # ---------------------------------------------------------------- coordinator sections
 
 
 @dataclass(frozen=True)
-class CoordinatorNetworkConfig(_Section):
+class CoordinatorNetworkConfig(ServerLimitsConfig):
     """[network] of the coordinator: where it listens and its connection timing."""
 
     SECTION = "network"
@@ -236,14 +372,13 @@ class CoordinatorNetworkConfig(_Section):
     heartbeat_timeout_sec: float = _opt(10.0, "silence after which a peer is dead", gt=0.0)
     handshake_timeout_sec: float = _opt(10.0, "limit on the connection handshake", gt=0.0)
     send_queue_size: int = _opt(64, "messages queued per connection before backpressure", ge=1)
-    max_connections: int = _opt(256, "open connections at most (handshakes included)", ge=1)
-    max_connections_per_address: int = _opt(32, "open connections at most from one IP address", ge=1)
-    max_failed_auth: int = _opt(
-        10, "failed handshakes from one address within a minute before it is refused for a minute",
-        ge=1)
     ctl_slots: int = _opt(
         4, "connections beyond max_connections kept for `swarmtrain ctl` (any other role is "
         "refused there once authenticated)", ge=0)
+
+    def server_limits(self) -> ServerLimits:
+        """:meth:`ServerLimitsConfig.server_limits` with the ``ctl`` reserve."""
+        return dataclasses.replace(super().server_limits(), ctl_slots=self.ctl_slots)
 
 
 @dataclass(frozen=True)
@@ -252,7 +387,8 @@ class CoordinatorTrainingConfig(_Section):
 
     SECTION = "training"
     task: str = _opt("digits", "'digits', 'textlm' or 'package.module:factory'")
-    learning_rate: float = _opt(0.0, "Adam learning rate (0 = the task's default)", ge=0.0)
+    learning_rate: float = _opt(0.0, "Adam learning rate (0 = the task's default)",
+                                flag=("--lr", "--learning-rate"), ge=0.0)
     beta1: float = _opt(0.9, "Adam first-moment decay", ge=0.0, lt=1.0)
     beta2: float = _opt(0.999, "Adam second-moment decay", ge=0.0, lt=1.0)
     epsilon: float = _opt(1e-8, "Adam denominator epsilon", gt=0.0)
@@ -284,7 +420,8 @@ class CoordinatorTrainingConfig(_Section):
         "sparse steps move weights as far as dense ones would; 'update' = plain Adam",
         choices=("hold", "update"))
     max_steps: int = _opt(0, "stop after this many updates (0 = run until stopped)", ge=0)
-    eval_interval_sec: float = _opt(5.0, "seconds between held-out evaluations", gt=0.0)
+    eval_interval_sec: float = _opt(5.0, "seconds between held-out evaluations", flag="--eval-interval",
+                                    gt=0.0)
     num_shards: int = _opt(0, "data shards (0 = max(min_workers, 1))", ge=0)
     resync_interval: int = _opt(50, "updates between full weight resyncs to a worker", ge=1)
     seed: int = _opt(0, "seed of the model initialisation", ge=0)
@@ -323,7 +460,7 @@ class CoordinatorDataConfig(_Section):
     """[data] of the coordinator."""
 
     SECTION = "data"
-    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)')
+    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)', flag="--data")
 
 
 @dataclass(frozen=True)
@@ -349,10 +486,11 @@ class WorkerNetworkConfig(_Section):
 
     SECTION = "network"
     LESS_THAN = (("heartbeat_interval_sec", "heartbeat_timeout_sec"),)
-    coordinator_host: str = _opt("127.0.0.1", "coordinator address")
-    coordinator_port: int = _opt(7100, "coordinator TCP port", ge=1, le=65535)
+    coordinator_host: str = _opt("127.0.0.1", "the coordinator's address", flag="--host")
+    coordinator_port: int = _opt(7100, "the coordinator's TCP port", flag="--port", ge=1, le=65535)
     reconnect_attempts: int = _opt(10, "reconnects tried before giving up", ge=0)
-    reconnect_delay_sec: float = _opt(5.0, "first delay between reconnects (backs off)", ge=0.0)
+    reconnect_delay_sec: float = _opt(5.0, "first delay between reconnects (backs off)",
+                                      flag="--reconnect-delay", ge=0.0)
     heartbeat_interval_sec: float = _opt(2.0, "seconds between heartbeats", gt=0.0)
     heartbeat_timeout_sec: float = _opt(10.0, "silence after which the link is dead", gt=0.0)
     handshake_timeout_sec: float = _opt(10.0, "limit on the connection handshake", gt=0.0)
@@ -392,8 +530,9 @@ class WorkerDataConfig(_Section):
     """[data] of the worker."""
 
     SECTION = "data"
-    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)')
-    shard_index: int = _opt(-1, "shard to train on (-1 = assigned by the coordinator)", ge=-1)
+    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)', flag="--data")
+    shard_index: int = _opt(-1, "shard to train on (-1 = assigned by the coordinator)", flag="--shard",
+                            ge=-1)
 
 
 @dataclass(frozen=True)
@@ -413,7 +552,7 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
-class PeerNetworkConfig(_Section):
+class PeerNetworkConfig(ServerLimitsConfig):
     """[network] of a peer: where it listens, the time limits of each phase, and what its control
     server and its ring listener admit."""
 
@@ -429,13 +568,6 @@ class PeerNetworkConfig(_Section):
     ring_timeout_sec: float = _opt(
         120.0, "longest wait for a ring neighbour's data (slow peers arrive late)", gt=0.0)
     reform_timeout_sec: float = _opt(60.0, "longest wait for a new epoch after a failure", gt=0.0)
-    max_connections: int = _opt(
-        256, "open connections at most to the control server, and to the ring listener", ge=1)
-    max_connections_per_address: int = _opt(
-        32, "open connections at most from one IP address (to each of the two)", ge=1)
-    max_failed_auth: int = _opt(
-        10, "failed handshakes from one address within a minute before it is refused for a minute",
-        ge=1)
 
 
 @dataclass(frozen=True)
@@ -462,7 +594,8 @@ class PeerTrainingConfig(_Section):
     task: str = _opt("textlm", "'digits', 'textlm' or 'package.module:factory'")
     mode: str = _opt("diloco", "'diloco' (H local steps, then average) or 'step' (every step)",
                      choices=("diloco", "step"))
-    learning_rate: float = _opt(0.0, "inner AdamW learning rate (0 = the task's default)", ge=0.0)
+    learning_rate: float = _opt(0.0, "inner AdamW learning rate (0 = the task's default)",
+                                flag=("--lr", "--learning-rate"), ge=0.0)
     weight_decay: float = _opt(0.0, "inner AdamW weight decay", ge=0.0)
     batch_size: int = _opt(0, "samples per step (0 = from the hardware profile)", ge=0)
     inner_steps: int = _opt(50, "DiLoCo: inner steps per round (H)", ge=1)
@@ -470,7 +603,8 @@ class PeerTrainingConfig(_Section):
         0.0, "DiLoCo: if > 0, each round's inner loop runs this long instead of inner_steps", ge=0.0)
     outer_lr: float = _opt(0.7, "DiLoCo outer Nesterov learning rate", gt=0.0)
     outer_momentum: float = _opt(0.9, "DiLoCo outer Nesterov momentum", ge=0.0, lt=1.0)
-    wire: str = _opt("fp32", "all-reduce wire format", choices=("fp32", "fp16", "int8"))
+    wire: str = _opt("fp32", "all-reduce wire format: peer mode's compression",
+                     choices=("fp32", "fp16", "int8"))
     robust: str = _opt(
         "none", "how the members' contributions of a round are combined so that no single peer "
         "steers the model (docs/robustness.md): 'none' = weighted mean by all-reduce; 'clip', "
@@ -494,7 +628,7 @@ class PeerDataConfig(_Section):
     """[data] of a peer (every peer samples the whole data set, in its own order: no shards)."""
 
     SECTION = "data"
-    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)')
+    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)', flag="--data")
 
 
 @dataclass(frozen=True)
@@ -511,9 +645,164 @@ class PeerConfig:
     ops: OpsConfig = field(default_factory=OpsConfig)
 
 
+# ---------------------------------------------------------------- pipeline mode
+
+#: where a process may compute (``swarmtrain.core.devices`` resolves them)
+_DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """[model] of pipeline mode: the task and the model's shape, the same on every stage and
+    trainer of one pipeline."""
+
+    SECTION = "model"
+    task: str = _opt("textlm", "textlm, or package.module:factory")
+    context: int = _opt(0, "textlm: tokens the model sees at once (0 = the task's default, 128)", ge=0)
+    d_model: int = _opt(0, "textlm: width of the residual stream (0 = the task's default, 128)", ge=0)
+    n_heads: int = _opt(0, "textlm: attention heads (0 = the task's default, 4)", ge=0)
+    n_layers: int = _opt(0, "textlm: transformer blocks (0 = the task's default, 4)", ge=0)
+
+    def shape(self) -> dict[str, int]:
+        """The shape keys that are set (not 0), by name."""
+        return {k: v for k, v in section_values(self).items() if k != "task" and v}
+
+
+@dataclass(frozen=True)
+class StageLimitsConfig(ServerLimitsConfig):
+    """What a stage server admits (against floods and misbehaving clients): the shared server
+    limits, and what one request may carry."""
+
+    SECTION = "stage"
+    max_request_mb: float = _opt(
+        256.0, "MiB one request of a trainer or generation client may carry; a micro-batch x "
+        "context x width x 4 bytes over it closes the connection", gt=0.0)
+    max_bad_in_row: int = _opt(
+        5, "close a connection whose requests were refused this many times in a row for what they "
+        "carried", ge=1)
+
+    def limit_values(self) -> dict[str, Any]:
+        """These limits by name (for a class derived from this one)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(StageLimitsConfig)}
+
+
+@dataclass(frozen=True)
+class StageServingConfig(StageLimitsConfig):
+    """[stage]: which stage `swarmtrain stage` serves, where, and how it trains, checkpoints
+    and announces itself. Every stage computes its layer range from ``stage`` and ``stages``
+    alone, so every stage and replica of one pipeline gives the same [model] and ``seed``."""
+
+    stage: int = _opt(0, "index of the stage served (0 = the first)", required=True, ge=0)
+    stages: int = _opt(1, "number of stages in the pipeline", required=True, ge=1)
+    seed: int = _opt(0, "model initialisation seed (the same on every stage)", ge=0)
+    layers: str = _opt("", 'serve layers START:STOP instead of the planned range ("" = planned)')
+    host: str = _opt("0.0.0.0", "address to listen on")
+    port: int = _opt(7300, "port to listen on (0 = any free port)", ge=0, le=65535)
+    sync_with: tuple[str, ...] = _opt(
+        (), "HOST:PORT of a replica of the same stage to average parameters with (repeatable; "
+        "configure each pair on one side only)")
+    sync_every: int = _opt(10, "optimizer steps between averages with sync_with", ge=0)
+    learning_rate: float = _opt(0.0, "AdamW learning rate (0 = the task's default)",
+                                flag=("--lr", "--learning-rate"), ge=0.0)
+    threads: int = _opt(0, "PyTorch threads (0 = all cores)", ge=0)
+    kv_cache_mb: float = _opt(256.0, "MiB of generation sessions' attention caches kept at most", gt=0.0)
+    device: str = _opt("auto", "where this stage's layers compute: 'auto' (CUDA, else MPS, else CPU), "
+                       "'cpu', 'cuda' or 'mps'", choices=_DEVICES)
+    status_file: str = _opt("", 'keep this stage\'s status as JSON here, rewritten every second ("" = none)')
+    checkpoint_dir: str = _opt(
+        "", 'where this stage\'s checkpoints (weights, optimizer state, step counters) go ("" = '
+        'checkpoints/stage{I} in the working directory; none = no checkpoints)')
+    checkpoint_every: int = _opt(10, "optimizer steps between checkpoints (0 = only on SIGINT/SIGTERM)",
+                                 ge=0)
+    keep_checkpoints: int = _opt(3, "newest checkpoints kept on disk", ge=1)
+    cluster: str = _opt("swarmtrain", "the pipeline's name, announced by its stages on the LAN (mDNS); "
+                        "the same on every stage and trainer of one pipeline")
+    announce: bool = _opt(True, "announce this stage on the LAN by mDNS (without it, trainers need "
+                          "--route)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stage >= self.stages:
+            raise ConfigError(f"--stage {self.stage} --stages {self.stages}: need 0 <= stage < stages")
+        if self.checkpoint_dir and not self.checkpoint_dir.strip():
+            raise ConfigError("--checkpoint-dir is blank: give a directory, or none to turn checkpoints off")
+
+    @property
+    def checkpoint_directory(self) -> str | None:
+        """Where this stage's checkpoints go, None when they are turned off."""
+        if self.checkpoint_dir.strip().lower() == "none":
+            return None
+        return self.checkpoint_dir or os.path.join("checkpoints", f"stage{self.stage}")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Everything ``swarmtrain stage`` is configured with."""
+
+    stage: StageServingConfig = field(default_factory=StageServingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    logging: ConsoleLoggingConfig = field(default_factory=ConsoleLoggingConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
+
+
+@dataclass(frozen=True)
+class PipelineTrainingConfig(_Section):
+    """[pipeline]: what `swarmtrain pipeline` trains through the stages, and how."""
+
+    SECTION = "pipeline"
+    microbatches: int = _opt(200, "micro-batches to train", ge=1)
+    batch_size: int = _opt(16, "samples per micro-batch", ge=1)
+    schedule: str = _opt(
+        "sync", "sync: one optimizer step per `chunks` micro-batches, all in flight at once and "
+        "flushed, so the run is one process's at a batch of chunks x batch_size; async: "
+        "max_inflight micro-batches in flight, every stage stepping per micro-batch on weights "
+        "that moved since its forward", choices=("sync", "async"))
+    chunks: int = _opt(8, "with schedule sync: micro-batches per optimizer step", ge=1)
+    max_inflight: int = _opt(4, "with schedule async: micro-batches in the pipeline at once", ge=1)
+    grad_clip: float = _opt(
+        1.0, "with schedule sync: clip the whole model's gradient norm to this before each step, as "
+        "one process does (0 = no clipping); with async each stage clips its own part", ge=0.0)
+    eval_every: int = _opt(
+        50, "micro-batches between held-out evaluations (0 = only at start and end; with schedule "
+        "sync rounded up to whole groups of chunks)", ge=0)
+    eval_samples: int = _opt(64, "held-out windows per evaluation", ge=1)
+    seed: int = _opt(0, "seed of the order training samples are drawn in", ge=0)
+    request_timeout: float = _opt(30.0, "seconds a stage may take to answer before its replica is "
+                                  "banned", gt=0.0)
+    stage_wait: float = _opt(
+        300.0, "when no replica of a stage answers, wait this long (seconds) for one to come back "
+        "(restarted with --resume, say) before giving up", ge=0.0)
+    status_file: str = _opt("", 'keep the trainer\'s status (loss history, acknowledgements, resends) '
+                            'as JSON here ("" = none)')
+    route: str = _opt(
+        "", "the stage servers: HOST:PORT of each replica, ',' between replicas of one stage, ';' "
+        'between stages, e.g. "10.0.0.2:7300;10.0.0.3:7300,10.0.0.4:7300;10.0.0.5:7300" ("" = the '
+        "stages of cluster, found on the LAN by mDNS)")
+    cluster: str = reused(StageServingConfig, "cluster")
+    discover_timeout: float = _opt(10.0, "without route: look for the stages this long (seconds) at "
+                                   "most", gt=0.0)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything ``swarmtrain pipeline`` is configured with."""
+
+    pipeline: PipelineTrainingConfig = field(default_factory=PipelineTrainingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    security: ClientSecurityConfig = field(default_factory=ClientSecurityConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+#: every mode's whole config, by the command that reads it
+MODES: dict[str, type] = {"coordinator": CoordinatorConfig, "worker": WorkerConfig, "peer": PeerConfig,
+                          "stage": StageConfig, "pipeline": PipelineConfig}
+
+
 # ---------------------------------------------------------------- loading
 
-C = TypeVar("C", bound=CoordinatorConfig | WorkerConfig | PeerConfig)
+AnyConfig = CoordinatorConfig | WorkerConfig | PeerConfig | StageConfig | PipelineConfig
+C = TypeVar("C", bound=AnyConfig)
 _Layers = dict[str, dict[str, tuple[Any, str]]]  # section -> key -> (value, where it came from)
 
 
@@ -548,6 +837,29 @@ def load_peer_config(
     return _load(PeerConfig, path, overrides)
 
 
+def load_stage_config(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> StageConfig:
+    """Load a stage config; as :func:`load_coordinator_config`. ``stage.stage`` and
+    ``stage.stages`` must be set (by the file, a variable or an override)."""
+    return _load(StageConfig, path, overrides)
+
+
+def load_pipeline_config(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> PipelineConfig:
+    """Load a pipeline trainer's config; as :func:`load_coordinator_config`."""
+    return _load(PipelineConfig, path, overrides)
+
+
+def load_config(
+    cls: type[C], path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> C:
+    """Load the config of class ``cls`` (a value of :data:`MODES`); as
+    :func:`load_coordinator_config`."""
+    return _load(cls, path, overrides)
+
+
 def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
     """A copy of ``cfg`` with dotted-key ``overrides`` applied and validated."""
     layers: _Layers = {}
@@ -557,42 +869,49 @@ def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
     return _build(type(cfg), layers)
 
 
-def overrides_from_kwargs(
-    cfg: CoordinatorConfig | WorkerConfig | PeerConfig, kwargs: Mapping[str, Any]
-) -> dict[str, Any]:
+def overrides_from_kwargs(cfg: AnyConfig, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """Turn Python keyword arguments into dotted overrides for ``cfg``'s type.
 
-    A plain name (``min_workers=2``) is looked up in every section and must name exactly
-    one key; a dotted name (``**{"network.port": 7200}``) passes through unchanged.
+    A plain name is a key or the name of a key's flag (``--`` dropped, ``-`` as ``_``) in
+    one of the sections: ``min_workers=2`` is ``training.min_workers``, and a worker's
+    ``host="10.0.0.2"`` (its flag ``--host``) is ``network.coordinator_host``. A dotted name
+    (``**{"network.port": 7200}``) passes through unchanged.
 
     Raises:
         ConfigError: a plain name matches no key, or keys in several sections.
     """
-    sections = _sections(type(cfg))
+    names: dict[str, set[str]] = {}
+    for info in field_infos(type(cfg)):
+        for name in (info.key, *(f[2:].replace("-", "_") for f in info.flags if info.cli)):
+            names.setdefault(name, set()).add(info.dotted)
     out: dict[str, Any] = {}
     for name, value in kwargs.items():
         if "." in name:
             out[name] = value
             continue
-        owners = [s for s, section_cls in sections.items() if name in _field_specs(section_cls)]
+        owners = sorted(names.get(name, ()))
         if not owners:
-            known = [k for c in sections.values() for k in _field_specs(c)]
+            known = [i.key for i in field_infos(type(cfg))]
             raise ConfigError(
-                f"keyword argument {name!r} is not a config key{_did_you_mean(name, known)}; "
+                f"keyword argument {name!r} is not a config key{_did_you_mean(name, names)}; "
                 f"allowed: {', '.join(known)}"
             )
         if len(owners) > 1:
             raise ConfigError(
                 f"keyword argument {name!r} is a key of several sections; give one of "
-                f"{', '.join(f'{s}.{name}' for s in owners)} as a dotted key"
+                f"{', '.join(owners)} as a dotted key"
             )
-        out[f"{owners[0]}.{name}"] = value
+        out[owners[0]] = value
     return out
 
 
-def to_dict(
-    cfg: CoordinatorConfig | WorkerConfig | PeerConfig, *, redact_secrets: bool = True
-) -> dict[str, dict[str, Any]]:
+def apply_kwargs(cfg: C, kwargs: Mapping[str, Any]) -> C:
+    """``cfg`` with Python keyword overrides applied (:func:`overrides_from_kwargs`): what the
+    ``**overrides`` of ``Coordinator(...)`` and ``Worker(...)`` do."""
+    return with_overrides(cfg, overrides_from_kwargs(cfg, kwargs)) if kwargs else cfg
+
+
+def to_dict(cfg: AnyConfig, *, redact_secrets: bool = True) -> dict[str, dict[str, Any]]:
     """``cfg`` as a nested plain dict ``{section: {key: value}}``, e.g. for checkpoints.
 
     Args:
@@ -605,7 +924,7 @@ def to_dict(
     return out
 
 
-def resolve_secret(sec: SecurityConfig, env: Mapping[str, str] = os.environ) -> bytes | None:
+def resolve_secret(sec: ClientSecurityConfig, env: Mapping[str, str] = os.environ) -> bytes | None:
     """The cluster secret: ``secret``, else ``secret_file``'s content, else $SWARMTRAIN_SECRET.
 
     Returns:
@@ -631,7 +950,7 @@ def resolve_secret(sec: SecurityConfig, env: Mapping[str, str] = os.environ) -> 
     return from_env.encode("utf-8") if from_env else None
 
 
-def resolve_tls(sec: SecurityConfig) -> TLSConfig | None:
+def resolve_tls(sec: ClientSecurityConfig) -> TLSConfig | None:
     """The TLS files of ``sec``, or None when TLS is off (``tls_cert``, ``tls_key``, ``tls_ca`` empty).
 
     Raises:
@@ -649,6 +968,7 @@ def resolve_tls(sec: SecurityConfig) -> TLSConfig | None:
 
 
 def _sections(cls: type) -> dict[str, type[_Section]]:
+    """Section name -> section class of a whole config class (e.g. :class:`PeerConfig`)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -661,7 +981,18 @@ def _load(
         _apply_file(cls, layers, os.fspath(path))
     _apply_env(cls, layers, os.environ)
     _apply_overrides(cls, layers, overrides or {})
+    _check_required(cls, layers)
     return _build(cls, layers)
+
+
+def _check_required(cls: type, layers: _Layers) -> None:
+    """Refuse a load that leaves a required key (``stage.stage``) at its Python default."""
+    missing = [i for i in field_infos(cls) if i.required and i.key not in layers[i.section]]
+    if missing:
+        raise ConfigError(
+            f"{', '.join(i.dotted for i in missing)} must be set: give "
+            f"{' and '.join(i.flags[0] for i in missing)} (or set them in the config file's "
+            f"[{missing[0].section}] section)")
 
 
 #: ``SWARMTRAIN_<SECTION>__<KEY>=value`` sets ``[section] key`` (over the file, under flags)
@@ -731,10 +1062,13 @@ def _set_key(sections: dict[str, type[_Section]], layers: _Layers, section: str,
     layers[section][key] = (_parse_string(value, expected), where)
 
 
-def _parse_string(value: Any, expected: type) -> Any:
-    """CLI strings for non-string keys: "7200" -> 7200, "true" -> True; else unchanged."""
+def _parse_string(value: Any, expected: Any) -> Any:
+    """CLI strings for non-string keys: "7200" -> 7200, "true" -> True, "a,b" -> ("a", "b")
+    for a list; else unchanged."""
     if not isinstance(value, str) or expected is str:
         return value
+    if expected == tuple[str, ...]:
+        return tuple(part.strip() for part in value.split(",") if part.strip())
     text = value.strip().lower()
     if expected is bool:
         return {"true": True, "false": False}.get(text, value)
@@ -775,3 +1109,111 @@ def _build(cls: type[C], layers: _Layers) -> C:
             origins = sorted({where for _, where in values.values()})
             raise ConfigError(f"{', '.join(origins) or 'defaults'}: {e}") from None
     return cls(**built)
+
+
+# ---------------------------------------------------------------- the metadata, for the CLI and the docs
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """One key of a mode's config, as the CLI and the docs see it.
+
+    Attributes:
+        section: the TOML section (``network``).
+        key: the key in it (``port``).
+        section_cls: the section's class (checks a value with :meth:`check`).
+        type: ``bool``, ``int``, ``float``, ``str`` or ``tuple[str, ...]``.
+        default: the value when nothing sets it.
+        help: what it means.
+        flags: its command-line flag names (the first is the main one); a boolean that
+            defaults to True has one ``--no-...`` flag that sets it False.
+        cli: whether it has a flag at all.
+        required: whether a load must set it.
+        choices: the allowed values, or None.
+    """
+
+    section: str
+    key: str
+    section_cls: type
+    type: Any
+    default: Any
+    help: str
+    flags: tuple[str, ...]
+    cli: bool
+    required: bool
+    choices: tuple[Any, ...] | None
+
+    @property
+    def dotted(self) -> str:
+        """``section.key``, the override's name."""
+        return f"{self.section}.{self.key}"
+
+    @property
+    def allowed(self) -> str:
+        """The allowed values in words (``">= 0 and <= 65535"``, ``"'fp32', 'fp16'"``), or ""."""
+        meta = _field_specs(self.section_cls)[self.key][1]
+        if self.choices is not None:
+            return ", ".join(repr(c) for c in self.choices)
+        words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+        return " and ".join(f"{words[op]} {meta[op]}" for op in ("ge", "gt", "le", "lt") if op in meta)
+
+    def check(self, value: Any) -> Any:
+        """``value`` checked (and converted) as this key's, or ConfigError."""
+        return _check_value(self.section_cls, self.key, value)
+
+
+def field_infos(cls: type, sections: typing.Iterable[str] | None = None) -> Iterator[FieldInfo]:
+    """Every key of the config class ``cls`` (a value of :data:`MODES`), section by section,
+    or of the ``sections`` named only."""
+    for name, section_cls in _sections(cls).items():
+        if sections is not None and name not in sections:
+            continue
+        for key, (typ, meta) in _field_specs(section_cls).items():
+            default = next(f.default for f in dataclasses.fields(section_cls)  # type: ignore[arg-type]
+                           if f.name == key)
+            flags = meta.get("flags") or (f"--{key.replace('_', '-')}",)
+            if typ is bool and default is True:
+                flags = tuple(f"--no-{f[2:]}" for f in flags)
+            choices = meta.get("choices")
+            yield FieldInfo(name, key, section_cls, typ, default, meta.get("help", ""), flags,
+                            meta.get("cli", True), meta.get("required", False),
+                            tuple(choices) if choices is not None else None)
+
+
+#: where docs/config.md's generated part starts and ends
+DOC_BEGIN = "<!-- generated by swarmtrain.config.render_config_doc: edit swarmtrain/config.py, not this -->"
+DOC_END = "<!-- end of the generated part -->"
+
+_DOC_TITLES = {"coordinator": "Coordinator", "worker": "Worker", "peer": "Peer", "stage": "Stage",
+               "pipeline": "Pipeline trainer"}
+
+
+def config_reference() -> str:
+    """The per-mode key tables of docs/config.md (its generated part)."""
+    lines = []
+    for mode, cls in MODES.items():
+        lines += [f"## {_DOC_TITLES[mode]} (`swarmtrain {mode} --config FILE`)", ""]
+        for section in _sections(cls):
+            lines += [f"### [{section}]", "", "| key | type | default | allowed | flag | meaning |",
+                      "|---|---|---|---|---|---|"]
+            for i in field_infos(cls, [section]):
+                flag = ", ".join(f"`{f}`" for f in i.flags) if i.cli else "(file or variable only)"
+                lines.append(f"| `{i.key}` | {_type_name(i.type)} | `{i.default!r}` | {i.allowed} | {flag} "
+                             f"| {i.help}{' (required)' if i.required else ''} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def render_config_doc(text: str) -> str:
+    """``text`` (docs/config.md) with the part between :data:`DOC_BEGIN` and :data:`DOC_END`
+    replaced by :func:`config_reference`; the human-written rest is kept.
+
+    Raises:
+        ConfigError: ``text`` lacks the two markers.
+    """
+    if DOC_BEGIN not in text or DOC_END not in text:
+        raise ConfigError(f"docs/config.md lacks the markers {DOC_BEGIN!r} and {DOC_END!r} around its "
+                          "generated part; put them back (on lines of their own)")
+    head, rest = text.split(DOC_BEGIN, 1)
+    tail = rest.split(DOC_END, 1)[1]
+    return f"{head}{DOC_BEGIN}\n\n{config_reference()}\n{DOC_END}{tail}"
