@@ -918,7 +918,8 @@ def to_dict(cfg: AnyConfig, *, redact_secrets: bool = True) -> dict[str, dict[st
         redact_secrets: replace a non-empty ``security.secret`` with a placeholder, so the
             dict can be written to checkpoints, logs and status pages.
     """
-    out = dataclasses.asdict(cfg)
+    out = {name: {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+           for name, section in dataclasses.asdict(cfg).items()}  # a list key as TOML's array
     if redact_secrets and out["security"]["secret"]:
         out["security"]["secret"] = _REDACTED
     return out
