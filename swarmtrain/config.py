@@ -249,13 +249,16 @@ class SecurityConfig(ClientSecurityConfig):
                           "can join (trusted networks only)")
 
 
+#: the codecs a gradient may travel in (swarmtrain.compression's, but for the downlink's uniform)
+_UPLINK_CODECS = ("none", "fp16", "topk", "qsgd")
+
+
 @dataclass(frozen=True)
 class CompressionConfig(_Section):
     """[compression]: how gradients (and weight deltas) are compressed on the wire."""
 
     SECTION = "compression"
-    type: str = _opt("none", "gradient codec", flag="--compression",
-                     choices=("none", "fp16", "topk", "qsgd"))
+    type: str = _opt("none", "gradient codec", flag="--compression", choices=_UPLINK_CODECS)
     topk_ratio: float = _opt(0.1, "fraction of entries topk keeps", gt=0.0, le=1.0)
     qsgd_bits: int = _opt(8, "bits per QSGD level index", choices=(2, 4, 8))
     bucket_size: int = _opt(512, "elements per QSGD bucket (one norm each)", ge=1)
@@ -269,7 +272,7 @@ class CompressionConfig(_Section):
         "auto", "coordinator only: codec for weight deltas sent to workers; auto = the uplink's, "
         "except uniform (deterministic, error-compensated by the worker's shadow) when the uplink "
         "is topk or qsgd (Adam's updates are dense)",
-        choices=("auto", "none", "fp16", "topk", "qsgd", "uniform"))
+        choices=("auto", *_UPLINK_CODECS, "uniform"))
     downlink_bits: int = _opt(
         4, "coordinator only: bits per element of a uniform downlink", choices=(2, 4, 8))
 
@@ -880,10 +883,7 @@ def overrides_from_kwargs(cfg: AnyConfig, kwargs: Mapping[str, Any]) -> dict[str
     Raises:
         ConfigError: a plain name matches no key, or keys in several sections.
     """
-    names: dict[str, set[str]] = {}
-    for info in field_infos(type(cfg)):
-        for name in (info.key, *(f[2:].replace("-", "_") for f in info.flags if info.cli)):
-            names.setdefault(name, set()).add(info.dotted)
+    names = _keyword_names(type(cfg))
     out: dict[str, Any] = {}
     for name, value in kwargs.items():
         if "." in name:
@@ -903,6 +903,18 @@ def overrides_from_kwargs(cfg: AnyConfig, kwargs: Mapping[str, Any]) -> dict[str
             )
         out[owners[0]] = value
     return out
+
+
+def _keyword_names(cls: type) -> dict[str, set[str]]:
+    """Keyword name -> the dotted keys it names: each key's own name, and its flags' names
+    (not a ``--no-...`` flag's: ``no_announce=True`` would read as the opposite)."""
+    names: dict[str, set[str]] = {}
+    for info in field_infos(cls):
+        negated = info.type is bool and info.default is True
+        flags = () if negated or not info.cli else info.flags
+        for name in (info.key, *(f[2:].replace("-", "_") for f in flags)):
+            names.setdefault(name, set()).add(info.dotted)
+    return names
 
 
 def apply_kwargs(cfg: C, kwargs: Mapping[str, Any]) -> C:

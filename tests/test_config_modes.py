@@ -21,6 +21,7 @@ from swarmtrain.config import (
     StageConfig,
     StageLimitsConfig,
     WorkerConfig,
+    _keyword_names,
     field_infos,
     load_config,
     load_pipeline_config,
@@ -240,8 +241,12 @@ def test_keyword_overrides_take_keys_and_flag_names() -> None:
         "training.learning_rate": 1e-3, "checkpointing.directory": "c", "training.min_workers": 2}
     with pytest.raises(ConfigError, match=r"'min_worker' is not a config key \(did you mean 'min_workers'"):
         overrides_from_kwargs(coord, {"min_worker": 2})
-    assert overrides_from_kwargs(StageConfig(), {"stages": 2, "d_model": 32}) == {
-        "stage.stages": 2, "model.d_model": 32}
+    assert overrides_from_kwargs(StageConfig(), {"stages": 2, "d_model": 32, "announce": False}) == {
+        "stage.stages": 2, "model.d_model": 32, "stage.announce": False}
+    with pytest.raises(ConfigError, match="'no_announce' is not a config key"):  # it would read backwards
+        overrides_from_kwargs(StageConfig(), {"no_announce": True})
+    for mode, cls in MODES.items():  # no plain name is ambiguous in any mode (docs/python-api.md)
+        assert {n: d for n, d in _keyword_names(cls).items() if len(d) > 1} == {}, mode
 
 
 def test_every_server_takes_its_limits_from_one_section_through_one_builder() -> None:
