@@ -21,7 +21,6 @@ from swarmtrain.config import (
     StageConfig,
     StageLimitsConfig,
     WorkerConfig,
-    _keyword_names,
     field_infos,
     load_config,
     load_pipeline_config,
@@ -29,6 +28,7 @@ from swarmtrain.config import (
     overrides_from_kwargs,
     to_dict,
 )
+from swarmtrain.config.loading import _keyword_names
 from swarmtrain.errors import ConfigError
 from swarmtrain.transport.endpoints import ServerLimits
 

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from swarmtrain.config import (
-    _TOML_TYPE_NAMES,
     DOC_BEGIN,
     DOC_END,
     CoordinatorConfig,
@@ -19,9 +18,9 @@ from swarmtrain.config import (
     PipelineConfig,
     StageConfig,
     WorkerConfig,
-    _field_specs,
     render_config_doc,
 )
+from swarmtrain.config.schema import _TOML_TYPE_NAMES, _field_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,9 +29,10 @@ def test_config_reference_is_up_to_date() -> None:
     text = (ROOT / "docs" / "config.md").read_text()
     assert render_config_doc(text) == text, (
         "docs/config.md is stale: run `python scripts/config_reference.py`")
-    check = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0, check.stderr
+    for command in (["scripts/config_reference.py"], ["-m", "swarmtrain.config"]):
+        check = subprocess.run([sys.executable, *command, "--check"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=60)
+        assert check.returncode == 0, (command, check.stderr)
 
 
 def test_config_reference_keeps_the_hand_written_parts_and_replaces_the_tables() -> None:
@@ -42,6 +42,16 @@ def test_config_reference_keeps_the_hand_written_parts_and_replaces_the_tables()
     assert "old_key" not in fresh and "## Stage (`swarmtrain stage --config FILE`)" in fresh
     with pytest.raises(ValueError, match="markers"):
         render_config_doc("# no markers\n")
+
+
+def test_the_generator_fails_a_stale_file_and_rewrites_it(tmp_path: Path) -> None:
+    from swarmtrain.config.docs import main
+
+    doc = tmp_path / "config.md"
+    doc.write_text(f"# Intro\n{DOC_BEGIN}\n{DOC_END}\n")
+    assert main(["--check", str(doc)]) == 1
+    assert main([str(doc)]) == 0 and main(["--check", str(doc)]) == 0
+    assert doc.read_text() == render_config_doc(doc.read_text())
 
 
 @pytest.mark.parametrize(("command", "cls"), [("coordinator", CoordinatorConfig), ("worker", WorkerConfig),
