@@ -151,6 +151,17 @@ def test_a_flag_value_out_of_range_is_refused_with_the_keys_message(
         assert says in capsys.readouterr().err, argv
 
 
+def test_a_stage_may_name_one_gpu_of_several() -> None:
+    """``cuda:N`` for a stage, in a file or by flag (the other devices are listed choices)."""
+    from swarmtrain.app.pipeline_session import StageOptions
+
+    assert StageOptions(stage=0, stages=2, device="cuda:1").device == "cuda:1"
+    args = cli.build_parser().parse_args(["stage", "--stage", "0", "--stages", "2", "--device", "cuda:0"])
+    assert load_stage_config(None, cli.config_overrides(args)).stage.device == "cuda:0"
+    with pytest.raises(ConfigError, match=r"'cuda', 'mps' or cuda:N \(--device\)"):
+        load_stage_config(None, {"stage.stage": 0, "stage.stages": 2, "stage.device": "cuda:x"})
+
+
 def test_a_stage_needs_its_place_in_the_pipeline_from_a_flag_or_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="stage.stage, stage.stages must be set: give --stage and --stages"):
         load_stage_config(None, {})

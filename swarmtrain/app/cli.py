@@ -118,7 +118,8 @@ def _flag_help(info: FieldInfo) -> str:
         return f"{text} ({where})".replace("%", "%%")
     default = "none" if info.default in ("", ()) else info.default
     state = "required" if info.required else f"default {default}"
-    return f"{info.help} ({where}, {state})".replace("%", "%%")
+    more = "; repeatable" if info.type == tuple[str, ...] else ""
+    return f"{info.help} ({where}, {state}{more})".replace("%", "%%")
 
 
 def add_config_flags(p: argparse.ArgumentParser, cls: type, *, sections: Sequence[str] | None = None,
@@ -145,8 +146,11 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, *, sections: Sequenc
         if info.type is bool:
             kwargs.update(nargs=0, const=not info.default)
         else:
-            kwargs.update(type=_flag_type(info), choices=info.choices,
-                          metavar=None if info.choices else _METAVARS.get(info.type, info.key.upper()))
+            listed = info.choices is not None and not info.open_choices  # argparse checks them
+            shown = f"{{{','.join(map(str, info.choices or ()))},...}}" if info.open_choices else None
+            kwargs.update(type=_flag_type(info), choices=info.choices if listed else None,
+                          metavar=None if listed else shown or info.metavar or _METAVARS.get(
+                              info.type, info.key.upper()))
         groups[info.section].add_argument(*info.flags, **kwargs)
     p.set_defaults(**{_FLAG_KEYS: flag_keys})
 

@@ -71,23 +71,25 @@ class StageServingConfig(StageLimitsConfig):
     stage: int = _opt(0, "index of the stage served (0 = the first)", required=True, ge=0)
     stages: int = _opt(1, "number of stages in the pipeline", required=True, ge=1)
     seed: int = _opt(0, "model initialisation seed (the same on every stage)", ge=0)
-    layers: str = _opt("", 'serve layers START:STOP instead of the planned range ("" = planned)')
+    layers: str = _opt("", 'serve layers START:STOP instead of the planned range ("" = planned)',
+                       metavar="START:STOP")
     host: str = _opt("0.0.0.0", "address to listen on")
     port: int = _opt(7300, "port to listen on (0 = any free port)", ge=0, le=65535)
     sync_with: tuple[str, ...] = _opt(
         (), "HOST:PORT of a replica of the same stage to average parameters with (repeatable; "
-        "configure each pair on one side only)")
+        "configure each pair on one side only)", metavar="HOST:PORT")
     sync_every: int = _opt(10, "optimizer steps between averages with sync_with", ge=0)
     learning_rate: float = _opt(0.0, "AdamW learning rate (0 = the task's default)",
                                 flag=("--lr", "--learning-rate"), ge=0.0)
     threads: int = _opt(0, "PyTorch threads (0 = all cores)", ge=0)
     kv_cache_mb: float = _opt(256.0, "MiB of generation sessions' attention caches kept at most", gt=0.0)
     device: str = _opt("auto", "where this stage's layers compute: 'auto' (CUDA, else MPS, else CPU), "
-                       "'cpu', 'cuda' or 'mps'", choices=_DEVICES)
+                       "'cpu', 'cuda' (or 'cuda:N') or 'mps'", choices=_DEVICES,
+                       pattern=("cuda:[0-9]+", "cuda:N"))
     status_file: str = _opt("", 'keep this stage\'s status as JSON here, rewritten every second ("" = none)')
     checkpoint_dir: str = _opt(
         "", 'where this stage\'s checkpoints (weights, optimizer state, step counters) go ("" = '
-        'checkpoints/stage{I} in the working directory; none = no checkpoints)')
+        'checkpoints/stage{I} in the working directory; none = no checkpoints)', metavar="DIR")
     checkpoint_every: int = _opt(10, "optimizer steps between checkpoints (0 = only on SIGINT/SIGTERM)",
                                  ge=0)
     keep_checkpoints: int = _opt(3, "newest checkpoints kept on disk", ge=1)
@@ -148,7 +150,7 @@ class PipelineTrainingConfig(_Section):
                                   "banned", gt=0.0)
     stage_wait: float = _opt(
         300.0, "when no replica of a stage answers, wait this long (seconds) for one to come back "
-        "(restarted with --resume, say) before giving up", ge=0.0)
+        "(restarted with --resume, say) before giving up", metavar="SECONDS", ge=0.0)
     status_file: str = _opt("", 'keep the trainer\'s status (loss history, acknowledgements, resends) '
                             'as JSON here ("" = none)')
     route: str = _opt(
@@ -157,7 +159,7 @@ class PipelineTrainingConfig(_Section):
         "stages of cluster, found on the LAN by mDNS)")
     cluster: str = reused(StageServingConfig, "cluster")
     discover_timeout: float = _opt(10.0, "without route: look for the stages this long (seconds) at "
-                                   "most", gt=0.0)
+                                   "most", metavar="SECONDS", gt=0.0)
 
 
 @dataclass(frozen=True)

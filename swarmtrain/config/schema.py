@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ _TOML_TYPE_NAMES: dict[Any, str] = {bool: "boolean", int: "integer", float: "num
 
 
 def _opt(default: Any, help: str, *, flag: str | tuple[str, ...] = "", cli: bool = True,
-         required: bool = False, **checks: Any) -> Any:
+         required: bool = False, metavar: str = "", **checks: Any) -> Any:
     """A config field with its help text, its command-line flag and its checks.
 
     Args:
@@ -33,11 +34,14 @@ def _opt(default: Any, help: str, *, flag: str | tuple[str, ...] = "", cli: bool
             the machine would see it in the process list).
         required: a file, a variable or the flag must set it (its default serves only
             sections built in Python).
-        **checks: ``ge``, ``gt``, ``le``, ``lt`` (bounds) or ``choices``.
+        metavar: how the flag's help names its value (default: by the type).
+        **checks: ``ge``, ``gt``, ``le``, ``lt`` (bounds) or ``choices``; with ``choices``,
+            ``pattern=(regex, words)`` allows the strings the regex matches too (``words``
+            names them in messages: ``("cuda:[0-9]+", "cuda:N")``).
     """
     names = (flag,) if isinstance(flag, str) and flag else tuple(flag)
     return field(default=default, metadata={"help": help, "flags": names, "cli": cli,
-                                            "required": required, **checks})
+                                            "required": required, "metavar": metavar, **checks})
 
 
 def reused(section: type, name: str) -> Any:
@@ -105,9 +109,10 @@ def _check_value(cls: type, name: str, value: Any) -> Any:
         )
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
+    choices, pattern = meta.get("choices"), meta.get("pattern")
+    if choices is not None and value not in choices and not (
+            pattern is not None and isinstance(value, str) and re.fullmatch(pattern[0], value)):
+        allowed = ", ".join(repr(c) for c in choices) + (f" or {pattern[1]}" if pattern else "")
         raise ConfigError(
             f"{key} = {value!r} is not allowed; allowed values: {allowed}{_flag_hint(name, meta)}")
     lower = [(meta[op], sym) for op, sym in (("ge", "<="), ("gt", "<")) if op in meta]
@@ -152,6 +157,8 @@ class FieldInfo:
         cli: whether it has a flag at all.
         required: whether a load must set it.
         choices: the allowed values, or None.
+        open_choices: ``choices`` are not all (a pattern allows more, such as ``cuda:N``).
+        metavar: how a flag's help names the value ("" = by the type).
     """
 
     section: str
@@ -164,6 +171,8 @@ class FieldInfo:
     cli: bool
     required: bool
     choices: tuple[Any, ...] | None
+    open_choices: bool
+    metavar: str
 
     @property
     def dotted(self) -> str:
@@ -175,7 +184,8 @@ class FieldInfo:
         """The allowed values in words (``">= 0 and <= 65535"``, ``"'fp32', 'fp16'"``), or ""."""
         meta = _field_specs(self.section_cls)[self.key][1]
         if self.choices is not None:
-            return ", ".join(repr(c) for c in self.choices)
+            pattern = meta.get("pattern")
+            return ", ".join(repr(c) for c in self.choices) + (f" or {pattern[1]}" if pattern else "")
         words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
         return " and ".join(f"{words[op]} {meta[op]}" for op in ("ge", "gt", "le", "lt") if op in meta)
 
@@ -199,7 +209,8 @@ def field_infos(cls: type, sections: typing.Iterable[str] | None = None) -> Iter
             choices = meta.get("choices")
             yield FieldInfo(name, key, section_cls, typ, default, meta.get("help", ""), flags,
                             meta.get("cli", True), meta.get("required", False),
-                            tuple(choices) if choices is not None else None)
+                            tuple(choices) if choices is not None else None, "pattern" in meta,
+                            meta.get("metavar", ""))
 
 
 def _sections(cls: type) -> dict[str, type[_Section]]:

@@ -99,7 +99,7 @@ class LoggingConfig(ConsoleLoggingConfig):
     run_log: str = _opt(
         "auto", 'JSONL log of the run\'s metrics and events, for `swarmtrain plot`: "auto" = '
         'runs/<date-time>/<role>.jsonl (under $SWARMTRAIN_RUNS_DIR if set), "" or "none" = no '
-        'run log, else the file\'s path')
+        'run log, else the file\'s path', metavar="PATH")
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,13 @@ class CheckpointingConfig(_Section):
     SECTION = "checkpointing"
     interval: int = _opt(1000, "updates between checkpoints (0 = off)", flag="--checkpoint-interval",
                          ge=0)
-    directory: str = _opt("checkpoints", "where checkpoints are written", flag="--checkpoint-dir")
+    directory: str = _opt("checkpoints", "where checkpoints are written", flag="--checkpoint-dir",
+                          metavar="DIR")
     keep: int = _opt(3, "newest checkpoints kept on disk", flag="--keep-checkpoints", ge=1)
     export: str = _opt(
         "auto", 'where the final weights go (safetensors) when the run ends: "auto" = '
         'model.safetensors next to the run log (none without one), "" or "none" = no export, '
-        'else the file\'s path')
+        'else the file\'s path', metavar="PATH")
 
 
 @dataclass(frozen=True)
