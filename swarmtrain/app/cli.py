@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,11 +123,13 @@ def _flag_help(info: FieldInfo) -> str:
 
 
 def add_config_flags(p: argparse.ArgumentParser, cls: type, *, sections: Sequence[str] | None = None,
-                     keys: Sequence[str] | None = None, required: Sequence[str] = ()) -> None:
+                     keys: Sequence[str] | None = None, required: Mapping[str, str] | None = None) -> None:
     """One flag for every key of the config class ``cls`` (a value of
     :data:`swarmtrain.config.MODES`) that has one, grouped by section; ``sections`` or ``keys``
-    (dotted) choose some only, and the flags of the dotted keys in ``required`` must be given.
+    (dotted) choose some only, and the flags of the dotted keys in ``required`` must be given
+    (each with the help it maps to, for a command where the key's default means nothing).
     Each flag's value is checked as its key's, and its default is the key's default."""
+    required = required or {}
     flag_keys = config_flag_keys(p)
     taken = {a.dest for a in p._actions} | set(flag_keys)
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -141,8 +143,9 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, *, sections: Sequenc
             doc = " ".join((info.section_cls.__doc__ or "").split("\n\n")[0].split()).replace("``", "")
             about = doc.split(": ", 1)[1] if doc.startswith("[") and ": " in doc else doc
             groups[info.section] = p.add_argument_group(f"[{info.section}]", about)
-        kwargs: dict[str, Any] = {"dest": dest, "default": info.default, "help": _flag_help(info),
-                                  "action": _ConfigFlag, "required": info.dotted in required}
+        kwargs: dict[str, Any] = {"dest": dest, "default": info.default, "action": _ConfigFlag,
+                                  "help": required.get(info.dotted) or _flag_help(info),
+                                  "required": info.dotted in required}
         if info.type is bool:
             kwargs.update(nargs=0, const=not info.default)
         else:
@@ -260,7 +263,8 @@ def _pipeline_parsers(sub: Any) -> None:
                                     "and print it.")
     ge.add_argument("--log-json", action="store_true", help="machine-readable JSON log lines")
     add_config_flags(ge, PipelineConfig, sections=["model", "security", "logging", "pipeline"],
-                     keys=[*_MODEL_KEYS, *_CLIENT_KEYS, "pipeline.route"], required=["pipeline.route"])
+                     keys=[*_MODEL_KEYS, *_CLIENT_KEYS, "pipeline.route"],
+                     required={"pipeline.route": _ROUTE_HELP})
     ge.add_argument("--prompt", required=True, help="the text to continue")
     ge.add_argument("--tokens", type=int, default=64, help="bytes to generate (default 64)")
     ge.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sample")
@@ -278,6 +282,9 @@ def _pipeline_parsers(sub: Any) -> None:
                      keys=[*_CLIENT_KEYS, "pipeline.route", "pipeline.cluster", "pipeline.discover_timeout"])
     ss.add_argument("--json", action="store_true", help="print the raw statuses as JSON")
 
+
+_ROUTE_HELP = ("the stage servers: HOST:PORT of each replica, ',' between replicas of one stage, "
+               "';' between stages, e.g. \"10.0.0.2:7300;10.0.0.3:7300,10.0.0.4:7300;10.0.0.5:7300\"")
 
 #: the keys of the pipeline commands that are not modes (`generate`, `status`)
 _MODEL_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig))
