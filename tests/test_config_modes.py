@@ -280,3 +280,28 @@ def test_every_server_takes_its_limits_from_one_section_through_one_builder() ->
                         | {"network.ctl_slots": 1})
     assert coord.network.server_limits() == ServerLimits(9, 3, 2, ctl_slots=1)
     assert issubclass(StageServerConfig, StageLimitsConfig) and issubclass(StageOptions, StageLimitsConfig)
+
+
+def test_the_roles_take_a_config_and_leave_loading_to_the_caller(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Coordinator(...)`` and ``Worker(...)`` read no file and no variable: the caller loads
+    (``load_coordinator_config``), the keywords adjust what it passes."""
+    import torch
+
+    from swarmtrain.config import load_coordinator_config, load_worker_config
+    from swarmtrain.roles.ps.coordinator import Coordinator
+    from swarmtrain.roles.ps.worker import Worker
+
+    monkeypatch.setenv("SWARMTRAIN_HOME", str(tmp_path))  # the worker's node key goes there
+    monkeypatch.setenv("SWARMTRAIN_TRAINING__MIN_WORKERS", "3")
+    model = torch.nn.Linear(2, 1)
+    assert Coordinator(model, learning_rate=1e-3).config.training.min_workers == 1
+    loaded = Coordinator(model, load_coordinator_config(), learning_rate=1e-3, max_steps=7).config
+    assert (loaded.training.min_workers, loaded.training.max_steps) == (3, 7)
+    monkeypatch.delenv("SWARMTRAIN_TRAINING__MIN_WORKERS")
+    monkeypatch.setenv("SWARMTRAIN_TRAINING__BATCH_SIZE", "5")
+    data = [(torch.zeros(1, 2), torch.zeros(1, 1))]
+    worker = Worker(model, torch.nn.functional.mse_loss, data, host="10.0.0.2", insecure=True)
+    assert (worker.config.network.coordinator_host, worker.config.training.batch_size) == ("10.0.0.2", 0)
+    from_env = Worker(model, torch.nn.functional.mse_loss, data, load_worker_config())
+    assert from_env.config.training.batch_size == 5
