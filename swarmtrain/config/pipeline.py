@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from swarmtrain.config.schema import _opt, _Section, reused, section_values
 from swarmtrain.config.sections import (
@@ -50,6 +50,7 @@ class StageLimitsConfig(ServerLimitsConfig):
     limits, and what one request may carry."""
 
     SECTION = "stage"
+    TRAILING: ClassVar[bool] = True
     max_request_mb: float = _opt(
         256.0, "MiB one request of a trainer or generation client may carry; a micro-batch x "
         "context x width x 4 bytes over it closes the connection", gt=0.0)

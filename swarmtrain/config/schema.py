@@ -74,11 +74,20 @@ _SPECS: dict[type, dict[str, tuple[Any, Mapping[str, Any]]]] = {}
 
 
 def _field_specs(cls: type) -> dict[str, tuple[Any, Mapping[str, Any]]]:
-    """Field name -> (type, metadata) of a section class, resolved once per class."""
+    """Field name -> (type, metadata) of a section class, resolved once per class; the keys of
+    a base marked ``TRAILING`` (the shared server limits) come after the section's own, in
+    its tables, its flags' help and its messages."""
     if cls not in _SPECS:
         hints = typing.get_type_hints(cls)
-        _SPECS[cls] = {f.name: (hints[f.name], f.metadata) for f in dataclasses.fields(cls)}
+        fields = sorted(dataclasses.fields(cls), key=lambda f: _trailing(cls, f.name))  # stable
+        _SPECS[cls] = {f.name: (hints[f.name], f.metadata) for f in fields}
     return _SPECS[cls]
+
+
+def _trailing(cls: type, name: str) -> bool:
+    """Whether the class of ``cls``'s MRO that declares field ``name`` is marked ``TRAILING``."""
+    owner = next(c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
+    return bool(owner.__dict__.get("TRAILING", False))
 
 
 def _type_name(t: Any) -> str:

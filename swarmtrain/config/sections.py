@@ -147,6 +147,7 @@ class ServerLimitsConfig(_Section):
     stage). A peer's control server and its ring listener each hold these limits."""
 
     SECTION = "network"
+    TRAILING: ClassVar[bool] = True  # listed after the keys of the section that reuses these
     max_connections: int = _opt(256, "open connections at most, handshakes included", ge=1)
     max_connections_per_address: int = _opt(32, "open connections at most from one IP address", ge=1)
     max_failed_auth: int = _opt(
