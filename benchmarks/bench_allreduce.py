@@ -75,7 +75,7 @@ def _backend(args: argparse.Namespace, peers: str, run: str, tls: Any) -> Any:
     host, port = addresses[args.rank]
     options = PeerOptions(run=run, min_peers=args.world, host=host, port=port, mdns=False,
                           static_peers=tuple(a for i, a in enumerate(addresses) if i != args.rank),
-                          ring_timeout=60.0, reform_timeout=60.0)
+                          ring_timeout_sec=60.0, reform_timeout_sec=60.0)
     backend = PeerBackend(options, secret=SECRET, identity=Identity.generate(), tls=tls)
     backend.start()
     backend.wait_for_peers(args.world - 1, timeout=60)

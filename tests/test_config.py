@@ -14,9 +14,13 @@ from swarmtrain.config import (
     CompressionConfig,
     CoordinatorConfig,
     CoordinatorTrainingConfig,
+    PipelineConfig,
     SecurityConfig,
+    StageConfig,
     WorkerConfig,
     load_coordinator_config,
+    load_pipeline_config,
+    load_stage_config,
     load_worker_config,
     overrides_from_kwargs,
     resolve_secret,
@@ -173,6 +177,8 @@ def test_sections_validate_when_built_in_python() -> None:
     [
         ("coordinator.toml", load_coordinator_config, CoordinatorConfig()),
         ("worker.toml", load_worker_config, WorkerConfig()),
+        ("stage.toml", load_stage_config, StageConfig()),
+        ("pipeline.toml", load_pipeline_config, PipelineConfig()),
     ],
 )
 def test_example_files_load_and_list_every_key(name: str, loader: Any, default: Any) -> None:

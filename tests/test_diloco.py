@@ -81,8 +81,8 @@ def test_by_wall_time_a_fast_peer_does_more_inner_steps_and_weighs_more() -> Non
     ports = free_ports(2)
     options = [PeerOptions(run="diloco-test", min_peers=2, host="127.0.0.1", port=port, mdns=False,
                            static_peers=tuple(("127.0.0.1", p) for p in ports if p != port),
-                           heartbeat_interval=0.3, heartbeat_timeout=3.0, propose_timeout=1.0,
-                           ring_timeout=10.0, reform_timeout=15.0) for port in ports]
+                           heartbeat_interval_sec=0.3, heartbeat_timeout_sec=3.0, propose_timeout_sec=1.0,
+                           ring_timeout_sec=10.0, reform_timeout_sec=15.0) for port in ports]
     backends = [PeerBackend(o, secret=b"diloco-test-secret", identity=Identity.generate()) for o in options]
     trainers = []
     for i, b in enumerate(backends):

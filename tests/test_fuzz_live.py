@@ -225,7 +225,7 @@ def test_a_proposal_with_a_short_public_key_is_answered_as_a_bad_signature() -> 
     async def main() -> tuple[str, list[str]]:
         opts = PeerOptions(run="fuzz", min_peers=1, host="127.0.0.1", port=0, mdns=False,
                            static_peers=(("127.0.0.1", 9),), profile="fuzz",
-                           propose_timeout=FUZZ_TIMEOUTS.handshake)
+                           propose_timeout_sec=FUZZ_TIMEOUTS.handshake)
         backend = PeerBackend(opts, secret=SECRET, identity=Identity.generate())
         msg = Propose(epoch=1, proposer="a" * 32, members=["a" * 32], addresses={}, public_key=b"x",
                       signature=b"s" * 64)

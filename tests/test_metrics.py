@@ -245,8 +245,8 @@ def test_peer_metrics_show_epoch_world_size_rank_rounds_and_bytes() -> None:
     for i, port in enumerate(ports):
         opts = PeerOptions(run="metrics-test", min_peers=2, host="127.0.0.1", port=port, mdns=False,
                            static_peers=tuple(("127.0.0.1", p) for p in ports if p != port),
-                           heartbeat_interval=0.3, heartbeat_timeout=5.0, propose_timeout=1.0,
-                           ring_timeout=20.0, reform_timeout=20.0, profile="DESKTOP")
+                           heartbeat_interval_sec=0.3, heartbeat_timeout_sec=5.0, propose_timeout_sec=1.0,
+                           ring_timeout_sec=20.0, reform_timeout_sec=20.0, profile="DESKTOP")
         backend = PeerBackend(opts, secret=b"metrics-peer-secret", identity=Identity.generate())
         model = task.build_model(seed=0)
         shard = Shard(data.train, 0, 1, seed=zlib.crc32(f"peer{i}".encode()))

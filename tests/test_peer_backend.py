@@ -45,9 +45,9 @@ def started_group(run: str, n: int = 3, *, secret: bytes = SECRET,
     for port in ports:
         others = tuple(("127.0.0.1", p) for p in ports if p != port)
         opts = PeerOptions(**{"run": run, "min_peers": n, "host": "127.0.0.1", "port": port, "mdns": False,
-                              "static_peers": others, "heartbeat_interval": 0.3, "heartbeat_timeout": 3.0,
-                              "propose_timeout": 1.0, "ring_timeout": 10.0, "reform_timeout": 15.0,
-                              **options})
+                              "static_peers": others, "heartbeat_interval_sec": 0.3,
+                              "heartbeat_timeout_sec": 3.0, "propose_timeout_sec": 1.0,
+                              "ring_timeout_sec": 10.0, "reform_timeout_sec": 15.0, **options})
         backends.append(PeerBackend(opts, secret=secret, identity=Identity.generate()))
     try:
         for b in backends:
@@ -100,8 +100,8 @@ def test_a_broken_ring_names_its_epoch(group: list[PeerBackend]) -> None:
 def start_peer(port: int, ports: list[int], identity: Identity, **overrides: Any) -> PeerBackend:
     others = tuple(("127.0.0.1", p) for p in ports if p != port)
     opts = PeerOptions(**{**dict(run="backend-test", min_peers=2, host="127.0.0.1", port=port, mdns=False,
-                                 static_peers=others, heartbeat_interval=0.3, heartbeat_timeout=3.0,
-                                 propose_timeout=1.0, ring_timeout=10.0, reform_timeout=15.0),
+                                 static_peers=others, heartbeat_interval_sec=0.3, heartbeat_timeout_sec=3.0,
+                                 propose_timeout_sec=1.0, ring_timeout_sec=10.0, reform_timeout_sec=15.0),
                           **overrides})
     backend = PeerBackend(opts, secret=SECRET, identity=identity)
     backend.start()
@@ -168,7 +168,7 @@ def test_a_joiner_is_taken_in_by_the_user_loop_and_loads_the_state_first() -> No
 
 def test_a_timeout_inside_the_control_loop_keeps_its_phase_and_limit() -> None:
     port, nobody = free_ports(2)  # nobody listens on the second: no other peer, nobody proposes us in
-    b = start_peer(port, [port, nobody], Identity.generate(), reform_timeout=1.0)
+    b = start_peer(port, [port, nobody], Identity.generate(), reform_timeout_sec=1.0)
     try:
         with pytest.raises(SwarmTimeout) as info:
             b.refresh()
@@ -229,8 +229,9 @@ from swarmtrain.roles.peer.backend import PeerBackend, PeerOptions
 from swarmtrain.transport.identity import Identity
 port, others = int(sys.argv[1]), [int(p) for p in sys.argv[2].split(",")]
 opts = PeerOptions(run="backend-test", min_peers=3, host="127.0.0.1", port=port, mdns=False,
-                   static_peers=tuple(("127.0.0.1", p) for p in others), heartbeat_interval=0.3,
-                   heartbeat_timeout=3.0, propose_timeout=1.0, ring_timeout=10.0, reform_timeout=15.0)
+                   static_peers=tuple(("127.0.0.1", p) for p in others), heartbeat_interval_sec=0.3,
+                   heartbeat_timeout_sec=3.0, propose_timeout_sec=1.0, ring_timeout_sec=10.0,
+                   reform_timeout_sec=15.0)
 b = PeerBackend(opts, secret=sys.argv[3].encode(), identity=Identity.generate())
 b.start()
 b.wait_for_peers(2, timeout=20)

@@ -205,8 +205,8 @@ def test_control_frames_over_the_role_limit_close_only_that_connection() -> None
 @pytest.fixture
 def trio() -> Iterator[list[PeerBackend]]:
     """Three started peers on loopback that agreed an epoch, with their own connection limits."""
-    with started_group("hardening", secret=SECRET, heartbeat_timeout=5.0, ring_timeout=20.0,
-                       reform_timeout=20.0, max_connections=100, max_connections_per_address=50,
+    with started_group("hardening", secret=SECRET, heartbeat_timeout_sec=5.0, ring_timeout_sec=20.0,
+                       reform_timeout_sec=20.0, max_connections=100, max_connections_per_address=50,
                        max_failed_auth=7) as backends:
         yield backends
 

@@ -51,8 +51,8 @@ def _train_on_ring(strategies: list[Strategy], rounds: int, run: str) -> list[Pe
     ports = free_ports(len(strategies))
     options = [PeerOptions(run=run, min_peers=len(ports), host="127.0.0.1", port=port, mdns=False,
                            static_peers=tuple(("127.0.0.1", p) for p in ports if p != port),
-                           heartbeat_interval=0.3, heartbeat_timeout=5.0, propose_timeout=1.0,
-                           ring_timeout=20.0, reform_timeout=20.0) for port in ports]
+                           heartbeat_interval_sec=0.3, heartbeat_timeout_sec=5.0, propose_timeout_sec=1.0,
+                           ring_timeout_sec=20.0, reform_timeout_sec=20.0) for port in ports]
     backends = [PeerBackend(o, secret=b"model-state-test-secret", identity=Identity.generate())
                 for o in options]
     trainers = [PeerTrainer(b, s, max_rounds=rounds) for b, s in zip(backends, strategies)]
@@ -434,14 +434,14 @@ def test_the_strategy_runs_on_the_named_device() -> None:
 def test_peer_device_flag_reaches_the_strategy(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``swarmtrain peer --device cpu``: the flag sets ``training.device`` and build_peer puts
     the strategy (model and batches) there. Only the CPU exists on this machine."""
-    from swarmtrain.app.cli import _PEER, _overrides, build_parser
+    from swarmtrain.app.cli import build_parser, config_overrides
     from swarmtrain.app.session import build_peer
     from swarmtrain.config import load_peer_config
 
     monkeypatch.setenv("SWARMTRAIN_HOME", str(tmp_path))
     args = build_parser().parse_args(["peer", "--task", "digits", "--device", "cpu", "--host", "127.0.0.1",
                                       "--port", "0", "--mode", "step"])
-    cfg = load_peer_config(None, _overrides(args, _PEER))
+    cfg = load_peer_config(None, config_overrides(args))
     assert cfg.training.device == "cpu"
     _, trainer = build_peer(cfg)
     assert trainer.strategy.device == torch.device("cpu")

@@ -53,9 +53,10 @@ def _peer_parser() -> argparse.ArgumentParser:
 def test_every_peer_flag_sets_a_peer_config_key_or_is_used_by_cmd_peer() -> None:
     used_by_cmd_peer = {"help", "config", "log_json", "status_file"}
     dests = {a.dest for a in _peer_parser()._actions}
-    assert dests - used_by_cmd_peer - set(cli._PEER) == set()
+    flag_keys = cli.config_flag_keys(_peer_parser())
+    assert dests - used_by_cmd_peer - set(flag_keys) == set()
     cfg = load_peer_config(None)
-    for dotted in cli._PEER.values():  # and each names a real key of the peer config
+    for dotted in flag_keys.values():  # and each names a real key of the peer config
         section, _, key = dotted.partition(".")
         assert hasattr(getattr(cfg, section), key), dotted
 

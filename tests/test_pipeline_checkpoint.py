@@ -219,8 +219,8 @@ def test_a_checkpoint_of_another_stage_layer_range_or_width_is_refused_saying_wh
 def test_stage_options_check_the_checkpoint_flags() -> None:
     assert StageOptions(stage=2, stages=3).checkpoint_directory == os.path.join("checkpoints", "stage2")
     assert StageOptions(stage=0, stages=1, checkpoint_dir="none").checkpoint_directory is None
-    for bad, says in (({"checkpoint_every": -1}, "--checkpoint-every must be >= 0"),
-                      ({"keep_checkpoints": 0}, "--keep-checkpoints must be >= 1"),
+    for bad, says in (({"checkpoint_every": -1}, r"allowed: 0 <= checkpoint_every \(--checkpoint-every\)"),
+                      ({"keep_checkpoints": 0}, r"allowed: 1 <= keep_checkpoints \(--keep-checkpoints\)"),
                       ({"checkpoint_dir": " "}, "--checkpoint-dir is blank"),
                       ({"checkpoint_dir": "none", "resume": True}, "--resume loads a checkpoint")):
         with pytest.raises(ConfigError, match=says):

@@ -196,8 +196,8 @@ def backends(cluster: ClusterKeys) -> Iterator[list[PeerBackend]]:
     for port, name in zip(ports, "abc"):
         others = tuple((HOST, p) for p in ports if p != port)
         opts = PeerOptions(run="ring-tls-test", min_peers=3, host=HOST, port=port, mdns=False,
-                           static_peers=others, heartbeat_interval=0.3, heartbeat_timeout=3.0,
-                           propose_timeout=1.0, ring_timeout=10.0, reform_timeout=15.0)
+                           static_peers=others, heartbeat_interval_sec=0.3, heartbeat_timeout_sec=3.0,
+                           propose_timeout_sec=1.0, ring_timeout_sec=10.0, reform_timeout_sec=15.0)
         group.append(PeerBackend(opts, secret=SECRET, identity=Identity.generate(), tls=node(cluster, name)))
     try:
         for b in group:

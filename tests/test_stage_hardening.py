@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import swarmtrain.roles.stage.stage as stage_module
-from swarmtrain.app.cli import build_parser, stage_server_settings
+from swarmtrain.app.cli import build_parser, config_overrides
+from swarmtrain.config import load_stage_config
 from swarmtrain.errors import ConnectionLost
 from swarmtrain.roles.stage import (
     BadInput,
@@ -280,10 +281,11 @@ def test_stage_limit_flags_parse_and_set_the_server_config() -> None:
     args = build_parser().parse_args([*base, "--max-request-mb", "512", "--max-connections", "64",
                                       "--max-connections-per-address", "4", "--max-failed-auth", "3",
                                       "--max-bad-in-row", "2"])
-    config = StageServerConfig(**stage_server_settings(args))
+    config = StageServerConfig(**load_stage_config(None, config_overrides(args)).stage.limit_values())
     assert (config.max_request_mb, config.max_connections, config.max_connections_per_address,
             config.max_failed_auth, config.max_bad_in_row) == (512.0, 64, 4, 3, 2)
-    assert stage_server_settings(build_parser().parse_args(base)) == {}  # the config's defaults hold
+    defaults = load_stage_config(None, config_overrides(build_parser().parse_args(base))).stage
+    assert StageServerConfig(**defaults.limit_values()) == StageServerConfig()  # the config's defaults hold
     for flag in ("--max-bad-in-row", "--max-request-mb", "--max-connections"):
         with pytest.raises(SystemExit):
             build_parser().parse_args([*base, flag, "0"])

@@ -17,15 +17,16 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from swarmtrain.app.ops.serve import serve_stage
-from swarmtrain.app.runlog import open_run_log
-from swarmtrain.core.devices import DEVICE_CHOICES, resolve_device
+from swarmtrain.app.runlog import RunLog, open_run_log
+from swarmtrain.config import LoggingConfig, OpsConfig, PipelineTrainingConfig, StageServingConfig, reused
+from swarmtrain.core.devices import resolve_device
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.roles.stage.checkpointing import StageCheckpointer, StageIdentity, describe_task
 from swarmtrain.roles.stage.compute import ComputeConfig, shape_signature
@@ -44,7 +45,7 @@ from swarmtrain.roles.stage.partition import (
     plan_stages,
     split_layers,
 )
-from swarmtrain.roles.stage.route import Route, check_route, fetch_statuses
+from swarmtrain.roles.stage.route import Route, check_route, fetch_statuses, parse_host_port, parse_route
 from swarmtrain.roles.stage.router import Router, RouterConfig, StageUnavailable
 from swarmtrain.roles.stage.stage import StageServer, StageServerConfig
 from swarmtrain.roles.stage.trainer import PipelineTrainer, TrainerConfig
@@ -136,89 +137,34 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 
 
 @dataclass(frozen=True)
-class StageOptions:
-    """Settings of one `swarmtrain stage` process.
+class StageOptions(StageServingConfig):
+    """Settings of one `swarmtrain stage` process: the [stage] section
+    (:class:`~swarmtrain.config.StageServingConfig`, where every key is described), and
+    whether to resume.
 
     Attributes:
-        stage: index of the stage served (0 takes token ids).
-        stages: number of stages in the pipeline.
-        seed: model initialisation seed; every stage and replica must use the same.
-        host: address to listen on.
-        port: TCP port (0 = any free port; the status file says which).
-        layers: the layer range to serve instead of the planned one.
-        sync_with: replicas of the same stage to average parameters with.
-        sync_every: optimizer steps between averages with ``sync_with``.
-        learning_rate: AdamW learning rate (0 = the task's default).
-        kv_cache_mb: MiB of generation sessions' attention caches the stage keeps at most.
-        threads: PyTorch intra-op threads (0 = PyTorch's default).
-        status_file: keep the server's status as JSON here ("" = none).
-        http_port: serve /metrics and /api/status on this port (0 = off; no secret).
-        http_host: address of the HTTP port (keep it on a trusted interface).
-        server_limits: :class:`StageServerConfig` fields set by the limit flags
-            (``max_request_mb``, ``max_connections``, ``max_connections_per_address``,
-            ``max_failed_auth``, ``max_bad_in_row``).
-        device: where the layers compute: ``auto`` (CUDA, else MPS, else CPU), ``cpu``,
-            ``cuda`` (or ``cuda:N``) or ``mps``.
-        checkpoint_dir: where the stage's checkpoints go ("" = ``checkpoints/stage{stage}``
-            in the working directory, ``none`` = no checkpoints).
-        checkpoint_every: optimizer steps between checkpoints (0 = only on a clean stop).
-        keep_checkpoints: how many checkpoints to keep, at least 1.
         resume: load the newest valid checkpoint of ``checkpoint_dir`` before serving.
-        cluster: the pipeline's name, announced by mDNS with the stage (see
-            :mod:`swarmtrain.roles.stage.discovery`).
-        announce: announce the stage by mDNS while it serves.
     """
 
-    stage: int
-    stages: int
-    seed: int = 0
-    host: str = "0.0.0.0"
-    port: int = 7300
-    layers: tuple[int, int] | None = None
-    sync_with: tuple[tuple[str, int], ...] = ()
-    sync_every: int = 10
-    learning_rate: float = 0.0
-    kv_cache_mb: float = 256.0
-    threads: int = 0
-    status_file: str = ""
-    http_port: int = 0
-    http_host: str = "127.0.0.1"
-    server_limits: dict[str, Any] = field(default_factory=dict)
-    device: str = "auto"
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 3
     resume: bool = False
-    cluster: str = DEFAULT_CLUSTER
-    announce: bool = True
-
-    @property
-    def checkpoint_directory(self) -> str | None:
-        """Where this stage's checkpoints go, None when they are turned off."""
-        if self.checkpoint_dir.strip().lower() == "none":
-            return None
-        return self.checkpoint_dir or os.path.join("checkpoints", f"stage{self.stage}")
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
-            raise ConfigError(f"--device {self.device!r} is not one of {', '.join(DEVICE_CHOICES)}")
-        if self.stages < 1 or not 0 <= self.stage < self.stages:
-            raise ConfigError(f"--stage {self.stage} --stages {self.stages}: need 0 <= stage < stages")
-        for key in ("sync_every", "threads", "port", "http_port", "checkpoint_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
-        if self.learning_rate < 0:
-            raise ConfigError(f"--lr must be > 0 (or 0 for the task's default), got {self.learning_rate}")
-        if not self.kv_cache_mb > 0:
-            raise ConfigError(f"--kv-cache-mb must be > 0, got {self.kv_cache_mb}")
-        if self.keep_checkpoints < 1:
-            raise ConfigError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
-        if self.checkpoint_dir and not self.checkpoint_dir.strip():
-            raise ConfigError("--checkpoint-dir is blank: give a directory, or none to turn checkpoints off")
+        super().__post_init__()
         if self.resume and self.checkpoint_directory is None:
             raise ConfigError("--resume loads a checkpoint, but --checkpoint-dir none turns them off: "
                               "give the directory to resume from")
         check_cluster_name(self.cluster)
+        _ = self.layer_range, self.sync_peers  # refused here, not once the model is built
+
+    @property
+    def layer_range(self) -> tuple[int, int] | None:
+        """``layers`` parsed, None for the planned range."""
+        return parse_layer_range(self.layers) if self.layers else None
+
+    @property
+    def sync_peers(self) -> tuple[tuple[str, int], ...]:
+        """``sync_with`` parsed: ``(host, port)`` of each replica to average with."""
+        return tuple(parse_host_port(a, "--sync-with") for a in self.sync_with)
 
 
 def _stage_checkpointer(opts: StageOptions) -> StageCheckpointer | None:
@@ -242,9 +188,10 @@ def _refuse_old_checkpoints(checkpointer: StageCheckpointer | None, opts: StageO
 
 
 def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure: bool,
-              tls: TLSConfig | None = None) -> int:
+              tls: TLSConfig | None = None, ops: OpsConfig = OpsConfig()) -> int:
     """Serve one stage until SIGINT or SIGTERM, checkpointing it (see :class:`StageOptions`)
-    and, with ``opts.resume``, continuing from its newest valid checkpoint.
+    and, with ``opts.resume``, continuing from its newest valid checkpoint; with
+    ``ops.http_port``, serve /metrics and /api/status there too.
 
     Raises:
         ConfigError: no secret on a reachable address (without ``insecure``), a layer
@@ -260,7 +207,7 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
     model = task.build_model(opts.seed)  # built once: planned, then cut down to this stage
     all_layers = split_layers(model)
     n_layers = len(all_layers)
-    layer_range = opts.layers or stage_range(all_layers, opts.stage, opts.stages)
+    layer_range = opts.layer_range or stage_range(all_layers, opts.stage, opts.stages)
     last = opts.stage == opts.stages - 1
     if (layer_range[0] == 0) != (opts.stage == 0) or (layer_range[1] == n_layers) != last:
         raise ConfigError(f"stage {opts.stage} of {opts.stages} cannot hold layers [{layer_range[0]}, "
@@ -274,8 +221,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
                               kv_cache_mb=opts.kv_cache_mb),
         config=StageServerConfig(host=opts.host, port=opts.port,
                                  sync_every=opts.sync_every if opts.sync_with else 0,
-                                 **opts.server_limits),
-        secret=secret, sync_peers=opts.sync_with, name=f"stage{opts.stage}", tls=tls, device=device)
+                                 **opts.limit_values()),
+        secret=secret, sync_peers=opts.sync_peers, name=f"stage{opts.stage}", tls=tls, device=device)
     checkpointer = _stage_checkpointer(opts)
     identity = StageIdentity(opts.stage, opts.stages, layer_range, describe_task(task))
 
@@ -303,8 +250,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
         port = server.port  # a closed server no longer knows it
         if checkpointer is not None:
             checkpointer.attach(server, identity)
-        http = await serve_stage(server, opts.http_host, opts.http_port) if opts.http_port else None
-        peers = ", ".join(f"{h}:{p}" for h, p in opts.sync_with)
+        http = await serve_stage(server, ops.http_host, ops.http_port) if ops.http_port else None
+        peers = ", ".join(opts.sync_with)
         log.info("stage %d of %d: layers [%d, %d) of %d on %s, listening on %s:%d%s", opts.stage,
                  opts.stages, *layer_range, n_layers, device, opts.host, port,
                  f", averaging with {peers}" if peers else "")
@@ -375,64 +322,28 @@ def _unavailable(exc: StageUnavailable) -> SwarmError:
 
 
 @dataclass(frozen=True)
-class PipelineOptions:
-    """Settings of the `swarmtrain pipeline` trainer.
+class PipelineOptions(PipelineTrainingConfig):
+    """Settings of the `swarmtrain pipeline` trainer: the [pipeline] section
+    (:class:`~swarmtrain.config.PipelineTrainingConfig`, where every key is described), and
+    the run log.
 
     Attributes:
-        microbatches: micro-batches to train.
-        batch_size: samples per micro-batch.
-        schedule: ``sync`` (one step per ``chunks`` micro-batches, flushed) or ``async``
-            (see :class:`~swarmtrain.roles.stage.trainer.TrainerConfig`).
-        chunks: with ``sync``, micro-batches per optimizer step.
-        max_inflight: with ``async``, micro-batches in the pipeline at once.
-        grad_clip: with ``sync``, clip the whole model's gradient norm to this before each
-            step (0 = no clipping); with ``async`` each stage clips its own part.
-        eval_every: micro-batches between held-out evaluations (0 = only at start and end).
-        eval_samples: held-out windows per evaluation.
-        seed: seed of the order training samples are drawn in.
-        request_timeout: seconds a stage may take to answer before its replica is banned.
-        stage_wait: most seconds to wait for a stage with no live replica to come back.
-        status_file: keep the trainer's status as JSON here ("" = none).
-        route: for each stage, the ``(host, port)`` of its replicas; empty = find the stages
-            of ``cluster`` by mDNS.
-        cluster: the pipeline's name, to find its stages by (without ``route``).
-        discover_timeout: most seconds to look for the stages by mDNS (without ``route``).
         run_log: the JSONL run log: "auto" = runs/<date-time>/pipeline.jsonl, "" or "none" =
             none, else its path (see :mod:`swarmtrain.app.runlog`).
     """
 
-    microbatches: int = 200
-    batch_size: int = 16
-    schedule: str = "sync"
-    chunks: int = 8
-    max_inflight: int = 4
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_samples: int = 64
-    seed: int = 0
-    request_timeout: float = 30.0
-    stage_wait: float = 300.0
-    status_file: str = ""
-    route: Route = field(default_factory=list)
-    run_log: str = "auto"
-    cluster: str = DEFAULT_CLUSTER
-    discover_timeout: float = 10.0
+    run_log: str = reused(LoggingConfig, "run_log")
 
     def __post_init__(self) -> None:
-        for key in ("microbatches", "batch_size", "chunks", "max_inflight", "eval_samples"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
-        if self.eval_every < 0:
-            raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
-        if not self.grad_clip >= 0:
-            raise ConfigError(f"--grad-clip must be >= 0 (0 = no clipping), got {self.grad_clip}")
-        if not self.request_timeout > 0:
-            raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout}")
-        if not self.stage_wait >= 0:
-            raise ConfigError(f"--stage-wait must be >= 0 seconds, got {self.stage_wait}")
-        if not self.discover_timeout > 0:
-            raise ConfigError(f"--discover-timeout must be > 0 seconds, got {self.discover_timeout}")
+        super().__post_init__()
         check_cluster_name(self.cluster)
+        _ = self.stage_route  # refused here, before the task is built
+
+    @property
+    def stage_route(self) -> Route:
+        """``route`` parsed: for each stage, the ``(host, port)`` of its replicas; empty = find
+        the stages of ``cluster`` by mDNS."""
+        return parse_route(self.route) if self.route else []
 
 
 def _trainer_status(trainer: PipelineTrainer, opts: PipelineOptions, evals: list[tuple[int, float]],
@@ -464,88 +375,88 @@ def _schedule_line(opts: PipelineOptions) -> str:
             "stepping per micro-batch on weights that moved since its forward (stale gradients)")
 
 
-def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
-                 tls: TLSConfig | None = None) -> int:
-    """Train ``opts.microbatches`` micro-batches through the stages of ``opts.route``.
+class _PipelineRun:
+    """One `swarmtrain pipeline` run over a checked router: the trainer, its held-out
+    evaluations, and what it reports (log lines, the status file, the run log)."""
 
-    Raises:
-        SwarmError: a stage is unreachable or misconfigured, or training failed (the status
-            file, if any, then says ``"state": "failed"`` and why).
-    """
-    data = task.load_data()
-    loss_fn = loss_fn_for(task.build_model(0))
-    context = task.config.context if isinstance(task, TextLMTask) else None
-    evals: list[tuple[int, float]] = []
-    signals: list[signal.Signals] = []
-    run_log = open_run_log(opts.run_log, "pipeline.jsonl")
+    def __init__(self, task: Task, router: Router, opts: PipelineOptions) -> None:
+        self.opts = opts
+        self.data = task.load_data()
+        self.loss_fn = loss_fn_for(task.build_model(0))
+        self.evals: list[tuple[int, float]] = []  # (micro-batches done, held-out loss)
+        self.started = time.monotonic()
+        self.every = max(1, opts.microbatches // 20)  # micro-batches between progress lines
+        self.trainer = PipelineTrainer(
+            router, self.data.train, TrainerConfig(batch_size=opts.batch_size, schedule=opts.schedule,
+                                                   chunks=opts.chunks, max_inflight=opts.max_inflight,
+                                                   seed=opts.seed, grad_clip=opts.grad_clip),
+            context=task.config.context if isinstance(task, TextLMTask) else None,
+            on_microbatch=self.progress)
+        self.run_log: RunLog | None = open_run_log(opts.run_log, "pipeline.jsonl")  # closed by run()
 
-    async def train() -> PipelineTrainer:
-        main = asyncio.current_task()
-        assert main is not None
+    @property
+    def done(self) -> int:
+        return len(self.trainer.loss_history)
 
-        def on_signal(sig: signal.Signals) -> None:
-            signals.append(sig)
-            main.cancel()  # stops the micro-batches in flight; `finally` still writes the status
+    def progress(self, mb: int, loss: float) -> None:
+        """After each micro-batch: a log line every ``every``, and the run log's metrics."""
+        opts, trainer, done = self.opts, self.trainer, self.done
+        elapsed = time.monotonic() - self.started
+        if done % self.every == 0 or done == opts.microbatches:
+            recent = [v for _, v in trainer.loss_history[-self.every:]]
+            log.info("micro-batch %d/%d  loss %.4f  %.1f micro-batches/s  resends %d", done,
+                     opts.microbatches, sum(recent) / len(recent), done / elapsed, trainer.resends)
+        if self.run_log is not None:
+            self.run_log.metrics(role="pipeline", microbatch=done, loss=loss, samples=done * opts.batch_size,
+                                 samples_per_sec=done * opts.batch_size / elapsed, resends=trainer.resends)
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, on_signal, sig)
-        route = opts.route or await discover_route(opts.cluster, opts.discover_timeout, secret=secret,
-                                                   tls=tls)
-        router = await checked_router(task, route, secret=secret, tls=tls, config=RouterConfig(
-            request_timeout=opts.request_timeout, wait_for_replica=opts.stage_wait))
-        started = time.monotonic()
-        every = max(1, opts.microbatches // 20)
+    async def evaluate(self) -> None:
+        """One held-out evaluation, logged and in the run log with the mean training loss
+        since the last one."""
+        loss = await self.trainer.evaluate(self.data.heldout, self.loss_fn,
+                                           max_samples=self.opts.eval_samples)
+        done = self.done
+        self.evals.append((done, loss))
+        if self.run_log is not None:
+            start = self.evals[-2][0] if len(self.evals) > 1 else done
+            recent = [v for _, v in self.trainer.loss_history[start:]]
+            self.run_log.metrics(force=True, role="pipeline", microbatch=done, eval={"loss": loss},
+                                 **({"loss": sum(recent) / len(recent)} if recent else {}))
+        log.info("held-out loss %.4f after %d micro-batches", loss, done)
 
-        def progress(mb: int, loss: float) -> None:
-            done = len(trainer.loss_history)
-            if done % every == 0 or done == opts.microbatches:
-                recent = [v for _, v in trainer.loss_history[-every:]]
-                log.info("micro-batch %d/%d  loss %.4f  %.1f micro-batches/s  resends %d", done,
-                         opts.microbatches, sum(recent) / len(recent), done / (time.monotonic() - started),
-                         trainer.resends)
-            if run_log is not None:
-                run_log.metrics(role="pipeline", microbatch=done, loss=loss, samples=done * opts.batch_size,
-                                samples_per_sec=done * opts.batch_size / (time.monotonic() - started),
-                                resends=trainer.resends)
+    async def train(self) -> None:
+        """Evaluate, then train and evaluate in turns of ``eval_every`` micro-batches (whole
+        groups of ``chunks`` with the sync schedule) until ``microbatches`` are done."""
+        opts = self.opts
+        await self.evaluate()
+        chunk = opts.eval_every or opts.microbatches
+        if opts.schedule == "sync":  # evaluate between whole groups: every step of chunks
+            chunk = -(-chunk // opts.chunks) * opts.chunks
+        while self.done < opts.microbatches:
+            await self.trainer.train(min(chunk, opts.microbatches - self.done))
+            await self.evaluate()
 
-        trainer = PipelineTrainer(router, data.train, TrainerConfig(
-                                  batch_size=opts.batch_size, schedule=opts.schedule, chunks=opts.chunks,
-                                  max_inflight=opts.max_inflight, seed=opts.seed,
-                                  grad_clip=opts.grad_clip),
-                                  context=context, on_microbatch=progress)
+    def write_status(self, state: str, error: str = "") -> None:
+        opts = self.opts
+        if opts.status_file:
+            _write_json(opts.status_file, _trainer_status(self.trainer, opts, self.evals, state, error))
 
-        async def write_status_forever() -> None:
-            while True:
-                _write_json(opts.status_file, _trainer_status(trainer, opts, evals, "training"))
-                await asyncio.sleep(1.0)
+    async def write_status_forever(self) -> None:
+        while True:
+            self.write_status("training")
+            await asyncio.sleep(1.0)
 
-        async def evaluate() -> None:
-            loss = await trainer.evaluate(data.heldout, loss_fn, max_samples=opts.eval_samples)
-            evals.append((len(trainer.loss_history), loss))
-            if run_log is not None:  # with the mean training loss since the last evaluation
-                done = len(trainer.loss_history)
-                start = evals[-2][0] if len(evals) > 1 else done
-                recent = [v for _, v in trainer.loss_history[start:]]
-                run_log.metrics(force=True, role="pipeline", microbatch=done, eval={"loss": loss},
-                                **({"loss": sum(recent) / len(recent)} if recent else {}))
-            log.info("held-out loss %.4f after %d micro-batches", loss, len(trainer.loss_history))
-
-        writer = asyncio.create_task(write_status_forever()) if opts.status_file else None
+    async def run(self, stages: int) -> None:
+        """:meth:`train`, with the status file kept and the run log's start and end events;
+        a failure is in both before it is raised."""
+        writer = asyncio.create_task(self.write_status_forever()) if self.opts.status_file else None
         state, error = "failed", ""
-        if run_log is not None:
-            run_log.event("started", stages=len(route), microbatches=opts.microbatches,
-                          schedule=opts.schedule, samples_per_step=_samples_per_step(opts))
-        log.info("%s", _schedule_line(opts))
+        if self.run_log is not None:
+            self.run_log.event("started", stages=stages, microbatches=self.opts.microbatches,
+                               schedule=self.opts.schedule, samples_per_step=_samples_per_step(self.opts))
+        log.info("%s", _schedule_line(self.opts))
         try:
-            await evaluate()
-            chunk = opts.eval_every or opts.microbatches
-            if opts.schedule == "sync":  # evaluate between whole groups: every step of chunks
-                chunk = -(-chunk // opts.chunks) * opts.chunks
-            while len(trainer.loss_history) < opts.microbatches:
-                await trainer.train(min(chunk, opts.microbatches - len(trainer.loss_history)))
-                await evaluate()
+            await self.train()
             state = "finished"
         except asyncio.CancelledError:
             state = "stopped"
@@ -560,27 +471,74 @@ def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
-            if opts.status_file:
-                _write_json(opts.status_file, _trainer_status(trainer, opts, evals, state, error))
-            if run_log is not None:
-                run_log.event(state, microbatches=len(trainer.loss_history), resends=trainer.resends,
-                              **({"error": error} if error else {}))
-                run_log.close()
-            await router.close()
-        return trainer
+            self.write_status(state, error)
+            if self.run_log is not None:
+                self.run_log.event(state, microbatches=self.done, resends=self.trainer.resends,
+                                   **({"error": error} if error else {}))
+                self.run_log.close()
 
+    def summary(self) -> str:
+        """The line a finished run ends with."""
+        first = self.evals[0][1] if self.evals else float("nan")
+        last = self.evals[-1][1] if self.evals else float("nan")
+        t = self.trainer
+        return (f"trained {self.done} micro-batches: held-out loss {first:.4f} -> {last:.4f}; resends "
+                f"{t.resends} (requests resent {t.router.resends}, forwards redone {t.redone_forwards})")
+
+
+def _cancel_on_signals(signals: list[signal.Signals]) -> None:
+    """SIGINT and SIGTERM cancel the running task (the micro-batches in flight stop; its
+    ``finally`` blocks still run), noting the signal in ``signals``."""
+    main = asyncio.current_task()
+    if main is None:
+        raise SwarmError("_cancel_on_signals needs a running task")
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig)
+        main.cancel()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def _train_pipeline(task: Task, opts: PipelineOptions, signals: list[signal.Signals], *,
+                          secret: bytes | None, tls: TLSConfig | None) -> _PipelineRun:
+    """Find and check the stages, then train through them (:meth:`_PipelineRun.run`)."""
+    _cancel_on_signals(signals)
+    route = opts.stage_route or await discover_route(opts.cluster, opts.discover_timeout, secret=secret,
+                                                     tls=tls)
+    router = await checked_router(task, route, secret=secret, tls=tls, config=RouterConfig(
+        request_timeout=opts.request_timeout, wait_for_replica=opts.stage_wait))
     try:
-        trainer = asyncio.run(train())
+        run = _PipelineRun(task, router, opts)
+        await run.run(len(route))
+    finally:
+        await router.close()
+    return run
+
+
+def run_pipeline(task: Task, opts: PipelineOptions, *, secret: bytes | None,
+                 tls: TLSConfig | None = None) -> int:
+    """Train ``opts.microbatches`` micro-batches through the stages of ``opts.route``.
+
+    Returns:
+        0, or 128 + the signal's number when SIGINT or SIGTERM stopped it.
+
+    Raises:
+        SwarmError: a stage is unreachable or misconfigured, or training failed (the status
+            file, if any, then says ``"state": "failed"`` and why).
+    """
+    signals: list[signal.Signals] = []
+    try:
+        run = asyncio.run(_train_pipeline(task, opts, signals, secret=secret, tls=tls))
     except asyncio.CancelledError:
         if not signals:
             raise
         log.warning("stopped by %s", signals[0].name)
         return 128 + int(signals[0])
-    first = evals[0][1] if evals else float("nan")
-    last = evals[-1][1] if evals else float("nan")
-    print(f"trained {len(trainer.loss_history)} micro-batches: held-out loss {first:.4f} -> {last:.4f}; "
-          f"resends {trainer.resends} (requests resent {trainer.router.resends}, forwards redone "
-          f"{trainer.redone_forwards})")
+    print(run.summary())
     return 0
 
 

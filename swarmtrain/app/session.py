@@ -22,7 +22,7 @@ from swarmtrain.app.runlogging import (
     log_worker_forever,
     worker_metrics,
 )
-from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, with_overrides
+from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, section_values, with_overrides
 from swarmtrain.core import hardware
 from swarmtrain.core.events import RunRecorder
 from swarmtrain.errors import SwarmError, SwarmTimeout
@@ -291,15 +291,8 @@ def _build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer, CoreShare]:
                 if t.mode == "diloco" else
                 StepAveraging(model, task.loss, next_batch, **common))
     options = PeerOptions(
-        run=cfg.peer.run, min_peers=cfg.peer.min_peers, host=net.host, port=net.port,
-        ring_port=net.ring_port,
-        advertise_host=net.advertise_host, static_peers=tuple(parse_peer_list(cfg.peer.peers))
-        if cfg.peer.peers else (), profile=info.profile.value,
-        heartbeat_interval=net.heartbeat_interval_sec, heartbeat_timeout=net.heartbeat_timeout_sec,
-        propose_timeout=net.propose_timeout_sec, ring_timeout=net.ring_timeout_sec,
-        reform_timeout=net.reform_timeout_sec, wire=t.wire, max_connections=net.max_connections,
-        max_connections_per_address=net.max_connections_per_address, max_failed_auth=net.max_failed_auth,
-        quorum=cfg.peer.quorum, probe_interval=cfg.peer.probe_interval_sec)
+        **section_values(net), **section_values(cfg.peer), wire=t.wire, profile=info.profile.value,
+        static_peers=tuple(parse_peer_list(cfg.peer.peers)) if cfg.peer.peers else ())
     backend = PeerBackend(options, secret=secret, identity=identity, tls=resolve_tls(cfg.security))
 
     def evaluate(m: torch.nn.Module) -> dict[str, float]:

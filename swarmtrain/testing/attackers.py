@@ -198,8 +198,8 @@ def run_peers(robust: str, attack: str | None, *, rounds: int = 100, mode: str =
     ports = free_ports(n)
     options = [PeerOptions(run="robust-digits", min_peers=n, host="127.0.0.1", port=port, mdns=False,
                            static_peers=tuple(("127.0.0.1", p) for p in ports if p != port),
-                           heartbeat_interval=0.3, heartbeat_timeout=5.0, propose_timeout=2.0,
-                           ring_timeout=20.0, reform_timeout=20.0) for port in ports]
+                           heartbeat_interval_sec=0.3, heartbeat_timeout_sec=5.0, propose_timeout_sec=2.0,
+                           ring_timeout_sec=20.0, reform_timeout_sec=20.0) for port in ports]
     backends = [PeerBackend(o, secret=_SECRET, identity=Identity.generate()) for o in options]
     trainers = []
     for i, b in enumerate(backends):

@@ -461,9 +461,9 @@ async def fuzz_peer(count: int = 300, *, seconds: float = math.inf, seed: int = 
 
     opts = PeerOptions(run="fuzz", min_peers=1, host="127.0.0.1", port=0, mdns=False,
                        static_peers=(("127.0.0.1", dead_port()),), profile="fuzz",
-                       heartbeat_interval=FUZZ_TIMEOUTS.heartbeat_interval,
-                       heartbeat_timeout=FUZZ_TIMEOUTS.heartbeat_timeout,
-                       propose_timeout=FUZZ_TIMEOUTS.handshake)
+                       heartbeat_interval_sec=FUZZ_TIMEOUTS.heartbeat_interval,
+                       heartbeat_timeout_sec=FUZZ_TIMEOUTS.heartbeat_timeout,
+                       propose_timeout_sec=FUZZ_TIMEOUTS.handshake)
     backend = PeerBackend(opts, secret=SECRET, identity=Identity.generate())
     fuzzer = Identity.generate()
 

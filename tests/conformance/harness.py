@@ -251,8 +251,8 @@ def train_peer(case: Case, data: TaskData | None = None, *, mode: Literal["step"
     ports = free_ports(peers)
     backends = [PeerBackend(PeerOptions(
         run=f"conformance-{case.name}", min_peers=peers, host="127.0.0.1", port=port, mdns=False,
-        static_peers=tuple(("127.0.0.1", p) for p in ports if p != port), heartbeat_interval=0.3,
-        heartbeat_timeout=5.0, propose_timeout=1.0, ring_timeout=30.0, reform_timeout=30.0),
+        static_peers=tuple(("127.0.0.1", p) for p in ports if p != port), heartbeat_interval_sec=0.3,
+        heartbeat_timeout_sec=5.0, propose_timeout_sec=1.0, ring_timeout_sec=30.0, reform_timeout_sec=30.0),
         secret=SECRET, identity=Identity.generate()) for port in ports]
     trainers = []
     for i, backend in enumerate(backends):

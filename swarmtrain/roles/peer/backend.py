@@ -35,13 +35,13 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from swarmtrain.config import PeerDiscoveryConfig, PeerNetworkConfig, PeerTrainingConfig, reused
 from swarmtrain.errors import AuthError, SwarmError, SwarmTimeout
 from swarmtrain.roles.peer.control import ControlPlane
 from swarmtrain.roles.peer.discovery import Discovery, MdnsDiscovery, PeerInfo, StaticDiscovery
 from swarmtrain.roles.peer.membership import Candidate, Membership, ReformKind, View, check_signature
 from swarmtrain.roles.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
-from swarmtrain.transport.endpoints import ServerLimits
 from swarmtrain.transport.identity import Identity, peer_id_of
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
@@ -126,40 +126,23 @@ _RING_REASONS = {"auth": "auth_failed", "malformed": "bad_handshake", "version":
 
 
 @dataclass(frozen=True)
-class PeerOptions:
-    """How a peer finds others, how long each phase may take (seconds), and what its control
-    server and its ring listener each admit (``max_connections``, per address, and the failed
-    handshakes after which an address is refused for a minute: :class:`ServerLimits`)."""
+class PeerOptions(PeerNetworkConfig, PeerDiscoveryConfig):
+    """How a peer finds others, how long each phase may take, and what its control server and
+    its ring listener each admit: the keys of a peer's [network] and [peer] sections
+    (:class:`~swarmtrain.config.PeerNetworkConfig`, :class:`~swarmtrain.config.PeerDiscoveryConfig`,
+    where each is described) and the all-reduce's ``wire`` format, with what only a running
+    process knows.
 
-    run: str = "default"
-    min_peers: int = 1
-    host: str = "0.0.0.0"
-    port: int = 7200
-    ring_port: int = 0
-    advertise_host: str = ""
+    Attributes:
+        mdns: find peers by mDNS (else only ``static_peers``).
+        static_peers: ``(host, port)`` of peers to ask directly (``peer.peers`` parsed).
+        profile: hardware profile name advertised to others; detected if empty.
+    """
+
+    wire: str = reused(PeerTrainingConfig, "wire")
     mdns: bool = True
     static_peers: tuple[tuple[str, int], ...] = ()
-    profile: str = ""  #: hardware profile name advertised to others; detected if empty
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 5.0
-    propose_timeout: float = 3.0
-    ring_timeout: float = 120.0
-    reform_timeout: float = 60.0
-    wire: str = "fp32"
-    #: ``majority``: a peer cut off from most of its group pauses instead of training a copy
-    #: that diverges; ``none``: every group trains (see :mod:`swarmtrain.roles.peer.membership`)
-    quorum: str = "majority"
-    #: how often a peer that is not in this node's view is asked (cheaply) whether it is back
-    probe_interval: float = 1.0
-    max_connections: int = 256
-    max_connections_per_address: int = 32
-    max_failed_auth: int = 10
-
-    @property
-    def server_limits(self) -> ServerLimits:
-        return ServerLimits(max_connections=self.max_connections,
-                            max_per_address=self.max_connections_per_address,
-                            max_failed_auth=self.max_failed_auth)
+    profile: str = ""
 
 
 @dataclass
@@ -291,20 +274,20 @@ class PeerBackend:
 
             self.options = o = replace(o, profile=hardware.detect().profile.value)
         self.listener = RingListener(o.host, o.ring_port, secret=self.secret, tls=self.tls,
-                                     limits=o.server_limits)
+                                     limits=o.server_limits())
         self.control = ControlPlane(
             run=o.run, secret=self.secret, tls=self.tls,
-            timeouts=Timeouts(handshake=o.propose_timeout, heartbeat_interval=o.heartbeat_interval,
-                              heartbeat_timeout=o.heartbeat_timeout),
+            timeouts=Timeouts(handshake=o.propose_timeout_sec, heartbeat_interval=o.heartbeat_interval_sec,
+                              heartbeat_timeout=o.heartbeat_timeout_sec),
             info=self._info, status=self.status, on_member_lost=self._member_lost,
-            on_reform=self._reform_requested, server_limits=o.server_limits,
+            on_reform=self._reform_requested, server_limits=o.server_limits(),
             said_goodbye=lambda peer_id: peer_id in self.membership.left)
         self.port = await self.control.start(o.host, o.port)
         advertise = o.advertise_host or ("" if o.host in ("0.0.0.0", "::") else o.host)
         self.ring_address = (advertise or "127.0.0.1", self.listener.address[1])
         self.membership = Membership(self.identity, ring_address=self.ring_address,
                                      send=self.control.ask, rounds=lambda: self.rounds,
-                                     work=lambda: self.work, propose_timeout=o.propose_timeout,
+                                     work=lambda: self.work, propose_timeout=o.propose_timeout_sec,
                                      quorum=o.quorum, suspects=self._live_suspects)
         self.membership.on_install = self._epoch_installed
         self.control.membership = self.membership
@@ -456,7 +439,7 @@ class PeerBackend:
         or a resumed process is taken in within seconds."""
         while True:
             try:
-                await asyncio.wait_for(self._wake_probe.wait(), self.options.probe_interval)
+                await asyncio.wait_for(self._wake_probe.wait(), self.options.probe_interval_sec)
             except TimeoutError:
                 pass
             self._wake_probe.clear()
@@ -476,7 +459,7 @@ class PeerBackend:
     async def _probe_one(self, pid: str, c: Candidate) -> None:
         try:
             ans = await self.control.probe_detail(c.host, c.port,
-                                                  timeout=max(1.0, self.options.probe_interval))
+                                                  timeout=max(1.0, self.options.probe_interval_sec))
         finally:
             self._probing.discard(pid)
         where = f"{c.host}:{c.port}"
@@ -489,7 +472,7 @@ class PeerBackend:
             first = pid not in self._verified
             self._verified[pid] = Candidate(pid, c.host, c.port, ans.ring_port)
             self._probe_fails.pop(pid, None)
-            self._probe_next[pid] = time.monotonic() + self.options.probe_interval
+            self._probe_next[pid] = time.monotonic() + self.options.probe_interval_sec
             self.unauthenticated.pop(where, None)
             if self._suspects.pop(pid, None) is not None or first:
                 log.debug("peer %s at %s answers", pid[:8], where)
@@ -514,7 +497,8 @@ class PeerBackend:
             self._verified.pop(pid, None)
             self._probe_next[pid] = time.monotonic() + 30.0
             return
-        self._probe_next[pid] = time.monotonic() + min(4.0, self.options.probe_interval * 2 ** (fails - 1))
+        backoff = self.options.probe_interval_sec * 2 ** (fails - 1)
+        self._probe_next[pid] = time.monotonic() + min(4.0, backoff)
         if fails >= 2 and self._verified.pop(pid, None) is not None:
             log.debug("peer %s at %s stopped answering: no longer a candidate", pid[:8], where)
         member = self.view is not None and pid in self.view.members
@@ -644,7 +628,7 @@ class PeerBackend:
     def propose_if_needed(self) -> bool:
         """At the start of a round: if this node leads and peers came or went, agree a new
         epoch (members pick it up before their next collective). True if one was agreed."""
-        return self._call(self._propose_async(), self.options.propose_timeout * 10 + 10)
+        return self._call(self._propose_async(), self.options.propose_timeout_sec * 10 + 10)
 
     async def _propose_async(self, *, renew: bool = False, known_epoch: int = 0) -> bool:
         self.membership.ready = True
@@ -669,14 +653,14 @@ class PeerBackend:
             SwarmTimeout: phase ``reform`` if no first epoch is agreed within
                 ``reform_timeout`` (nobody proposed us in), ``peer control`` after ``timeout``.
         """
-        return self._call(self._refresh_async(), timeout or self.options.reform_timeout + 10)
+        return self._call(self._refresh_async(), timeout or self.options.reform_timeout_sec + 10)
 
     async def _refresh_async(self) -> bool:
         self.membership.ready = True
         if self.membership.view is None:
             await self._await_first_probes()
         if not await self._propose_async() and self.membership.view is None:
-            await self._await_view(0, deadline=time.monotonic() + self.options.reform_timeout)
+            await self._await_view(0, deadline=time.monotonic() + self.options.reform_timeout_sec)
         return await self._ensure_ring()
 
     async def _await_first_probes(self) -> None:
@@ -725,7 +709,7 @@ class PeerBackend:
         while m.epoch <= above:
             now = time.monotonic()
             if deadline is not None and now > deadline:
-                raise SwarmTimeout("reform", self.options.reform_timeout,
+                raise SwarmTimeout("reform", self.options.reform_timeout_sec,
                                    f"no new epoch after epoch {above}; authenticated peers: "
                                    f"{sorted(p[:8] for p in self._verified) or 'none'}")
             if self.stopping:
@@ -746,14 +730,14 @@ class PeerBackend:
                 broke = m.view is not None and leader in m.view.members
                 kind = ReformKind.BROKE if broke else ReformKind.JOIN
                 answer = await self.control.ask(cands[leader], m.reform_request(above, kind),
-                                                self.options.propose_timeout)
+                                                self.options.propose_timeout_sec)
                 if answer is None:
                     log.info("leader %s does not answer: treating it as gone", leader[:8])
                     self._suspects[leader] = time.monotonic() + 30.0
                     m.follow = None
                     continue
             try:
-                async with asyncio.timeout(self.options.propose_timeout * 3):
+                async with asyncio.timeout(self.options.propose_timeout_sec * 3):
                     await m.changed.wait()
             except TimeoutError:
                 pass
@@ -782,7 +766,7 @@ class PeerBackend:
         assert self.identity is not None
         return RingGroup(self.listener, v.rank(self.identity.peer_id), v.ring_addresses(),
                          ring_id=self.options.run, epoch=v.epoch, secret=self.secret,
-                         timeout=self.options.ring_timeout, tls=self.tls)
+                         timeout=self.options.ring_timeout_sec, tls=self.tls)
 
     def recover(self, failed_epoch: int) -> None:
         """After a broken ring: agree a new epoch without the lost peers and rebuild the ring.

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from swarmtrain.compression import LOSSLESS_CODECS
-from swarmtrain.config import CoordinatorConfig, load_coordinator_config, resolve_secret, resolve_tls
+from swarmtrain.config import CoordinatorConfig, apply_kwargs, resolve_secret, resolve_tls
 from swarmtrain.core.events import RunRecorder
 from swarmtrain.core.modelstate import ModelState, master_dtype
 from swarmtrain.errors import (
@@ -62,7 +62,7 @@ from swarmtrain.roles.ps.common import (
 from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
-from swarmtrain.transport.endpoints import ServerLimits, payload_limit, require_secret
+from swarmtrain.transport.endpoints import payload_limit, require_secret
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.wire import (
     Assign,
@@ -261,10 +261,8 @@ class Coordinator:
         secret: bytes | None = None,
         **overrides: Any,
     ) -> None:
-        cfg = config or load_coordinator_config()
-        if overrides:
-            cfg = _apply_kwargs(cfg, overrides)
-        self.config = cfg
+        # the caller loads files and the environment (load_coordinator_config); keywords adjust
+        self.config = cfg = apply_kwargs(config if config is not None else CoordinatorConfig(), overrides)
         self.model = model
         self.task_name = task_name
         self.evaluate_fn = evaluate
@@ -405,9 +403,7 @@ class Coordinator:
         self._server = await start_server(
             net.host, net.port, self._handle, secret=self.secret, tls=self.tls, timeouts=timeouts,
             send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
-            server_limits=ServerLimits(max_connections=net.max_connections,
-                                       max_per_address=net.max_connections_per_address,
-                                       max_failed_auth=net.max_failed_auth, ctl_slots=net.ctl_slots))
+            server_limits=net.server_limits())
         self._tasks.append(asyncio.create_task(self._eval_loop()))
         self._tasks.append(asyncio.create_task(self._say_waiting_forever()))
         self._event("listening", address=f"{net.host}:{self.port}")
@@ -1335,8 +1331,3 @@ def _check_identity(msg: Register) -> None:
         raise ConfigError("the worker's hardware description is malformed (at most 64 plain "
                           "entries); is it a swarmtrain worker of the same version?")
 
-
-def _apply_kwargs(cfg: CoordinatorConfig, kwargs: Mapping[str, Any]) -> CoordinatorConfig:
-    from swarmtrain.config import overrides_from_kwargs, with_overrides
-
-    return with_overrides(cfg, overrides_from_kwargs(cfg, kwargs))

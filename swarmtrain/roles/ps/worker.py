@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from swarmtrain.compression import Compressed, ErrorFeedback
-from swarmtrain.config import WorkerConfig, load_worker_config, resolve_secret, resolve_tls
+from swarmtrain.config import WorkerConfig, apply_kwargs, resolve_secret, resolve_tls
 from swarmtrain.core import hardware
 from swarmtrain.core.devices import batch_to, resolve_device
 from swarmtrain.core.modelstate import ModelState, buffer_changes, snapshot_buffers
@@ -209,13 +209,9 @@ class Worker:
         identity: Identity | None = None,
         **overrides: Any,
     ) -> None:
-        cfg = config or load_worker_config()
-        if overrides:
-            from swarmtrain.config import overrides_from_kwargs, with_overrides
-
-            aliases = {"host": "coordinator_host", "port": "coordinator_port"}
-            named = {aliases.get(k, k): v for k, v in overrides.items()}
-            cfg = with_overrides(cfg, overrides_from_kwargs(cfg, named))
+        # the caller loads files and the environment (load_worker_config); keywords adjust
+        # (``host``/``port`` are the flags of coordinator_host/coordinator_port)
+        cfg = apply_kwargs(config if config is not None else WorkerConfig(), overrides)
         self.config = cfg
         self.model = model
         self.loss_fn = loss_fn

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmtrain.config import StageLimitsConfig
 from swarmtrain.errors import RemoteProtocolError, SwarmError
 from swarmtrain.roles.stage.buffers import ActivationBuffer, BufferClosed, Priority, WorkPacket
 from swarmtrain.roles.stage.codes import SENDERS_FAULT, StageErrorCode
@@ -62,7 +63,7 @@ from swarmtrain.roles.stage.outbound import OfferResult, OutboundBuffer
 from swarmtrain.roles.stage.partition import LossFn
 from swarmtrain.roles.stage.replicas import ReplicaState, ReplicaSync, fetch_replica_state, sync_fractions
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
-from swarmtrain.transport.endpoints import ServerLimits, payload_limit, peer_ip
+from swarmtrain.transport.endpoints import payload_limit, peer_ip
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
@@ -100,8 +101,9 @@ _MAX_REFUSAL_CHARS = 200
 
 
 @dataclass(frozen=True)
-class StageServerConfig:
-    """Where a stage listens and how it queues work.
+class StageServerConfig(StageLimitsConfig):
+    """Where a stage listens, how it queues work, and what it admits (the limits are the
+    [stage] section's: :class:`~swarmtrain.config.StageLimitsConfig`).
 
     Attributes:
         host: address to listen on.
@@ -117,19 +119,15 @@ class StageServerConfig:
             the rest of the stage (Linux per-thread nice value, 0-19; 0 = the same). Raising
             niceness needs no privileges.
         timeouts: transport timeouts of the server and of its connections to sync peers.
-        max_request_mb: MiB one frame from a trainer or generation client (role
-            ``pipeline``) may carry: an activation, its gradient, token ids and targets. A
-            frame's activation is micro-batch x context x width x 4 bytes; the default fits
-            64 x 1024 x 1024 in fp32 (256 MiB), 256 times the default textlm's. A bigger
-            micro-batch, context or width needs a bigger value, or the stage closes the
-            connection with ``oversize_payload``.
-        max_connections: open connections at most (handshakes included).
-        max_connections_per_address: open connections at most from one IP address.
-        max_failed_auth: failed handshakes from one address within a minute after which it
-            is refused for the rest of that minute.
-        max_bad_in_row: requests of one connection refused in a row for what it sent
-            (``bad_input``, ``unexpected``) after which it is closed with ERROR
-            ``too_many_bad``; an answered request starts the count again.
+
+    Of the limits: ``max_request_mb`` is what one frame from a trainer or generation client
+    (role ``pipeline``) may carry: an activation, its gradient, token ids and targets. A
+    frame's activation is micro-batch x context x width x 4 bytes; the default fits 64 x 1024
+    x 1024 in fp32 (256 MiB), 256 times the default textlm's. A bigger micro-batch, context or
+    width needs a bigger value, or the stage closes the connection with ``oversize_payload``.
+    ``max_bad_in_row`` requests of one connection refused in a row for what it sent
+    (``bad_input``, ``unexpected``) close it with ERROR ``too_many_bad``; an answered request
+    starts the count again.
     """
 
     host: str = "127.0.0.1"
@@ -143,19 +141,6 @@ class StageServerConfig:
     infer_capacity: int = 32
     training_nice: int = 10
     timeouts: Timeouts = Timeouts()
-    max_request_mb: float = 256.0
-    max_connections: int = 256
-    max_connections_per_address: int = 32
-    max_failed_auth: int = 10
-    max_bad_in_row: int = 5
-
-    def __post_init__(self) -> None:
-        for key in ("max_connections", "max_connections_per_address", "max_failed_auth",
-                    "max_bad_in_row"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"StageServerConfig.{key} must be >= 1, got {getattr(self, key)}")
-        if not self.max_request_mb > 0:
-            raise ValueError(f"StageServerConfig.max_request_mb must be > 0, got {self.max_request_mb}")
 
 
 @dataclass
@@ -401,10 +386,7 @@ class StageServer:
         cfg = self.config
         self._server = await start_server(
             cfg.host, cfg.port, self._handle, secret=self.secret, tls=self.tls, timeouts=cfg.timeouts,
-            role_limits=self.role_limits(),
-            server_limits=ServerLimits(max_connections=cfg.max_connections,
-                                       max_per_address=cfg.max_connections_per_address,
-                                       max_failed_auth=cfg.max_failed_auth))
+            role_limits=self.role_limits(), server_limits=cfg.server_limits())
         log.info("%s serving layers [%d, %d) on %s:%d", self.name, *self.layer_range,
                  self.config.host, self.port)
 
