@@ -229,7 +229,7 @@ def _status_with_workers() -> dict[str, Any]:
     """The status of a coordinator that had two workers: 'here' connected, 'gone' gone."""
     c = coordinator()
     for wid in ("here", "gone"):
-        rec = WorkerRecord(wid, "10.0.0.2:4000", {"profile": "PI"}, 32, 5432.0, 1, shards=[1], steps=9,
+        rec = WorkerRecord(wid, "10.0.0.2:4000", {"profile": "PI"}, 32, 5432.0, shards=[1], steps=9,
                            samples=288)
         c.workers[wid] = rec
     c.workers["here"].conn = FakeConn()  # type: ignore[assignment]
