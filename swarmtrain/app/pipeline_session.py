@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmtrain.app.lifecycle import graceful_signals, keep_status_file, write_status_file
 from swarmtrain.app.ops.serve import serve_stage
 from swarmtrain.app.runlog import RunLog, open_run_log
 from swarmtrain.config import LoggingConfig, OpsConfig, PipelineTrainingConfig, StageServingConfig, reused
@@ -118,19 +119,6 @@ def stage_range(layers: list[nn.Module], stage: int, stages: int) -> tuple[int, 
     """
     nodes = [NodeSpec(f"stage{i}", 1.0, _UNBOUNDED_MEMORY) for i in range(stages)]
     return plan_stages(estimate_layer_costs(layers), nodes)[stage]
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    from swarmtrain.app.session import write_atomic
-
-    write_atomic(path, json.dumps(data, default=str))
-
-
-def _stop_on_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
 
 
 # -- swarmtrain stage ----------------------------------------------------------------------
@@ -234,7 +222,8 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
 
     async def serve() -> None:
         stop = asyncio.Event()
-        _stop_on_signals(stop)
+        graceful_signals(lambda sig: stop.set(), what="checkpointing this stage",
+                         loop=asyncio.get_running_loop())
         # Where the state comes from, before the server listens (so it serves nothing before):
         # its checkpoint (--resume), then a live replica that has trained more (--sync-with).
         resumed = opts.resume and checkpointer is not None and await checkpointer.restore(server, identity)
@@ -259,16 +248,19 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
             cluster=opts.cluster, stage=opts.stage, stages=opts.stages, layers=layer_range,
             shape=server.compute.shape, origin=server.compute.origin, steps=server.compute.steps,
             host="", port=port), opts.host) if opts.announce else None
+        writer = (asyncio.create_task(keep_status_file(opts.status_file, lambda: status(port, True)))
+                  if opts.status_file else None)
         try:
             while not stop.is_set():
-                if opts.status_file:
-                    _write_json(opts.status_file, status(port, True))
                 if announcer is not None:
                     announcer.update(server.compute.steps)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await stop.wait()
         finally:
+            if writer is not None:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             if announcer is not None:  # goodbye first: no trainer should find a closing stage
                 await announcer.stop()
             if http is not None:
@@ -278,7 +270,7 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
                 await checkpointer.save_now(server)
             await server.close()
             if opts.status_file:
-                _write_json(opts.status_file, status(port, False))
+                write_status_file(opts.status_file, status(port, False))
         log.info("stage %d stopped after %d optimizer steps", opts.stage, server.compute.steps)
         if server.at_risk:
             log.warning("stage %d: its last %d optimizer steps are in no checkpoint and no replica",
@@ -439,17 +431,15 @@ class _PipelineRun:
     def write_status(self, state: str, error: str = "") -> None:
         opts = self.opts
         if opts.status_file:
-            _write_json(opts.status_file, _trainer_status(self.trainer, opts, self.evals, state, error))
-
-    async def write_status_forever(self) -> None:
-        while True:
-            self.write_status("training")
-            await asyncio.sleep(1.0)
+            write_status_file(opts.status_file, _trainer_status(self.trainer, opts, self.evals, state, error))
 
     async def run(self, stages: int) -> None:
         """:meth:`train`, with the status file kept and the run log's start and end events;
         a failure is in both before it is raised."""
-        writer = asyncio.create_task(self.write_status_forever()) if self.opts.status_file else None
+        opts = self.opts
+        writer = (asyncio.create_task(keep_status_file(
+            opts.status_file, lambda: _trainer_status(self.trainer, opts, self.evals, "training")))
+            if opts.status_file else None)
         state, error = "failed", ""
         if self.run_log is not None:
             self.run_log.event("started", stages=stages, microbatches=self.opts.microbatches,
@@ -497,10 +487,8 @@ def _cancel_on_signals(signals: list[signal.Signals]) -> None:
         signals.append(sig)
         main.cancel()
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, on_signal, sig)
+    graceful_signals(on_signal, what="stopping the micro-batches in flight",
+                     loop=asyncio.get_running_loop())
 
 
 async def _train_pipeline(task: Task, opts: PipelineOptions, signals: list[signal.Signals], *,

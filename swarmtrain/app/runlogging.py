@@ -124,6 +124,6 @@ def export_final_weights(coord: Coordinator, setting: str) -> Path | None:
     if path is None:
         return None
     export_model(coord.model, path, task=coord.task_name, version=coord.version)
-    coord._event("exported", path=str(path), version=coord.version)
+    coord.record_event("exported", path=str(path), version=coord.version)
     log.info("final weights (version %d) written to %s", coord.version, path)
     return path

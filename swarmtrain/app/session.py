@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import math
 import os
-import signal
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarmtrain.app.lifecycle import graceful_signals, keep_status_file, write_status_file
 from swarmtrain.app.ops.serve import serve_coordinator, serve_peer
 from swarmtrain.app.runlog import open_run_log, safe_file_part
 from swarmtrain.app.runlogging import (
@@ -26,13 +23,14 @@ from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, secti
 from swarmtrain.core import hardware
 from swarmtrain.core.events import RunRecorder
 from swarmtrain.errors import SwarmError, SwarmTimeout
+from swarmtrain.fsutil import write_atomic
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import load_task
 
 __all__ = ["CoreShare", "build_coordinator", "build_peer", "build_worker", "peer_summary",
-           "run_coordinator", "run_peer", "run_worker", "write_atomic"]
+           "run_coordinator", "run_peer", "run_worker"]
 
 if TYPE_CHECKING:
     from swarmtrain.roles.peer.backend import PeerBackend
@@ -57,9 +55,10 @@ def build_coordinator(cfg: CoordinatorConfig, *, resume: bool = False,
     coord.run_log = run_log
     ck = cfg.checkpointing
     if ck.interval or resume:
-        coord.checkpointer = CoordinatorCheckpointer(ck.directory, interval=ck.interval, keep=ck.keep)
+        checkpointer = CoordinatorCheckpointer(ck.directory, interval=ck.interval, keep=ck.keep)
+        coord.attach_checkpointer(checkpointer)
         if resume:
-            coord.checkpointer.restore(coord)
+            checkpointer.restore(coord)
     return coord
 
 
@@ -73,19 +72,6 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     data = task.load_data(cfg.data.path or None)
     return Worker(model, task.loss, data.train, cfg, task_name=cfg.training.task,
                   sample_bytes=task.sample_bytes_estimate())
-
-
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, p)
-
-
-async def _write_status_forever(coord: Coordinator, path: str, interval: float = 1.0) -> None:
-    while True:
-        write_atomic(path, json.dumps(coord.status(), default=str))
-        await asyncio.sleep(interval)
 
 
 def run_coordinator(
@@ -108,17 +94,12 @@ def run_coordinator(
         if port_file:
             write_atomic(port_file, str(coord.port))
         if status_file:
-            coord._tasks.append(asyncio.create_task(_write_status_forever(coord, status_file)))
+            coord.add_background_task(keep_status_file(status_file, coord.status))
         if run_log is not None:
-            coord._tasks.append(asyncio.create_task(log_coordinator_forever(coord, run_log, sampler)))
-        loop = asyncio.get_running_loop()
-
-        def on_signal(sig: signal.Signals) -> None:
-            coord.request_shutdown(f"signal {sig.name}")
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, on_signal, sig)
+            coord.add_background_task(log_coordinator_forever(coord, run_log, sampler))
+        graceful_signals(lambda sig: coord.request_shutdown(f"signal {sig.name}"),
+                         what="checkpointing and telling the workers to stop",
+                         loop=asyncio.get_running_loop())
         try:
             await coord.run()
             if run_log is not None:
@@ -134,7 +115,7 @@ def run_coordinator(
     status = asyncio.run(main())
     for path in (summary_file, status_file):
         if path:
-            write_atomic(path, json.dumps(status, default=str))
+            write_status_file(path, status)
     return 0
 
 
@@ -143,10 +124,8 @@ def run_worker(cfg: WorkerConfig) -> int:
     run_log = open_run_log(cfg.logging.run_log, f"worker-{safe_file_part(worker.worker_id)}.jsonl")
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, worker.stop)
+        graceful_signals(lambda sig: worker.stop(), what="finishing the gradient in flight",
+                         loop=asyncio.get_running_loop())
         if run_log is None:
             await worker.run_async()
             return
@@ -317,11 +296,7 @@ def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
     peer_id = backend.identity.peer_id if backend.identity is not None else "peer"
     trainer.run_log = open_run_log(cfg.logging.run_log, f"peer-{safe_file_part(peer_id[:12])}.jsonl")
 
-    def on_signal(signum: int, frame: Any) -> None:
-        trainer.stop()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    graceful_signals(lambda sig: trainer.stop(), what="finishing the round in flight")
     backend.start()
     backend.discovery.add_listener(lambda: share.seen(_local_peer_count(backend)))
     http = serve_peer(trainer, cfg.ops.http_host, cfg.ops.http_port) if cfg.ops.http_port else None

@@ -9,7 +9,6 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 
 from swarmtrain.core.events import RunRecorder
 from swarmtrain.errors import SwarmError, SwarmTimeout
+from swarmtrain.fsutil import write_atomic
 from swarmtrain.roles.aggregation import ROBUST_MODES, MemberScores, capped_total, robust_combine
 from swarmtrain.roles.peer.backend import NonFiniteResult, PeerBackend, load_state_bytes, state_bytes
 from swarmtrain.roles.peer.ring import RingBroken
@@ -341,8 +341,7 @@ class PeerTrainer:
         """
         if not self.status_file:
             raise SwarmError("write_status() needs a status_file: set PeerTrainer.status_file first")
-        path = Path(self.status_file)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.status(), default=str))
-        tmp.replace(path)
+        # as swarmtrain.app.lifecycle.write_status_file (roles do not import app): atomic,
+        # not fsynced (rewritten every round; a lost one costs nothing)
+        write_atomic(self.status_file, json.dumps(self.status(), default=str), fsync=False)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import TYPE_CHECKING, Any
 
 from swarmtrain.config import to_dict
@@ -87,7 +86,7 @@ class CoordinatorCheckpointer:
             return CheckpointMsg(ok=False, step=version, message=str(exc))
         self.streak.succeeded()
         self.last_saved_version = version
-        coord._event("checkpoint", step=version, path=str(path))
+        coord.record_event("checkpoint", step=version, path=str(path))
         log.info("checkpoint at version %d: %s", version, path)
         return CheckpointMsg(ok=True, step=version, path=str(path))
 
@@ -95,7 +94,7 @@ class CoordinatorCheckpointer:
         retry = f"; next attempt in {self.interval} updates" if self.interval else ""
         last_good = f"version {self.last_saved_version}" if self.last_saved_version >= 0 else "none yet"
         n = self.streak.failed(exc, at=f"version {version}", retry=retry, last_good=last_good)
-        coord._event("checkpoint_failed", step=version, failures_in_a_row=n, error=str(exc))
+        coord.record_event("checkpoint_failed", step=version, failures_in_a_row=n, error=str(exc))
 
     @staticmethod
     def _snapshot(coord: Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,8 +114,8 @@ class CoordinatorCheckpointer:
         meta = {
             "version": coord.version, "task": coord.task_name, "config": to_dict(coord.config),
             "adam": adam_meta, "stats": dict(coord.stats),
-            "loss_ema": None if math.isnan(coord.loss_ema) else coord.loss_ema,
-            "samples_ema": coord._samples_ema,
+            "loss_ema": coord.loss_average.value,
+            "samples_ema": coord.samples_average.get(0.0),
             "workers": {w: r.last_msg_id for w, r in coord.workers.items()},
             # each worker's applied steps, samples and their staleness, so its counts go on
             # after a resume (absent from checkpoints before it)
@@ -163,8 +162,8 @@ class CoordinatorCheckpointer:
         coord.version = int(meta["version"])
         # the restored records start counting afresh: what they counted before is departed
         coord.departed_stats.update({k: int(n) for k, n in meta.get("stats", {}).items()})
-        coord.loss_ema = math.nan if meta.get("loss_ema") is None else float(meta["loss_ema"])
-        coord._samples_ema = float(meta.get("samples_ema", 0.0))
+        coord.loss_average.value = None if meta.get("loss_ema") is None else float(meta["loss_ema"])
+        coord.samples_average.value = float(meta.get("samples_ema", 0.0)) or None  # 0: none yet
         if isinstance(meta.get("screen"), dict):
             coord.screen.load_state_dict(meta["screen"])
         from swarmtrain.roles.ps.coordinator import WorkerRecord
@@ -182,7 +181,7 @@ class CoordinatorCheckpointer:
             if wid in coord.workers:
                 coord.workers[wid].node = str(node)
         self.last_saved_version = coord.version
-        coord._event("resumed_from_checkpoint", step=coord.version, version=coord.version,
+        coord.record_event("resumed_from_checkpoint", step=coord.version, version=coord.version,
                      path=str(ckpt.path))
         log.info("resumed from %s at version %d", ckpt.path, coord.version)
         return True

@@ -20,7 +20,6 @@ __all__ = [
     "check_fingerprint",
     "FUSED",
     "pack_compressed",
-    "ema",
     "pack_buffers",
     "split_buffers",
     "unpack_compressed",
@@ -177,11 +176,6 @@ def unpack_compressed(
         pieces = out[FUSED].split([t.numel() for t in expected.values()])
         return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
     return out
-
-
-def ema(old: float | None, new: float, keep: float = 0.8) -> float:
-    """An exponential moving average's next value (``new`` itself while there is none yet)."""
-    return new if old is None else keep * old + (1 - keep) * new
 
 
 def buffer_key(index: int) -> str:

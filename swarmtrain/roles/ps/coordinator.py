@@ -26,7 +26,7 @@ import math
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +36,7 @@ from torch import nn
 
 from swarmtrain.compression import LOSSLESS_CODECS
 from swarmtrain.config import CoordinatorConfig, apply_kwargs, resolve_secret, resolve_tls
+from swarmtrain.core.ema import MovingAverage
 from swarmtrain.core.events import RunRecorder
 from swarmtrain.core.modelstate import ModelState, master_dtype
 from swarmtrain.errors import (
@@ -52,13 +53,13 @@ from swarmtrain.roles.ps.common import (
     check_compression_match,
     check_fingerprint,
     downlink_codec,
-    ema,
     pack_buffers,
     pack_compressed,
     payload_bytes,
     split_buffers,
     unpack_compressed,
 )
+from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
@@ -91,6 +92,17 @@ log = logging.getLogger("swarmtrain.coordinator")
 #: worker records kept at most (connected ones are never forgotten)
 MAX_WORKER_RECORDS = 1024
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+
+# How much of the old average each smoothed quantity keeps (swarmtrain.core.ema):
+#: a worker's step time bounds how long an aggregation window waits for it: it follows a
+#: change of speed (throttling, another job on the machine) within a few gradients
+STEP_TIME_KEEP = 0.8
+#: the loss in the status and the run log, over about twenty gradients: the workers' shards
+#: give different losses, and which one arrived last must not make the curve jump
+LOSS_KEEP = 0.95
+#: the mean samples per gradient that fair weighting divides by, over about ten gradients:
+#: one odd batch changes its own weight, not everyone's
+SAMPLES_KEEP = 0.9
 
 Evaluate = Callable[[nn.Module], Mapping[str, float]]
 
@@ -174,7 +186,8 @@ class WorkerRecord:
     residual_norm: float = 0.0
     clipped: int = 0  # gradients scaled down by the outlier screen
     answered_at: float = 0.0  # when its last gradient was answered
-    step_sec: float | None = None  # answer -> its next gradient (its compute, roughly): EMA
+    #: answer -> its next gradient (its compute, roughly), smoothed
+    step_time: MovingAverage = field(default_factory=lambda: MovingAverage(STEP_TIME_KEEP))
     #: the weights version its replica holds (the one it computes its next gradient on)
     holds_version: int = -1
     #: the worker holds the master buffers as of this version (changes after it are sent)
@@ -187,6 +200,11 @@ class WorkerRecord:
     #: the verified node id (peer id of its identity key) this worker id belongs to; "" until
     #: a worker with a key registers it (then only that node may use the id)
     node: str = ""
+
+    @property
+    def step_sec(self) -> float | None:
+        """Its smoothed step time in seconds (None until its second gradient)."""
+        return self.step_time.value
 
     @property
     def connected(self) -> bool:
@@ -321,11 +339,11 @@ class Coordinator:
             log.info("top-k without warm-up: Adam's second moment has no dense gradients to learn "
                      "from, so it is updated by sparse ones (plain Adam, which moves rarely sent "
                      "weights less far); set compression.warmup_steps (e.g. 200) to hold it")
-        self.loss_ema = math.nan
+        self.loss_average = MovingAverage(LOSS_KEEP)
         self.metrics: dict[str, float] = {}
         self.metric_history: deque[tuple[int, dict[str, float]]] = deque(maxlen=1000)
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
-        self._samples_ema = 0.0
+        self.samples_average = MovingAverage(SAMPLES_KEEP)
         self._clip_logged_at = 0.0
         self._apply_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-apply")
         self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
@@ -338,7 +356,7 @@ class Coordinator:
         self._stopped = asyncio.Event()  # set by _enter(STOPPED) alone: what run() waits for
         self._started_at = time.monotonic()
         self._tasks: list[asyncio.Task[Any]] = []
-        self.checkpointer: Any = None  # a CoordinatorCheckpointer, set by session.build_coordinator
+        self.checkpointer: CheckpointHook | None = None  # see attach_checkpointer
         self.run_log: RunRecorder | None = None  # every event is also written here (session sets it)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -382,9 +400,26 @@ class Coordinator:
         self.lifecycle = state
         log.debug("coordinator: %s -> %s", old.value, state.value)
         if (event := _EVENTS.get((old, state))) is not None:
-            self._event(event, **data)
+            self.record_event(event, **data)
         if state is CoordinatorState.STOPPED:
             self._stopped.set()
+
+    @property
+    def loss_ema(self) -> float:
+        """The smoothed training loss (NaN before the first applied gradient)."""
+        return self.loss_average.get(math.nan)
+
+    def attach_checkpointer(self, checkpointer: CheckpointHook) -> None:
+        """Checkpoint through ``checkpointer`` from now on: after applied updates, at
+        shutdown and on ``ctl checkpoint``."""
+        self.checkpointer = checkpointer
+
+    def add_background_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` alongside the coordinator (a status file, the run log); :meth:`close`
+        cancels and awaits it."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        return task
 
     @property
     def port(self) -> int:
@@ -406,7 +441,7 @@ class Coordinator:
             server_limits=net.server_limits())
         self._tasks.append(asyncio.create_task(self._eval_loop()))
         self._tasks.append(asyncio.create_task(self._say_waiting_forever()))
-        self._event("listening", address=f"{net.host}:{self.port}")
+        self.record_event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
                  net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
         limit = self.config.training.max_steps
@@ -437,7 +472,7 @@ class Coordinator:
         need = self.config.training.min_workers
         connected = sorted(r.worker_id for r in self._connected())
         had = sorted(w for w in self.workers if w not in connected)
-        self._event("waiting_for_workers", connected=len(connected), min_workers=need,
+        self.record_event("waiting_for_workers", connected=len(connected), min_workers=need,
                     workers=connected, had=had[:32], version=self.version)
         log.warning(
             "waiting for %d more worker(s) before training %s: %d of min_workers %d connected%s%s. "
@@ -539,7 +574,7 @@ class Coordinator:
         except WorkerIdTaken as exc:
             log.warning("refused worker at %s: %s", conn.peer, exc)
             self.refusals.count("worker_id_taken")
-            self._event("worker_refused", worker=exc.worker_id, address=conn.peer, node=conn.node,
+            self.record_event("worker_refused", worker=exc.worker_id, address=conn.peer, node=conn.node,
                         reason="worker_id_taken")
             await conn.close(Error(code="worker_id_taken", message=str(exc)))
             return
@@ -566,7 +601,7 @@ class Coordinator:
                 rec.conn = None
                 rec.welcomed = False
                 rec.shadow = None
-                self._event("left", worker=rec.worker_id, reason=str(self._leave_reason(conn)))
+                self.record_event("left", worker=rec.worker_id, reason=str(self._leave_reason(conn)))
                 if not self.finished:
                     with contextlib.suppress(SwarmError):
                         await self._send_assignments(self.shard_plan.leave(rec.worker_id))
@@ -621,7 +656,7 @@ class Coordinator:
         rec.buffers_version = -1
         rec.bad_in_row = 0  # a worker disconnected for its gradients starts afresh
         rec.last_seen = time.monotonic()
-        self._event("joined", worker=rec.worker_id, address=conn.peer, node=conn.node, shard=shard,
+        self.record_event("joined", worker=rec.worker_id, address=conn.peer, node=conn.node, shard=shard,
                     profile=msg.hardware.get("profile", "?"))
         log.info("worker %s joined from %s (node %s, profile %s, batch %d x %d, %.0f samples/s, "
                  "shard %d/%d)", rec.worker_id, conn.peer, conn.node or "unverified",
@@ -652,7 +687,7 @@ class Coordinator:
             if rec.connected:
                 await self._send(rec, Assign(shards=list(shards), num_shards=self.num_shards))
         if changed:
-            self._event("reassigned", shards={w: list(s) for w, s in changed.items()})
+            self.record_event("reassigned", shards={w: list(s) for w, s in changed.items()})
 
     async def _send_owed_assignments(self) -> None:
         """Send every connected worker the ASSIGN its shard set is owed (registrations that
@@ -662,7 +697,7 @@ class Coordinator:
             r.assign_pending = False
             await self._send(r, Assign(shards=list(r.shards), num_shards=self.num_shards))
         if owed:
-            self._event("reassigned", shards={r.worker_id: list(r.shards) for r in owed})
+            self.record_event("reassigned", shards={r.worker_id: list(r.shards) for r in owed})
 
     async def _welcome(self, rec: WorkerRecord) -> None:
         weights = await self._run_apply(self._snapshot_for, rec, True)
@@ -697,7 +732,7 @@ class Coordinator:
                 return  # the run is over; SHUTDOWN is on its way to this worker
             arrived = time.monotonic()
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
-                rec.step_sec = ema(rec.step_sec, arrived - rec.answered_at)
+                rec.step_time.update(arrived - rec.answered_at)
             version = self.version
             status, reply = await self._run_apply(self._apply_gradient, rec, msg)
             if self.version != version:
@@ -915,14 +950,14 @@ class Coordinator:
         rec.bad_in_row = 0
         if rec.first_applied_pending:
             rec.first_applied_pending = False
-            self._event("first_applied", worker=rec.worker_id,
+            self.record_event("first_applied", worker=rec.worker_id,
                         after_join_sec=time.monotonic() - rec.joined_at)
         rec.steps += 1
         rec.samples += msg.samples
         rec.samples_since_join += msg.samples
         rec.staleness_total += staleness
         self.staleness_counts[staleness] += 1
-        self.loss_ema = msg.loss if math.isnan(self.loss_ema) else 0.95 * self.loss_ema + 0.05 * msg.loss
+        self.loss_average.update(msg.loss)
         return UpdateStatus.APPLIED
 
     def _adam(self, grads: Mapping[str, torch.Tensor], lr: float, sparse: bool) -> None:
@@ -1002,7 +1037,7 @@ class Coordinator:
         why = (f"disconnected: {rec.bad_in_row} gradients in a row were refused (last: "
                f"{rec.last_refusal}); check the worker's model, data and swarmtrain version")
         log.error("worker %s %s", rec.worker_id, why)
-        self._event("worker_refused", worker=rec.worker_id, reason=why)
+        self.record_event("worker_refused", worker=rec.worker_id, reason=why)
         self.refusals.count("too_many_bad_gradients")
         if rec.conn is not None:
             await rec.conn.close(Error(code="too_many_bad_gradients", message=why))
@@ -1016,12 +1051,12 @@ class Coordinator:
         others': docs/robustness.md) or took back; each exclusion is a refusal."""
         for worker in left:
             self.refusals.count("member_excluded")
-            self._event("member_excluded", worker=str(worker), agreement=window.scores.mean(worker))
+            self.record_event("member_excluded", worker=str(worker), agreement=window.scores.mean(worker))
             log.warning("worker %s is left out of the robust combination: its gradients pull against the "
                         "others' (mean cosine %.3f over its last rounds); check its data and code, or "
                         "stop it if it is not yours", worker, window.scores.mean(worker))
         for worker in back:
-            self._event("member_readmitted", worker=str(worker))
+            self.record_event("member_readmitted", worker=str(worker))
             log.info("worker %s agrees with the others again; its gradients count again", worker)
 
     def robust_quorum(self) -> int:
@@ -1095,9 +1130,8 @@ class Coordinator:
         the running mean of samples per gradient, so every sample counts the same whichever
         machine computed it (a Pi's batch of 4 moves the weights 1/16 as far as a batch of 64).
         Clamped to [0.05, 4] so one odd batch cannot dominate."""
-        mean = self._samples_ema
-        self._samples_ema = samples if mean == 0 else 0.9 * mean + 0.1 * samples
-        return min(4.0, max(0.05, samples / self._samples_ema))
+        mean = self.samples_average.update(samples)
+        return min(4.0, max(0.05, samples / mean)) if mean else 1.0
 
     def _update_for(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
         """The weight delta that brings ``rec``'s replica to the master weights, compressed.
@@ -1155,7 +1189,7 @@ class Coordinator:
                     # who asked, for the log and the events: the address and the node id its key proved
                     log.info("ctl %s from %s%s", msg.TYPE.name, conn.peer,
                              f" (node {conn.node})" if conn.node else "")
-                    self._event("ctl", action=msg.TYPE.name.lower(), address=conn.peer, node=conn.node)
+                    self.record_event("ctl", action=msg.TYPE.name.lower(), address=conn.peer, node=conn.node)
                 if isinstance(msg, StatusRequest):
                     await conn.send(Status(status=self.status()))
                 elif isinstance(msg, Pause | Resume):
@@ -1201,7 +1235,8 @@ class Coordinator:
         return await self.checkpointer.save_now(self)
 
     async def _maybe_checkpoint(self) -> None:
-        await self.checkpointer.maybe_save(self)
+        if self.checkpointer is not None:
+            await self.checkpointer.maybe_save(self)
 
     async def _eval_loop(self) -> None:
         interval = self.config.training.eval_interval_sec
@@ -1234,7 +1269,8 @@ class Coordinator:
         self._eval_state.load(weights)
         return evaluate(self._eval_state.model)
 
-    def _event(self, kind: str, **data: Any) -> None:
+    def record_event(self, kind: str, **data: Any) -> None:
+        """Record an event: in :attr:`events` (the status shows the recent ones) and the run log."""
         self.events.append({"time": time.time(), "event": kind, **data})
         if self.run_log is not None:
             self.run_log.event(kind, **data)

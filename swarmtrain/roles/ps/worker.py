@@ -39,6 +39,7 @@ from swarmtrain.compression import Compressed, ErrorFeedback
 from swarmtrain.config import WorkerConfig, apply_kwargs, resolve_secret, resolve_tls
 from swarmtrain.core import hardware
 from swarmtrain.core.devices import batch_to, resolve_device
+from swarmtrain.core.ema import MovingAverage
 from swarmtrain.core.modelstate import ModelState, buffer_changes, snapshot_buffers
 from swarmtrain.core.precision import LossScaler
 from swarmtrain.errors import (
@@ -52,7 +53,6 @@ from swarmtrain.errors import (
 )
 from swarmtrain.roles.ps.common import (
     codec_for_step,
-    ema,
     pack_buffers,
     pack_compressed,
     payload_bytes,
@@ -98,6 +98,14 @@ _Computed = tuple[dict[str, Compressed], float, int, float, float, dict[str, tor
 #: gradients were refused, not its model or config)
 _RETRYABLE_REFUSALS = frozenset({"too_many_bad_gradients"})
 
+
+# How much of the old average each smoothed quantity keeps (swarmtrain.core.ema):
+#: compute and round-trip times decide whether to overlap sending with computing: they
+#: follow a change of speed or of the link within a few messages
+TIMING_KEEP = 0.8
+#: the speed sent to the coordinator (it plans shards and weights from it), over about ten
+#: messages: one slow step (a GC pause, another job) does not re-plan the work
+SPEED_KEEP = 0.9
 
 _MAX_SAMPLES_PER_SEC = Register.BOUNDS["samples_per_sec"].hi or 0.0
 _MAX_LOSS = Gradients.BOUNDS["loss"].hi or 0.0
@@ -259,7 +267,7 @@ class Worker:
         self.msg_id = 0
         self.steps = 0
         self.samples = 0
-        self.samples_per_sec = 0.0
+        self.speed = MovingAverage(SPEED_KEEP)  # samples/s, measured
         self.shards: list[int] = []
         self.num_shards = 0
         self.statuses: dict[str, int] = {}
@@ -274,8 +282,8 @@ class Worker:
         self._broken_by: BaseException | None = None  # why it is BROKEN
         self._inflight = 0
         self._sent_at: dict[int, float] = {}
-        self.round_trip_sec: float | None = None  # gradient sent -> its answer arrived (EMA)
-        self.compute_sec: float | None = None  # one message's compute, throttle included (EMA)
+        self.round_trip_time = MovingAverage(TIMING_KEEP)  # gradient sent -> its answer arrived
+        self.compute_time = MovingAverage(TIMING_KEEP)  # one message's compute, throttle included
         self.coordinator_aggregates = False  # training.aggregate_samples > 0 there: never overlap
         self.throttle = hardware.Throttle(self.config.training.speed)
         self._conn: Connection | None = None
@@ -327,7 +335,7 @@ class Worker:
         failures = 0
         if self.config.training.probe_seconds > 0 and self.samples_per_sec == 0:
             loop = asyncio.get_running_loop()
-            self.samples_per_sec = await loop.run_in_executor(self._pool, self.probe)
+            self.speed.value = await loop.run_in_executor(self._pool, self.probe) or None
             log.info("probe: %.0f samples/s at batch %d (profile %s)", self.samples_per_sec,
                      self.plan.batch_size, self.hw.profile.value)
             t = self.config.training
@@ -581,7 +589,7 @@ class Worker:
                     future = loop.run_in_executor(self._pool, self._compute)
                 compressed, loss, samples, seconds, residual, changes = await future
                 self._record_speed(samples, seconds)
-                self.compute_sec = ema(self.compute_sec, seconds)
+                self.compute_time.update(seconds)
                 await self._apply_ready()
                 if not compressed:  # float16 overflow: the loss scale was halved, compute again
                     continue
@@ -625,14 +633,15 @@ class Worker:
         """Compute the next gradient while this one's answer is in flight? Only when the round
         trip is a real fraction of the compute (see the module docstring); not before the first
         round trip has been measured, and never when the coordinator aggregates."""
-        if self.round_trip_sec is None or self.compute_sec is None or self.coordinator_aggregates:
+        round_trip, compute = self.round_trip_time.value, self.compute_time.value
+        if round_trip is None or compute is None or self.coordinator_aggregates:
             return False
-        return self.round_trip_sec >= OVERLAP_MIN_FRACTION * self.compute_sec
+        return round_trip >= OVERLAP_MIN_FRACTION * compute
 
     def _note_round_trip(self, msg_id: int) -> None:
         sent = self._sent_at.pop(msg_id, None)
         if sent is not None:
-            self.round_trip_sec = ema(self.round_trip_sec, time.monotonic() - sent)
+            self.round_trip_time.update(time.monotonic() - sent)
 
     async def _apply_ready(self) -> None:
         while not self._replies.empty():
@@ -783,9 +792,12 @@ class Worker:
 
     def _record_speed(self, samples: int, seconds: float) -> None:
         if seconds > 0:
-            rate = samples / seconds
-            old = self.samples_per_sec
-            self.samples_per_sec = rate if old == 0 else 0.9 * old + 0.1 * rate
+            self.speed.update(samples / seconds)
+
+    @property
+    def samples_per_sec(self) -> float:
+        """Its measured speed, smoothed (0.0 before the probe or the first gradient)."""
+        return self.speed.get(0.0)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -798,7 +810,7 @@ class Worker:
             "bytes_down_per_step": self.bytes_down / self.steps if self.steps else 0.0,
             "raw_bytes_per_step": self.raw_bytes_per_step,
             "batch_size": self.plan.batch_size, "accumulation_steps": self.plan.accumulation_steps,
-            "round_trip_ms": 1000 * self.round_trip_sec if self.round_trip_sec is not None else None,
+            "round_trip_ms": 1000 * rt if (rt := self.round_trip_time.value) is not None else None,
             "overlapping": self.overlaps(),
             "loss": math.nan,
         }

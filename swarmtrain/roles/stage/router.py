@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from swarmtrain.core.ema import MovingAverage
 from swarmtrain.errors import RefusedError, SwarmError
 from swarmtrain.roles.stage.buffers import Priority
 from swarmtrain.roles.stage.codes import RETRYABLE, StageErrorCode
@@ -89,7 +90,9 @@ class RouterConfig:
         request_timeout: seconds to wait for one answer before the replica counts as failed.
         ban_base: seconds of the first ban of a failing replica; doubles per further failure.
         ban_cap: longest ban, in seconds.
-        ewma_alpha: weight of the newest answer time in a replica's average (0 < a <= 1).
+        ewma_alpha: weight of the newest answer time in a replica's average (0 < a <= 1);
+            0.3 follows a replica that slows down (another job, a thermal throttle) within
+            about three answers, while one slow micro-batch does not send traffic away.
         max_attempts: most live replicas tried one after the other for one request before
             it waits for one to come back (a round; rounds go on until ``wait_for_replica``).
         wait_for_replica: most seconds one request waits for a replica of its stage to
@@ -129,7 +132,8 @@ class Replica:
     stage: int
     host: str
     port: int
-    ewma_seconds: float | None = None  # smoothed answer time; None until measured
+    #: its answer time, smoothed (the router sets the keep from ``RouterConfig.ewma_alpha``)
+    answer_time: MovingAverage = field(default_factory=lambda: MovingAverage(0.7))
     inflight: int = 0
     consecutive_failures: int = 0
     banned_until: float = 0.0
@@ -149,6 +153,11 @@ class Replica:
     @property
     def name(self) -> str:
         return f"stage{self.stage}@{self.host}:{self.port}"
+
+    @property
+    def ewma_seconds(self) -> float | None:
+        """Its smoothed answer time in seconds; None until measured."""
+        return self.answer_time.value
 
 
 class Router:
@@ -174,7 +183,9 @@ class Router:
         self.secret = secret
         self.tls = tls
         self._clock = clock
-        self.replicas = [[Replica(i, h, p) for h, p in s] for i, s in enumerate(stages)]
+        keep = 1.0 - self.config.ewma_alpha
+        self.replicas = [[Replica(i, h, p, answer_time=MovingAverage(keep)) for h, p in s]
+                         for i, s in enumerate(stages)]
         self._ids = itertools.count(1)
         self.resends = 0  # requests sent again to another replica after a failure
         self.bans = 0
@@ -439,9 +450,7 @@ class Router:
         if isinstance(answer, StageResult | StageGrad | StageStep) and answer.incarnation:
             self._seen(replica, answer.incarnation, answer.steps, answer.at_risk, "")
         elapsed = self._clock() - started
-        a = self.config.ewma_alpha
-        replica.ewma_seconds = elapsed if replica.ewma_seconds is None else (
-            a * elapsed + (1 - a) * replica.ewma_seconds)
+        replica.answer_time.update(elapsed)
         replica.consecutive_failures = 0
         replica.answered += 1
         return answer
