@@ -234,7 +234,8 @@ def _status_with_workers() -> dict[str, Any]:
         c.workers[wid] = rec
     c.workers["here"].conn = FakeConn()  # type: ignore[assignment]
     c.workers["here"].welcomed = True
-    c.loss_ema, c.metrics = 0.08, {"accuracy": 0.95, "loss": 0.15}
+    c.loss_average.update(0.08)
+    c.metrics = {"accuracy": 0.95, "loss": 0.15}
     return c.status()
 
 

@@ -41,6 +41,14 @@ HOST = "127.0.0.1"
 Rewrite = Callable[[Message], Message]
 
 
+async def _until(done: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait until ``done()`` (polling: the relay's threads fill its lists), at most ``timeout`` s."""
+    async with asyncio.timeout(timeout):
+        while not done():
+            await asyncio.sleep(0.01)
+    assert done(), what
+
+
 # --- an in-test relay for the framed transport -------------------------------------------
 
 
@@ -168,7 +176,8 @@ def test_a_relay_rewriting_hello_is_refused_by_the_real_client(change: dict[str,
             async with relay(r) as rport:
                 with pytest.raises(AuthError, match="relay changed the handshake"):
                     await connect(HOST, rport, secret=SECRET, role="worker", node="w1")
-                await asyncio.sleep(0.2)
+                # the client's ERROR is on its way through the relay to the server
+                await _until(lambda: any(isinstance(m, Error) for m in r.to_server), "the client's ERROR")
         errors = [m for m in r.to_server if isinstance(m, Error)]
         assert [e.code for e in errors] == ["auth_failed"]  # the client said why, with a code
         assert not any(isinstance(m, Welcome) for m in r.to_client)
@@ -312,7 +321,7 @@ def test_a_genuine_session_through_a_plain_relay_still_works() -> None:
         async with served() as (port, reached):
             async with relay(_Relay(port)) as rport:
                 conn = await connect(HOST, rport, secret=SECRET, role="worker", node="w1")
-                await asyncio.sleep(0.2)
+                await _until(lambda: reached == ["worker"], "the server's handler")
                 await conn.close()
         assert reached == ["worker"]
 

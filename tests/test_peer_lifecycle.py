@@ -125,8 +125,8 @@ def lone_peer() -> Iterator[PeerBackend]:
     port nobody listens on)."""
     port, nobody = free_ports(2)
     b = PeerBackend(PeerOptions(run="lifecycle-test", min_peers=2, host="127.0.0.1", port=port, mdns=False,
-                                static_peers=(("127.0.0.1", nobody),), propose_timeout=1.0,
-                                reform_timeout=60.0),
+                                static_peers=(("127.0.0.1", nobody),), propose_timeout_sec=1.0,
+                                reform_timeout_sec=60.0),
                     secret=b"lifecycle-secret", identity=Identity.generate())
     try:
         b.start()

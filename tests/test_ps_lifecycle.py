@@ -170,7 +170,7 @@ def test_a_worker_cancelled_while_it_waits_for_its_compute_thread_is_cancelled()
     worker went on to reconnect)."""
     w = worker(1, **{"training.max_inflight": 1})
     w._claim_cap = 1 << 20
-    w.round_trip_sec = w.compute_sec = 1.0  # a slow link: the next gradient is computed ahead
+    w.round_trip_time.value = w.compute_time.value = 1.0  # a slow link: the next gradient is computed ahead
     codec = make_codec("none")
     grads = {n: codec.compress(torch.zeros_like(p)) for n, p in w.params.items()}
     calls, ahead, release = [], threading.Event(), threading.Event()

@@ -250,14 +250,17 @@ def test_corrupted_or_truncated_listener_bytes_never_get_a_listener_trusted(data
     cut = data.draw(st.integers(0, len(stream)))
     client = ClientHandshake(SECRET, ring_id="ring", epoch=7, from_rank=1, where="L", nonce=NC)
     client.data_to_send()
+    intact = not flips and cut == len(stream)
     error: RemoteProtocolError | None = None
     try:
         _feed(client, bytes(stream[:cut]), chunk)
     except RingHandshakeError as exc:
         error = exc
     else:
-        error = client.end_of_stream()
-    if not flips and cut == len(stream):
+        # the intact stream leaves the client waiting for the listener's status byte: ending
+        # the stream there would (rightly) be an error too, so only the others are ended
+        error = None if intact else client.end_of_stream()
+    if intact:
         assert error is None and client.state is ClientState.AWAIT_STATUS
     else:
         assert isinstance(error, RingHandshakeError), error
