@@ -320,6 +320,38 @@ def test_replica_sync_averages_two_replicas_to_identical_weights() -> None:
     _run(main())
 
 
+def test_a_replica_answering_the_wrong_kind_of_message_is_banned_and_the_request_goes_elsewhere() -> None:
+    """A stage that answers a forward with a STAGE_GRAD (broken, or not what it claims) fails
+    like a lost connection: banned, the forward resent to the other replica; alone, the stage
+    is unavailable. (The router used to assert the answer's type: an AssertionError out of
+    the trainer, and nothing at all under ``python -O``.)"""
+    async def main() -> None:
+        liar, honest = _server(0, 2, 0, name="liar"), _server(0, 2, 0, name="honest")
+        liar._run = lambda job: StageGrad(  # type: ignore[method-assign]
+            req=job.req, session=job.session_id, microbatch=job.microbatch_id, tensors={})
+        for s in (liar, honest):
+            await s.start()
+        cfg = RouterConfig(wait_for_replica=0.0, timeouts=FAST)
+        router = Router([[liar.address, honest.address]], secret=SECRET, config=cfg)
+        lone = Router([[liar.address]], secret=SECRET, config=cfg)
+        try:
+            x = torch.randint(0, 256, (2, 8))
+            for mb in range(4):
+                replica, answer = await router.forward(0, "s", mb, x)
+                assert replica.port == honest.port and isinstance(answer, StageResult)
+            bad = next(r for r in router.replicas[0] if r.port == liar.port)
+            assert bad.failures >= 1 and bad.banned_until > 0
+            with pytest.raises(StageUnavailable, match="answered a StageGrad to a request that takes a StageResult"):
+                await lone.forward(0, "s", 9, x)
+        finally:
+            await router.close()
+            await lone.close()
+            for s in (liar, honest):
+                await s.close()
+
+    _run(main())
+
+
 def test_router_bans_a_dead_replica_for_growing_times_and_fails_over() -> None:
     now = [1000.0]
 

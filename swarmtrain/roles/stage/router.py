@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from swarmtrain.core.ema import MovingAverage
-from swarmtrain.errors import RefusedError, SwarmError
+from swarmtrain.errors import RefusedError, RemoteProtocolError, SwarmError
 from swarmtrain.roles.stage.buffers import Priority
 from swarmtrain.roles.stage.codes import RETRYABLE, StageErrorCode
 from swarmtrain.roles.stage.route import replica_problem, request_status
@@ -239,8 +239,8 @@ class Router:
                                 tensors=tensors, sync=step is not None, step=bool(step), group=first,
                                 group_size=size)
 
-        replica, answer = await self._call_stage(stage, build, prefer)
-        assert isinstance(answer, StageResult)
+        replica, answer = await self._call_stage(stage, StageResult, build, prefer)
+        assert isinstance(answer, StageResult)  # (checked by _call_stage)
         return replica, answer
 
     async def backward(self, replica: Replica, session: str, microbatch: int,
@@ -258,7 +258,8 @@ class Router:
         answer = await self._request(replica, lambda req: StageBackward(
             req=req, session=session, microbatch=microbatch, tensors={"grad": grad},
             sync=step is not None, step=bool(step), group=first, group_size=size))
-        assert isinstance(answer, StageGrad)
+        self._check_answer(replica, answer, StageGrad)
+        assert isinstance(answer, StageGrad)  # (checked just above)
         return answer
 
     async def infer(self, stage: int, session: str, x: torch.Tensor,
@@ -269,9 +270,9 @@ class Router:
             StageUnavailable: no replica answered.
             RefusedError: the stage refused the request itself (bad input).
         """
-        _, answer = await self._call_stage(stage, lambda req: StageInfer(
+        _, answer = await self._call_stage(stage, StageResult, lambda req: StageInfer(
             req=req, session=session, priority=int(priority), tensors={"x": x}))
-        assert isinstance(answer, StageResult)
+        assert isinstance(answer, StageResult)  # (checked by _call_stage)
         return answer.tensors["y"]
 
     async def step(self, stage: int, session: str, group: tuple[int, int], scale: float, *,
@@ -284,9 +285,9 @@ class Router:
             StageUnavailable: no replica answered.
             RefusedError: the stage refused the request itself.
         """
-        replica, answer = await self._call_stage(stage, lambda req: StageStep(
+        replica, answer = await self._call_stage(stage, StageStep, lambda req: StageStep(
             req=req, session=session, group=group[0], group_size=group[1], scale=scale), prefer)
-        assert isinstance(answer, StageStep)
+        assert isinstance(answer, StageStep)  # (checked by _call_stage)
         return replica, answer
 
     async def infer_cached(self, stage: int, session: str, x: torch.Tensor, start: int, *,
@@ -303,10 +304,10 @@ class Router:
             StageUnavailable: no replica answered.
             RefusedError: the stage refused the request itself (bad input).
         """
-        replica, answer = await self._call_stage(stage, lambda req: StageInfer(
+        replica, answer = await self._call_stage(stage, StageResult, lambda req: StageInfer(
             req=req, session=session, priority=int(priority), tensors={"x": x}, cache=True, start=start),
             prefer)
-        assert isinstance(answer, StageResult)
+        assert isinstance(answer, StageResult)  # (checked by _call_stage)
         return replica, answer.tensors["y"]
 
     async def close(self) -> None:
@@ -352,10 +353,12 @@ class Router:
             return None
         return min(fresh, key=lambda r: ((r.ewma_seconds or 0.0) * (r.inflight + 1), r.inflight))
 
-    async def _call_stage(self, stage: int, build: Callable[[int], Message],
+    async def _call_stage(self, stage: int, expect: type[Message], build: Callable[[int], Message],
                           prefer: Replica | None = None) -> tuple[Replica, Message]:
         """Send to the best live replica of ``stage``, failing over to the others; when none
-        is live, wait (up to ``wait_for_replica``) for a ban to end or be lifted by a probe."""
+        is live, wait (up to ``wait_for_replica``) for a ban to end or be lifted by a probe.
+        An answer that is not an ``expect`` (a stage that is not what it claims, or broken)
+        fails that replica like a lost connection: banned, and the request goes elsewhere."""
         tried: list[Replica] = []
         last_error = "every replica is banned"
         deadline = self._clock() + self.config.wait_for_replica
@@ -376,6 +379,7 @@ class Router:
             tried.append(replica)
             try:
                 answer = await self._request(replica, build)
+                self._check_answer(replica, answer, expect)
             except ReplicaFailed as exc:
                 last_error = str(exc)
                 log.info("%s; resending to another replica", exc)
@@ -454,6 +458,14 @@ class Router:
         replica.consecutive_failures = 0
         replica.answered += 1
         return answer
+
+    def _check_answer(self, replica: Replica, answer: Message, expect: type[Message]) -> None:
+        """An answer of the wrong kind (a broken stage, or one that is not what it claims) fails
+        the replica like a lost connection: :class:`ReplicaFailed`, and it is banned."""
+        if not isinstance(answer, expect):
+            raise self._failed(replica, RemoteProtocolError(
+                "unexpected_reply", f"{replica.name} answered a {type(answer).__name__} to a request "
+                f"that takes a {expect.__name__}"))
 
     def _failed(self, replica: Replica, exc: BaseException) -> ReplicaFailed:
         why = str(exc) or type(exc).__name__
