@@ -36,7 +36,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from swarmtrain.config import PeerDiscoveryConfig, PeerNetworkConfig, PeerTrainingConfig, reused
-from swarmtrain.errors import AuthError, SwarmError, SwarmTimeout
+from swarmtrain.errors import AuthError, StateError, SwarmError, SwarmTimeout
 from swarmtrain.roles.peer.control import ControlPlane
 from swarmtrain.roles.peer.discovery import Discovery, MdnsDiscovery, PeerInfo, StaticDiscovery
 from swarmtrain.roles.peer.membership import Candidate, Membership, ReformKind, View, check_signature
@@ -116,7 +116,7 @@ _LIFECYCLE: dict[Lifecycle, dict[_Step, Lifecycle]] = {
 }
 
 
-class BackendStateError(SwarmError):
+class BackendStateError(StateError):
     """A :class:`PeerBackend` was asked for something its :class:`Lifecycle` state does not
     allow (start() twice, start() after close(), a collective before start()...)."""
 

@@ -48,7 +48,7 @@ from enum import Enum
 import numpy as np
 import torch
 
-from swarmtrain.errors import SwarmError
+from swarmtrain.errors import StateError
 from swarmtrain.roles.peer.links import RingBroken, RingListener, dial
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire.ring import (
@@ -138,7 +138,7 @@ _REFUSED_BECAUSE = {
 }
 
 
-class RingStateError(SwarmError, RuntimeError):
+class RingStateError(StateError, RuntimeError):
     """A :class:`RingGroup` was asked for a move its state does not allow (e.g. a second
     collective while one runs: collectives on a group must be sequential)."""
 
