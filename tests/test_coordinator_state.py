@@ -24,6 +24,7 @@ from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
 from swarmtrain.roles.ps.common import pack_compressed
 from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
 from swarmtrain.roles.ps.ctl import ctl_request
+from swarmtrain.roles.ps.worker import WorkerState
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.wire import CheckpointMsg, Gradients, Status
 from tests.test_ps_inprocess import SECRET, worker
@@ -241,7 +242,8 @@ def test_ctl_pause_resume_checkpoint_status_shutdown(tmp_path: Path) -> None:
         await until(lambda: c.version > 20, "training")
         reply = await ctl("pause")
         assert isinstance(reply, Status) and reply.status["paused"]
-        await asyncio.sleep(0.5)  # let the gradient in flight land
+        # the worker heard the pause and its gradient in flight has been answered
+        await until(lambda: w.lifecycle is WorkerState.PAUSED and not w._inflight, "the worker to pause")
         frozen = c.version
         await asyncio.sleep(1.0)
         assert c.version <= frozen + 1  # workers stopped computing...
