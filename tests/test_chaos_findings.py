@@ -69,7 +69,7 @@ def _checkpoint_at(directory: Path, version: int, workers: tuple[str, ...] = ())
     c = make_coordinator(directory, **{"checkpointing.interval": 0})
     c.version = version
     for wid in workers:
-        c.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0, 0)
+        c.workers[wid] = WorkerRecord(wid, "", {}, 0, 0.0)
     reply = asyncio.run(c.checkpointer.save_now(c))
     assert reply.ok, reply
     return Path(reply.path)
@@ -293,13 +293,16 @@ def test_per_worker_steps_carry_on_across_a_resume(tmp_path: Path) -> None:
     # before: a resumed coordinator's workers started again from 0 steps
     c = make_coordinator(tmp_path, **{"checkpointing.interval": 0})
     c.version = 40
-    c.workers["w"] = WorkerRecord("w", "", {}, 32, 0.0, 0, steps=40, samples=1280, staleness_total=12)
+    c.workers["w"] = WorkerRecord("w", "", {}, 32, 0.0, steps=40, samples=1280, staleness_total=12)
+    assert c.stats["applied"] == 40
     assert asyncio.run(c.checkpointer.save_now(c)).ok
     resumed = make_coordinator(tmp_path, **{"checkpointing.interval": 0})
     assert resumed.checkpointer.restore(resumed)
     rec = resumed.workers["w"]
     assert (rec.steps, rec.samples, rec.staleness_total) == (40, 1280, 12)
     assert resumed.status()["workers"][0]["avg_staleness"] == pytest.approx(12 / 40)
+    # its restored steps count once in the totals: as the record's, no longer also as departed
+    assert resumed.stats["applied"] == 40
 
 
 def test_the_dashboard_says_stale_for_a_status_taken_long_before_it_was_served() -> None:
