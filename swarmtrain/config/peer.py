@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from swarmtrain.config.schema import _opt, _Section
 from swarmtrain.config.sections import (
+    DataConfig,
     HardwareConfig,
     LoggingConfig,
     OpsConfig,
@@ -89,11 +90,9 @@ class PeerTrainingConfig(_Section):
 
 
 @dataclass(frozen=True)
-class PeerDataConfig(_Section):
+class PeerDataConfig(DataConfig):
     """[data] of a peer (every peer samples the whole data set, in its own order: no shards)."""
 
-    SECTION = "data"
-    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)', flag="--data")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from swarmtrain.config.schema import _opt, _Section
 from swarmtrain.config.sections import (
     CheckpointingConfig,
     CompressionConfig,
+    DataConfig,
     HardwareConfig,
     LoggingConfig,
     OpsConfig,
@@ -121,11 +122,9 @@ class CoordinatorTrainingConfig(_Section):
 
 
 @dataclass(frozen=True)
-class CoordinatorDataConfig(_Section):
+class CoordinatorDataConfig(DataConfig):
     """[data] of the coordinator."""
 
-    SECTION = "data"
-    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)', flag="--data")
 
 
 @dataclass(frozen=True)
@@ -191,11 +190,9 @@ class WorkerTrainingConfig(_Section):
 
 
 @dataclass(frozen=True)
-class WorkerDataConfig(_Section):
+class WorkerDataConfig(DataConfig):
     """[data] of the worker."""
 
-    SECTION = "data"
-    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)', flag="--data")
     shard_index: int = _opt(-1, "shard to train on (-1 = assigned by the coordinator)", flag="--shard",
                             ge=-1)
 

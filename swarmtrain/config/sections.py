@@ -141,6 +141,14 @@ class OpsConfig(_Section):
 
 
 @dataclass(frozen=True)
+class DataConfig(_Section):
+    """[data]: the data set every mode reads (each mode's section says what else it takes)."""
+
+    SECTION = "data"
+    path: str = _opt("", 'JSONL file replacing the task\'s built-in data ("" = built-in)', flag="--data")
+
+
+@dataclass(frozen=True)
 class ServerLimitsConfig(_Section):
     """Who may hold connections to a server of this process (against floods and secret
     guessing): the keys every mode's server reads, in its ``[network]`` (``[stage]`` for a
