@@ -231,7 +231,9 @@ def decode_into(codec: int, payload: np.ndarray, scale: float, dst: np.ndarray) 
     if codec == CODEC_FP16:
         _torch_copy(dst, payload.view(np.float16))
     elif codec == CODEC_INT8:
-        with np.errstate(invalid="ignore"):  # a NaN scale (non-finite values sent) decodes to NaN
+        # a NaN scale (non-finite values sent) decodes to NaN, a huge one to inf: both are found
+        # by the collective's finiteness check, not here
+        with np.errstate(invalid="ignore", over="ignore"):
             np.multiply(payload.view(np.int8), np.float32(scale), out=dst)
     else:
         raise ValueError(f"codec {codec} is not an encoding")
@@ -249,7 +251,7 @@ def accumulate(codec: int, payload: np.ndarray, scale: float, dst: np.ndarray, w
         _torch_add(dst, base, payload.view(np.float16))
     elif codec == CODEC_INT8:
         tmp = work[: len(dst)]
-        with np.errstate(invalid="ignore"):  # NaN in (a NaN scale, or inf - inf) stays NaN
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN / inf in stays NaN / inf
             np.multiply(payload.view(np.int8), np.float32(scale), out=tmp)
             np.add(base, tmp, out=dst)
     else:
