@@ -3,16 +3,19 @@
 ``plain``: the training loop a user writes without any distribution (the task's model,
 ``torch.optim.Adam`` at the task's learning rate, :class:`~swarmtrain.tasks.Shard` batches,
 1 torch thread), throttled with the swarmtrain worker's rule (``hardware.Throttle``): after a
-step whose compute took ``cpu`` seconds of the thread's CPU time, sleep ``cpu * (1/speed - 1)``.
-Optionally waits for a "go" file so several loops can be measured at the same time.
+step's forward/backward took ``cpu`` seconds of the thread's CPU time, sleep
+``cpu * (1/speed - 1)``. ``optimizer.step()`` is not stretched: in swarmtrain the optimizer runs
+in the coordinator, unthrottled, so the limit a worker is measured against is its own throttled
+forward/backward plus an unthrottled Adam step. Optionally waits for a "go" file so several loops
+can be measured at the same time.
 
 ``ddp``: one rank of ``torch.nn.parallel.DistributedDataParallel`` (gloo, TCP store on
 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``), each rank on shard ``rank`` of ``world``, Adam on the
 averaged gradient, throttled with the same rule on this rank's own compute: from the start
 of the step to the moment DDP's last gradient bucket became ready (a comm hook records it;
-the all-reduce starts there) plus ``optimizer.step()`` -- so the time spent waiting for
-slower ranks or for the wire is NOT multiplied by the throttle, just as the swarmtrain
-worker's throttle multiplies only its compute.
+the all-reduce starts there) -- so the time spent waiting for slower ranks or for the wire
+is NOT multiplied by the throttle, and neither is ``optimizer.step()`` (as in the standalone
+loop and in swarmtrain, whose Adam runs unthrottled in the coordinator).
 
 All ranks must run the same number of steps; rank 0 decides when the measured window starts
 and when training stops, and publishes the step numbers in the TCP store, which every rank
@@ -65,7 +68,7 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
     shard = Shard(task.load_data().train, 0, 1, seed=0)
     opt = torch.optim.Adam(model.parameters(), lr=task.default_learning_rate)
     model.train()
-    busy_total = [0.0, 0.0]
+    busy_total = [0.0, 0.0, 0.0]  # forward/backward wall s, throttle sleep s, opt.step() wall s
     accum = 1
     throttle = hardware.Throttle(a.speed)  # the swarmtrain worker's own
 
@@ -73,13 +76,17 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
         (task.loss(model, shard.next_batch(a.batch)) / accum).backward()
 
     def step() -> None:
+        # the throttle stretches forward/backward only, as the swarmtrain worker's does; Adam
+        # runs unthrottled, as it does in swarmtrain's coordinator
         t0, cpu = time.perf_counter(), throttle.start()
         opt.zero_grad(set_to_none=True)
         for _ in range(accum):
             micro()
-        opt.step()
         busy_total[0] += time.perf_counter() - t0
         busy_total[1] += throttle.pause(cpu)
+        s0 = time.perf_counter()
+        opt.step()
+        busy_total[2] += time.perf_counter() - s0
 
     for _ in range(3):  # allocator and kernels warm before anyone starts the clock
         step()
@@ -106,7 +113,7 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
     end = time.perf_counter() + a.warm
     while time.perf_counter() < end:
         step()
-    busy_total[:] = [0.0, 0.0]
+    busy_total[:] = [0.0, 0.0, 0.0]
     steps = 0
     j0, cpu0, t0 = _jiffies(), time.process_time(), time.perf_counter()
     while time.perf_counter() - t0 < a.window:
@@ -119,7 +126,8 @@ def run_plain(a: argparse.Namespace) -> dict[str, Any]:
             "steps_per_s": steps / elapsed, "steps": steps, "seconds": elapsed,
             "cpu_cores": cpu / elapsed, "machine_cores": machine,
             "busy_ms": 1e3 * busy_total[0] / max(1, steps),
-            "sleep_ms": 1e3 * busy_total[1] / max(1, steps)}
+            "sleep_ms": 1e3 * busy_total[1] / max(1, steps),
+            "opt_ms": 1e3 * busy_total[2] / max(1, steps), "throttled": "forward/backward"}
 
 
 # --------------------------------------------------------------------------------------- ddp
@@ -205,7 +213,7 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.Adam(ddp.parameters(), lr=task.default_learning_rate)
     ddp.train()
     sched = _Schedule(store, a.rank, a.check_every)
-    acc = {"busy": 0.0, "wait": 0.0, "sleep": 0.0, "n": 0}
+    acc = {"busy": 0.0, "opt": 0.0, "wait": 0.0, "sleep": 0.0, "n": 0}
 
     def step() -> None:
         t0, cpu0 = time.perf_counter(), throttle.start()
@@ -218,15 +226,17 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
         (loss / a.accum).backward()
         t_bwd, cpu_bwd = time.perf_counter(), throttle.start()
         float(loss.detach())
-        s0, cpu_s0 = time.perf_counter(), throttle.start()
+        s0 = time.perf_counter()
         opt.step()
-        s1, cpu_s1 = time.perf_counter(), throttle.start()
+        s1 = time.perf_counter()
         compute_end, cpu_end = (ready[0], ready[1]) if ready[0] else (t_bwd, cpu_bwd)
-        acc["busy"] += (compute_end - t0) + (s1 - s0)
+        acc["busy"] += compute_end - t0
+        acc["opt"] += s1 - s0
         acc["wait"] += t_bwd - compute_end
-        # throttled on the CPU of its own compute (to the last bucket) and of opt.step(),
-        # exactly the worker's rule; the all-reduce wait in between is not stretched
-        acc["sleep"] += throttle.sleep_for((cpu_end - cpu0) + (cpu_s1 - cpu_s0))
+        # throttled on the CPU of its own forward/backward (to the last bucket), the worker's
+        # rule; the all-reduce wait is not stretched, and neither is opt.step(), as in the
+        # standalone loop and in swarmtrain's coordinator
+        acc["sleep"] += throttle.sleep_for(cpu_end - cpu0)
         acc["n"] += 1
 
     dist.barrier()
@@ -279,7 +289,8 @@ def run_ddp(a: argparse.Namespace) -> dict[str, Any]:
             "machine_cores": machine,
             "busy_ms": 1e3 * (acc["busy"] - acc0["busy"]) / n,
             "wait_ms": 1e3 * (acc["wait"] - acc0["wait"]) / n,
-            "sleep_ms": 1e3 * (acc["sleep"] - acc0["sleep"]) / n})
+            "sleep_ms": 1e3 * (acc["sleep"] - acc0["sleep"]) / n,
+            "opt_ms": 1e3 * (acc["opt"] - acc0["opt"]) / n, "throttled": "forward/backward"})
     else:
         out.update({"evals": evals, "reached_s": reached, "target": a.target,
                     "cpu_cores": (cpu1 - cpu_start) / (end - start)})
