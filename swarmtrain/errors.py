@@ -8,6 +8,9 @@ program tried to send something the protocol cannot carry.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from typing import Any
+
 __all__ = [
     "SwarmError",
     "ConfigError",
@@ -112,3 +115,12 @@ class TruncatedFrame(RemoteProtocolError, ConnectionLost):
 class StateError(SwarmError):
     """An operation the object's current lifecycle state does not allow (pausing a run that is
     shutting down, a move its state table does not list); the message names the state."""
+
+    @classmethod
+    def check_move(cls, who: str, table: Mapping[Any, Collection[Any]], old: Any, new: Any) -> None:
+        """Refuse a move of enum states ``old -> new`` that ``table`` (state -> the states it
+        may go to) does not list, saying what ``who`` may do from ``old`` instead."""
+        if new not in table[old]:
+            allowed = ", ".join(repr(s.value) for s in table[old]) or "nothing"
+            raise cls(f"the {who} cannot go from {old.value!r} to {new.value!r} "
+                      f"(from {old.value!r} it may go to {allowed})")

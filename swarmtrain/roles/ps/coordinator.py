@@ -393,10 +393,7 @@ class Coordinator:
             StateError: :data:`TRANSITIONS` has no move from the current state to ``state``.
         """
         old = self.lifecycle
-        if state not in TRANSITIONS[old]:
-            raise StateError(f"the coordinator cannot go from {old.value!r} to {state.value!r} "
-                             f"(from {old.value!r} it may go to "
-                             f"{', '.join(repr(s.value) for s in TRANSITIONS[old]) or 'nothing'})")
+        StateError.check_move("coordinator", TRANSITIONS, old, state)
         self.lifecycle = state
         log.debug("coordinator: %s -> %s", old.value, state.value)
         if (event := _EVENTS.get((old, state))) is not None:

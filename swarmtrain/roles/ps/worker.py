@@ -304,10 +304,7 @@ class Worker:
             StateError: :data:`TRANSITIONS` has no move from the current state to ``state``.
         """
         old = self.lifecycle
-        if state not in TRANSITIONS[old]:
-            raise StateError(f"the worker cannot go from {old.value!r} to {state.value!r} "
-                             f"(from {old.value!r} it may go to "
-                             f"{', '.join(repr(s.value) for s in TRANSITIONS[old]) or 'nothing'})")
+        StateError.check_move("worker", TRANSITIONS, old, state)
         self.lifecycle = state
         log.debug("worker %s: %s -> %s", self.worker_id, old.value, state.value)
         self._changed.set()

@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,6 +60,9 @@ __all__ = ["CacheMissed", "Expected", "MicrobatchLost", "Replica", "ReplicaFaile
            "StageUnavailable"]
 
 log = logging.getLogger("swarmtrain.roles.stage")
+
+#: the kind of answer a request takes
+_M = TypeVar("_M", bound=Message)
 
 #: seconds between "still waiting for stage I" lines
 _WAIT_REPORT_EVERY = 30.0
@@ -240,7 +243,6 @@ class Router:
                                 group_size=size)
 
         replica, answer = await self._call_stage(stage, StageResult, build, prefer)
-        assert isinstance(answer, StageResult)  # (checked by _call_stage)
         return replica, answer
 
     async def backward(self, replica: Replica, session: str, microbatch: int,
@@ -258,9 +260,7 @@ class Router:
         answer = await self._request(replica, lambda req: StageBackward(
             req=req, session=session, microbatch=microbatch, tensors={"grad": grad},
             sync=step is not None, step=bool(step), group=first, group_size=size))
-        self._check_answer(replica, answer, StageGrad)
-        assert isinstance(answer, StageGrad)  # (checked just above)
-        return answer
+        return self._check_answer(replica, answer, StageGrad)
 
     async def infer(self, stage: int, session: str, x: torch.Tensor,
                     priority: Priority = Priority.INFERENCE_NORMAL) -> torch.Tensor:
@@ -272,7 +272,6 @@ class Router:
         """
         _, answer = await self._call_stage(stage, StageResult, lambda req: StageInfer(
             req=req, session=session, priority=int(priority), tensors={"x": x}))
-        assert isinstance(answer, StageResult)  # (checked by _call_stage)
         return answer.tensors["y"]
 
     async def step(self, stage: int, session: str, group: tuple[int, int], scale: float, *,
@@ -287,7 +286,6 @@ class Router:
         """
         replica, answer = await self._call_stage(stage, StageStep, lambda req: StageStep(
             req=req, session=session, group=group[0], group_size=group[1], scale=scale), prefer)
-        assert isinstance(answer, StageStep)  # (checked by _call_stage)
         return replica, answer
 
     async def infer_cached(self, stage: int, session: str, x: torch.Tensor, start: int, *,
@@ -307,7 +305,6 @@ class Router:
         replica, answer = await self._call_stage(stage, StageResult, lambda req: StageInfer(
             req=req, session=session, priority=int(priority), tensors={"x": x}, cache=True, start=start),
             prefer)
-        assert isinstance(answer, StageResult)  # (checked by _call_stage)
         return replica, answer.tensors["y"]
 
     async def close(self) -> None:
@@ -353,8 +350,8 @@ class Router:
             return None
         return min(fresh, key=lambda r: ((r.ewma_seconds or 0.0) * (r.inflight + 1), r.inflight))
 
-    async def _call_stage(self, stage: int, expect: type[Message], build: Callable[[int], Message],
-                          prefer: Replica | None = None) -> tuple[Replica, Message]:
+    async def _call_stage(self, stage: int, expect: type[_M], build: Callable[[int], Message],
+                          prefer: Replica | None = None) -> tuple[Replica, _M]:
         """Send to the best live replica of ``stage``, failing over to the others; when none
         is live, wait (up to ``wait_for_replica``) for a ban to end or be lifted by a probe.
         An answer that is not an ``expect`` (a stage that is not what it claims, or broken)
@@ -378,8 +375,7 @@ class Router:
                 self.resends += 1
             tried.append(replica)
             try:
-                answer = await self._request(replica, build)
-                self._check_answer(replica, answer, expect)
+                answer = self._check_answer(replica, await self._request(replica, build), expect)
             except ReplicaFailed as exc:
                 last_error = str(exc)
                 log.info("%s; resending to another replica", exc)
@@ -459,13 +455,15 @@ class Router:
         replica.answered += 1
         return answer
 
-    def _check_answer(self, replica: Replica, answer: Message, expect: type[Message]) -> None:
-        """An answer of the wrong kind (a broken stage, or one that is not what it claims) fails
-        the replica like a lost connection: :class:`ReplicaFailed`, and it is banned."""
+    def _check_answer(self, replica: Replica, answer: Message, expect: type[_M]) -> _M:
+        """``answer``, if it is an ``expect``. One of the wrong kind (a broken stage, or one that
+        is not what it claims) fails the replica like a lost connection: :class:`ReplicaFailed`,
+        and it is banned."""
         if not isinstance(answer, expect):
             raise self._failed(replica, RemoteProtocolError(
                 "unexpected_reply", f"{replica.name} answered a {type(answer).__name__} to a request "
                 f"that takes a {expect.__name__}"))
+        return answer
 
     def _failed(self, replica: Replica, exc: BaseException) -> ReplicaFailed:
         why = str(exc) or type(exc).__name__
