@@ -75,7 +75,7 @@ class CoordinatorCheckpointer:
         """(holding the lock) Snapshot and write one checkpoint."""
         if coord.version == self.last_saved_version:
             return CheckpointMsg(ok=True, step=coord.version, message="already saved")
-        tensors, meta = await coord._run_apply(self._snapshot, coord)
+        tensors, meta = await coord.run_on_apply_thread(self._snapshot, coord)
         version = meta["version"]
         self.last_attempted_version = version
         loop = asyncio.get_running_loop()

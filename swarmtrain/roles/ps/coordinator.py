@@ -539,7 +539,7 @@ class Coordinator:
             await self.checkpoint()
         conns = [r.conn for r in self._connected() if r.conn is not None]
         # the final weights first, so that every Worker.run() returns holding them
-        final = await self._run_apply(self._final_weights)
+        final = await self.run_on_apply_thread(self._final_weights)
         await asyncio.gather(*(c.send(final) for c in conns), return_exceptions=True)
         await asyncio.gather(*(c.send(Shutdown(reason=reason)) for c in conns), return_exceptions=True)
         # Let workers hang up first: closing our end while a worker is still sending would
@@ -697,7 +697,7 @@ class Coordinator:
             self.record_event("reassigned", shards={r.worker_id: list(r.shards) for r in owed})
 
     async def _welcome(self, rec: WorkerRecord) -> None:
-        weights = await self._run_apply(self._snapshot_for, rec, True)
+        weights = await self.run_on_apply_thread(self._snapshot_for, rec, True)
         await self._send(rec, RegisterAck(
             worker_id=rec.worker_id, shard_index=rec.shard_index, num_shards=self.num_shards,
             shards=list(rec.shards),
@@ -731,7 +731,7 @@ class Coordinator:
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
                 rec.step_time.update(arrived - rec.answered_at)
             version = self.version
-            status, reply = await self._run_apply(self._apply_gradient, rec, msg)
+            status, reply = await self.run_on_apply_thread(self._apply_gradient, rec, msg)
             if self.version != version:
                 self._after_update()
             elif self.window is not None and status is UpdateStatus.APPLIED:
@@ -739,7 +739,7 @@ class Coordinator:
                     self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
             if reply is None and not self.finished:
-                reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
+                reply = await self.run_on_apply_thread(self._reply, rec, msg.msg_id, status)
             if self.finished or reply is None:  # the final weights went out (or are going): a
                 return  # delta now would be added on top of them, and the replica would overshoot
             await self._send(rec, reply)
@@ -770,7 +770,9 @@ class Coordinator:
 
     # -- the apply path (runs on the single apply thread) ---------------------------------
 
-    async def _run_apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run_on_apply_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the thread that applies gradients, so it sees the weights and the
+        optimizer between two updates (a checkpoint snapshot, an evaluation)."""
         return await asyncio.get_running_loop().run_in_executor(self._apply_pool, fn, *args)
 
     def _replica_weights(self) -> dict[str, torch.Tensor]:
@@ -850,7 +852,7 @@ class Coordinator:
             while (deadline := self._window_deadline) is not None and not self.finished:
                 await asyncio.sleep(max(0.0, deadline - time.monotonic()))
                 version = self.version
-                await self._run_apply(self._close_window_if_due)
+                await self.run_on_apply_thread(self._close_window_if_due)
                 if self.version != version:
                     self._after_update()
         finally:
@@ -1248,7 +1250,7 @@ class Coordinator:
         evaluate = self.evaluate_fn
         if evaluate is None:
             return
-        snap = await self._run_apply(lambda: (self._state_snapshot(), self.version))
+        snap = await self.run_on_apply_thread(lambda: (self._state_snapshot(), self.version))
         weights, version = snap
         loop = asyncio.get_running_loop()
         try:
