@@ -1,0 +1,231 @@
+"""The coordinator's downlink: one published replica and a shared log of compressed deltas.
+
+Every worker holds the same thing: the *published* weights ``P`` at some version. After an
+update the coordinator publishes once — whatever the number of workers — by compressing
+``master − P`` with the downlink codec, adding exactly what it decoded to ``P`` and keeping
+the compressed entry in a log by version. What the codec dropped stays in ``master − P``
+and goes out with the next entry (error feedback on the server side, shared by all). The
+answer to a worker whose replica is ``P`` at version ``v`` is the chain of entries after
+``v``, encoded once and sent as they are; when that chain would be larger than the weights
+themselves (the worker is far behind, or the log no longer reaches back to ``v``), the
+published weights go instead.
+
+Memory: ``P`` (one flat copy of the trainable parameters) plus a log bounded by the size
+of the weights plus one cached snapshot, whatever the number of workers.
+
+Drift bound: after every publication ``‖master − P‖ / ‖master‖ ≤ max_drift``; a publication
+that would leave ``P`` further away restarts the published track from the master (every
+worker then gets the full weights once), and so does every ``reset_interval``-th one. A
+lossless downlink keeps no ``P`` at all: the published weights are the master's, and every
+answer that changes anything is a snapshot of them (a float32 delta is as large).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmtrain.compression import LOSSLESS_CODECS, Codec
+from swarmtrain.roles.ps.common import FUSED, pack_compressed
+
+__all__ = ["LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
+
+#: flat-vector views shaped like the parameters -> new tensors as a worker holds them
+ToReplica = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def entry_prefix(start: int) -> str:
+    """The payload-name prefix of the log entry that starts at version ``start``."""
+    return f"{start}:"
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """The compressed change that takes the published weights from ``start`` to ``end``."""
+
+    start: int
+    end: int
+    #: name -> codec spec, as :func:`~swarmtrain.roles.ps.common.pack_compressed` makes it
+    codecs: dict[str, Any]
+    #: payload tensors, named ``entry_prefix(start) + "name/part"``; never modified
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+
+    def header(self) -> dict[str, Any]:
+        """What the UPDATE's ``deltas`` list carries for this entry."""
+        return {"from": self.start, "to": self.end, "codecs": self.codecs}
+
+
+class UpdateLog:
+    """The published replica, the log of entries that built it, and its snapshots.
+
+    Args:
+        codec: the downlink codec.
+        split: flat vector -> views shaped like the parameters, in order.
+        names: the parameter names, in order.
+        round_replica: rounds the half-precision parameters' part of a flat replica in place,
+            as a worker's own tensors hold them.
+        replica_bytes: bytes of the trainable weights as a worker holds them (a snapshot).
+        fused: one :data:`FUSED` entry for the whole flat vector (small models) instead of one
+            per parameter.
+        max_drift: the drift bound (relative L2).
+        reset_interval: publications after which the track restarts from the master.
+
+    All methods but :meth:`answer` and :meth:`snapshot`'s reads run on the apply thread.
+    """
+
+    def __init__(self, codec: Codec, *, split: Callable[[torch.Tensor], list[torch.Tensor]],
+                 names: Sequence[str], round_replica: Callable[[torch.Tensor], None],
+                 replica_bytes: int, fused: bool, max_drift: float, reset_interval: int) -> None:
+        self.codec = codec
+        self.lossless = codec.lossless
+        self._split = split
+        self._names = list(names)
+        self._round = round_replica
+        self.replica_bytes = replica_bytes
+        self.fused = fused
+        self.max_drift = max_drift
+        self.reset_interval = reset_interval
+        #: the published weights (flat, the masters' dtype); None until the first publication
+        #: and always for a lossless codec (then the master is what is published)
+        self.published: torch.Tensor | None = None
+        self.head = -1  # the version of the published weights
+        self.entries: deque[LogEntry] = deque()
+        self._log_bytes = 0
+        self.drift = 0.0
+        self.resets = 0  # track restarts (drift bound, interval, first publication)
+        self.publications = 0
+        self._since_reset = 0
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        #: answers by kind: "current" (nothing to send), "chain" (entries), "full" (weights)
+        self.answers = {"current": 0, "chain": 0, "full": 0}
+        self.entries_sent = 0  # entries in all the chains answered
+
+    # -- the apply thread -------------------------------------------------------------------
+
+    def publish(self, master: torch.Tensor, version: int) -> None:
+        """Bring the published weights to ``version``, whose master weights are ``master``
+        (flat): one compressed entry for everything since the last publication."""
+        if version == self.head:
+            return
+        if self.lossless:
+            self.head = version
+            return
+        if self.published is None or self._since_reset + 1 >= self.reset_interval:
+            self._reset(master, version)
+            return
+        published = self.published
+        if self.fused:
+            names, masters, pubs = [FUSED], [master], [published]
+        else:
+            # per tensor: every temporary stays small enough for the allocator to reuse
+            names, masters, pubs = self._names, self._split(master), self._split(published)
+        deltas = torch._foreach_sub(masters, pubs)
+        pairs = [self.codec.compress_decoded(d) for d in deltas]
+        items = {n: item for n, (item, _) in zip(names, pairs)}
+        sent = [decoded for _, decoded in pairs]
+        drift = 0.0
+        if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
+            # (a lossless `sent` may be its delta itself: subtract out of place)
+            drift = _norm(torch._foreach_sub(deltas, sent)) / max(_norm(masters), 1e-30)
+            if drift > self.max_drift:
+                self._reset(master, version)
+                return
+        torch._foreach_add_(pubs, sent)  # exactly what every worker will add
+        self._round(published)
+        codecs, tensors = pack_compressed(items)
+        prefix = entry_prefix(self.head)
+        entry = LogEntry(self.head, version, codecs, {prefix + k: t for k, t in tensors.items()},
+                         sum(t.numel() * t.element_size() for t in tensors.values()))
+        self.entries.append(entry)
+        self._log_bytes += entry.nbytes
+        self._trim()
+        self.head = version
+        self.drift = drift
+        self.publications += 1
+        self._since_reset += 1
+
+    def _reset(self, master: torch.Tensor, version: int) -> None:
+        """Restart the track: the published weights become the master's (rounded as workers
+        hold them); no entry reaches across, so every worker behind gets the full weights."""
+        if self.published is not None and self.published.shape == master.shape:
+            self.published.copy_(master)  # reuse: a fresh big buffer costs page faults
+        else:
+            self.published = master.detach().clone()
+        self._round(self.published)
+        self.entries.clear()
+        self._log_bytes = 0
+        self.head = version
+        self.drift = 0.0
+        self.resets += 1
+        self.publications += 1
+        self._since_reset = 0
+
+    def _trim(self) -> None:
+        """Forget the oldest entries no answer would use: a chain through the oldest carries
+        all the log's bytes, and once they are as many as the weights' it is never sent."""
+        while self.entries and self._log_bytes >= self.replica_bytes:
+            self._log_bytes -= self.entries.popleft().nbytes
+
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica) -> tuple[int, dict[str, torch.Tensor]]:
+        """(the published version, the published weights as a worker holds them), copied once
+        per version and shared by every answer that sends them; publish first."""
+        if self._snapshot is None or self._snapshot[0] != self.head:
+            source = master if self.lossless or self.published is None else self.published
+            self._snapshot = (self.head, to_replica(self._split(source)))
+        return self._snapshot
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def answer(self, holds: int) -> list[LogEntry] | None:
+        """The entries that take a replica at version ``holds`` to the head, oldest first:
+        ``[]`` when it is there, None when the full weights are the answer (no chain from
+        ``holds``, or one larger than the weights)."""
+        chain = self._chain(holds)
+        kind = "full" if chain is None else "chain" if chain else "current"
+        self.answers[kind] += 1
+        self.entries_sent += len(chain or ())
+        return chain
+
+    def _chain(self, holds: int) -> list[LogEntry] | None:
+        if holds == self.head:
+            return []
+        chain: list[LogEntry] = []
+        size = 0
+        for entry in reversed(self.entries):
+            chain.append(entry)
+            size += entry.nbytes
+            if size >= self.replica_bytes or entry.start < holds:
+                return None
+            if entry.start == holds:
+                chain.reverse()
+                return chain
+        return None
+
+    def log_bytes(self) -> int:
+        """Bytes the log's entries hold."""
+        return self._log_bytes
+
+    def summary(self) -> dict[str, Any]:
+        """For the status: where the published weights are, what the log holds, what went out."""
+        return {"version": self.head, "entries": len(self.entries), "log_bytes": self._log_bytes,
+                "drift": self.drift, "resets": self.resets, "publications": self.publications,
+                "codec": getattr(self.codec, "name", "?"), "answers": dict(self.answers),
+                "entries_sent": self.entries_sent}
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))
+
+
+def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
+    """The payload tensors of the entry that starts at ``start``, with its prefix removed."""
+    prefix = entry_prefix(start)
+    n = len(prefix)
+    return {k[n:]: t for k, t in tensors.items() if k.startswith(prefix)}
