@@ -66,10 +66,18 @@ def _walk(master: torch.Tensor, gen: torch.Generator, scale: float = 1e-3) -> No
     master += torch.randn(master.shape, generator=gen) * scale
 
 
+@pytest.fixture(params=["kernels", "torch"])
+def coding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each downlink test runs with the fused kernels and with the torch code they replace."""
+    if request.param == "torch":
+        monkeypatch.setattr("swarmtrain.roles.ps.downlink.kernels", lambda: None)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "per-tensor"])
 @pytest.mark.parametrize("name", ["uniform", "fp16"])
 def test_a_replica_at_any_version_is_brought_to_the_published_weights_bit_for_bit(
-        name: str, fused: bool) -> None:
+        name: str, fused: bool, coding: str) -> None:
     codec = make_codec(name, bucket_size=64)
     log = _log(codec, fused=fused)
     gen = torch.Generator().manual_seed(0)
@@ -112,7 +120,7 @@ def test_a_chain_larger_than_the_weights_or_older_than_the_log_gets_the_weights(
     assert log.answer(5) == [] and log.answer(-7) is None  # current; never on the track
 
 
-def test_a_publication_beyond_the_drift_bound_restarts_the_track() -> None:
+def test_a_publication_beyond_the_drift_bound_restarts_the_track(coding: str) -> None:
     # top-k keeps 1 %: Adam-like dense changes leave the published copy further and further
     log = _log(make_codec("topk", topk_ratio=0.01), max_drift=0.002)
     gen = torch.Generator().manual_seed(2)
@@ -145,7 +153,7 @@ def test_a_lossless_downlink_keeps_no_copy_and_answers_with_the_master() -> None
 
 
 @pytest.mark.timeout(120)
-def test_a_long_run_of_publications_keeps_memory_drift_and_replicas_where_they_were() -> None:
+def test_a_long_run_of_publications_keeps_memory_drift_and_replicas_where_they_were(coding: str) -> None:
     # Long runs count: nothing the log keeps may grow, and the replicas must still equal the
     # published weights bit for bit after 25,000 entries of a uniform 4-bit downlink
     # (benchmarks/bench_soak.py runs it for 100,000).

@@ -22,6 +22,7 @@ answer that changes anything is a snapshot of them (a float32 delta is as large)
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,10 @@ from typing import Any
 
 import torch
 
-from swarmtrain.compression import LOSSLESS_CODECS, Codec
+from swarmtrain.compression import LOSSLESS_CODECS, Codec, Compressed, SizeAdaptive
+from swarmtrain.compression.simple import FP16Codec
+from swarmtrain.compression.uniform import UniformCodec
+from swarmtrain.core.kernels import Kernels, kernels
 from swarmtrain.roles.ps.common import FUSED, pack_compressed
 
 __all__ = ["LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
@@ -124,18 +128,29 @@ class UpdateLog:
         else:
             # per tensor: every temporary stays small enough for the allocator to reuse
             names, masters, pubs = self._names, self._split(master), self._split(published)
-        deltas = torch._foreach_sub(masters, pubs)
-        pairs = [self.codec.compress_decoded(d) for d in deltas]
-        items = {n: item for n, (item, _) in zip(names, pairs)}
-        sent = [decoded for _, decoded in pairs]
-        drift = 0.0
-        if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
-            # (a lossless `sent` may be its delta itself: subtract out of place)
-            drift = _norm(torch._foreach_sub(deltas, sent)) / max(_norm(masters), 1e-30)
-            if drift > self.max_drift:
+        fast = kernels() if _kernel_ready(master, published) else None
+        if fast is not None:
+            done = _publish_fused(fast, self.codec, names, masters, pubs)
+            if done is None:  # NaN or inf in the change (the copy moved part way): restart
                 self._reset(master, version)
                 return
-        torch._foreach_add_(pubs, sent)  # exactly what every worker will add
+            items, drift = done
+            if drift > self.max_drift:
+                self._reset(master, version)  # (overwrites the copy the kernels moved)
+                return
+        else:
+            deltas = torch._foreach_sub(masters, pubs)
+            pairs = [self.codec.compress_decoded(d) for d in deltas]
+            items = {n: item for n, (item, _) in zip(names, pairs)}
+            sent = [decoded for _, decoded in pairs]
+            drift = 0.0
+            if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
+                # (a lossless `sent` may be its delta itself: subtract out of place)
+                drift = _norm(torch._foreach_sub(deltas, sent)) / max(_norm(masters), 1e-30)
+                if drift > self.max_drift:
+                    self._reset(master, version)
+                    return
+            torch._foreach_add_(pubs, sent)  # exactly what every worker will add
         self._round(published)
         codecs, tensors = pack_compressed(items)
         prefix = entry_prefix(self.head)
@@ -216,6 +231,54 @@ class UpdateLog:
                 "drift": self.drift, "resets": self.resets, "publications": self.publications,
                 "codec": getattr(self.codec, "name", "?"), "answers": dict(self.answers),
                 "entries_sent": self.entries_sent}
+
+
+def _kernel_ready(master: torch.Tensor, published: torch.Tensor) -> bool:
+    return (master.dtype == published.dtype == torch.float32 and master.device.type == "cpu"
+            and master.is_contiguous() and published.is_contiguous())
+
+
+def _publish_fused(fast: Kernels, codec: Codec, names: Sequence[str], masters: Sequence[torch.Tensor],
+                   pubs: Sequence[torch.Tensor]) -> tuple[dict[str, Compressed], float] | None:
+    """:meth:`UpdateLog.publish`'s coding step in one pass per tensor with the fused kernels
+    (fp16 and uniform; other codecs, and tensors a size-adaptive codec sends raw, take the
+    codec's own code): the items to send and the drift, or None if the change held NaN/inf.
+    The published copy moves by what the items decode to, bit for bit as the codec's
+    ``compress_decoded`` would have it."""
+    items: dict[str, Compressed] = {}
+    resid = norm = 0.0
+    for name, m, pub in zip(names, masters, pubs):
+        chosen = codec.codec_for(m.numel()) if isinstance(codec, SizeAdaptive) else codec
+        flat_m, flat_p = m.reshape(-1), pub.view(-1)
+        shape = tuple(m.shape)
+        if isinstance(chosen, FP16Codec):
+            out = torch.empty(m.numel(), dtype=torch.float16)
+            r, n = fast.publish_fp16(flat_m, flat_p, out)
+            items[name] = Compressed(chosen.name, shape, "float32", {"values": out})
+        elif isinstance(chosen, UniformCodec) and chosen.bucket_size % (8 // chosen.bits) == 0:
+            size, bits = chosen.bucket_size, chosen.bits
+            codes = torch.empty((m.numel() * bits + 7) // 8, dtype=torch.uint8)
+            scales = torch.empty(-(-m.numel() // size), dtype=torch.float32)
+            sums = fast.publish_uniform(flat_m, flat_p, codes, scales, size, bits)
+            if sums is None:
+                return None
+            r, n = sums
+            items[name] = Compressed(chosen.name, shape, "float32", {"scales": scales, "codes": codes},
+                                     {"bits": bits, "bucket_size": size})
+        else:
+            delta = m - pub
+            item, sent = chosen.compress_decoded(delta)
+            if not bool(torch.isfinite(sent).all()):
+                return None
+            r = 0.0 if item.codec in LOSSLESS_CODECS else float((delta - sent).square().sum())
+            n = float(m.square().sum())
+            pub.add_(sent)
+            items[name] = item
+        resid += r
+        norm += n
+    if not (math.isfinite(resid) and math.isfinite(norm)):
+        return None
+    return items, math.sqrt(resid) / max(math.sqrt(norm), 1e-30)
 
 
 def _norm(tensors: Sequence[torch.Tensor]) -> float:
