@@ -166,8 +166,9 @@ class ApplyBench:
         unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
 
     def screen(self, _: int) -> None:
-        """The screen ``Coordinator._refusal`` runs: one norm pass, which also finds NaN/Inf."""
-        if not math.isfinite(coordinator_module._global_norm(self._glist)):
+        """The screen ``Coordinator._refusal`` runs: one norm pass (over the wire values where
+        they are the gradient), which also finds NaN/Inf."""
+        if not math.isfinite(coordinator_module._gradient_norm(self.rx, self.grads)):
             raise RuntimeError("the benchmark gradients are finite")
 
     def adam(self, _: int) -> None:  # the optimizer lines of Coordinator._apply_checked

@@ -39,6 +39,7 @@ from torch import nn
 from swarmtrain.config import CoordinatorConfig, apply_kwargs, resolve_secret, resolve_tls
 from swarmtrain.core.ema import MovingAverage
 from swarmtrain.core.events import RunRecorder
+from swarmtrain.core.kernels import kernels
 from swarmtrain.core.modelstate import ModelState, master_dtype
 from swarmtrain.errors import (
     ConfigError,
@@ -1006,7 +1007,7 @@ class Coordinator:
         for name, change in buffer_changes.items():
             if change.is_floating_point() and not bool(torch.isfinite(change).all()):
                 return f"buffer {name!r} changed by NaN or infinite values"
-        norm = _global_norm(list(grads.values()))  # one pass: also the screen for NaN/Inf
+        norm = _gradient_norm(msg, grads)  # one pass: also the screen for NaN/Inf
         if not math.isfinite(norm):
             if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
                 return "NaN or infinite values"
@@ -1335,6 +1336,27 @@ def _master_weights(
         else:
             masters[name] = p.detach().to("cpu", master_dtype(p.dtype)).clone()
     return masters, None, lowp
+
+
+#: codecs whose decoded tensor is its ``values`` part put in place, exactly (so both have
+#: one norm); the screen reads the smaller wire values instead of the decoded tensor
+_VALUES_ARE_THE_GRADIENT = frozenset({"none", "fp16", "topk"})
+
+
+def _gradient_norm(msg: Gradients, grads: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of a decoded gradient, read from the smallest exact form of each tensor:
+    the float16 values on the wire (a top-k gradient's k of them) where decoding only widens
+    and places them, the decoded tensor otherwise. One pass, in the fused kernels when built."""
+    sources = []
+    for name, g in grads.items():
+        values = (msg.tensors.get(f"{name}/values")
+                  if msg.codecs[name].get("codec") in _VALUES_ARE_THE_GRADIENT else None)
+        sources.append(values if values is not None else g)
+    fast = kernels()
+    if fast is not None and all(t.device.type == "cpu" and t.is_contiguous()
+                                and t.dtype in (torch.float32, torch.float16) for t in sources):
+        return math.sqrt(sum(fast.sumsq(t) for t in sources))
+    return _global_norm(sources)
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:

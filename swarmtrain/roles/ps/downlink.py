@@ -123,12 +123,13 @@ class UpdateLog:
             self._reset(master, version)
             return
         published = self.published
-        if self.fused:
+        fast = kernels() if _kernel_ready(master, published) else None
+        if self.fused or fast is not None:
+            # one FUSED entry: the kernels make no temporaries, and one call beats one per tensor
             names, masters, pubs = [FUSED], [master], [published]
         else:
             # per tensor: every temporary stays small enough for the allocator to reuse
             names, masters, pubs = self._names, self._split(master), self._split(published)
-        fast = kernels() if _kernel_ready(master, published) else None
         if fast is not None:
             done = _publish_fused(fast, self.codec, names, masters, pubs)
             if done is None:  # NaN or inf in the change (the copy moved part way): restart
