@@ -1,4 +1,4 @@
-"""The fused CPU kernels (swarmtrain/core/kernels.c) give, bit for bit, what the torch codecs
+"""The fused CPU kernels (swarmtrain/compression/kernels.c) give, bit for bit, what the torch codecs
 give, on every size, thread count and special value; they build once per machine, and a
 machine that cannot build them falls back to torch with one clear line."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarmtrain.compression.kernels import Kernels, kernels
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
-from swarmtrain.core.kernels import Kernels, kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ SIZES = [0, 1, 7, 8, 15, 16, 17, 1023, 1024, 1025, 4097, 300_001]
 @pytest.mark.parametrize("n", SIZES)
 def test_fp16_publication_is_the_codecs_bit_for_bit(fast: Kernels, n: int, threads: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("swarmtrain.core.kernels.MIN_SLICE", 4)  # slices even of small tensors
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 4)  # slices even of small tensors
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -65,7 +65,7 @@ def test_fp16_publication_is_the_codecs_bit_for_bit(fast: Kernels, n: int, threa
                                       (70_000, 4096)])
 def test_uniform_publication_is_the_codecs_bit_for_bit(
         fast: Kernels, n: int, bucket: int, bits: int, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("swarmtrain.core.kernels.MIN_SLICE", 4)  # slices even of small tensors
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 4)  # slices even of small tensors
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -104,7 +104,7 @@ def test_a_non_finite_change_is_reported_not_coded(fast: Kernels) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sum_of_squares_is_torchs_and_finds_nan_and_inf(fast: Kernels, dtype: torch.dtype,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("swarmtrain.core.kernels.MIN_SLICE", 1000)
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 1000)
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -132,7 +132,7 @@ def test_wrong_tensors_are_refused_with_what_was_wrong(fast: Kernels) -> None:
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from swarmtrain.core.kernels import kernels\n"
+            "from swarmtrain.compression.kernels import kernels\n"
             "print('LOADED' if kernels() is not None else 'FALLBACK')\n")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
@@ -152,3 +152,28 @@ def test_they_build_once_into_the_cache_and_a_machine_without_a_compiler_falls_b
     assert "FALLBACK" in broken.stdout and "could not build swarmtrain's fused kernels" in broken.stdout
     off = _probe({**cache, "SWARMTRAIN_KERNELS": "0"})
     assert "FALLBACK" in off.stdout and "SWARMTRAIN_KERNELS=0" in off.stdout
+
+
+@pytest.mark.parametrize("n,ratio", [(1, 1.0), (1000, 0.1), (65536, 0.01), (65537, 0.5), (300_001, 0.05)])
+def test_top_k_decoding_is_the_torch_decoders(fast: Kernels, n: int, ratio: float,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarmtrain.compression import topk
+    from swarmtrain.compression.topk import TopKCodec, decode_topk
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    c = TopKCodec(ratio).compress(g)
+    ours = decode_topk(c)
+    monkeypatch.setattr(topk, "kernels", lambda: None)
+    assert torch.equal(ours, decode_topk(c))
+
+
+def test_a_top_k_index_out_of_range_is_refused_by_the_kernel_too(fast: Kernels) -> None:
+    from swarmtrain.compression.base import Compressed
+    from swarmtrain.compression.topk import decode_topk
+    from swarmtrain.errors import RemoteProtocolError
+    # 70,000 elements: block 1 holds 4,464 of them, and index_low 5,000 there is past the end
+    parts = {"values": torch.ones(2, dtype=torch.float16),
+             "index_low": torch.tensor([3, 5000], dtype=torch.int32).to(torch.uint16),
+             "block_counts": torch.tensor([1, 1], dtype=torch.int32)}
+    c = Compressed("topk", (70_000,), "float32", parts, {"k": 2})
+    with pytest.raises(RemoteProtocolError, match="out of range"):
+        decode_topk(c)

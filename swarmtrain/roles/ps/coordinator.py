@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmtrain.compression.kernels import kernels
 from swarmtrain.config import CoordinatorConfig, apply_kwargs, resolve_secret, resolve_tls
 from swarmtrain.core.ema import MovingAverage
 from swarmtrain.core.events import RunRecorder
-from swarmtrain.core.kernels import kernels
 from swarmtrain.core.modelstate import ModelState, master_dtype
 from swarmtrain.errors import (
     ConfigError,

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from swarmtrain.compression import LOSSLESS_CODECS, Codec, Compressed, SizeAdaptive
+from swarmtrain.compression.kernels import Kernels, kernels
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
-from swarmtrain.core.kernels import Kernels, kernels
 from swarmtrain.roles.ps.common import FUSED, pack_compressed
 
 __all__ = ["LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]

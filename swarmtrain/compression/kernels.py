@@ -2,8 +2,9 @@
 
 The downlink publication (``master − published``, its fp16 or uniform coding, the published
 copy moved by what was coded, and the two norms of the drift bound) is one pass over memory
-here, where the torch ops it replaces make six or more. The C source is
-``swarmtrain/core/kernels.c``; it is compiled once per machine with the C compiler ``cc``
+here, where the torch ops it replaces make six or more; so are a top-k gradient's decoding
+and the screen's sum of squares. The C source is
+``swarmtrain/compression/kernels.c``; it is compiled once per machine with the C compiler ``cc``
 (or ``$CC``) into ``~/.cache/swarmtrain/kernels/`` (``$SWARMTRAIN_CACHE_DIR``, or
 ``$XDG_CACHE_HOME``), the way DeepSpeed builds its CPU Adam, and loaded with ctypes. Every
 kernel gives, bit for bit, what the torch code gives (tests/test_kernels.py holds them to
@@ -101,6 +102,8 @@ class Kernels:
         lib.st_publish_fp16.restype = None
         lib.st_publish_uniform.argtypes = [p, p, p, p, i64, i64, ctypes.c_int, f64p]
         lib.st_publish_uniform.restype = ctypes.c_int
+        lib.st_topk_decode.argtypes = [p, p, p, i64, p, i64]
+        lib.st_topk_decode.restype = ctypes.c_int
         lib.st_sumsq_f32.argtypes = lib.st_sumsq_f16.argtypes = [p, i64]
         lib.st_sumsq_f32.restype = lib.st_sumsq_f16.restype = ctypes.c_double
         self._pool: ThreadPoolExecutor | None = None
@@ -176,6 +179,20 @@ class Kernels:
         if any(bad):
             return None
         return sum(s[0] for s in sums), sum(s[1] for s in sums)
+
+    def topk_decode(self, values: torch.Tensor, index_low: torch.Tensor, counts: torch.Tensor,
+                    numel: int) -> torch.Tensor | None:
+        """The dense float32 tensor of a top-k part set whose counts add up to k (the decoder
+        checked that); None when an index is out of range."""
+        _check(values, torch.float16, index_low)
+        _check(index_low, torch.uint16)
+        _check(counts, torch.int32)
+        if counts.numel() != -(-numel // 65536):
+            raise ValueError(f"topk_decode: {counts.numel()} block counts for {numel} elements")
+        out = torch.empty(numel, dtype=torch.float32)
+        bad = self._lib.st_topk_decode(values.data_ptr(), index_low.data_ptr(), counts.data_ptr(),
+                                       counts.numel(), out.data_ptr(), numel)
+        return None if bad else out
 
     def sumsq(self, x: torch.Tensor) -> float:
         """Σ x² of a float32 or float16 tensor (NaN or inf when it holds them)."""

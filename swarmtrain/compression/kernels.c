@@ -1,6 +1,6 @@
 /* swarmtrain's CPU kernels: one pass over memory where torch would take several.
  *
- * Built on first use by swarmtrain/core/kernels.py with the machine's C compiler
+ * Built on first use by swarmtrain/compression/kernels.py with the machine's C compiler
  * (-O3 -march=native -ffp-contract=off) and loaded with ctypes, which lets go of the GIL
  * during a call: kernels.py runs one call per thread on slices of a tensor. Every kernel
  * computes, bit for bit, what the torch code it replaces computes: -ffp-contract=off keeps
@@ -213,3 +213,25 @@ int st_publish_uniform(const float *m, float *pub, uint8_t *codes, float *scales
     }
 SUMSQ(st_sumsq_f32, float)
 SUMSQ(st_sumsq_f16, _Float16)
+
+/* The top-k decoder (swarmtrain/compression/topk.py) after its checks: out = 0 but for the
+ * k kept entries, block b's j-th at b * 65536 + index_low, value widened from float16.
+ * Returns 0, or 1 (out is then not to be used) when an index is >= n. */
+int st_topk_decode(const _Float16 *values, const uint16_t *index_low, const int32_t *counts,
+                   int64_t blocks, float *out, int64_t n) {
+    memset(out, 0, (size_t)n * sizeof(float));
+    int64_t pos = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t base = b << 16, end = pos + counts[b];
+        if (base + 65536 <= n) {
+            for (; pos < end; pos++) out[base + index_low[pos]] = (float)values[pos];
+        } else {
+            for (; pos < end; pos++) {
+                int64_t idx = base + index_low[pos];
+                if (idx >= n) return 1;
+                out[idx] = (float)values[pos];
+            }
+        }
+    }
+    return 0;
+}
