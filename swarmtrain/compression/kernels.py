@@ -236,6 +236,7 @@ def kernels() -> Kernels | None:
             return None
         try:
             _loaded = Kernels(ctypes.CDLL(str(_build(cc))))
+            log.debug("fused kernels loaded (%s)", _cache_dir())
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             log.warning("could not build swarmtrain's fused kernels (%s): the coordinator's "
                         "downlink uses torch ops, which is slower", exc)

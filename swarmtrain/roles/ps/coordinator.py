@@ -436,6 +436,9 @@ class Coordinator:
         timeouts = Timeouts(handshake=net.handshake_timeout_sec,
                             heartbeat_interval=net.heartbeat_interval_sec,
                             heartbeat_timeout=net.heartbeat_timeout_sec)
+        # the fused kernels (built once per machine, ~1 s) before the first worker, not during
+        # the first update while that worker waits
+        await self.run_on_apply_thread(kernels)
         self._server = await start_server(
             net.host, net.port, self._handle, secret=self.secret, tls=self.tls, timeouts=timeouts,
             send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
