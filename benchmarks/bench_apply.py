@@ -189,7 +189,7 @@ class ApplyBench:
         """What a restart of the published track costs: the published copy reset to the
         master and the full weights copied for the answers."""
         self.coord.version += 1
-        self.coord.downlink._reset(self.coord._flat_master(), self.coord.version)
+        self.coord.downlink.fine._reset(self.coord._flat_master(), self.coord.version)
         self.coord._full_update(self.rec, 0, UpdateStatus.APPLIED)
 
     def fns(self) -> dict[str, Callable[[int], Any]]:

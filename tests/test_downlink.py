@@ -14,7 +14,7 @@ from swarmtrain.compression import make_codec
 from swarmtrain.compression.base import Codec
 from swarmtrain.errors import ProtocolError
 from swarmtrain.roles.ps.common import FUSED, unpack_compressed
-from swarmtrain.roles.ps.downlink import UpdateLog, entry_tensors
+from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink, UpdateLog, entry_tensors
 from tests.test_ps_inprocess import coordinator, worker
 
 SIZES = [600, 400, 24]
@@ -205,22 +205,23 @@ def test_workers_share_the_log_and_hold_the_published_weights_exactly() -> None:
             async with asyncio.timeout(30):  # every answer sent is applied by its worker
                 while any(sum(w.statuses.values()) != c.workers[w.worker_id].updates for w in ws):
                     await asyncio.sleep(0.05)
-            published = c.downlink.published
-            assert published is not None
             for w in ws:
+                track = c.downlink.tracks[c.workers[w.worker_id].track]
+                published = track.published
+                assert published is not None
                 # what it holds, brought to the head by the log as its next answer would be,
                 # is the published copy bit for bit
                 held = torch.cat([p.detach().reshape(-1) for p in w.params.values()])
-                chain = c.downlink.answer(w.version)
-                assert chain is not None, (w.version, c.downlink.head)
+                chain = track.answer(w.version)
+                assert chain is not None, (w.version, track.head)
                 w._add_chain([e.header() for e in chain],
-                             {k: t for e in chain for k, t in e.tensors.items()}, c.downlink.head)
+                             {k: t for e in chain for k, t in e.tensors.items()}, track.head)
                 assert torch.equal(torch.cat([p.detach().reshape(-1) for p in w.params.values()]),
                                    published)
                 assert chain or torch.equal(held, published)
             st = c.status()["downlink"]
             assert st["answers"]["chain"] > 60 and st["entries_sent"] > st["answers"]["chain"]
-            assert st["log_bytes"] < c.downlink.replica_bytes
+            assert all(t["log_bytes"] < c.downlink.fine.replica_bytes for t in st["tracks"])
             # nothing per worker holds a copy of the weights
             assert not any(isinstance(v, torch.Tensor) for r in c.workers.values() for v in vars(r).values())
         finally:
@@ -241,3 +242,92 @@ def test_a_worker_refuses_a_chain_that_does_not_start_where_it_is() -> None:
             w._add_chain(chain, {}, 8)  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="end at version"):
         w._add_chain([{"from": 7, "to": 8, "codecs": {}}], {}, 9)
+
+
+class TrackedReplica:
+    """A worker's copy answered by :class:`Downlink` (the coordinator keeps its track)."""
+
+    def __init__(self) -> None:
+        self.track, self.version, self.flat = 0, -1, torch.empty(0)
+        self.bytes = 0
+
+    def ask(self, dl: Downlink, master: torch.Tensor, version: int) -> list:  # type: ignore[type-arg]
+        self.track, chain = dl.choose(master, version, self.track, self.version)
+        if chain is None:
+            self.version, weights = dl.snapshot(master, lambda views: {
+                f"p{i}": v.clone() for i, v in enumerate(views)}, self.track)
+            self.flat = torch.cat([weights[f"p{i}"] for i in range(len(SIZES))])
+            self.bytes += sum(SIZES) * 4
+            return []
+        for entry in chain:
+            assert entry.start == self.version
+            self.flat += unpack_compressed(entry.codecs, entry_tensors(entry.tensors, entry.start),
+                                           {FUSED: self.flat})[FUSED]
+            self.version = entry.end
+            self.bytes += entry.nbytes
+        return chain
+
+
+def _downlink() -> Downlink:
+    return Downlink(make_codec("uniform", qsgd_bits=4, bucket_size=64), split=_split,
+                    names=[f"p{i}" for i in range(len(SIZES))], round_replica=lambda flat: None,
+                    replica_bytes=sum(SIZES) * 4, fused=True, max_drift=0.05, reset_interval=10**9)
+
+
+def test_far_behind_workers_move_to_a_coarser_track_and_get_chains_not_the_weights() -> None:
+    # 32 workers asking in turn: each is ~32 versions behind, where the finest track's chain
+    # (32 entries of ~1/8 of the weights) is larger than the weights themselves
+    dl = _downlink()
+    gen = torch.Generator().manual_seed(5)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    workers = [TrackedReplica() for _ in range(32)]
+    for w in workers:
+        w.ask(dl, master, 0)
+    version = 0
+    late_bytes, late_answers, worst_extra = 0, 0, 0
+    for turn in range(40):
+        for w in workers:
+            version += 1
+            _walk(master, gen)
+            dl.publish(master, version)
+            before = w.bytes
+            w.ask(dl, master, version)
+            track = dl.tracks[w.track]
+            assert track.published is not None and torch.equal(w.flat, track.published)
+            assert w.version == track.head
+            if turn >= 5:
+                late_bytes += w.bytes - before
+                late_answers += 1
+                worst_extra = max(worst_extra, version - w.version)
+    summary = dl.summary()
+    # moved off the finest track (interval 4 or 16: at most half the lag of 32; a worker stays
+    # on the finer one while its chain there is smaller than the weights)
+    assert {w.track for w in workers} <= {1, 2} and any(w.track == 2 for w in workers)
+    assert late_bytes / late_answers < 0.4 * sum(SIZES) * 4, summary  # chains, not the weights
+    assert worst_extra < 16  # at most one interval older than the finest track
+    assert len(summary["tracks"]) <= len(TRACK_INTERVALS)
+
+
+def test_a_worker_whose_lag_shrinks_comes_back_to_the_finest_track() -> None:
+    dl = _downlink()
+    gen = torch.Generator().manual_seed(6)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    w = TrackedReplica()
+    w.ask(dl, master, 0)
+    version = 0
+    for _ in range(5):  # it asks every 40 versions: moved to a coarse track
+        for _ in range(40):
+            version += 1
+            _walk(master, gen)
+            dl.publish(master, version)
+        w.ask(dl, master, version)
+    assert w.track > 0
+    for _ in range(5):  # now every version (the others left): back to one entry per version
+        version += 1
+        _walk(master, gen)
+        dl.publish(master, version)
+        w.ask(dl, master, version)
+    assert w.track == 0 and w.version == version
+    assert torch.equal(w.flat, dl.fine.published)

@@ -59,7 +59,7 @@ from swarmtrain.roles.ps.common import (
     split_buffers,
     unpack_compressed,
 )
-from swarmtrain.roles.ps.downlink import UpdateLog
+from swarmtrain.roles.ps.downlink import Downlink
 from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
@@ -188,6 +188,8 @@ class WorkerRecord:
     step_time: MovingAverage = field(default_factory=lambda: MovingAverage(STEP_TIME_KEEP))
     #: the weights version its replica holds (the one it computes its next gradient on)
     holds_version: int = -1
+    #: the downlink track its replica is on (roles/ps/downlink.py; 0: the finest)
+    track: int = 0
     #: the worker holds the master buffers as of this version (changes after it are sent)
     buffers_version: int = -1
     #: its shard set changed while it (or another) was registering: an ASSIGN is owed
@@ -308,7 +310,7 @@ class Coordinator:
         # Weight deltas to workers: published once per version into a shared log; what this
         # codec drops stays in master - published and goes with the next entry.
         self.codec = downlink_codec(cfg.compression)
-        self.downlink = UpdateLog(
+        self.downlink = Downlink(
             self.codec, split=self._split, names=list(self.params), round_replica=self._round_replica,
             replica_bytes=sum(p.numel() * p.element_size() for p in self.state.trainable.values()),
             fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
@@ -812,14 +814,16 @@ class Coordinator:
                 if b is not self.buffers[n]:
                     b.copy_(self.buffers[n])
 
-    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False) -> Weights:
+    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False, track: int | None = None) -> Weights:
         """The published weights for ``rec`` (its replica becomes them): the trainable
         parameters (published now, copied once per version whoever asks) and the synced
         buffers' masters, plus frozen parameters and constant buffers with ``everything`` (at
         registration: a worker's frozen backbone becomes the coordinator's)."""
         master = self._flat_master()
-        self.downlink.publish(master, self.version)
-        version, trainable = self.downlink.snapshot(master, self._as_replica)
+        if track is None:  # (registration: the finest track)
+            track = rec.track = 0
+        self.downlink.publish(master, self.version, track)
+        version, trainable = self.downlink.snapshot(master, self._as_replica, track)
         if everything:
             frozen = {n: p.detach() for n, p in self.state.frozen.items()}  # never change
             rest = {**frozen, **self._model_buffers()}
@@ -1153,21 +1157,22 @@ class Coordinator:
         publication that would leave them further away sends everyone the full weights.
         """
         master = self._flat_master()
-        self.downlink.publish(master, self.version)
-        chain = self.downlink.answer(rec.holds_version)
-        rec.drift = self.downlink.drift
+        self.downlink.publish(master, self.version)  # the finest track: every version
+        track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
+        rec.track = track
+        rec.drift = self.downlink.tracks[track].drift
         if chain is None:
-            return self._full_update(rec, msg_id, status)
+            return self._full_update(rec, msg_id, status, track)
         tensors: dict[str, torch.Tensor] = {}
         for entry in chain:
             tensors.update(entry.tensors)
         buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
-        return Update(msg_id=msg_id, version=self.downlink.head, status=status,
+        return Update(msg_id=msg_id, version=self.downlink.tracks[track].head, status=status,
                       deltas=[entry.header() for entry in chain], buffers=buffer_names,
                       tensors={**tensors, **buffer_tensors})
 
-    def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
-        w = self._snapshot_for(rec)
+    def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus, track: int = 0) -> Update:
+        w = self._snapshot_for(rec, track=track)
         rec.resyncs += 1
         return Update(msg_id=msg_id, version=w.version, status=status, full=True, tensors=w.tensors)
 

@@ -36,7 +36,7 @@ from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
 from swarmtrain.roles.ps.common import FUSED, pack_compressed
 
-__all__ = ["LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
+__all__ = ["TRACK_INTERVALS", "Downlink", "LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
 
 #: flat-vector views shaped like the parameters -> new tensors as a worker holds them
 ToReplica = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
@@ -202,10 +202,14 @@ class UpdateLog:
         ``[]`` when it is there, None when the full weights are the answer (no chain from
         ``holds``, or one larger than the weights)."""
         chain = self._chain(holds)
+        self.count(chain)
+        return chain
+
+    def count(self, chain: list[LogEntry] | None) -> None:
+        """Count an answer this track gave (for the status)."""
         kind = "full" if chain is None else "chain" if chain else "current"
         self.answers[kind] += 1
         self.entries_sent += len(chain or ())
-        return chain
 
     def _chain(self, holds: int) -> list[LogEntry] | None:
         if holds == self.head:
@@ -293,3 +297,84 @@ def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, 
     prefix = entry_prefix(start)
     n = len(prefix)
     return {k[n:]: t for k, t in tensors.items() if k.startswith(prefix)}
+
+
+#: the published tracks: publication every 1, 4, 16 and 64 versions (a coarse one is made
+#: only once a worker lags enough to need it)
+TRACK_INTERVALS = (1, 4, 16, 64)
+
+
+class Downlink:
+    """Published tracks at several intervals, and which one answers a worker.
+
+    A worker that asks every few versions is answered from the finest track, one entry per
+    version. One that lags far (many workers: each asks about once per ``workers`` versions)
+    would need a chain larger than the weights there; it is moved once, with the full
+    weights, to the track whose interval is at most half its lag, where every entry covers
+    that many versions in the bytes of one. Its replica is then up to one interval older
+    than the finest track's, no more than half of what it lags anyway. Each track is an
+    :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker costs
+    one small int (its track).
+
+    Args: as :class:`UpdateLog`'s (every track gets them); a lossless codec has one track
+    (its answers are the master's weights whatever the lag).
+    """
+
+    def __init__(self, codec: Codec, **kwargs: Any) -> None:
+        intervals = (1,) if codec.lossless else TRACK_INTERVALS
+        self.tracks = [UpdateLog(codec, **kwargs) for _ in intervals]
+        self.intervals = intervals
+        self.switches = 0  # workers moved to another track
+
+    @property
+    def fine(self) -> UpdateLog:
+        """The finest track (a publication every version)."""
+        return self.tracks[0]
+
+    def publish(self, master: torch.Tensor, version: int, track: int = 0) -> None:
+        """Publish ``track`` (the finest by default) at ``version``."""
+        self.tracks[track].publish(master, version)
+
+    def _due(self, master: torch.Tensor, version: int, track: int) -> UpdateLog:
+        t = self.tracks[track]
+        if t.head < 0 or version - t.head >= self.intervals[track]:
+            t.publish(master, version)
+        return t
+
+    def choose(self, master: torch.Tensor, version: int, track: int, holds: int,
+               ) -> tuple[int, list[LogEntry] | None]:
+        """(the track that answers a worker on ``track`` holding its version ``holds``, the
+        entries that bring it to that track's head — None: that track's full weights).
+        Publishes what the answer needs.
+
+        The track a worker should be on is the coarsest whose interval is at most half its
+        lag. On it, it gets a chain (or the weights, when no chain is smaller). On a coarser
+        one it moves down (that track adds staleness it need not have). On a finer one it
+        stays while the chain there is at most half the weights, and moves up otherwise."""
+        lag = max(1, version - holds)
+        wanted = max(i for i, g in enumerate(self.intervals) if g <= max(1, lag // 2))
+        if track <= wanted:
+            current = self._due(master, version, track)
+            chain = current._chain(holds)
+            small = chain is not None and (track == wanted or sum(e.nbytes for e in chain)
+                                           <= current.replica_bytes // 2)
+            if chain is not None and small:
+                current.count(chain)
+                return track, chain
+        if wanted != track:
+            self.switches += 1
+        self._due(master, version, wanted).count(None)
+        return wanted, None
+
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica, track: int = 0,
+                 ) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.tracks[track].snapshot(master, to_replica)
+
+    def summary(self) -> dict[str, Any]:
+        """The finest track's summary, plus every track's and the switches."""
+        fine = self.fine.summary()
+        used = [dict(t.summary(), interval=g) for g, t in zip(self.intervals, self.tracks) if t.head >= 0]
+        answers = {k: sum(t.answers[k] for t in self.tracks) for k in fine["answers"]}
+        return {**fine, "answers": answers, "entries_sent": sum(t.entries_sent for t in self.tracks),
+                "log_bytes": sum(t.log_bytes() for t in self.tracks), "tracks": used,
+                "switches": self.switches}
