@@ -260,10 +260,21 @@ class LightWorker:
             self._done.set()
 
 
+async def _port_from(path: Path, timeout: float = WAIT_SEC) -> int:
+    """The port written to ``path`` (by the benchmark, once it has measured the idle coordinator)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} did not appear in {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+    return int(path.read_text())
+
+
 async def run_workers(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     load = real_load(args.model, args.compression)
     hw = hardware.detect().to_dict()
+    port = args.port or await _port_from(Path(args.port_file))
     secret = os.environ["SWARMTRAIN_SECRET"].encode()
     workers = [LightWorker(f"{args.prefix}{i:03d}", load, args.rate, hw) for i in range(args.count)]
     stop = asyncio.Event()
@@ -272,7 +283,7 @@ async def run_workers(args: argparse.Namespace) -> None:
     if args.seconds:
         loop.call_later(args.seconds, stop.set)
     started = time.monotonic()
-    await asyncio.gather(*(w.run(args.host, args.port, secret, stop) for w in workers))
+    await asyncio.gather(*(w.run(args.host, port, secret, stop) for w in workers))
     out = {"pid": os.getpid(), "wire_bytes": load.wire_bytes, "started": started,
            "ended": time.monotonic(),
            "workers": {w.worker_id: {"answers": w.answers, "error": w.error, "shutdown": w.shutdown}
@@ -291,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--connections", type=int, default=64, help="workers it must admit at once")
     w = sub.add_parser("workers", help="light workers (SWARMTRAIN_SECRET in the environment)")
     w.add_argument("--host", default="127.0.0.1")
-    w.add_argument("--port", type=int, required=True)
+    w.add_argument("--port", type=int, default=0)
+    w.add_argument("--port-file", default="", help="wait for this file and read the port from it "
+                   "(when --port is not given): the gradient is computed meanwhile")
     w.add_argument("--count", type=int, required=True, help="light workers in this process")
     w.add_argument("--prefix", default="light-", help="worker ids are PREFIX000, PREFIX001, ...")
     w.add_argument("--rate", type=float, required=True, help="gradients/s offered per worker")
@@ -305,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("set SWARMTRAIN_SECRET (the cluster secret) in the environment")
     if args.what == "workers" and (args.count < 1 or args.rate <= 0):
         raise SystemExit("--count must be >= 1 and --rate > 0")
+    if args.what == "workers" and not (args.port or args.port_file):
+        raise SystemExit("give --port or --port-file")
     hardware.tune_allocator()  # as every `swarmtrain` command does at start-up
     torch.set_num_threads(1)
     with contextlib.suppress(KeyboardInterrupt):
