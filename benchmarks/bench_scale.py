@@ -165,6 +165,7 @@ class Run:
         self.coord: subprocess.Popen[bytes] | None = None
         self.workers: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
         self.port = 0
+        self.status_failures = 0  # ctl status requests that failed (retried)
         self._go = tmp / f"{self.tag}.go"  # the port, for the workers, once written
 
     def _script(self, *args: str) -> list[str]:
@@ -203,11 +204,21 @@ class Run:
         tmp.write_text(str(self.port))
         tmp.rename(self._go)
 
-    def status(self) -> dict[str, Any]:
-        reply = asyncio.run(ctl_request(HOST, self.port, "status", secret=self.secret.encode(),
-                                        timeout=60))
-        status: dict[str, Any] = reply.fields()["status"]
-        return status
+    def status(self, tries: int = 1) -> dict[str, Any]:
+        """The coordinator's status (asked again up to ``tries`` times: a ctl handshake gives up
+        after 10 s, and a coordinator busy with 64 workers has missed that)."""
+        for attempt in range(tries):
+            try:
+                reply = asyncio.run(ctl_request(HOST, self.port, "status",
+                                                secret=self.secret.encode(), timeout=60))
+            except SwarmError:
+                self.status_failures += 1
+                if attempt == tries - 1:
+                    raise
+                continue
+            status: dict[str, Any] = reply.fields()["status"]
+            return status
+        raise AssertionError("unreachable")
 
     def wait_training(self, timeout: float = 300.0) -> dict[str, Any]:
         """Until all N are connected and an update is applied. While many workers register at
@@ -255,7 +266,7 @@ class Run:
         workers_cpu = sum(_proc_cpu(p.pid) for p, _, _ in self.workers)
         mach = _machine_jiffies()
         mem = _memory(self.coord.pid)
-        st = self.status()
+        st = self.status(tries=5)
         return {"t": t, "pid": self.coord.pid, "threads": threads, "cpu": cpu,
                 "workers_cpu": workers_cpu, "machine": mach,
                 "memory": mem, "version": st["version"], "uptime": st["uptime_sec"],
@@ -276,6 +287,20 @@ class Run:
         if self.coord is not None:
             self.coord.wait(timeout=max(1.0, deadline - time.monotonic()))
         return outs
+
+    def _logs(self) -> list[Path]:
+        return [self.tmp / f"{self.tag}.coordinator.log", *(log for _, _, log in self.workers)]
+
+    def log_tails(self) -> str:
+        return "\n".join(f"--- {log.name}\n{_tail(log, 8)}" for log in self._logs())
+
+    def warnings(self) -> dict[str, Any]:
+        """WARNING lines in the coordinator's and the light workers' logs (first few of each)."""
+        out: dict[str, Any] = {}
+        for log in self._logs():
+            lines = [ln for ln in _tail(log, 100_000).splitlines() if " WARNING " in ln]
+            out[log.name.removeprefix(f"{self.tag}.")] = {"count": len(lines), "first": lines[:3]}
+        return out
 
     def kill(self) -> None:
         for proc in [*(p for p, _, _ in self.workers), *([self.coord] if self.coord else [])]:
@@ -315,11 +340,14 @@ def measure(codec: str, n: int, rate: float, per_process: int, quick: bool, tmp:
         _sleep_watching_memory(window_s)
         b = run.sample()
         outs = run.finish()
+    except Exception:
+        print(run.log_tails(), flush=True)
+        raise
     finally:
         run.kill()
     row = summarize(codec, n, rate, idle, a, b, outs, joined_s, run.counts)
-    row["before_run"] = quiet
-    row["warmup_min_answers"] = warm_answers
+    row.update({"before_run": quiet, "warmup_min_answers": warm_answers,
+                "status_failures": run.status_failures, "log_warnings": run.warnings()})
     return row
 
 
@@ -341,10 +369,12 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
     errors: list[str] = []
     statuses: dict[str, int] = {}
     answers = 0
+    errors_in_window = 0
     for out in outs:
         for w in out["workers"].values():
             if w["error"]:
-                errors.append(w["error"])
+                errors.append(f"at {w['error_at'] - b['t']:+.1f} s from the window's end: {w['error']}")
+                errors_in_window += w["error_at"] <= b["t"]
             for sent, answered, status, _, _, _ in w["answers"]:
                 answers += 1
                 statuses[status] = statuses.get(status, 0) + 1
@@ -375,6 +405,8 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
         "wire_bytes_per_gradient": outs[0]["wire_bytes"] if outs else 0,
         "join_s": joined_s, "answers_total": answers, "statuses_total": statuses,
         "worker_errors": errors[:5], "worker_error_count": len(errors),
+        "worker_errors_before_window_end": errors_in_window,
+        "window_monotonic": [a["t"], b["t"]],
     }
 
 
@@ -427,6 +459,11 @@ def run(codecs: list[str], counts: list[int], rate: float, per_process: int, qui
                     print(f"   stopped: {exc}; no larger N for {codec}", flush=True)
                     res["stopped"].append({"codec": codec, "workers": n, "why": str(exc)})
                     break
+                except RuntimeError as exc:
+                    print(f"   FAILED: {exc}", flush=True)
+                    res["stopped"].append({"codec": codec, "workers": n,
+                                           "why": f"failed: {str(exc)[:300]}"})
+                    continue
                 res["rows"].append(r)
                 print(f"   applied {r['applied_per_s']:.1f}/s of {rate:.0f}/s offered; latency "
                       f"{r['latency_ms']:.0f} ms; staleness {r['mean_staleness']:.1f}; RSS "
@@ -437,6 +474,11 @@ def run(codecs: list[str], counts: list[int], rate: float, per_process: int, qui
                          if r["worker_error_count"] else ""), flush=True)
     res["derived"] = derive(res["rows"])
     return res
+
+
+def _warnings(row: dict[str, Any], coordinator: bool) -> int:
+    return sum(v["count"] for k, v in row["log_warnings"].items()
+               if k.startswith("coordinator") == coordinator)
 
 
 def _yes(ok: bool | None) -> str:
@@ -509,8 +551,22 @@ def to_markdown(res: dict[str, Any]) -> str:
                   "CPU per update vs N=4, worst", "RSS MB per added worker",
                   "of model size", "within 5 %"], verdict),
         "",
-        *[f"**Stopped:** {x['codec']} with {x['workers']} workers ({x['why']}); larger N not run."
+        *[f"**Not measured:** {x['codec']} with {x['workers']} workers: {x['why']}"
           for x in res["stopped"]],
+        "",
+        "Joining and leaving (outside the windows; seconds from releasing the workers to all N "
+        "connected and the first update; worker errors = connections a light worker lost, with "
+        "when, relative to the window's end; warnings = WARNING lines in the coordinator's / the "
+        "light workers' logs, e.g. a connection silent past the heartbeat timeout; ctl = status "
+        "requests that failed and were asked again):",
+        "",
+        md_table(["codec", "N", "join s", "worker errors (in window)", "warnings coordinator / "
+                  "workers", "ctl retries", "first worker error"],
+                 [[r["codec"], r["workers"], f"{r['join_s']:.1f}",
+                   f"{r['worker_error_count']} ({r['worker_errors_before_window_end']})",
+                   f"{_warnings(r, True)} / {_warnings(r, False)}", r["status_failures"],
+                   (r["worker_errors"][0][:120] if r["worker_errors"] else "-")]
+                  for r in res["rows"]]),
         "",
         "Bytes per gradient on the wire: "
         + ", ".join(f"{r['codec']} {r['wire_bytes_per_gradient'] / 1e6:.1f} MB"
