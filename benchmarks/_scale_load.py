@@ -220,8 +220,10 @@ class LightWorker:
         next_at = time.monotonic()
         while not stop.is_set() and not self._done.is_set():
             delay = next_at - time.monotonic()
-            if delay > 0 and await self._wait_for(stop, delay, self._done):
-                return
+            if delay > 0:
+                await self._wait_for(stop, delay, self._done)
+                if stop.is_set() or self._done.is_set():
+                    return
             self.msg_id += 1
             self._answered.clear()
             self._sent_version = self.version
@@ -251,11 +253,13 @@ class LightWorker:
             while True:
                 msg = await conn.recv()
                 if isinstance(msg, Update):
-                    if msg.msg_id == self.msg_id:
-                        self.answers.append((self._sent_at, time.monotonic(), str(msg.status),
-                                             self._sent_version, msg.version, msg.full))
-                        self.version = msg.version
-                        self._answered.set()
+                    if msg.msg_id != self.msg_id:  # one in flight: never, unless the protocol broke
+                        raise ProtocolError("unexpected", f"an answer to gradient {msg.msg_id}, "
+                                            f"but gradient {self.msg_id} is the one in flight")
+                    self.answers.append((self._sent_at, time.monotonic(), str(msg.status),
+                                         self._sent_version, msg.version, msg.full))
+                    self.version = msg.version
+                    self._answered.set()
                 elif isinstance(msg, Start):
                     self._started.set()
                 elif isinstance(msg, Shutdown):

@@ -71,6 +71,10 @@ MIN_AVAILABLE_MB = 3000
 # -------------------------------------------------------------------------------- /proc
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 def _jiffies_to_s(j: int) -> float:
     return j / os.sysconf("SC_CLK_TCK")
 
@@ -272,6 +276,8 @@ class Run:
                 "memory": mem, "version": st["version"], "uptime": st["uptime_sec"],
                 "stats": st["stats"], "staleness_counts": st["staleness_counts"],
                 "raw_bytes_per_step": st["raw_bytes_per_step"],
+                "answer_bytes": _mean([w["bytes_down_per_step"] for w in st["workers"]
+                                       if w["connected"]]),
                 "connected": st["workers_connected"]}
 
     def finish(self, timeout: float = 180.0) -> list[dict[str, Any]]:
@@ -403,6 +409,7 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
                    "end": b["memory"]["VmHWM"]},
         "model_mb": b["raw_bytes_per_step"] / 2**20,
         "wire_bytes_per_gradient": outs[0]["wire_bytes"] if outs else 0,
+        "answer_bytes_mean": b["answer_bytes"],
         "join_s": joined_s, "answers_total": answers, "statuses_total": statuses,
         "worker_errors": errors[:5], "worker_error_count": len(errors),
         "worker_errors_before_window_end": errors_in_window,
@@ -430,10 +437,15 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
             slope = (mine[big]["rss_mb"]["end"] - ref["rss_mb"]["end"]) / (big - 4)
             hwm_slope = (mine[big]["hwm_mb"]["end"] - ref["hwm_mb"]["end"]) / (big - 4)
             model = mine[big]["model_mb"]
+            # what each worker has in the coordinator today: its shadow (the model in fp32), a
+            # gradient received and waiting for the apply thread, an answer waiting to be sent
+            held = (model + mine[big]["wire_bytes_per_gradient"] / 2**20
+                    + mine[big]["answer_bytes_mean"] / 2**20)
             spread = [mine[k]["rate_vs_4"] for k in mine if k >= 4]
             d.update({
                 "rss_slope_mb_per_worker": slope, "rss_slope_fraction_of_model": slope / model,
                 "hwm_slope_mb_per_worker": hwm_slope,
+                "shadow_gradient_answer_mb": held,
                 "rate_min_vs_4": min(spread), "rate_max_vs_4": max(spread),
                 "cpu_per_update_max_vs_4": max(mine[k]["cpu_per_update_vs_4"] for k in mine if k >= 4),
                 "rate_within_tolerance": all(abs(x - 1) <= RATE_TOLERANCE for x in spread),
@@ -505,12 +517,12 @@ def to_markdown(res: dict[str, Any]) -> str:
     verdict = []
     for codec, d in res["derived"].items():
         if "rss_slope_mb_per_worker" not in d:
-            verdict.append([codec, "-", "-", "-", "-", "-", "-"])
+            verdict.append([codec, "-", "-", "-", "-", "-", "-", "-"])
             continue
         verdict.append([
             codec, f"{d['rate_min_vs_4']:.2f} .. {d['rate_max_vs_4']:.2f}",
             _yes(d["rate_within_tolerance"]), f"{d['cpu_per_update_max_vs_4']:.2f}",
-            f"{d['rss_slope_mb_per_worker']:.1f}",
+            f"{d['rss_slope_mb_per_worker']:.1f}", f"{d['shadow_gradient_answer_mb']:.1f}",
             f"{d['rss_slope_fraction_of_model']:.1%}", _yes(d["rss_within_target"]),
         ])
     return "\n".join([
@@ -547,8 +559,15 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"largest N; RSS growth per added worker (slope of the end RSS from N=4 to the largest "
         f"N) at most {RSS_FRACTION:.0%} of the model's fp32 size.",
         "",
+        "\"shadow + gradient + answer\": what one worker holds in the coordinator today with one "
+        "gradient in flight: its fp32 shadow (the model's size), its gradient received and "
+        "waiting for the apply thread (bytes on the wire) and the answer waiting to be sent "
+        "(mean bytes per answer, from the status). Without shadows, the last two stay unless the "
+        "coordinator bounds how many received gradients and unsent answers it holds.",
+        "",
         md_table(["codec", "rate vs N=4 (N >= 4)", "within 10 %",
                   "CPU per update vs N=4, worst", "RSS MB per added worker",
+                  "shadow + gradient + answer MB",
                   "of model size", "within 5 %"], verdict),
         "",
         *[f"**Not measured:** {x['codec']} with {x['workers']} workers: {x['why']}"
