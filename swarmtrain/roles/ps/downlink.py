@@ -316,12 +316,15 @@ class Downlink:
     :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker costs
     one small int (its track).
 
-    Args: as :class:`UpdateLog`'s (every track gets them); a lossless codec has one track
-    (its answers are the master's weights whatever the lag).
+    With a lossless codec every answer that changes anything is the track's weights (a
+    float32 delta is as large); a coarse track then shares one copy of the weights among all
+    the answers of its interval instead of copying them every version.
+
+    Args: as :class:`UpdateLog`'s (every track gets them).
     """
 
     def __init__(self, codec: Codec, **kwargs: Any) -> None:
-        intervals = (1,) if codec.lossless else TRACK_INTERVALS
+        intervals = TRACK_INTERVALS
         self.tracks = [UpdateLog(codec, **kwargs) for _ in intervals]
         self.intervals = intervals
         self.switches = 0  # workers moved to another track
@@ -332,8 +335,12 @@ class Downlink:
         return self.tracks[0]
 
     def publish(self, master: torch.Tensor, version: int, track: int = 0) -> None:
-        """Publish ``track`` (the finest by default) at ``version``."""
-        self.tracks[track].publish(master, version)
+        """Publish the finest track at ``version``; a coarser one only when its interval has
+        passed (so that the workers it answers meanwhile share its weights)."""
+        if track == 0:
+            self.tracks[0].publish(master, version)
+        else:
+            self._due(master, version, track)
 
     def _due(self, master: torch.Tensor, version: int, track: int) -> UpdateLog:
         t = self.tracks[track]
