@@ -5,7 +5,8 @@ Measured side by side in one run, for each torch thread count asked for:
 (a) baseline: ``torch.optim.Adam(foreach=True).step()`` on the model with gradients set, plus
     ``fused=True`` (the fastest plain Adam here) and the default for-loop Adam for reference;
 (b) swarmtrain: ``Coordinator._apply_gradient(rec, msg)``, the coordinator's whole apply path
-    (decompress, NaN/Inf check, Adam step, downlink delta to the worker's shadow) on a
+    (decompress, the norm screen that also finds NaN/Inf, Adam step, and the publication of
+    the update into the shared downlink log, with the answer to the worker) on a
     ``Gradients`` message whose tensors went through the real codec, ``pack_compressed``,
     ``encode_bytes`` and ``Decoder`` (so they are views over one received buffer, as in
     production); codecs ``none``, ``fp16``, ``topk``. Each piece is also timed on its own;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import math
 import os
 import sys
 import time
@@ -34,12 +36,12 @@ import torch
 from _util import Timing, interleaved, machine, md_table, write_results
 
 from swarmtrain.compression import make_codec
-from swarmtrain.config import load_coordinator_config
+from swarmtrain.config import CoordinatorConfig, load_coordinator_config
 from swarmtrain.roles.ps import coordinator as coordinator_module
 from swarmtrain.roles.ps.common import pack_compressed, unpack_compressed
 from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
 from swarmtrain.tasks import TextLMConfig, TextLMTask
-from swarmtrain.wire import Decoder, Gradients, encode_bytes
+from swarmtrain.wire import Decoder, Gradients, UpdateStatus, encode_bytes
 
 #: the ~10M-parameter model: a byte-level GPT of the textlm task (10,069,120 params, 101 tensors)
 MODEL = TextLMConfig(context=128, d_model=320, n_heads=8, n_layers=8)
@@ -130,18 +132,20 @@ def received_message(grads: dict[str, torch.Tensor], cfg: Any) -> Gradients:
 class ApplyBench:
     """A coordinator with one registered worker, and the pieces of its apply path."""
 
-    PIECES = ("decompress", "nan_check", "adam", "downlink_delta")
+    PIECES = ("decompress", "screen", "adam", "publish")
 
     def __init__(self, codec_name: str, grads: dict[str, torch.Tensor]) -> None:
         self.codec_name = codec_name
+        # (the track's periodic restart is kept out of the apply: timed as `snapshot`)
         cfg = load_coordinator_config(overrides={"compression.type": codec_name,
-                                                 "training.learning_rate": LR})
+                                                 "training.learning_rate": LR,
+                                                 "training.resync_interval": 10**9})
         self.coord = Coordinator(build_model(), cfg, task_name="bench")
         self.rx = received_message(grads, cfg)
         self.wire_bytes = sum(t.numel() * t.element_size() for t in self.rx.tensors.values())
         self.rec = WorkerRecord("bench", "127.0.0.1:0", {}, 32, 0.0, [0])
         self.coord.workers[self.rec.worker_id] = self.rec
-        self.coord._snapshot_for(self.rec)  # what registration does: the worker's shadow
+        self.coord._snapshot_for(self.rec)  # what registration does: the published weights
         self._msg_id = 0
         self.grads = unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
         self._glist = list(self.grads.values())
@@ -152,7 +156,6 @@ class ApplyBench:
 
     def apply(self, _: int) -> None:
         """The production call; the periodic full resync is kept out (timed as ``snapshot``)."""
-        self.rec.since_resync = 0
         self._msg_id += 1
         msg = dataclasses.replace(self.rx, msg_id=self._msg_id, version=self.coord.version)
         status, _reply = self.coord._apply_gradient(self.rec, msg)
@@ -162,20 +165,10 @@ class ApplyBench:
     def decompress(self, _: int) -> None:
         unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
 
-    def nan_check(self, _: int) -> None:
-        """The check ``Coordinator._apply_checked`` makes (its helper, if the module has one)."""
-        check = getattr(coordinator_module, "_all_finite", None)
-        if check is not None:
-            ok = check(list(self.grads.values()))
-        else:  # the original inline expression
-            ok = all(bool(torch.isfinite(g).all()) for g in self.grads.values())
-        if not ok:
-            raise RuntimeError("the benchmark gradients are finite")
-
-    def nan_check_aminmax(self, _: int) -> None:
-        """Alternative: min and max of each tensor (NaN and +-inf propagate), one read pass."""
-        ends = [x for g in self._glist if g.numel() for x in torch.aminmax(g)]
-        if ends and not bool(torch.stack(ends).isfinite().all()):
+    def screen(self, _: int) -> None:
+        """The screen ``Coordinator._refusal`` runs: one norm pass (over the wire values where
+        they are the gradient), which also finds NaN/Inf."""
+        if not math.isfinite(coordinator_module._gradient_norm(self.rx, self.grads)):
             raise RuntimeError("the benchmark gradients are finite")
 
     def adam(self, _: int) -> None:  # the optimizer lines of Coordinator._apply_checked
@@ -186,27 +179,31 @@ class ApplyBench:
         for p in self.coord.params.values():
             p.grad = None
 
-    def downlink_delta(self, i: int) -> None:
-        self.rec.since_resync = 0
-        self.coord._update_for(self.rec, i, "applied")
+    def publish(self, _: int) -> None:
+        """One publication into the downlink log (the version moves, as after an update) and
+        the worker's answer from it."""
+        self.coord.version += 1
+        self.coord._update_for(self.rec, 0, UpdateStatus.APPLIED)
 
     def snapshot(self, _: int) -> None:
-        self.coord._snapshot_for(self.rec)
+        """What a restart of the published track costs: the published copy reset to the
+        master and the full weights copied for the answers."""
+        self.coord.version += 1
+        self.coord.downlink.fine._reset(self.coord._flat_master(), self.coord.version)
+        self.coord._full_update(self.rec, 0, UpdateStatus.APPLIED)
 
     def fns(self) -> dict[str, Callable[[int], Any]]:
         c = self.codec_name
         return {f"{c} apply": self.apply, f"{c} decompress": self.decompress,
-                f"{c} nan_check": self.nan_check, f"{c} adam": self.adam,
-                f"{c} downlink_delta": self.downlink_delta,
-                f"{c} alt nan_check_aminmax": self.nan_check_aminmax,
-                f"{c} snapshot": self.snapshot}
+                f"{c} screen": self.screen, f"{c} adam": self.adam,
+                f"{c} publish": self.publish, f"{c} snapshot": self.snapshot}
 
     def result(self, t: dict[str, Timing]) -> dict[str, Any]:
         c = self.codec_name
         total = t[f"{c} apply"]
         parts = {k: t[f"{c} {k}"] for k in self.PIECES}
-        snapshot, delta = t[f"{c} snapshot"], parts["downlink_delta"]
-        every = self.coord.config.training.resync_interval
+        snapshot, delta = t[f"{c} snapshot"], parts["publish"]
+        every = CoordinatorConfig().training.resync_interval  # the default
         # One apply in resync_interval sends a full snapshot instead of a delta.
         amortized = total.median + (snapshot.median - delta.median) / every
         return {
@@ -217,7 +214,6 @@ class ApplyBench:
             "other_ms": (total.median - sum(v.median for v in parts.values())) * 1e3,
             "resync_snapshot": snapshot.to_dict(),
             "resync_interval": every,
-            "alternatives": {"nan_check_aminmax": t[f"{c} alt nan_check_aminmax"].to_dict()},
             "coordinator_adam": {k: self.coord.optimizer.defaults.get(k)
                                  for k in ("fused", "foreach")},
         }
@@ -325,25 +321,25 @@ def to_markdown(res: dict[str, Any]) -> str:
             p = s["parts"]
             split_rows.append([
                 codec, s["apply"]["median_ms"], p["decompress"]["median_ms"],
-                p["nan_check"]["median_ms"], p["adam"]["median_ms"],
-                p["downlink_delta"]["median_ms"], s["other_ms"],
+                p["screen"]["median_ms"], p["adam"]["median_ms"],
+                p["publish"]["median_ms"], s["other_ms"],
                 s["resync_snapshot"]["median_ms"], s["apply_amortized_resync_ms"],
-                s["alternatives"]["nan_check_aminmax"]["median_ms"],
             ])
         out += [
-            md_table(["codec", "apply", "decompress", "NaN check", "Adam", "downlink delta",
-                      "rest", "resync snapshot", "apply incl. resync", "alt: NaN check by aminmax"],
-                     split_rows),
+            md_table(["codec", "apply", "decompress", "norm screen", "Adam", "publish + answer",
+                      "rest", "track restart", "apply incl. restart"], split_rows),
             "",
         ]
+    every = next(iter(next(iter(res['by_threads'].values()))['swarmtrain'].values()))['resync_interval']
     out += [
-        "Notes: the apply rows keep the periodic full resync (every `resync_interval` = "
-        f"{next(iter(next(iter(res['by_threads'].values()))['swarmtrain'].values()))['resync_interval']}"
-        " applies) out of the timed call; \"apply incl. resync\" adds it back amortized "
-        "(apply + (snapshot - delta) / resync_interval). \"rest\" is apply minus the four "
-        "pieces (bookkeeping and noise; can be negative). \"alt\" times a possible replacement, "
-        "not what swarmtrain runs: `torch.aminmax` per tensor (exact: NaN and +-inf propagate "
-        "to min/max, no overflow fallback needed).",
+        "Notes: \"publish + answer\" is one publication into the shared downlink log (the "
+        "compressed change since the last one, encoded once whatever the number of workers) "
+        "and the answer to one worker from it; with a lossless downlink it is the copy of the "
+        "weights every answer of that version shares. The apply rows keep the periodic restart "
+        f"of the published track (every `resync_interval` = {every} publications) out of the "
+        "timed call; \"apply incl. restart\" adds it back amortized (apply + (restart - publish) "
+        "/ resync_interval). \"rest\" is apply minus the four pieces (bookkeeping and noise; "
+        "can be negative).",
     ]
     return "\n".join(out)
 

@@ -138,6 +138,11 @@ def test_coordinator_metrics_expose_the_named_series_during_a_real_run() -> None
     assert abs(sum(shares.values()) - 1) < 1e-6 and all(s > 0 for s in shares.values())
     steps = by_label(second, "swarmtrain_worker_steps_total", "worker")
     assert all(s > 0 for s in steps.values())
+    # no compression: a float32 delta is as large as the weights, so answers that change
+    # anything carry the full published weights, and the log holds nothing
+    answers = by_label(second, "swarmtrain_downlink_answers_total", "kind")
+    assert answers["full"] >= v2 - 2 and answers["chain"] == 0
+    assert value(second, "swarmtrain_downlink_log_bytes") == 0
     assert set(by_label(second, "swarmtrain_worker_avg_staleness", "worker")) == {"w0", "w1"}
     assert set(by_label(second, "swarmtrain_worker_rejected_total", "worker")) == {"w0", "w1"}
     assert set(by_label(second, "swarmtrain_worker_last_seen_seconds", "worker")) == {"w0", "w1"}

@@ -239,7 +239,7 @@ def test_a_records_shard_index_is_its_first_shard() -> None:
 
 def test_update_status_travels_as_the_same_bytes_as_its_string() -> None:
     for status in UpdateStatus:
-        fields: dict[str, Any] = dict(msg_id=3, version=4, codecs={})
+        fields: dict[str, Any] = dict(msg_id=3, version=4)
         wire = encode_bytes(Update(status=status, **fields))
         assert wire == encode_bytes(Update(status=status.value, **fields))
         d = Decoder()

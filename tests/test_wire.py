@@ -142,9 +142,9 @@ SAMPLES: dict[MsgType, Message] = {
     ),
     MsgType.UPDATE: Update(
         msg_id=42, version=18, status="applied",
-        codecs={"fc.bias": {"codec": "fp16", "shape": [5], "dtype": "float32", "meta": {},
-                            "parts": ["values"]}},
-        tensors={"fc.bias/values": torch.randn(5).to(torch.float16)},
+        deltas=[{"from": 17, "to": 18, "codecs": {"fc.bias": {
+            "codec": "fp16", "shape": [5], "dtype": "float32", "meta": {}, "parts": ["values"]}}}],
+        tensors={"17:fc.bias/values": torch.randn(5).to(torch.float16)},
     ),
     MsgType.ASSIGN: Assign(shards=[0, 3], num_shards=4),
     MsgType.START: Start(version=0),
@@ -240,7 +240,7 @@ def test_round_trip_every_message_type(mtype: MsgType) -> None:
 
 def test_round_trip_of_a_full_update() -> None:
     # a resync: complete weights under their plain names, no codecs
-    msg = Update(msg_id=0, version=30, status="applied", codecs={}, full=True, tensors=_tensors())
+    msg = Update(msg_id=0, version=30, status="applied", full=True, tensors=_tensors())
     (got,) = _decode_all(encode_bytes(msg))
     assert_same_message(got, msg)
 

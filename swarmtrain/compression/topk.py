@@ -26,6 +26,7 @@ from swarmtrain.compression.base import (
     meta_int,
     to_fp16_clamped,
 )
+from swarmtrain.compression.kernels import kernels
 from swarmtrain.errors import ConfigError, RemoteProtocolError
 
 __all__ = ["INDEX_BLOCK", "TopKCodec", "topk_count", "topk_warmup_ratio"]
@@ -154,6 +155,12 @@ def decode_topk(c: Compressed) -> torch.Tensor:
         raise RemoteProtocolError(
             "bad_topk_counts", f"topk: block counts must be >= 0 and sum to k={k}"
         )
+    fast = kernels()
+    if fast is not None and blocks and all(t.is_contiguous() for t in c.parts.values()):
+        out = fast.topk_decode(c.parts["values"], c.parts["index_low"], c.parts["block_counts"], numel)
+        if out is None:
+            raise RemoteProtocolError("bad_topk_index", f"topk: index out of range [0, {numel})")
+        return out.view(c.shape)
     out = torch.zeros(numel, dtype=torch.float32)
     if k:
         indices = _kept_indices(c.parts["index_low"], counts, k)

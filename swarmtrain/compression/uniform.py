@@ -10,7 +10,7 @@ element is exact.
 Unlike QSGD (:mod:`.qsgd`) the rounding is to nearest, so the result is biased but its
 error is small and bounded — about ``sqrt(bucket_size) / 2`` times smaller than QSGD's at
 the same bits, whose levels are spaced by the bucket's L2 norm. That is the right trade
-wherever the error is fed back: the coordinator's weight deltas (the per-worker shadow
+wherever the error is fed back: the coordinator's weight deltas (its published copy
 carries the rounding error into the next delta, so it never accumulates) and gradients
 sent through :class:`~swarmtrain.compression.ErrorFeedback`.
 

@@ -89,7 +89,9 @@ class CoordinatorTrainingConfig(_Section):
     eval_interval_sec: float = _opt(5.0, "seconds between held-out evaluations", flag="--eval-interval",
                                     gt=0.0)
     num_shards: int = _opt(0, "data shards (0 = max(min_workers, 1))", ge=0)
-    resync_interval: int = _opt(50, "updates between full weight resyncs to a worker", ge=1)
+    resync_interval: int = _opt(
+        50, "publications of the shared downlink between restarts of its published track from the "
+        "master (each worker then gets the full weights once)", ge=1)
     seed: int = _opt(0, "seed of the model initialisation", ge=0)
     max_grad_norm: float = _opt(
         0.0, "gradients with a larger L2 norm are clipped or rejected (grad_norm_action); 0 = no "

@@ -72,7 +72,7 @@ class CompressionConfig(_Section):
         "master after an update; beyond it the full weights are sent", gt=0.0)
     downlink: str = _opt(
         "auto", "coordinator only: codec for weight deltas sent to workers; auto = the uplink's, "
-        "except uniform (deterministic, error-compensated by the worker's shadow) when the uplink "
+        "except uniform (deterministic, error-compensated by the published copy) when the uplink "
         "is topk or qsgd (Adam's updates are dense)",
         choices=("auto", *_UPLINK_CODECS, "uniform"))
     downlink_bits: int = _opt(

@@ -264,7 +264,7 @@ def coordinator_cases(rng: random.Random, n_random: int, live: tuple[str, str]) 
             worker_id="x", shard_index=-1, num_shards=0, running=True, paused=True, version=2**64 - 1,
             last_applied_msg_id=2**64 - 1,
         ),
-        Update(msg_id=1, version=2**63 - 1, status="applied", codecs={}), PeerHello(run="x"),
+        Update(msg_id=1, version=2**63 - 1, status="applied"), PeerHello(run="x"),
         StageForward(req=1, session="s", microbatch=0, tensors={"x": torch.zeros(1, 2)}),
         Propose(epoch=2**63 - 1, proposer="x", members=[], addresses={}),
     ):

@@ -367,22 +367,28 @@ class UpdateStatus(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Update(Message):
-    """Coordinator → worker: answer to GRADIENTS ``msg_id`` and the (compressed) weight delta
-    that brings the worker's replica from its last known state to ``version``.
+    """Coordinator → worker: answer to GRADIENTS ``msg_id``, and what brings the worker's
+    replica to the published weights of ``version``.
 
     ``status`` is an :class:`UpdateStatus` value: ``applied``, ``stale`` (dropped: older than
     max_staleness), ``duplicate`` (already applied before a reconnect), ``rejected`` (bad
     values) or ``finished`` (not applied: the run reached ``max_steps``, SHUTDOWN follows). It
     decodes as a plain string, so a worker counts one it does not know.
-    With ``full`` set, ``tensors`` are the complete weights (a resync) and ``codecs`` is empty.
+
+    ``deltas`` is a chain of entries of the coordinator's update log, oldest first, each
+    ``{"from": v0, "to": v1, "codecs": {name: spec}}``: the compressed change from published
+    version ``v0`` to ``v1``, its payload tensors named ``"{v0}:{name}/{part}"``. The first
+    starts at the version the worker holds, each next one where the previous ended, the last
+    ends at ``version``; an empty chain changes nothing. With ``full`` set, ``tensors`` are the
+    complete published weights (a resync) and ``deltas`` is empty.
     """
 
     TYPE = MsgType.UPDATE
-    BOUNDS = {"status": Bound(max_len=32)}
+    BOUNDS = {"status": Bound(max_len=32), "deltas": Bound(max_len=1 << 16)}
     msg_id: int
     version: int
     status: str
-    codecs: dict[str, Any]
+    deltas: list[dict[str, Any]] = field(default_factory=list)
     full: bool = False
     #: buffers whose master values changed since the worker last got them: each travels as
     #: payload tensor ``#i`` (its value) for the i-th name

@@ -174,13 +174,14 @@ def train_one_process(case: Case, data: TaskData | None = None) -> Outcome:
 
 
 def train_ps(case: Case, data: TaskData | None = None, *, workers: int = 2, timeout: float = 90.0,
-             window: bool = True) -> Outcome:
+             window: bool = True, coordinator_overrides: dict[str, Any] | None = None) -> Outcome:
     """A ``Coordinator`` and ``workers`` ``Worker``\\ s in one event loop over loopback TCP;
     ``case.steps`` updates of ``case.batch_size`` samples each are applied. With ``window``
     (bounded asynchrony, the documented setting for quality: ``aggregate_samples`` = the batch)
     each worker computes ``batch / workers`` samples per gradient and the coordinator steps
     once per ``batch`` samples; without it every gradient of ``batch`` samples is an update.
-    The state is the file ``swarmtrain.app.export.export_model`` writes from the coordinator's model."""
+    The state is the file ``swarmtrain.app.export.export_model`` writes from the coordinator's model.
+    ``coordinator_overrides``: more config keys for the coordinator alone (e.g. its downlink)."""
     from safetensors.torch import load_file
 
     from swarmtrain import Coordinator, Worker
@@ -191,7 +192,8 @@ def train_ps(case: Case, data: TaskData | None = None, *, workers: int = 2, time
     coord = Coordinator(case.build(SEED), host="127.0.0.1", port=0, learning_rate=case.lr,
                         max_steps=case.steps, min_workers=workers, eval_interval_sec=3600.0,
                         aggregate_samples=case.batch_size if window else 0,
-                        secret=SECRET, **{"checkpointing.interval": 0})  # type: ignore[arg-type]
+                        secret=SECRET, **{"checkpointing.interval": 0,  # type: ignore[arg-type]
+                                          **(coordinator_overrides or {})})
     ws: list[Worker] = []
 
     async def main() -> None:
@@ -219,7 +221,8 @@ def train_ps(case: Case, data: TaskData | None = None, *, workers: int = 2, time
     return _finish(case, data, "ps", state, applied * worker_batch, seconds,
                    replicas=[w.model.state_dict() for w in ws],
                    models=[w.model for w in ws],
-                   extra={"updates": coord.version, "applied": applied, "workers": workers})
+                   extra={"updates": coord.version, "applied": applied, "workers": workers,
+                          "downlink": coord.downlink.summary()})
 
 
 # --- (c) peer mode --------------------------------------------------------------------------

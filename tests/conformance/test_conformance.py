@@ -102,3 +102,19 @@ def test_peer_mode_diloco(name: str) -> None:
 @pytest.mark.parametrize("name", SEQUENTIAL)
 def test_pipeline_two_stages(name: str) -> None:
     check(CASES[name], lambda case: train_pipeline(case, stages=2))
+
+
+@pytest.mark.parametrize("name,downlink", [("gpt2", "uniform"), ("resnet", "fp16"), ("bf16", "uniform"),
+                                           ("bf16", "fp16")])
+def test_parameter_server_with_a_lossy_downlink(name: str, downlink: str) -> None:
+    """The shared downlink log with a lossy codec (4-bit uniform: chains of several entries;
+    fp16) on models nobody here wrote, BatchNorm and a bf16 model included: the same bound
+    against one process, and every worker ends on the master (the final weights)."""
+    lossy = {"compression.downlink": downlink}
+    out = check(CASES[name], lambda case: train_ps(case, coordinator_overrides=lossy))
+    sent = out.extra["downlink"]
+    assert sent["drift"] <= 0.01, sent
+    if not (name == "bf16" and downlink == "fp16"):
+        assert sent["answers"]["chain"] > 0, sent  # the log answered
+    else:  # an fp16 delta is as large as the bf16 weights: the weights go instead
+        assert sent["answers"]["chain"] == 0 and sent["answers"]["full"] > 0, sent

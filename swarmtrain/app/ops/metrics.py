@@ -110,8 +110,24 @@ class CoordinatorCollector(StatusCollector):
                        "held (sparse_variance = hold)", st.get("held_variance_steps", 0))
         yield from _worker_families(list(st.get("workers") or []))
         yield _staleness(dict(st.get("staleness_counts") or {}))
+        yield from _downlink(dict(st.get("downlink") or {}))
         yield from _traffic(dict(st.get("traffic") or {}))
         yield _refusals(st)
+
+
+def _downlink(d: Mapping[str, Any]) -> Iterator[Metric]:
+    """The shared downlink: what its log holds, how far the published copy is, what went out."""
+    yield _gauge("downlink_log_bytes", "bytes the downlink's update log holds", d.get("log_bytes", 0))
+    yield _gauge("downlink_drift", "relative L2 distance of the published weights from the master",
+                 d.get("drift", 0.0))
+    yield _counter("downlink_resets", "restarts of the published track (every worker then gets the "
+                   "full weights)", d.get("resets", 0))
+    answers = CounterMetricFamily("swarmtrain_downlink_answers", "answers to gradients, by what they "
+                                  "carried (chain of log entries, full weights, nothing new)",
+                                  labels=["kind"])
+    for kind, n in sorted(dict(d.get("answers") or {}).items()):
+        answers.add_metric([str(kind)], _num(n))
+    yield answers
 
 
 def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:

@@ -81,7 +81,7 @@ def downlink_codec(c: CompressionConfig) -> Codec:
     kind = c.downlink
     if kind == "auto":
         # Weight deltas are dense (Adam moves every weight) and what the downlink drops is
-        # kept in the worker's shadow and sent again: a top-k downlink lags far behind and a
+        # kept in master - published and sent again: a top-k downlink lags far behind and a
         # stochastic coarse QSGD one exceeds the drift bound, while deterministic uniform
         # levels scaled by each bucket's largest delta stay within half a level of the master.
         kind = "uniform" if c.type in ("topk", "qsgd") else c.type

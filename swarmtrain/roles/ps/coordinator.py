@@ -1,18 +1,20 @@
 """The parameter-server coordinator: master weights, Adam, asynchronous gradient apply.
 
 Each worker's gradient is applied the moment it arrives (workers never wait for each
-other). The coordinator keeps, per worker, a *shadow* of the replica that worker holds;
-the answer to a gradient is the (compressed) difference between the master weights and
-that shadow, and the shadow advances by exactly what was sent. So whatever compression
-loses on the downlink is sent again next time, and a periodic full resync resets both.
+other). Every worker holds the same *published* weights at some version: after an update
+the coordinator publishes once, whatever the number of workers, a compressed delta into a
+shared log by version (:mod:`swarmtrain.roles.ps.downlink`); the answer to a gradient is
+the chain of entries the worker lacks, or the published weights when that chain would be
+larger. Whatever compression loses on the downlink stays in ``master − published`` and goes
+out with the next entry; the coordinator's memory does not grow with the workers.
 
 The model's state is more than its trainable parameters (:mod:`swarmtrain.core.modelstate`):
 frozen parameters are sent once and never stepped; a parameter without a gradient in a
 message is not stepped (as torch's optimizers skip ``grad is None``); buffers (BatchNorm
 statistics) are kept current by adding each applied gradient's buffer changes to a master
 copy and sending changed values back. A float16 or bfloat16 model gets float32 master
-weights and Adam state here; its workers hold, bit for bit, the master rounded to the model's
-dtype (the shadow mirrors that rounding).
+weights and Adam state here; its workers hold, bit for bit, the published weights rounded to
+the model's dtype (the published copy is rounded so too).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmtrain.compression import LOSSLESS_CODECS
+from swarmtrain.compression.kernels import kernels
 from swarmtrain.config import CoordinatorConfig, apply_kwargs, resolve_secret, resolve_tls
 from swarmtrain.core.ema import MovingAverage
 from swarmtrain.core.events import RunRecorder
@@ -49,16 +51,15 @@ from swarmtrain.errors import (
 from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
 from swarmtrain.roles.ps.common import (
-    FUSED,
     check_compression_match,
     check_fingerprint,
     downlink_codec,
     pack_buffers,
-    pack_compressed,
     payload_bytes,
     split_buffers,
     unpack_compressed,
 )
+from swarmtrain.roles.ps.downlink import Downlink
 from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
@@ -159,8 +160,6 @@ class WorkerRecord:
     shards: list[int] = field(default_factory=list)
     conn: Connection | None = None
     welcomed: bool = False
-    #: the worker's replica as the coordinator knows it, flattened like :data:`FUSED`
-    shadow: torch.Tensor | None = None
     steps: int = 0
     samples: int = 0
     stale: int = 0
@@ -169,7 +168,6 @@ class WorkerRecord:
     last_refusal: str = ""  # why the last gradient was refused
     duplicates: int = 0
     last_msg_id: int = 0
-    since_resync: int = 0
     staleness_total: int = 0
     loss: float = math.nan
     last_seen: float = field(default_factory=time.monotonic)
@@ -190,6 +188,8 @@ class WorkerRecord:
     step_time: MovingAverage = field(default_factory=lambda: MovingAverage(STEP_TIME_KEEP))
     #: the weights version its replica holds (the one it computes its next gradient on)
     holds_version: int = -1
+    #: the downlink track its replica is on (roles/ps/downlink.py; 0: the finest)
+    track: int = 0
     #: the worker holds the master buffers as of this version (changes after it are sent)
     buffers_version: int = -1
     #: its shard set changed while it (or another) was registering: an ASSIGN is owed
@@ -307,8 +307,14 @@ class Coordinator:
         self.base_lr = t.learning_rate
         self.optimizer = make_adam(list(self.params.values()), lr=self.base_lr,
                                     betas=(t.beta1, t.beta2), eps=t.epsilon, weight_decay=t.weight_decay)
-        # Weight deltas to workers; the per-worker shadow keeps whatever this codec drops.
+        # Weight deltas to workers: published once per version into a shared log; what this
+        # codec drops stays in master - published and goes with the next entry.
         self.codec = downlink_codec(cfg.compression)
+        self.downlink = Downlink(
+            self.codec, split=self._split, names=list(self.params), round_replica=self._round_replica,
+            replica_bytes=sum(p.numel() * p.element_size() for p in self.state.trainable.values()),
+            fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
+            reset_interval=t.resync_interval)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
         #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
         self.screen = NormScreen(t.outlier_norm_factor)
@@ -432,6 +438,9 @@ class Coordinator:
         timeouts = Timeouts(handshake=net.handshake_timeout_sec,
                             heartbeat_interval=net.heartbeat_interval_sec,
                             heartbeat_timeout=net.heartbeat_timeout_sec)
+        # the fused kernels (built once per machine, ~1 s) before the first worker, not during
+        # the first update while that worker waits
+        await self.run_on_apply_thread(kernels)
         self._server = await start_server(
             net.host, net.port, self._handle, secret=self.secret, tls=self.tls, timeouts=timeouts,
             send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
@@ -597,7 +606,6 @@ class Coordinator:
             if rec.conn is conn:
                 rec.conn = None
                 rec.welcomed = False
-                rec.shadow = None
                 self.record_event("left", worker=rec.worker_id, reason=str(self._leave_reason(conn)))
                 if not self.finished:
                     with contextlib.suppress(SwarmError):
@@ -806,21 +814,29 @@ class Coordinator:
                 if b is not self.buffers[n]:
                     b.copy_(self.buffers[n])
 
-    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False) -> Weights:
-        """Full weights for ``rec`` (its shadow becomes them): the trainable parameters and the
-        synced buffers, plus frozen parameters and constant buffers with ``everything`` (at
+    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False, track: int | None = None) -> Weights:
+        """The published weights for ``rec`` (its replica becomes them): the trainable
+        parameters (published now, copied once per version whoever asks) and the synced
+        buffers' masters, plus frozen parameters and constant buffers with ``everything`` (at
         registration: a worker's frozen backbone becomes the coordinator's)."""
-        snap = (self._state_snapshot() if everything
-                else {**self._replica_weights(), **self._model_buffers(synced_only=True)})
         master = self._flat_master()
-        if rec.shadow is not None and rec.shadow.shape == master.shape:
-            rec.shadow.copy_(master)  # reuse: a fresh big buffer costs page faults
+        if track is None:  # (registration: the finest track)
+            track = rec.track = 0
+        self.downlink.publish(master, self.version, track)
+        version, trainable = self.downlink.snapshot(master, self._as_replica, track)
+        if everything:
+            frozen = {n: p.detach() for n, p in self.state.frozen.items()}  # never change
+            rest = {**frozen, **self._model_buffers()}
         else:
-            rec.shadow = master.clone()
-        self._round_replica(rec.shadow)
-        rec.since_resync = 0
-        rec.buffers_version = rec.holds_version = self.version
-        return Weights(version=self.version, tensors=snap)
+            rest = self._model_buffers(synced_only=True)
+        rec.buffers_version = self.version
+        rec.holds_version = version
+        return Weights(version=version, tensors={**trainable, **rest})
+
+    def _as_replica(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Flat-vector views shaped like the parameters -> new tensors in the model's dtypes."""
+        dtypes = [p.dtype for p in self.state.trainable.values()]
+        return {n: (v.to(d) if v.dtype != d else v.clone()) for n, v, d in zip(self.params, views, dtypes)}
 
     def _round_replica(self, flat: torch.Tensor) -> None:
         """Round the half-precision parameters' part of a flat replica to the model's dtype, as
@@ -998,7 +1014,7 @@ class Coordinator:
         for name, change in buffer_changes.items():
             if change.is_floating_point() and not bool(torch.isfinite(change).all()):
                 return f"buffer {name!r} changed by NaN or infinite values"
-        norm = _global_norm(list(grads.values()))  # one pass: also the screen for NaN/Inf
+        norm = _gradient_norm(msg, grads)  # one pass: also the screen for NaN/Inf
         if not math.isfinite(norm):
             if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
                 return "NaN or infinite values"
@@ -1133,50 +1149,32 @@ class Coordinator:
         return min(4.0, max(0.05, samples / mean)) if mean else 1.0
 
     def _update_for(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
-        """The weight delta that brings ``rec``'s replica to the master weights, compressed.
+        """What brings ``rec``'s replica to the published weights: the log's entries after the
+        version it holds, as they were encoded once for everyone, or the published weights.
 
-        Drift bound: after every update, the worker's weights (equal to ``rec.shadow``, bit for
-        bit) are within ``max_drift`` relative L2 distance of the master weights; when the
-        compressed delta would leave them further away, the full weights go instead. A full
-        resync also goes every ``resync_interval`` updates.
+        Drift bound: the published weights (what every worker holds after an update, bit for
+        bit) are within ``max_drift`` relative L2 distance of the master weights; a
+        publication that would leave them further away sends everyone the full weights.
         """
-        rec.since_resync += 1
-        if rec.shadow is None or rec.since_resync >= self.config.training.resync_interval:
-            return self._full_update(rec, msg_id, status)
         master = self._flat_master()
-        if master.numel() <= FUSE_MAX_NUMEL:
-            # one flat delta, one codec call (FUSED): for small models per-tensor calls cost
-            # more than the arithmetic
-            names, masters, shadows = [FUSED], [master], [rec.shadow]
-        else:
-            # per tensor: every temporary stays small enough for the allocator to reuse (a
-            # fresh 40 MB one costs more in page faults than the arithmetic on it)
-            names, masters = list(self.params), self._split(master)
-            shadows = self._split(rec.shadow)
-        deltas = torch._foreach_sub(masters, shadows)
-        pairs = [self.codec.compress_decoded(d) for d in deltas]
-        items = {n: item for n, (item, _) in zip(names, pairs)}
-        sent = [decoded for _, decoded in pairs]
-        if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
-            # (a lossless `sent` may be its delta itself: subtract out of place)
-            rec.drift = _global_norm(torch._foreach_sub(deltas, sent)) / max(_global_norm(masters), 1e-30)
-            if rec.drift > self.config.compression.max_drift:
-                return self._full_update(rec, msg_id, status)
-        # The shadow moves by exactly what the worker will add, in place: no message holds
-        # the shadow (resyncs send their own snapshot).
-        torch._foreach_add_(shadows, sent)
-        self._round_replica(rec.shadow)
-        codecs, tensors = pack_compressed(items)
+        self.downlink.publish(master, self.version)  # the finest track: every version
+        track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
+        rec.track = track
+        rec.drift = self.downlink.tracks[track].drift
+        if chain is None:
+            return self._full_update(rec, msg_id, status, track)
+        tensors: dict[str, torch.Tensor] = {}
+        for entry in chain:
+            tensors.update(entry.tensors)
         buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
-        return Update(msg_id=msg_id, version=self.version, status=status, codecs=codecs,
-                      buffers=buffer_names, tensors={**tensors, **buffer_tensors})
+        return Update(msg_id=msg_id, version=self.downlink.tracks[track].head, status=status,
+                      deltas=[entry.header() for entry in chain], buffers=buffer_names,
+                      tensors={**tensors, **buffer_tensors})
 
-    def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
-        w = self._snapshot_for(rec)
+    def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus, track: int = 0) -> Update:
+        w = self._snapshot_for(rec, track=track)
         rec.resyncs += 1
-        rec.drift = 0.0
-        return Update(msg_id=msg_id, version=w.version, status=status, codecs={}, full=True,
-                      tensors=w.tensors)
+        return Update(msg_id=msg_id, version=w.version, status=status, full=True, tensors=w.tensors)
 
     # -- control, evaluation, status -------------------------------------------------------
 
@@ -1295,6 +1293,8 @@ class Coordinator:
             "workers": [r.summary(total, self.raw_bytes_per_step) for r in self.workers.values()],
             "events": list(self.events)[-20:],
             "staleness_counts": {str(k): n for k, n in sorted(dict(self.staleness_counts).items())},
+            # the shared downlink: published version, the log, answers by kind (chain / full)
+            "downlink": self.downlink.summary(),
             "traffic": self._server.traffic() if self._server is not None else {},
             # everything refused, by reason: connections (handshakes, caps) and messages
             "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),
@@ -1344,6 +1344,27 @@ def _master_weights(
         else:
             masters[name] = p.detach().to("cpu", master_dtype(p.dtype)).clone()
     return masters, None, lowp
+
+
+#: codecs whose decoded tensor is its ``values`` part put in place, exactly (so both have
+#: one norm); the screen reads the smaller wire values instead of the decoded tensor
+_VALUES_ARE_THE_GRADIENT = frozenset({"none", "fp16", "topk"})
+
+
+def _gradient_norm(msg: Gradients, grads: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of a decoded gradient, read from the smallest exact form of each tensor:
+    the float16 values on the wire (a top-k gradient's k of them) where decoding only widens
+    and places them, the decoded tensor otherwise. One pass, in the fused kernels when built."""
+    sources = []
+    for name, g in grads.items():
+        values = (msg.tensors.get(f"{name}/values")
+                  if msg.codecs[name].get("codec") in _VALUES_ARE_THE_GRADIENT else None)
+        sources.append(values if values is not None else g)
+    fast = kernels()
+    if fast is not None and all(t.device.type == "cpu" and t.is_contiguous()
+                                and t.dtype in (torch.float32, torch.float16) for t in sources):
+        return math.sqrt(sum(fast.sumsq(t) for t in sources))
+    return _global_norm(sources)
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> float:

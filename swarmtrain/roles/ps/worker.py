@@ -59,6 +59,7 @@ from swarmtrain.roles.ps.common import (
     split_buffers,
     unpack_compressed,
 )
+from swarmtrain.roles.ps.downlink import entry_tensors
 from swarmtrain.roles.ps.randomness import CycledIterable, OwnRandomness, loader_generators, worker_seed
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
@@ -663,18 +664,41 @@ class Worker:
                 self._load_full(item.tensors, item.version)
             else:
                 values, rest = split_buffers(item.buffers, item.tensors, self.buffers)
-                deltas = unpack_compressed(item.codecs, rest, self.params)
-                self._add_deltas(deltas)
+                self._add_chain(item.deltas, rest, item.version)
                 if values:  # (split_buffers checked their shapes)
                     self.state.load(values)
                 self.version = item.version
 
+    def _add_chain(self, chain: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor],
+                   version: int) -> None:
+        """Add the update log's entries in order. The chain is checked whole before any of it
+        is added: each entry must start where the previous one ended, the first where our
+        replica is, the last at ``version`` (the coordinator keeps no copy of our replica; a
+        gap means its bookkeeping and ours differ, and re-registering mends it)."""
+        at = self.version
+        steps: list[tuple[int, dict[str, Any]]] = []
+        for entry in chain:
+            start, end, codecs = (entry.get(k) if isinstance(entry, dict) else None
+                                  for k in ("from", "to", "codecs"))
+            if not isinstance(start, int) or not isinstance(end, int) or not isinstance(codecs, dict):
+                raise ProtocolError("bad_update", "an UPDATE's delta entry is malformed")
+            if start != at:
+                raise ProtocolError("bad_update", f"an UPDATE's delta starts at version {start}, "
+                                    f"and this worker holds version {at}")
+            steps.append((start, codecs))
+            at = end
+        if chain and at != version:
+            raise ProtocolError("bad_update", f"an UPDATE's deltas end at version {at}, not at its "
+                                f"version {version}")
+        for start, codecs in steps:
+            self._add_deltas(unpack_compressed(codecs, entry_tensors(tensors, start), self.params))
+
     def _add_deltas(self, deltas: Mapping[str, torch.Tensor]) -> None:
         """Add the coordinator's weight deltas (float32, CPU) to our replica. A float32
         parameter adds them; a half-precision one becomes ``dtype(float32(p) + delta)``, the
-        rounding the coordinator's shadow of us applies too (so both stay bit-identical)."""
+        rounding the coordinator's published weights get too (so both stay bit-identical)."""
         same, same_deltas = [], []
-        with torch.no_grad():  # the coordinator's shadow of us moves by exactly this
+        with torch.no_grad():  # the coordinator's published weights moved by exactly this
             for name, p in self.params.items():
                 d = deltas[name].to(self.device, non_blocking=True)
                 if p.dtype == torch.float32:

@@ -1,0 +1,237 @@
+/* swarmtrain's CPU kernels: one pass over memory where torch would take several.
+ *
+ * Built on first use by swarmtrain/compression/kernels.py with the machine's C compiler
+ * (-O3 -march=native -ffp-contract=off) and loaded with ctypes, which lets go of the GIL
+ * during a call: kernels.py runs one call per thread on slices of a tensor. Every kernel
+ * computes, bit for bit, what the torch code it replaces computes: -ffp-contract=off keeps
+ * a*b+c two roundings (as torch's separate ops are), and nothing is reassociated (no
+ * -ffast-math). Sums of squares are accumulated in double, so they neither overflow nor
+ * lose small terms.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FP16_MAX 65504.0f
+#define LANES 16
+#define BLOCK 1024
+
+/* The published copy moves by the fp16 rounding of (master - published):
+ *   d = m[i] - pub[i]; h = fp16(clamp(d, +-65504)); pub[i] += float(h); out[i] = h
+ * sums[0] += (d - float(h))^2 (what the downlink left out), sums[1] += m[i]^2. */
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+static inline double hsum(__m256 v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    double a = 0.0;
+    for (int j = 0; j < 8; j++) a += t[j];
+    return a;
+}
+#endif
+
+void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, double *sums) {
+    double resid = 0.0, norm = 0.0;
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 hi = _mm256_set1_ps(FP16_MAX), lo = _mm256_set1_ps(-FP16_MAX);
+    /* float partial sums per block of BLOCK, added into the double totals */
+    for (; i + BLOCK <= n; i += BLOCK) {
+        __m256 r0 = _mm256_setzero_ps(), r1 = r0, n0 = r0, n1 = r0;
+        for (int64_t k = i; k < i + BLOCK; k += 16) {
+            __m256 ma = _mm256_loadu_ps(m + k), mb = _mm256_loadu_ps(m + k + 8);
+            __m256 pa = _mm256_loadu_ps(pub + k), pb = _mm256_loadu_ps(pub + k + 8);
+            __m256 da = _mm256_sub_ps(ma, pa), db = _mm256_sub_ps(mb, pb);
+            /* min/max keep NaN where the scalar clamp does (the second operand wins) */
+            __m256 ca = _mm256_max_ps(_mm256_min_ps(da, hi), lo);
+            __m256 cb = _mm256_max_ps(_mm256_min_ps(db, hi), lo);
+            ca = _mm256_blendv_ps(ca, da, _mm256_cmp_ps(da, da, _CMP_UNORD_Q));
+            cb = _mm256_blendv_ps(cb, db, _mm256_cmp_ps(db, db, _CMP_UNORD_Q));
+            __m128i ha = _mm256_cvtps_ph(ca, _MM_FROUND_TO_NEAREST_INT);
+            __m128i hb = _mm256_cvtps_ph(cb, _MM_FROUND_TO_NEAREST_INT);
+            __m256 ea = _mm256_cvtph_ps(ha), eb = _mm256_cvtph_ps(hb);
+            _mm256_storeu_ps(pub + k, _mm256_add_ps(pa, ea));
+            _mm256_storeu_ps(pub + k + 8, _mm256_add_ps(pb, eb));
+            _mm_storeu_si128((__m128i *)(out + k), ha);
+            _mm_storeu_si128((__m128i *)(out + k + 8), hb);
+            __m256 ra = _mm256_sub_ps(da, ea), rb = _mm256_sub_ps(db, eb);
+            r0 = _mm256_add_ps(r0, _mm256_mul_ps(ra, ra));
+            r1 = _mm256_add_ps(r1, _mm256_mul_ps(rb, rb));
+            n0 = _mm256_add_ps(n0, _mm256_mul_ps(ma, ma));
+            n1 = _mm256_add_ps(n1, _mm256_mul_ps(mb, mb));
+        }
+        resid += hsum(r0) + hsum(r1);
+        norm += hsum(n0) + hsum(n1);
+    }
+#endif
+    for (; i < n; i++) {
+        float d = m[i] - pub[i];
+        float c = d > FP16_MAX ? FP16_MAX : (d < -FP16_MAX ? -FP16_MAX : d);
+        _Float16 h = (_Float16)c;
+        float e = (float)h;
+        pub[i] = pub[i] + e;
+        out[i] = h;
+        double r = (double)(d - e);
+        resid += r * r;
+        norm += (double)m[i] * (double)m[i];
+    }
+    sums[0] = resid;
+    sums[1] = norm;
+}
+
+/* The uniform codec (swarmtrain/compression/uniform.py) on d = m - pub, bucket by bucket:
+ *   M = max|d| over the bucket; f = (1 / M) * s (0 when M is 0); level = clamp(rint(d * f), -s, s);
+ *   code = level + s, packed 8/bits per byte, least significant bits first;
+ *   pub[i] += level * (M / s).
+ * sums as for fp16; returns 0, or 1 when a bucket holds NaN or inf (nothing is then sure
+ * to be consistent: the caller restarts from the master). */
+#define CHUNK 2048
+int st_publish_uniform(const float *m, float *pub, uint8_t *codes, float *scales, int64_t n,
+                       int64_t bucket, int bits, double *sums) {
+    const int s = (1 << (bits - 1)) - 1;
+    const int per_byte = 8 / bits;
+    const int64_t nb = (n + bucket - 1) / bucket;
+    int bad = 0;
+    double resid = 0.0, norm = 0.0;
+    uint8_t buf[CHUNK];
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t lo = b * bucket, hi = lo + bucket < n ? lo + bucket : n;
+        /* pass 1: the bucket's largest magnitude, and whether it is finite */
+        float mx = 0.0f;
+        int finite = 1;
+        int64_t i = lo;
+#ifdef HAVE_AVX2
+        {
+            const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.4028234663852886e38f);
+            __m256 vmx = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            for (; i + 8 <= hi; i += 8) {
+                __m256 a = _mm256_andnot_ps(sign, _mm256_sub_ps(_mm256_loadu_ps(m + i), _mm256_loadu_ps(pub + i)));
+                ok = _mm256_and_ps(ok, _mm256_cmp_ps(a, big, _CMP_LE_OQ));
+                vmx = _mm256_max_ps(vmx, a);
+            }
+            float t[8];
+            _mm256_storeu_ps(t, vmx);
+            for (int j = 0; j < 8; j++) mx = t[j] > mx ? t[j] : mx;
+            if (_mm256_movemask_ps(ok) != 0xff) finite = 0;
+        }
+#endif
+        for (; i < hi; i++) {
+            float a = fabsf(m[i] - pub[i]);
+            if (!(a <= 3.4028234663852886e38f)) finite = 0;
+            mx = a > mx ? a : mx;
+        }
+        if (!finite) {
+            bad = 1;
+            scales[b] = NAN;
+            continue;
+        }
+        scales[b] = mx;
+        /* torch computes the codec's int / tensor as reciprocal(tensor) * int */
+        const float f = mx > 0.0f ? (1.0f / mx) * (float)s : 0.0f;
+        const float unit = mx / (float)s;
+        /* pass 2, a chunk at a time: levels, codes, the published copy, the sums */
+        for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
+            const int64_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
+            int64_t k = c0;
+#ifdef HAVE_AVX2
+            {
+                const __m256 vf = _mm256_set1_ps(f), vu = _mm256_set1_ps(unit);
+                const __m256 smax = _mm256_set1_ps((float)s), smin = _mm256_set1_ps((float)-s);
+                __m256 r0 = _mm256_setzero_ps(), n0 = r0;
+                for (; k + 8 <= c1; k += 8) {
+                    __m256 mv = _mm256_loadu_ps(m + k), pv = _mm256_loadu_ps(pub + k);
+                    __m256 d = _mm256_sub_ps(mv, pv);
+                    __m256 level = _mm256_round_ps(_mm256_mul_ps(d, vf),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    level = _mm256_min_ps(_mm256_max_ps(level, smin), smax);
+                    __m256i code = _mm256_cvtps_epi32(_mm256_add_ps(level, smax));
+                    __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+                    __m128i c8 = _mm_packus_epi16(c16, c16);
+                    _mm_storel_epi64((__m128i *)(buf + (k - c0)), c8);
+                    __m256 e = _mm256_mul_ps(level, vu);
+                    _mm256_storeu_ps(pub + k, _mm256_add_ps(pv, e));
+                    __m256 r = _mm256_sub_ps(d, e);
+                    r0 = _mm256_add_ps(r0, _mm256_mul_ps(r, r));
+                    n0 = _mm256_add_ps(n0, _mm256_mul_ps(mv, mv));
+                }
+                resid += hsum(r0);
+                norm += hsum(n0);
+            }
+#endif
+            for (; k < c1; k++) {
+                float d = m[k] - pub[k];
+                float level = rintf(d * f);
+                level = level < (float)-s ? (float)-s : (level > (float)s ? (float)s : level);
+                buf[k - c0] = (uint8_t)((int)level + s);
+                float e = level * unit;
+                pub[k] = pub[k] + e;
+                double r = (double)(d - e);
+                resid += r * r;
+                norm += (double)m[k] * (double)m[k];
+            }
+            /* pack: code i of the slice goes to byte i / per_byte, bit (i % per_byte) * bits;
+             * c0 - lo and the bucket start are multiples of per_byte (the caller checks) */
+            const int64_t len = c1 - c0;
+            uint8_t *dst = codes + c0 / per_byte;
+            if (bits == 8) {
+                memcpy(dst, buf, (size_t)len);
+            } else if (bits == 4) {
+                int64_t j = 0;
+                for (; 2 * j + 1 < len; j++) dst[j] = (uint8_t)(buf[2 * j] | (buf[2 * j + 1] << 4));
+                if (2 * j < len) dst[j] = buf[2 * j];
+            } else {
+                for (int64_t j = 0; j * 4 < len; j++) {
+                    uint8_t v = 0;
+                    for (int q = 0; q < 4 && 4 * j + q < len; q++) v |= (uint8_t)(buf[4 * j + q] << (2 * q));
+                    dst[j] = v;
+                }
+            }
+        }
+    }
+    sums[0] = resid;
+    sums[1] = norm;
+    return bad;
+}
+
+/* sum of squares of float32 / float16 values (NaN and inf make it NaN / inf) */
+#define SUMSQ(name, type)                                                    \
+    double name(const type *x, int64_t n) {                                  \
+        double acc = 0.0;                                                    \
+        int64_t i = 0;                                                       \
+        for (; i + BLOCK <= n; i += BLOCK) {                                 \
+            float l[LANES] = {0};                                            \
+            for (int64_t k = i; k < i + BLOCK; k += LANES)                   \
+                for (int j = 0; j < LANES; j++) {                            \
+                    float v = (float)x[k + j];                               \
+                    l[j] += v * v;                                           \
+                }                                                            \
+            for (int j = 0; j < LANES; j++) acc += l[j];                     \
+        }                                                                    \
+        for (; i < n; i++) acc += (double)(float)x[i] * (double)(float)x[i]; \
+        return acc;                                                          \
+    }
+SUMSQ(st_sumsq_f32, float)
+SUMSQ(st_sumsq_f16, _Float16)
+
+/* The top-k decoder (swarmtrain/compression/topk.py) after its checks: out = 0 but for the
+ * k kept entries, block b's j-th at b * 65536 + index_low, value widened from float16.
+ * Returns 0, or 1 (out is then not to be used) when an index is >= n. */
+int st_topk_decode(const _Float16 *values, const uint16_t *index_low, const int32_t *counts,
+                   int64_t blocks, float *out, int64_t n) {
+    memset(out, 0, (size_t)n * sizeof(float));
+    int64_t pos = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t base = b << 16, end = pos + counts[b];
+        if (base + 65536 <= n) {
+            for (; pos < end; pos++) out[base + index_low[pos]] = (float)values[pos];
+        } else {
+            for (; pos < end; pos++) {
+                int64_t idx = base + index_low[pos];
+                if (idx >= n) return 1;
+                out[idx] = (float)values[pos];
+            }
+        }
+    }
+    return 0;
+}

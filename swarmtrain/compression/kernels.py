@@ -1,0 +1,243 @@
+"""Fused CPU kernels for the coordinator's hot path, built on first use.
+
+The downlink publication (``master − published``, its fp16 or uniform coding, the published
+copy moved by what was coded, and the two norms of the drift bound) is one pass over memory
+here, where the torch ops it replaces make six or more; so are a top-k gradient's decoding
+and the screen's sum of squares. The C source is
+``swarmtrain/compression/kernels.c``; it is compiled once per machine with the C compiler ``cc``
+(or ``$CC``) into ``~/.cache/swarmtrain/kernels/`` (``$SWARMTRAIN_CACHE_DIR``, or
+``$XDG_CACHE_HOME``), the way DeepSpeed builds its CPU Adam, and loaded with ctypes. Every
+kernel gives, bit for bit, what the torch code gives (tests/test_kernels.py holds them to
+it), so a worker decoding with torch holds exactly what the coordinator's copy holds.
+
+No compiler, a failed build, ``SWARMTRAIN_KERNELS=0``, or tensors these kernels do not take
+(not float32, not contiguous, not on the CPU): :func:`kernels` returns None and the caller
+runs its torch code, which is equally correct and slower. One log line says why.
+
+ctypes lets go of the GIL for the duration of a call, so a tensor is cut into slices that
+run on ``torch.get_num_threads()`` threads at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+__all__ = ["Kernels", "kernels"]
+
+log = logging.getLogger("swarmtrain.kernels")
+T = TypeVar("T")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+#: slices smaller than this are not worth a thread
+MIN_SLICE = 1 << 18
+
+_lock = threading.Lock()
+_loaded: Kernels | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("SWARMTRAIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "swarmtrain" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    """Compile the kernels (once per source, compiler, flags and CPU) and return the path."""
+    key = hashlib.sha256(b"\0".join([
+        SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
+        platform.machine().encode(), sys.version.encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"swarmtrain-kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build beside it and rename: processes building at once each get a whole library
+    fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class Kernels:
+    """The loaded kernels, each taking torch tensors (checked) and running on slices."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        p, i64, f64p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)
+        lib.st_publish_fp16.argtypes = [p, p, p, i64, f64p]
+        lib.st_publish_fp16.restype = None
+        lib.st_publish_uniform.argtypes = [p, p, p, p, i64, i64, ctypes.c_int, f64p]
+        lib.st_publish_uniform.restype = ctypes.c_int
+        lib.st_topk_decode.argtypes = [p, p, p, i64, p, i64]
+        lib.st_topk_decode.restype = ctypes.c_int
+        lib.st_sumsq_f32.argtypes = lib.st_sumsq_f16.argtypes = [p, i64]
+        lib.st_sumsq_f32.restype = lib.st_sumsq_f16.restype = ctypes.c_double
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    # -- slicing --------------------------------------------------------------------------
+
+    def _slices(self, n: int, align: int = 1) -> list[tuple[int, int]]:
+        """[lo, hi) ranges covering n, each a multiple of ``align`` long (but the last)."""
+        if n == 0:
+            return [(0, 0)]
+        threads = max(1, torch.get_num_threads())
+        count = max(1, min(threads, n // MIN_SLICE))
+        step = -(-n // count)
+        step = -(-step // align) * align
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def _run(self, calls: Sequence[Callable[[], T]]) -> list[T]:
+        """Run the calls, the first on this thread and the others on the pool, at once."""
+        if len(calls) == 1:
+            return [calls[0]()]
+        threads = len(calls)
+        if self._pool is None or self._pool_size < threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="swarm-kernel")
+            self._pool_size = threads
+        futures = [self._pool.submit(c) for c in calls[1:]]
+        first = calls[0]()
+        return [first, *(f.result() for f in futures)]
+
+    # -- kernels --------------------------------------------------------------------------
+
+    def publish_fp16(self, master: torch.Tensor, published: torch.Tensor,
+                     out: torch.Tensor) -> tuple[float, float]:
+        """``out = fp16(master − published)`` (saturating), ``published += float(out)``;
+        returns (Σ (delta − sent)², Σ master²)."""
+        _check(master, torch.float32, published, out)
+        _check(published, torch.float32)
+        _check(out, torch.float16)
+        mp, pp, op = master.data_ptr(), published.data_ptr(), out.data_ptr()
+        sums = [(ctypes.c_double * 2)() for _ in self._slices(master.numel())]
+
+        def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> None:
+            self._lib.st_publish_fp16(mp + 4 * lo, pp + 4 * lo, op + 2 * lo, hi - lo, s)
+
+        self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(self._slices(master.numel()), sums)])
+        return sum(s[0] for s in sums), sum(s[1] for s in sums)
+
+    def publish_uniform(self, master: torch.Tensor, published: torch.Tensor, codes: torch.Tensor,
+                        scales: torch.Tensor, bucket: int, bits: int) -> tuple[float, float] | None:
+        """The uniform codec on ``master − published`` (see kernels.c), ``published`` moved by
+        what it decodes to; (Σ (delta − sent)², Σ master²), or None when a bucket holds NaN
+        or inf (``published`` is then not to be trusted)."""
+        _check(master, torch.float32, published)
+        _check(published, torch.float32)
+        _check(codes, torch.uint8)
+        _check(scales, torch.float32)
+        n = master.numel()
+        per_byte = 8 // bits
+        if bucket % per_byte or codes.numel() != (n * bits + 7) // 8 or scales.numel() != -(-n // bucket):
+            raise ValueError("publish_uniform: bucket must be a multiple of 8 // bits and the "
+                             "outputs sized for the codec")
+        mp, pp, cp, sp = master.data_ptr(), published.data_ptr(), codes.data_ptr(), scales.data_ptr()
+        slices = self._slices(n, align=bucket)
+        sums = [(ctypes.c_double * 2)() for _ in slices]
+
+        def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> int:
+            return int(self._lib.st_publish_uniform(mp + 4 * lo, pp + 4 * lo, cp + lo * bits // 8,
+                                                    sp + 4 * (lo // bucket), hi - lo, bucket, bits, s))
+
+        bad = self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(slices, sums)])
+        if any(bad):
+            return None
+        return sum(s[0] for s in sums), sum(s[1] for s in sums)
+
+    def topk_decode(self, values: torch.Tensor, index_low: torch.Tensor, counts: torch.Tensor,
+                    numel: int) -> torch.Tensor | None:
+        """The dense float32 tensor of a top-k part set whose counts add up to k (the decoder
+        checked that); None when an index is out of range."""
+        _check(values, torch.float16, index_low)
+        _check(index_low, torch.uint16)
+        _check(counts, torch.int32)
+        if counts.numel() != -(-numel // 65536):
+            raise ValueError(f"topk_decode: {counts.numel()} block counts for {numel} elements")
+        out = torch.empty(numel, dtype=torch.float32)
+        bad = self._lib.st_topk_decode(values.data_ptr(), index_low.data_ptr(), counts.data_ptr(),
+                                       counts.numel(), out.data_ptr(), numel)
+        return None if bad else out
+
+    def sumsq(self, x: torch.Tensor) -> float:
+        """Σ x² of a float32 or float16 tensor (NaN or inf when it holds them)."""
+        if x.dtype not in (torch.float32, torch.float16):
+            raise TypeError(f"sumsq takes float32 or float16, not {x.dtype}")
+        _check(x, x.dtype)
+        fn = self._lib.st_sumsq_f32 if x.dtype == torch.float32 else self._lib.st_sumsq_f16
+        size, ptr = x.element_size(), x.data_ptr()
+        def call(lo: int, hi: int) -> float:
+            return float(fn(ptr + size * lo, hi - lo))
+
+        parts = self._run([partial(call, lo, hi) for lo, hi in self._slices(x.numel())])
+        return float(sum(parts))
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, *same_size: torch.Tensor) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise TypeError(f"kernels take contiguous CPU {dtype} tensors, got {t.dtype} on {t.device}"
+                        f"{'' if t.is_contiguous() else ', not contiguous'}")
+    for other in same_size:
+        if other.numel() != t.numel():
+            raise ValueError(f"sizes differ: {t.numel()} and {other.numel()}")
+
+
+def kernels() -> Kernels | None:
+    """The kernels, built and loaded on the first call (None, said once, if they cannot be)."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    with _lock:
+        if _tried:
+            return _loaded
+        _tried = True
+        if os.environ.get("SWARMTRAIN_KERNELS", "1").strip().lower() in ("0", "no", "off", "false"):
+            log.info("fused kernels off (SWARMTRAIN_KERNELS=0): the coordinator uses torch ops")
+            return None
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if not cc:
+            log.info("no C compiler (cc) found: the coordinator's downlink uses torch ops, which "
+                     "is slower (install gcc to build swarmtrain's fused kernels)")
+            return None
+        try:
+            _loaded = Kernels(ctypes.CDLL(str(_build(cc))))
+            log.debug("fused kernels loaded (%s)", _cache_dir())
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.warning("could not build swarmtrain's fused kernels (%s): the coordinator's "
+                        "downlink uses torch ops, which is slower", exc)
+        return _loaded

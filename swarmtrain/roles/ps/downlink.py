@@ -1,0 +1,380 @@
+"""The coordinator's downlink: one published replica and a shared log of compressed deltas.
+
+Every worker holds the same thing: the *published* weights ``P`` at some version. After an
+update the coordinator publishes once — whatever the number of workers — by compressing
+``master − P`` with the downlink codec, adding exactly what it decoded to ``P`` and keeping
+the compressed entry in a log by version. What the codec dropped stays in ``master − P``
+and goes out with the next entry (error feedback on the server side, shared by all). The
+answer to a worker whose replica is ``P`` at version ``v`` is the chain of entries after
+``v``, encoded once and sent as they are; when that chain would be larger than the weights
+themselves (the worker is far behind, or the log no longer reaches back to ``v``), the
+published weights go instead.
+
+Memory: ``P`` (one flat copy of the trainable parameters) plus a log bounded by the size
+of the weights plus one cached snapshot, whatever the number of workers.
+
+Drift bound: after every publication ``‖master − P‖ / ‖master‖ ≤ max_drift``; a publication
+that would leave ``P`` further away restarts the published track from the master (every
+worker then gets the full weights once), and so does every ``reset_interval``-th one. A
+lossless downlink keeps no ``P`` at all: the published weights are the master's, and every
+answer that changes anything is a snapshot of them (a float32 delta is as large).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarmtrain.compression import LOSSLESS_CODECS, Codec, Compressed, SizeAdaptive
+from swarmtrain.compression.kernels import Kernels, kernels
+from swarmtrain.compression.simple import FP16Codec
+from swarmtrain.compression.uniform import UniformCodec
+from swarmtrain.roles.ps.common import FUSED, pack_compressed
+
+__all__ = ["TRACK_INTERVALS", "Downlink", "LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
+
+#: flat-vector views shaped like the parameters -> new tensors as a worker holds them
+ToReplica = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def entry_prefix(start: int) -> str:
+    """The payload-name prefix of the log entry that starts at version ``start``."""
+    return f"{start}:"
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """The compressed change that takes the published weights from ``start`` to ``end``."""
+
+    start: int
+    end: int
+    #: name -> codec spec, as :func:`~swarmtrain.roles.ps.common.pack_compressed` makes it
+    codecs: dict[str, Any]
+    #: payload tensors, named ``entry_prefix(start) + "name/part"``; never modified
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+
+    def header(self) -> dict[str, Any]:
+        """What the UPDATE's ``deltas`` list carries for this entry."""
+        return {"from": self.start, "to": self.end, "codecs": self.codecs}
+
+
+class UpdateLog:
+    """The published replica, the log of entries that built it, and its snapshots.
+
+    Args:
+        codec: the downlink codec.
+        split: flat vector -> views shaped like the parameters, in order.
+        names: the parameter names, in order.
+        round_replica: rounds the half-precision parameters' part of a flat replica in place,
+            as a worker's own tensors hold them.
+        replica_bytes: bytes of the trainable weights as a worker holds them (a snapshot).
+        fused: one :data:`FUSED` entry for the whole flat vector (small models) instead of one
+            per parameter.
+        max_drift: the drift bound (relative L2).
+        reset_interval: publications after which the track restarts from the master.
+
+    All methods but :meth:`answer` and :meth:`snapshot`'s reads run on the apply thread.
+    """
+
+    def __init__(self, codec: Codec, *, split: Callable[[torch.Tensor], list[torch.Tensor]],
+                 names: Sequence[str], round_replica: Callable[[torch.Tensor], None],
+                 replica_bytes: int, fused: bool, max_drift: float, reset_interval: int) -> None:
+        self.codec = codec
+        self.lossless = codec.lossless
+        self._split = split
+        self._names = list(names)
+        self._round = round_replica
+        self.replica_bytes = replica_bytes
+        self.fused = fused
+        self.max_drift = max_drift
+        self.reset_interval = reset_interval
+        #: the published weights (flat, the masters' dtype); None until the first publication
+        #: and always for a lossless codec (then the master is what is published)
+        self.published: torch.Tensor | None = None
+        self.head = -1  # the version of the published weights
+        self.entries: deque[LogEntry] = deque()
+        self._log_bytes = 0
+        self.drift = 0.0
+        self.resets = 0  # track restarts (drift bound, interval, first publication)
+        self.publications = 0
+        self._since_reset = 0
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        #: answers by kind: "current" (nothing to send), "chain" (entries), "full" (weights)
+        self.answers = {"current": 0, "chain": 0, "full": 0}
+        self.entries_sent = 0  # entries in all the chains answered
+
+    # -- the apply thread -------------------------------------------------------------------
+
+    def publish(self, master: torch.Tensor, version: int) -> None:
+        """Bring the published weights to ``version``, whose master weights are ``master``
+        (flat): one compressed entry for everything since the last publication."""
+        if version == self.head:
+            return
+        if self.lossless:
+            self.head = version
+            return
+        if self.published is None or self._since_reset + 1 >= self.reset_interval:
+            self._reset(master, version)
+            return
+        published = self.published
+        fast = kernels() if _kernel_ready(master, published) else None
+        if self.fused or fast is not None:
+            # one FUSED entry: the kernels make no temporaries, and one call beats one per tensor
+            names, masters, pubs = [FUSED], [master], [published]
+        else:
+            # per tensor: every temporary stays small enough for the allocator to reuse
+            names, masters, pubs = self._names, self._split(master), self._split(published)
+        if fast is not None:
+            done = _publish_fused(fast, self.codec, names, masters, pubs)
+            if done is None:  # NaN or inf in the change (the copy moved part way): restart
+                self._reset(master, version)
+                return
+            items, drift = done
+            if drift > self.max_drift:
+                self._reset(master, version)  # (overwrites the copy the kernels moved)
+                return
+        else:
+            deltas = torch._foreach_sub(masters, pubs)
+            pairs = [self.codec.compress_decoded(d) for d in deltas]
+            items = {n: item for n, (item, _) in zip(names, pairs)}
+            sent = [decoded for _, decoded in pairs]
+            drift = 0.0
+            if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
+                # (a lossless `sent` may be its delta itself: subtract out of place)
+                drift = _norm(torch._foreach_sub(deltas, sent)) / max(_norm(masters), 1e-30)
+                if drift > self.max_drift:
+                    self._reset(master, version)
+                    return
+            torch._foreach_add_(pubs, sent)  # exactly what every worker will add
+        self._round(published)
+        codecs, tensors = pack_compressed(items)
+        prefix = entry_prefix(self.head)
+        entry = LogEntry(self.head, version, codecs, {prefix + k: t for k, t in tensors.items()},
+                         sum(t.numel() * t.element_size() for t in tensors.values()))
+        self.entries.append(entry)
+        self._log_bytes += entry.nbytes
+        self._trim()
+        self.head = version
+        self.drift = drift
+        self.publications += 1
+        self._since_reset += 1
+
+    def _reset(self, master: torch.Tensor, version: int) -> None:
+        """Restart the track: the published weights become the master's (rounded as workers
+        hold them); no entry reaches across, so every worker behind gets the full weights."""
+        if self.published is not None and self.published.shape == master.shape:
+            self.published.copy_(master)  # reuse: a fresh big buffer costs page faults
+        else:
+            self.published = master.detach().clone()
+        self._round(self.published)
+        self.entries.clear()
+        self._log_bytes = 0
+        self.head = version
+        self.drift = 0.0
+        self.resets += 1
+        self.publications += 1
+        self._since_reset = 0
+
+    def _trim(self) -> None:
+        """Forget the oldest entries no answer would use: a chain through the oldest carries
+        all the log's bytes, and once they are as many as the weights' it is never sent."""
+        while self.entries and self._log_bytes >= self.replica_bytes:
+            self._log_bytes -= self.entries.popleft().nbytes
+
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica) -> tuple[int, dict[str, torch.Tensor]]:
+        """(the published version, the published weights as a worker holds them), copied once
+        per version and shared by every answer that sends them; publish first."""
+        if self._snapshot is None or self._snapshot[0] != self.head:
+            source = master if self.lossless or self.published is None else self.published
+            self._snapshot = (self.head, to_replica(self._split(source)))
+        return self._snapshot
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def answer(self, holds: int) -> list[LogEntry] | None:
+        """The entries that take a replica at version ``holds`` to the head, oldest first:
+        ``[]`` when it is there, None when the full weights are the answer (no chain from
+        ``holds``, or one larger than the weights)."""
+        chain = self._chain(holds)
+        self.count(chain)
+        return chain
+
+    def count(self, chain: list[LogEntry] | None) -> None:
+        """Count an answer this track gave (for the status)."""
+        kind = "full" if chain is None else "chain" if chain else "current"
+        self.answers[kind] += 1
+        self.entries_sent += len(chain or ())
+
+    def _chain(self, holds: int) -> list[LogEntry] | None:
+        if holds == self.head:
+            return []
+        chain: list[LogEntry] = []
+        size = 0
+        for entry in reversed(self.entries):
+            chain.append(entry)
+            size += entry.nbytes
+            if size >= self.replica_bytes or entry.start < holds:
+                return None
+            if entry.start == holds:
+                chain.reverse()
+                return chain
+        return None
+
+    def log_bytes(self) -> int:
+        """Bytes the log's entries hold."""
+        return self._log_bytes
+
+    def summary(self) -> dict[str, Any]:
+        """For the status: where the published weights are, what the log holds, what went out."""
+        return {"version": self.head, "entries": len(self.entries), "log_bytes": self._log_bytes,
+                "drift": self.drift, "resets": self.resets, "publications": self.publications,
+                "codec": getattr(self.codec, "name", "?"), "answers": dict(self.answers),
+                "entries_sent": self.entries_sent}
+
+
+def _kernel_ready(master: torch.Tensor, published: torch.Tensor) -> bool:
+    return (master.dtype == published.dtype == torch.float32 and master.device.type == "cpu"
+            and master.is_contiguous() and published.is_contiguous())
+
+
+def _publish_fused(fast: Kernels, codec: Codec, names: Sequence[str], masters: Sequence[torch.Tensor],
+                   pubs: Sequence[torch.Tensor]) -> tuple[dict[str, Compressed], float] | None:
+    """:meth:`UpdateLog.publish`'s coding step in one pass per tensor with the fused kernels
+    (fp16 and uniform; other codecs, and tensors a size-adaptive codec sends raw, take the
+    codec's own code): the items to send and the drift, or None if the change held NaN/inf.
+    The published copy moves by what the items decode to, bit for bit as the codec's
+    ``compress_decoded`` would have it."""
+    items: dict[str, Compressed] = {}
+    resid = norm = 0.0
+    for name, m, pub in zip(names, masters, pubs):
+        chosen = codec.codec_for(m.numel()) if isinstance(codec, SizeAdaptive) else codec
+        flat_m, flat_p = m.reshape(-1), pub.view(-1)
+        shape = tuple(m.shape)
+        if isinstance(chosen, FP16Codec):
+            out = torch.empty(m.numel(), dtype=torch.float16)
+            r, n = fast.publish_fp16(flat_m, flat_p, out)
+            items[name] = Compressed(chosen.name, shape, "float32", {"values": out})
+        elif isinstance(chosen, UniformCodec) and chosen.bucket_size % (8 // chosen.bits) == 0:
+            size, bits = chosen.bucket_size, chosen.bits
+            codes = torch.empty((m.numel() * bits + 7) // 8, dtype=torch.uint8)
+            scales = torch.empty(-(-m.numel() // size), dtype=torch.float32)
+            sums = fast.publish_uniform(flat_m, flat_p, codes, scales, size, bits)
+            if sums is None:
+                return None
+            r, n = sums
+            items[name] = Compressed(chosen.name, shape, "float32", {"scales": scales, "codes": codes},
+                                     {"bits": bits, "bucket_size": size})
+        else:
+            delta = m - pub
+            item, sent = chosen.compress_decoded(delta)
+            if not bool(torch.isfinite(sent).all()):
+                return None
+            r = 0.0 if item.codec in LOSSLESS_CODECS else float((delta - sent).square().sum())
+            n = float(m.square().sum())
+            pub.add_(sent)
+            items[name] = item
+        resid += r
+        norm += n
+    if not (math.isfinite(resid) and math.isfinite(norm)):
+        return None
+    return items, math.sqrt(resid) / max(math.sqrt(norm), 1e-30)
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))
+
+
+def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
+    """The payload tensors of the entry that starts at ``start``, with its prefix removed."""
+    prefix = entry_prefix(start)
+    n = len(prefix)
+    return {k[n:]: t for k, t in tensors.items() if k.startswith(prefix)}
+
+
+#: the published tracks: publication every 1, 4, 16 and 64 versions (a coarse one is made
+#: only once a worker lags enough to need it)
+TRACK_INTERVALS = (1, 4, 16, 64)
+
+
+class Downlink:
+    """Published tracks at several intervals, and which one answers a worker.
+
+    A worker that asks every few versions is answered from the finest track, one entry per
+    version. One that lags far (many workers: each asks about once per ``workers`` versions)
+    would need a chain larger than the weights there; it is moved once, with the full
+    weights, to the track whose interval is at most half its lag, where every entry covers
+    that many versions in the bytes of one. Its replica is then up to one interval older
+    than the finest track's, no more than half of what it lags anyway. Each track is an
+    :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker costs
+    one small int (its track).
+
+    Args: as :class:`UpdateLog`'s (every track gets them); a lossless codec has one track
+    (its answers are the master's weights whatever the lag).
+    """
+
+    def __init__(self, codec: Codec, **kwargs: Any) -> None:
+        intervals = (1,) if codec.lossless else TRACK_INTERVALS
+        self.tracks = [UpdateLog(codec, **kwargs) for _ in intervals]
+        self.intervals = intervals
+        self.switches = 0  # workers moved to another track
+
+    @property
+    def fine(self) -> UpdateLog:
+        """The finest track (a publication every version)."""
+        return self.tracks[0]
+
+    def publish(self, master: torch.Tensor, version: int, track: int = 0) -> None:
+        """Publish ``track`` (the finest by default) at ``version``."""
+        self.tracks[track].publish(master, version)
+
+    def _due(self, master: torch.Tensor, version: int, track: int) -> UpdateLog:
+        t = self.tracks[track]
+        if t.head < 0 or version - t.head >= self.intervals[track]:
+            t.publish(master, version)
+        return t
+
+    def choose(self, master: torch.Tensor, version: int, track: int, holds: int,
+               ) -> tuple[int, list[LogEntry] | None]:
+        """(the track that answers a worker on ``track`` holding its version ``holds``, the
+        entries that bring it to that track's head — None: that track's full weights).
+        Publishes what the answer needs.
+
+        The track a worker should be on is the coarsest whose interval is at most half its
+        lag. On it, it gets a chain (or the weights, when no chain is smaller). On a coarser
+        one it moves down (that track adds staleness it need not have). On a finer one it
+        stays while the chain there is at most half the weights, and moves up otherwise."""
+        lag = max(1, version - holds)
+        wanted = max(i for i, g in enumerate(self.intervals) if g <= max(1, lag // 2))
+        if track <= wanted:
+            current = self._due(master, version, track)
+            chain = current._chain(holds)
+            small = chain is not None and (track == wanted or sum(e.nbytes for e in chain)
+                                           <= current.replica_bytes // 2)
+            if chain is not None and small:
+                current.count(chain)
+                return track, chain
+        if wanted != track:
+            self.switches += 1
+        self._due(master, version, wanted).count(None)
+        return wanted, None
+
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica, track: int = 0,
+                 ) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.tracks[track].snapshot(master, to_replica)
+
+    def summary(self) -> dict[str, Any]:
+        """The finest track's summary, plus every track's and the switches."""
+        fine = self.fine.summary()
+        used = [dict(t.summary(), interval=g) for g, t in zip(self.intervals, self.tracks) if t.head >= 0]
+        answers = {k: sum(t.answers[k] for t in self.tracks) for k in fine["answers"]}
+        return {**fine, "answers": answers, "entries_sent": sum(t.entries_sent for t in self.tracks),
+                "log_bytes": sum(t.log_bytes() for t in self.tracks), "tracks": used,
+                "switches": self.switches}

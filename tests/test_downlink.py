@@ -1,0 +1,333 @@
+"""The shared downlink (roles/ps/downlink.py): one published copy and a log of compressed
+entries by version, from which a replica at any version is brought to the head bit for bit;
+bounded memory, the drift bound, and what a long run does to them."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from swarmtrain.compression import make_codec
+from swarmtrain.compression.base import Codec
+from swarmtrain.errors import ProtocolError
+from swarmtrain.roles.ps.common import FUSED, unpack_compressed
+from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink, UpdateLog, entry_tensors
+from tests.test_ps_inprocess import coordinator, worker
+
+SIZES = [600, 400, 24]
+
+
+def _split(flat: torch.Tensor) -> list[torch.Tensor]:
+    return list(flat.split(SIZES))
+
+
+def _log(codec: Codec, *, fused: bool = False, max_drift: float = 0.01,
+         reset_interval: int = 10**9) -> UpdateLog:
+    return UpdateLog(codec, split=_split, names=[f"p{i}" for i in range(len(SIZES))],
+                     round_replica=lambda flat: None, replica_bytes=sum(SIZES) * 4, fused=fused,
+                     max_drift=max_drift, reset_interval=reset_interval)
+
+
+class Replica:
+    """A worker's copy, moved only by what the log sends, decoded as the worker decodes."""
+
+    def __init__(self, log: UpdateLog, master: torch.Tensor) -> None:
+        self.full(log, master)
+
+    def full(self, log: UpdateLog, master: torch.Tensor) -> None:
+        self.version, weights = log.snapshot(master, lambda views: {
+            f"p{i}": v.clone() for i, v in enumerate(views)})
+        self.flat = torch.cat([weights[f"p{i}"] for i in range(len(SIZES))])
+
+    def catch_up(self, log: UpdateLog, master: torch.Tensor) -> str:
+        chain = log.answer(self.version)
+        if chain is None:
+            self.full(log, master)
+            return "full"
+        for entry in chain:
+            assert entry.start == self.version
+            tensors = {k: t for e in chain for k, t in e.tensors.items()}  # as one UPDATE carries them
+            expected = ({FUSED: self.flat} if log.fused
+                        else dict(zip((f"p{i}" for i in range(len(SIZES))), _split(self.flat))))
+            decoded = unpack_compressed(entry.codecs, entry_tensors(tensors, entry.start), expected)
+            if log.fused:
+                self.flat += decoded[FUSED].reshape(-1)
+            else:
+                for piece, d in zip(_split(self.flat), decoded.values()):
+                    piece += d.reshape(-1)
+            self.version = entry.end
+        return "chain" if chain else "current"
+
+
+def _walk(master: torch.Tensor, gen: torch.Generator, scale: float = 1e-3) -> None:
+    master += torch.randn(master.shape, generator=gen) * scale
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def coding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each downlink test runs with the fused kernels and with the torch code they replace."""
+    if request.param == "torch":
+        monkeypatch.setattr("swarmtrain.roles.ps.downlink.kernels", lambda: None)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per-tensor"])
+@pytest.mark.parametrize("name", ["uniform", "fp16"])
+def test_a_replica_at_any_version_is_brought_to_the_published_weights_bit_for_bit(
+        name: str, fused: bool, coding: str) -> None:
+    codec = make_codec(name, bucket_size=64)
+    log = _log(codec, fused=fused)
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(sum(SIZES), generator=gen)
+    log.publish(master, 0)
+    replicas = [Replica(log, master) for _ in range(4)]
+    kinds = []
+    for version in range(1, 200):
+        _walk(master, gen)
+        log.publish(master, version)
+        # replica i asks every i+1 versions: 0, 1, 2 and 3 versions behind
+        for i, r in enumerate(replicas):
+            if version % (i + 1) == 0:
+                kinds.append(r.catch_up(log, master))
+                assert r.version == log.head == version
+                assert log.published is not None and torch.equal(r.flat, log.published)
+        rel = float((master - log.published).norm() / master.norm())
+        assert rel <= 0.01 and math.isclose(log.drift, rel, rel_tol=1e-3, abs_tol=1e-9)
+    assert kinds.count("chain") > 100  # the log answered most of them
+    if name == "uniform":  # (2 fp16 entries are as large as the weights: never chained)
+        assert log.entries_sent > kinds.count("chain")  # chains of more than one entry
+
+
+def test_a_chain_larger_than_the_weights_or_older_than_the_log_gets_the_weights() -> None:
+    codec = make_codec("fp16")  # 2 bytes a parameter: a chain of 2 is as large as the weights
+    log = _log(codec)
+    gen = torch.Generator().manual_seed(1)
+    master = torch.randn(sum(SIZES), generator=gen)
+    log.publish(master, 0)
+    behind = Replica(log, master)
+    near = Replica(log, master)
+    for version in range(1, 6):
+        _walk(master, gen)
+        log.publish(master, version)
+        assert log.log_bytes() < log.replica_bytes  # the log never holds what no answer uses
+        assert len(log.entries) <= 2
+        assert near.catch_up(log, master) == "chain"
+    assert behind.catch_up(log, master) == "full"
+    assert torch.equal(behind.flat, log.published) and behind.version == 5
+    assert log.answer(5) == [] and log.answer(-7) is None  # current; never on the track
+
+
+def test_a_publication_beyond_the_drift_bound_restarts_the_track(coding: str) -> None:
+    # top-k keeps 1 %: Adam-like dense changes leave the published copy further and further
+    log = _log(make_codec("topk", topk_ratio=0.01), max_drift=0.002)
+    gen = torch.Generator().manual_seed(2)
+    master = torch.randn(sum(SIZES), generator=gen)
+    log.publish(master, 0)
+    r = Replica(log, master)
+    kinds = set()
+    for version in range(1, 300):
+        _walk(master, gen)
+        log.publish(master, version)
+        assert log.drift <= 0.002
+        kinds.add(r.catch_up(log, master))
+        assert torch.equal(r.flat, log.published)
+    assert log.resets > 1 and kinds == {"chain", "full"}
+
+
+def test_a_lossless_downlink_keeps_no_copy_and_answers_with_the_master() -> None:
+    log = _log(make_codec("none"))
+    master = torch.randn(sum(SIZES))
+    log.publish(master, 0)
+    r = Replica(log, master)
+    master += 1.0
+    log.publish(master, 1)
+    assert log.published is None and r.catch_up(log, master) == "full"
+    assert torch.equal(r.flat, master)
+    sent = log.snapshot(master, lambda views: {})[1]  # (the one cached for version 1)
+    before = {k: t.clone() for k, t in sent.items()}
+    master += 1.0  # the snapshot sent is a copy: the next update does not reach it
+    assert all(torch.equal(before[k], t) for k, t in sent.items()) and sent
+
+
+@pytest.mark.timeout(120)
+def test_a_long_run_of_publications_keeps_memory_drift_and_replicas_where_they_were() -> None:
+    # Long runs count: nothing the log keeps may grow, and the replicas must still equal the
+    # published weights bit for bit after 100,000 entries of a uniform 4-bit downlink (coded
+    # by the fused kernels where built; the torch coding is held to the same bits above).
+    sizes = [64, 32]
+    log = UpdateLog(make_codec("uniform", bucket_size=32), split=lambda f: list(f.split(sizes)),
+                    names=["a", "b"], round_replica=lambda flat: None, replica_bytes=96 * 4,
+                    fused=True, max_drift=0.01, reset_interval=10**9)
+    gen = torch.Generator().manual_seed(3)
+    master = torch.randn(96, generator=gen)
+    steps = torch.randn(1000, 96, generator=gen) * 1e-3
+    log.publish(master, 0)
+    replica = master.clone()
+    version = 0
+    worst_drift, most_entries, most_bytes = 0.0, 0, 0
+    for version in range(1, 100_001):
+        master += steps[version % 1000]
+        log.publish(master, version)
+        chain = log.answer(version - 1)
+        if chain is None:
+            assert log.published is not None
+            replica = log.published.clone()
+        else:
+            for entry in chain:
+                replica += unpack_compressed(entry.codecs, entry_tensors(entry.tensors, entry.start),
+                                             {FUSED: replica})[FUSED]
+        worst_drift = max(worst_drift, log.drift)
+        most_entries = max(most_entries, len(log.entries))
+        most_bytes = max(most_bytes, log.log_bytes())
+    assert torch.equal(replica, log.published)
+    assert worst_drift <= 0.01
+    assert most_bytes < log.replica_bytes and most_entries <= 96 * 4 // min(e.nbytes for e in log.entries)
+    assert log.publications == 100_000 + 1 and log.answers["chain"] > 99_000
+
+
+@pytest.mark.timeout(120)
+def test_workers_share_the_log_and_hold_the_published_weights_exactly() -> None:
+    comp = {"compression.type": "topk", "compression.topk_ratio": 0.05, "compression.min_compress_numel": 0}
+
+    async def main() -> None:
+        c = coordinator(**{"training.min_workers": 3, "training.resync_interval": 10_000, **comp})
+        await c.start()
+        ws = [worker(c.port, **{"training.worker_id": f"w{i}", **comp}) for i in range(3)]
+        tasks = [asyncio.create_task(w.run_async()) for w in ws]
+        try:
+            async with asyncio.timeout(60):
+                while c.version < 120:
+                    await asyncio.sleep(0.05)
+            await c.set_paused(True)
+            async with asyncio.timeout(30):  # every answer sent is applied by its worker
+                while any(sum(w.statuses.values()) != c.workers[w.worker_id].updates for w in ws):
+                    await asyncio.sleep(0.05)
+            for w in ws:
+                track = c.downlink.tracks[c.workers[w.worker_id].track]
+                published = track.published
+                assert published is not None
+                # what it holds, brought to the head by the log as its next answer would be,
+                # is the published copy bit for bit
+                held = torch.cat([p.detach().reshape(-1) for p in w.params.values()])
+                chain = track.answer(w.version)
+                assert chain is not None, (w.version, track.head)
+                w._add_chain([e.header() for e in chain],
+                             {k: t for e in chain for k, t in e.tensors.items()}, track.head)
+                assert torch.equal(torch.cat([p.detach().reshape(-1) for p in w.params.values()]),
+                                   published)
+                assert chain or torch.equal(held, published)
+            st = c.status()["downlink"]
+            assert st["answers"]["chain"] > 60 and st["entries_sent"] > st["answers"]["chain"]
+            assert all(t["log_bytes"] < c.downlink.fine.replica_bytes for t in st["tracks"])
+            # nothing per worker holds a copy of the weights
+            assert not any(isinstance(v, torch.Tensor) for r in c.workers.values() for v in vars(r).values())
+        finally:
+            for w in ws:
+                w.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_refuses_a_chain_that_does_not_start_where_it_is() -> None:
+    from tests.test_ps_inprocess import worker as make_worker
+    w = make_worker(1, **{"training.worker_id": "gap"})
+    w.version = 7
+    for chain in ([{"from": 6, "to": 8, "codecs": {}}], [{"from": 7}], ["junk"]):
+        with pytest.raises(ProtocolError, match="bad_update|delta"):
+            w._add_chain(chain, {}, 8)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="end at version"):
+        w._add_chain([{"from": 7, "to": 8, "codecs": {}}], {}, 9)
+
+
+class TrackedReplica:
+    """A worker's copy answered by :class:`Downlink` (the coordinator keeps its track)."""
+
+    def __init__(self) -> None:
+        self.track, self.version, self.flat = 0, -1, torch.empty(0)
+        self.bytes = 0
+
+    def ask(self, dl: Downlink, master: torch.Tensor, version: int) -> list:  # type: ignore[type-arg]
+        self.track, chain = dl.choose(master, version, self.track, self.version)
+        if chain is None:
+            self.version, weights = dl.snapshot(master, lambda views: {
+                f"p{i}": v.clone() for i, v in enumerate(views)}, self.track)
+            self.flat = torch.cat([weights[f"p{i}"] for i in range(len(SIZES))])
+            self.bytes += sum(SIZES) * 4
+            return []
+        for entry in chain:
+            assert entry.start == self.version
+            self.flat += unpack_compressed(entry.codecs, entry_tensors(entry.tensors, entry.start),
+                                           {FUSED: self.flat})[FUSED]
+            self.version = entry.end
+            self.bytes += entry.nbytes
+        return chain
+
+
+def _downlink() -> Downlink:
+    return Downlink(make_codec("uniform", qsgd_bits=4, bucket_size=64), split=_split,
+                    names=[f"p{i}" for i in range(len(SIZES))], round_replica=lambda flat: None,
+                    replica_bytes=sum(SIZES) * 4, fused=True, max_drift=0.05, reset_interval=10**9)
+
+
+def test_far_behind_workers_move_to_a_coarser_track_and_get_chains_not_the_weights() -> None:
+    # 32 workers asking in turn: each is ~32 versions behind, where the finest track's chain
+    # (32 entries of ~1/8 of the weights) is larger than the weights themselves
+    dl = _downlink()
+    gen = torch.Generator().manual_seed(5)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    workers = [TrackedReplica() for _ in range(32)]
+    for w in workers:
+        w.ask(dl, master, 0)
+    version = 0
+    late_bytes, late_answers, worst_extra = 0, 0, 0
+    for turn in range(40):
+        for w in workers:
+            version += 1
+            _walk(master, gen)
+            dl.publish(master, version)
+            before = w.bytes
+            w.ask(dl, master, version)
+            track = dl.tracks[w.track]
+            assert track.published is not None and torch.equal(w.flat, track.published)
+            assert w.version == track.head
+            if turn >= 5:
+                late_bytes += w.bytes - before
+                late_answers += 1
+                worst_extra = max(worst_extra, version - w.version)
+    summary = dl.summary()
+    # moved off the finest track (interval 4 or 16: at most half the lag of 32; a worker stays
+    # on the finer one while its chain there is smaller than the weights)
+    assert {w.track for w in workers} <= {1, 2} and any(w.track == 2 for w in workers)
+    assert late_bytes / late_answers < 0.4 * sum(SIZES) * 4, summary  # chains, not the weights
+    assert worst_extra < 16  # at most one interval older than the finest track
+    assert len(summary["tracks"]) <= len(TRACK_INTERVALS)
+
+
+def test_a_worker_whose_lag_shrinks_comes_back_to_the_finest_track() -> None:
+    dl = _downlink()
+    gen = torch.Generator().manual_seed(6)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    w = TrackedReplica()
+    w.ask(dl, master, 0)
+    version = 0
+    for _ in range(5):  # it asks every 40 versions: moved to a coarse track
+        for _ in range(40):
+            version += 1
+            _walk(master, gen)
+            dl.publish(master, version)
+        w.ask(dl, master, version)
+    assert w.track > 0
+    for _ in range(5):  # now every version (the others left): back to one entry per version
+        version += 1
+        _walk(master, gen)
+        dl.publish(master, version)
+        w.ask(dl, master, version)
+    assert w.track == 0 and w.version == version
+    assert torch.equal(w.flat, dl.fine.published)
