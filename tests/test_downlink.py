@@ -39,7 +39,7 @@ class Replica:
 
     def full(self, log: UpdateLog, master: torch.Tensor) -> None:
         self.version, weights = log.snapshot(master, lambda views: {
-            f"p{i}": v.clone() for i, v in enumerate(views)})
+            f"p{i}": v.clone() for i, v in enumerate(views)}, log.head)
         self.flat = torch.cat([weights[f"p{i}"] for i in range(len(SIZES))])
 
     def catch_up(self, log: UpdateLog, master: torch.Tensor) -> str:
@@ -146,10 +146,22 @@ def test_a_lossless_downlink_keeps_no_copy_and_answers_with_the_master() -> None
     log.publish(master, 1)
     assert log.published is None and r.catch_up(log, master) == "full"
     assert torch.equal(r.flat, master)
-    sent = log.snapshot(master, lambda views: {})[1]  # (the one cached for version 1)
+    sent = log.snapshot(master, lambda views: {}, 1)[1]  # (the one cached for version 1)
     before = {k: t.clone() for k, t in sent.items()}
     master += 1.0  # the snapshot sent is a copy: the next update does not reach it
     assert all(torch.equal(before[k], t) for k, t in sent.items()) and sent
+
+
+def test_a_lossless_tracks_copy_is_labelled_with_the_version_it_holds() -> None:
+    # a coarse lossless track moved its head without a copy (no worker needed one then); the
+    # copy made later is of the master as it is later, and must say so: labelled with the
+    # old head, the worker would count its gradients staler than they are
+    log = _log(make_codec("none"))
+    master = torch.randn(sum(SIZES))
+    log.publish(master, 4)
+    master += 1.0  # the master of version 5
+    version, weights = log.snapshot(master, lambda views: {"w": torch.cat(views).clone()}, 5)
+    assert version == 5 == log.head and torch.equal(weights["w"], master)
 
 
 @pytest.mark.timeout(120)
@@ -255,7 +267,7 @@ class TrackedReplica:
         self.track, chain = dl.choose(master, version, self.track, self.version)
         if chain is None:
             self.version, weights = dl.snapshot(master, lambda views: {
-                f"p{i}": v.clone() for i, v in enumerate(views)}, self.track)
+                f"p{i}": v.clone() for i, v in enumerate(views)}, version, self.track)
             self.flat = torch.cat([weights[f"p{i}"] for i in range(len(SIZES))])
             self.bytes += sum(SIZES) * 4
             return []

@@ -656,6 +656,7 @@ class Coordinator:
         rec.shards = shards
         shard = rec.shard_index
         rec.first_applied_pending = True
+        rec.track = 0  # its weights come from the finest track (the next answer may move it)
         rec.joined_at = time.monotonic()
         rec.samples_since_join = 0
         rec.buffers_version = -1
@@ -814,16 +815,14 @@ class Coordinator:
                 if b is not self.buffers[n]:
                     b.copy_(self.buffers[n])
 
-    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False, track: int | None = None) -> Weights:
+    def _snapshot_for(self, rec: WorkerRecord, everything: bool = False) -> Weights:
         """The published weights for ``rec`` (its replica becomes them): the trainable
         parameters (published now, copied once per version whoever asks) and the synced
         buffers' masters, plus frozen parameters and constant buffers with ``everything`` (at
         registration: a worker's frozen backbone becomes the coordinator's)."""
         master = self._flat_master()
-        if track is None:  # (registration: the finest track)
-            track = rec.track = 0
-        self.downlink.publish(master, self.version, track)
-        version, trainable = self.downlink.snapshot(master, self._as_replica, track)
+        self.downlink.publish(master, self.version, rec.track)
+        version, trainable = self.downlink.snapshot(master, self._as_replica, self.version, rec.track)
         if everything:
             frozen = {n: p.detach() for n, p in self.state.frozen.items()}  # never change
             rest = {**frozen, **self._model_buffers()}
@@ -1157,22 +1156,21 @@ class Coordinator:
         publication that would leave them further away sends everyone the full weights.
         """
         master = self._flat_master()
-        self.downlink.publish(master, self.version)  # the finest track: every version
-        track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
-        rec.track = track
-        rec.drift = self.downlink.tracks[track].drift
+        rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
+        track = self.downlink.tracks[rec.track]
+        rec.drift = track.drift
         if chain is None:
-            return self._full_update(rec, msg_id, status, track)
+            return self._full_update(rec, msg_id, status)
         tensors: dict[str, torch.Tensor] = {}
         for entry in chain:
             tensors.update(entry.tensors)
         buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
-        return Update(msg_id=msg_id, version=self.downlink.tracks[track].head, status=status,
+        return Update(msg_id=msg_id, version=track.head, status=status,
                       deltas=[entry.header() for entry in chain], buffers=buffer_names,
                       tensors={**tensors, **buffer_tensors})
 
-    def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus, track: int = 0) -> Update:
-        w = self._snapshot_for(rec, track=track)
+    def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
+        w = self._snapshot_for(rec)
         rec.resyncs += 1
         return Update(msg_id=msg_id, version=w.version, status=status, full=True, tensors=w.tensors)
 

@@ -187,21 +187,26 @@ class UpdateLog:
         while self.entries and self._log_bytes >= self.replica_bytes:
             self._log_bytes -= self.entries.popleft().nbytes
 
-    def snapshot(self, master: torch.Tensor, to_replica: ToReplica) -> tuple[int, dict[str, torch.Tensor]]:
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica,
+                 version: int) -> tuple[int, dict[str, torch.Tensor]]:
         """(the published version, the published weights as a worker holds them), copied once
-        per version and shared by every answer that sends them; publish first."""
+        per version and shared by every answer that sends them; publish first. ``master`` is
+        the master of ``version``: a lossless track whose head has no copy yet copies the
+        master now, which makes this version its head (the copy is of it)."""
         if self._snapshot is None or self._snapshot[0] != self.head:
-            source = master if self.lossless or self.published is None else self.published
+            if self.lossless or self.published is None:
+                self.head = version
+                source = master
+            else:
+                source = self.published
             self._snapshot = (self.head, to_replica(self._split(source)))
         return self._snapshot
 
     # -- any thread --------------------------------------------------------------------------
 
     def answer(self, holds: int) -> list[LogEntry] | None:
-        """The entries that take a replica at version ``holds`` to the head, oldest first:
-        ``[]`` when it is there, None when the full weights are the answer (no chain from
-        ``holds``, or one larger than the weights)."""
-        chain = self._chain(holds)
+        """:meth:`chain_from` ``holds``, counted as an answer this track gave."""
+        chain = self.chain_from(holds)
         self.count(chain)
         return chain
 
@@ -211,7 +216,10 @@ class UpdateLog:
         self.answers[kind] += 1
         self.entries_sent += len(chain or ())
 
-    def _chain(self, holds: int) -> list[LogEntry] | None:
+    def chain_from(self, holds: int) -> list[LogEntry] | None:
+        """The entries that take a replica at version ``holds`` to the head, oldest first:
+        ``[]`` when it is there, None when the full weights are the answer (no chain from
+        ``holds``, or one larger than the weights)."""
         if holds == self.head:
             return []
         chain: list[LogEntry] = []
@@ -334,15 +342,10 @@ class Downlink:
         """The finest track (a publication every version)."""
         return self.tracks[0]
 
-    def publish(self, master: torch.Tensor, version: int, track: int = 0) -> None:
-        """Publish the finest track at ``version``; a coarser one only when its interval has
-        passed (so that the workers it answers meanwhile share its weights)."""
-        if track == 0:
-            self.tracks[0].publish(master, version)
-        else:
-            self._due(master, version, track)
-
-    def _due(self, master: torch.Tensor, version: int, track: int) -> UpdateLog:
+    def publish(self, master: torch.Tensor, version: int, track: int = 0) -> UpdateLog:
+        """Publish ``track`` at ``version`` once its interval has passed (the finest: whenever
+        the version moved), so that the workers a coarse track answers meanwhile share its
+        weights; returns the track."""
         t = self.tracks[track]
         if t.head < 0 or version - t.head >= self.intervals[track]:
             t.publish(master, version)
@@ -352,7 +355,7 @@ class Downlink:
                ) -> tuple[int, list[LogEntry] | None]:
         """(the track that answers a worker on ``track`` holding its version ``holds``, the
         entries that bring it to that track's head — None: that track's full weights).
-        Publishes what the answer needs.
+        Publishes only the track that answers (no track is published for nobody).
 
         The track a worker should be on is the coarsest whose interval is at most half its
         lag. On it, it gets a chain (or the weights, when no chain is smaller). On a coarser
@@ -361,8 +364,8 @@ class Downlink:
         lag = max(1, version - holds)
         wanted = max(i for i, g in enumerate(self.intervals) if g <= max(1, lag // 2))
         if track <= wanted:
-            current = self._due(master, version, track)
-            chain = current._chain(holds)
+            current = self.publish(master, version, track)
+            chain = current.chain_from(holds)
             small = chain is not None and (track == wanted or sum(e.nbytes for e in chain)
                                            <= current.replica_bytes // 2)
             if chain is not None and small:
@@ -370,12 +373,13 @@ class Downlink:
                 return track, chain
         if wanted != track:
             self.switches += 1
-        self._due(master, version, wanted).count(None)
+        self.publish(master, version, wanted).count(None)
         return wanted, None
 
-    def snapshot(self, master: torch.Tensor, to_replica: ToReplica, track: int = 0,
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica, version: int, track: int = 0,
                  ) -> tuple[int, dict[str, torch.Tensor]]:
-        return self.tracks[track].snapshot(master, to_replica)
+        """:meth:`UpdateLog.snapshot` of ``track``."""
+        return self.tracks[track].snapshot(master, to_replica, version)
 
     def summary(self) -> dict[str, Any]:
         """The finest track's summary, plus every track's and the switches."""
