@@ -3,7 +3,7 @@ compressed tensors into message fields and payload tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from swarmtrain.errors import ConfigError, ModelMismatch, RemoteProtocolError
 __all__ = [
     "codec_for_step",
     "downlink_codec",
+    "global_norm",
     "check_compression_match",
     "payload_bytes",
     "check_fingerprint",
@@ -222,3 +223,10 @@ def split_buffers(
         out[name] = t
     keys = {buffer_key(i) for i in range(len(names))}
     return out, {k: v for k, v in tensors.items() if k not in keys}
+
+
+def global_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together (0 for none); NaN or inf if any holds them."""
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))

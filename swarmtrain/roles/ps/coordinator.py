@@ -28,7 +28,7 @@ import math
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +54,7 @@ from swarmtrain.roles.ps.common import (
     check_compression_match,
     check_fingerprint,
     downlink_codec,
+    global_norm,
     pack_buffers,
     payload_bytes,
     split_buffers,
@@ -1362,13 +1363,7 @@ def _gradient_norm(msg: Gradients, grads: Mapping[str, torch.Tensor]) -> float:
     if fast is not None and all(t.device.type == "cpu" and t.is_contiguous()
                                 and t.dtype in (torch.float32, torch.float16) for t in sources):
         return math.sqrt(sum(fast.sumsq(t) for t in sources))
-    return _global_norm(sources)
-
-
-def _global_norm(tensors: Sequence[torch.Tensor]) -> float:
-    if not tensors:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))
+    return global_norm(sources)
 
 
 def _check_identity(msg: Register) -> None:

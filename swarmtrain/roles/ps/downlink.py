@@ -34,7 +34,7 @@ from swarmtrain.compression import LOSSLESS_CODECS, Codec, Compressed, SizeAdapt
 from swarmtrain.compression.kernels import Kernels, kernels
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
-from swarmtrain.roles.ps.common import FUSED, pack_compressed
+from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
 
 __all__ = ["TRACK_INTERVALS", "Downlink", "LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
 
@@ -147,7 +147,7 @@ class UpdateLog:
             drift = 0.0
             if any(item.codec not in LOSSLESS_CODECS for item in items.values()):
                 # (a lossless `sent` may be its delta itself: subtract out of place)
-                drift = _norm(torch._foreach_sub(deltas, sent)) / max(_norm(masters), 1e-30)
+                drift = global_norm(torch._foreach_sub(deltas, sent)) / max(global_norm(masters), 1e-30)
                 if drift > self.max_drift:
                     self._reset(master, version)
                     return
@@ -292,12 +292,6 @@ def _publish_fused(fast: Kernels, codec: Codec, names: Sequence[str], masters: S
     if not (math.isfinite(resid) and math.isfinite(norm)):
         return None
     return items, math.sqrt(resid) / max(math.sqrt(norm), 1e-30)
-
-
-def _norm(tensors: Sequence[torch.Tensor]) -> float:
-    if not tensors:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors)))))
 
 
 def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
