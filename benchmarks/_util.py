@@ -117,3 +117,12 @@ def write_results(name: str, data: dict[str, Any], markdown: str) -> tuple[Path,
     j.write_text(json.dumps(data, indent=2, default=str) + "\n")
     m.write_text(markdown.rstrip() + "\n")
     return j, m
+
+
+def report(name: str, data: dict[str, Any], markdown: str) -> None:
+    """Write ``results/NAME.{json,md}`` (:func:`write_results`), print the markdown and where
+    it went, with ``data["seconds"]`` (the run's duration)."""
+    j, m = write_results(name, data, markdown)
+    print()
+    print(markdown)
+    print(f"\nwrote {j} and {m} in {data['seconds']:.0f} s")

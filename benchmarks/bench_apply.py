@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _util import Timing, interleaved, machine, md_table, write_results
+from _util import Timing, interleaved, machine, md_table, report
 
 from swarmtrain.compression import make_codec
 from swarmtrain.config import CoordinatorConfig, load_coordinator_config
@@ -359,11 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     res = run(threads, rounds, warmup)
     res["seconds"] = time.perf_counter() - start
-    md = to_markdown(res)
-    j, m = write_results("apply", res, md)
-    print()
-    print(md)
-    print(f"\nwrote {j} and {m} in {res['seconds']:.0f} s")
+    report("apply", res, to_markdown(res))
     return 0
 
 

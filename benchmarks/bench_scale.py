@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _util import machine, md_table, write_results
+from _util import machine, md_table, report
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ps.ctl import ctl_request
@@ -618,11 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     res = run(codecs, counts, args.rate, args.per_process, args.quick)
     res["seconds"] = time.perf_counter() - start
-    md = to_markdown(res)
-    j, m = write_results("scale", res, md)
-    print()
-    print(md)
-    print(f"\nwrote {j} and {m} in {res['seconds']:.0f} s")
+    report("scale", res, to_markdown(res))
     return 0
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _util import machine, md_table, write_results
+from _util import machine, md_table, report
 
 from swarmtrain.tasks import Shard, load_task
 
@@ -357,11 +357,7 @@ def main(argv: list[str] | None = None) -> int:
               args.poll / 3 if args.quick else args.poll, args.quick)
     res["seconds"] = time.perf_counter() - start
     res["argv"] = sys.argv[1:] if argv is None else argv
-    md = to_markdown(res)
-    j, m = write_results("soak", res, md)
-    print()
-    print(md)
-    print(f"\nwrote {j} and {m} in {res['seconds']:.0f} s")
+    report("soak", res, to_markdown(res))
     return 0
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _util import machine, md_table, write_results
+from _util import machine, md_table, report
 
 from swarmtrain.roles.ps.ctl import ctl_request
 from swarmtrain.tasks import Shard, load_task
@@ -260,11 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     res = run(args.quick, [t for t in args.tasks.split(",") if t])
     res["seconds"] = time.perf_counter() - start
-    md = to_markdown(res)
-    j, m = write_results("worker", res, md)
-    print()
-    print(md)
-    print(f"\nwrote {j} and {m} in {res['seconds']:.0f} s")
+    report("worker", res, to_markdown(res))
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -26,6 +26,7 @@ __all__ = ["CONTENT_TYPE", "STALENESS_BUCKETS", "CoordinatorCollector", "HttpCol
            "StageCollector", "StatusCollector", "registry_for", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily)
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 """Upper bounds (versions behind) of the staleness histogram's buckets; +Inf is added."""
 
@@ -49,23 +50,26 @@ def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
     return CounterMetricFamily(f"swarmtrain_{name}", doc, value=_num(value))
 
 
+def _by_label(family: type[F], name: str, doc: str, label: str, values: Mapping[str, Any] | None) -> F:
+    """``swarmtrain_NAME{label=key}`` = value for each item of ``values``, sorted by key."""
+    fam = family(f"swarmtrain_{name}", doc, labels=[label])
+    for key, n in sorted(dict(values or {}).items()):
+        fam.add_metric([str(key)], _num(n))
+    return fam
+
+
 def _refusals(st: Mapping[str, Any]) -> CounterMetricFamily:
     """``swarmtrain_refusals_total{reason=...}``: everything the node refused, by reason code
     (the status's ``refusals``, whose reasons are bounded by
     :class:`~swarmtrain.transport.refusals.RefusalCounter`)."""
-    fam = CounterMetricFamily("swarmtrain_refusals", "connections and messages refused, by reason "
-                              "(handshake codes, connection caps, TLS, malformed frames, bad messages)",
-                              labels=["reason"])
-    for reason, n in sorted(dict(st.get("refusals") or {}).items()):
-        fam.add_metric([str(reason)], _num(n))
-    return fam
+    return _by_label(CounterMetricFamily, "refusals", "connections and messages refused, by reason "
+                     "(handshake codes, connection caps, TLS, malformed frames, bad messages)",
+                     "reason", st.get("refusals"))
 
 
 def _heldout(st: Mapping[str, Any]) -> GaugeMetricFamily:
-    held = GaugeMetricFamily("swarmtrain_heldout_metric", "latest held-out evaluation", labels=["metric"])
-    for name, value in sorted(dict(st.get("metrics") or {}).items()):
-        held.add_metric([str(name)], _num(value))
-    return held
+    return _by_label(GaugeMetricFamily, "heldout_metric", "latest held-out evaluation", "metric",
+                     st.get("metrics"))
 
 
 class StatusCollector(Collector):
@@ -122,12 +126,8 @@ def _downlink(d: Mapping[str, Any]) -> Iterator[Metric]:
                  d.get("drift", 0.0))
     yield _counter("downlink_resets", "restarts of the published track (every worker then gets the "
                    "full weights)", d.get("resets", 0))
-    answers = CounterMetricFamily("swarmtrain_downlink_answers", "answers to gradients, by what they "
-                                  "carried (chain of log entries, full weights, nothing new)",
-                                  labels=["kind"])
-    for kind, n in sorted(dict(d.get("answers") or {}).items()):
-        answers.add_metric([str(kind)], _num(n))
-    yield answers
+    yield _by_label(CounterMetricFamily, "downlink_answers", "answers to gradients, by what they "
+                    "carried (chain of log entries, full weights, nothing new)", "kind", d.get("answers"))
 
 
 def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:
