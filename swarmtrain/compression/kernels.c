@@ -212,7 +212,32 @@ int st_publish_uniform(const float *m, float *pub, uint8_t *codes, float *scales
         return acc;                                                          \
     }
 SUMSQ(st_sumsq_f32, float)
-SUMSQ(st_sumsq_f16, _Float16)
+SUMSQ(sumsq_f16_scalar, _Float16)
+
+/* float16: the compiler does not vectorize the widening here, so it is written out */
+double st_sumsq_f16(const _Float16 *x, int64_t n) {
+#ifdef HAVE_AVX2
+    double acc = 0.0;
+    int64_t i = 0;
+    for (; i + BLOCK <= n; i += BLOCK) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = i; k < i + BLOCK; k += 32) {
+            __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k)));
+            __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k + 8)));
+            __m256 v2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k + 16)));
+            __m256 v3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k + 24)));
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(v2, v2));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(v3, v3));
+        }
+        acc += hsum(a0) + hsum(a1) + hsum(a2) + hsum(a3);
+    }
+    return acc + sumsq_f16_scalar(x + i, n - i);
+#else
+    return sumsq_f16_scalar(x, n);
+#endif
+}
 
 /* The top-k decoder (swarmtrain/compression/topk.py) after its checks: out = 0 but for the
  * k kept entries, block b's j-th at b * 65536 + index_low, value widened from float16.
