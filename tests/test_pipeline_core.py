@@ -331,7 +331,11 @@ def test_a_replica_answering_the_wrong_kind_of_message_is_banned_and_the_request
             req=job.req, session=job.session_id, microbatch=job.microbatch_id, tensors={})
         for s in (liar, honest):
             await s.start()
-        cfg = RouterConfig(wait_for_replica=0.0, timeouts=FAST)
+        # (the ban must last the test: the liar answers status probes, so a probe lifts it
+        # a second after it began, and the default 2 s ban ends by itself; either happened
+        # before the check on a loaded CI run)
+        cfg = RouterConfig(wait_for_replica=0.0, timeouts=FAST, probe_interval=600.0, ban_base=600.0,
+                           ban_cap=600.0)
         router = Router([[liar.address, honest.address]], secret=SECRET, config=cfg)
         lone = Router([[liar.address]], secret=SECRET, config=cfg)
         try:
