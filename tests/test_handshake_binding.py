@@ -588,3 +588,35 @@ def test_every_handshake_refusal_code_is_documented_in_both_docs() -> None:
     assert {int(n) for n in re.findall(r"^\| (\d+) \|", ring_doc, re.M)} == ring, \
         "docs/protocol.md: ring codes"
     assert "auth_failed" in proto
+
+
+# --- what a secret may be ---------------------------------------------------------------------
+
+
+def test_a_str_secret_is_its_utf8_bytes_and_a_bad_one_is_refused_when_the_node_is_made() -> None:
+    """``Coordinator(secret="...")`` (what people type) once passed the constructor and then
+    crashed every handshake inside the server (hmac wants bytes): the worker saw only "closed
+    by peer". A str is now its UTF-8 bytes, so it meets the same secret given as bytes; an
+    empty secret or a non-secret is a ConfigError from the constructor, before anything listens."""
+    from swarmtrain import Coordinator
+    from swarmtrain.errors import ConfigError
+    from swarmtrain.tasks import load_task
+
+    model = load_task("digits").build_model()
+    text = "our-lab-secret-ünïcode"
+    coord = Coordinator(model, host=HOST, port=0, secret=text, learning_rate=1e-3,
+                        **{"checkpointing.interval": 0})
+    assert coord.secret == text.encode("utf-8")
+
+    async def main() -> Message:
+        await coord.start()
+        try:
+            return await ctl_request(HOST, coord.port, "status", secret=text.encode("utf-8"), timeout=10)
+        finally:
+            await coord.close()
+
+    assert isinstance(asyncio.run(asyncio.wait_for(main(), 30)), Status)
+    for bad, said in ((b"", "empty"), ("", "empty"), (12345, "bytes or str")):
+        with pytest.raises(ConfigError, match=said):
+            Coordinator(model, host=HOST, port=0, secret=bad, learning_rate=1e-3)  # type: ignore[arg-type]
+    assert auth.cluster_secret(bytearray(b"k")) == b"k" and auth.cluster_secret(None) is None

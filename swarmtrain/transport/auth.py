@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarmtrain.errors import ConfigError
 from swarmtrain.wire.frame import PROTOCOL_VERSION
 from swarmtrain.wire.handshake import (
     DOMAIN,
@@ -36,9 +37,36 @@ from swarmtrain.wire.handshake import (
     ring_server_proof,
 )
 
-__all__ = ["NONCE_BYTES", "DOMAIN", "Transcript", "new_nonce", "mac", "server_proof", "client_proof",
+__all__ = ["cluster_secret", "NONCE_BYTES", "DOMAIN", "Transcript", "new_nonce", "mac", "server_proof",
+           "client_proof",
            "welcome_proof", "identity_statement", "ring_server_proof", "ring_client_proof", "proofs_equal",
            "secret_hint", "SECRET_HELP"]
+
+
+def cluster_secret(value: bytes | bytearray | memoryview | str | None) -> bytes | None:
+    """A cluster secret as the handshake uses it: bytes, or None for an open cluster.
+
+    A ``str`` (what people type: ``secret="our-lab-secret"``) is its UTF-8 bytes, as
+    ``[security] secret`` and ``SWARMTRAIN_SECRET`` are. An empty one would authenticate
+    nothing while looking set, and anything else is not a secret: both are refused here,
+    when a node is made, rather than in the first handshake of a server that is already up.
+
+    Raises:
+        ConfigError: an empty secret, or one that is neither bytes nor str.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ConfigError(f"the cluster secret must be bytes or str, got {type(value).__name__}; pass "
+                          "the secret itself (or secret=None and set SWARMTRAIN_SECRET)")
+    secret = bytes(value)
+    if not secret:
+        raise ConfigError("the cluster secret is empty, which would authenticate nothing: pass a "
+                          "real secret (`swarmtrain secret --out FILE` makes one), or secret=None "
+                          "with --insecure for an open cluster")
+    return secret
 
 
 @dataclass(frozen=True)

@@ -491,7 +491,7 @@ class _Acceptor:
                  server_tls: ssl.SSLContext | None) -> None:
         self.loop = asyncio.get_running_loop()
         self.handler = handler
-        self.secret = secret
+        self.secret = auth.cluster_secret(secret)
         self.timeouts = timeouts
         self.limits = limits
         self.send_queue_size = send_queue_size
@@ -658,6 +658,7 @@ async def connect(
             the CA the server trusts).
         ConfigError: ``tls`` names files that cannot be loaded.
     """
+    secret = auth.cluster_secret(secret)
     loop = asyncio.get_running_loop()
     where = f"{host}:{port}"
     client_tls = tls.client_context() if tls is not None else None

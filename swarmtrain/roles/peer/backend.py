@@ -42,6 +42,7 @@ from swarmtrain.roles.peer.discovery import Discovery, MdnsDiscovery, PeerInfo, 
 from swarmtrain.roles.peer.membership import Candidate, Membership, ReformKind, View, check_signature
 from swarmtrain.roles.peer.ring import RingBroken, RingGroup, RingListener
 from swarmtrain.transport import Timeouts
+from swarmtrain.transport.auth import cluster_secret
 from swarmtrain.transport.identity import Identity, peer_id_of
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
@@ -218,6 +219,10 @@ class PeerBackend:
     CLOSE_FORCE_SEC: ClassVar[float] = 0.5  # then cancelling whatever is left
 
     # -- life cycle ------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        # a str secret is its UTF-8 bytes; an empty or non-secret one is refused here
+        self.secret = cluster_secret(self.secret)
 
     @property
     def lifecycle(self) -> Lifecycle:

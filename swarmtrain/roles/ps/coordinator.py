@@ -65,6 +65,7 @@ from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
+from swarmtrain.transport.auth import cluster_secret
 from swarmtrain.transport.endpoints import payload_limit, require_secret
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.wire import (
@@ -277,7 +278,7 @@ class Coordinator:
         *,
         evaluate: Evaluate | None = None,
         task_name: str = "",
-        secret: bytes | None = None,
+        secret: bytes | str | None = None,
         **overrides: Any,
     ) -> None:
         # the caller loads files and the environment (load_coordinator_config); keywords adjust
@@ -285,7 +286,7 @@ class Coordinator:
         self.model = model
         self.task_name = task_name
         self.evaluate_fn = evaluate
-        self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.secret = cluster_secret(secret) if secret is not None else resolve_secret(cfg.security)
         self.tls = resolve_tls(cfg.security)
         self.state = ModelState(model)
         if not self.state.trainable:

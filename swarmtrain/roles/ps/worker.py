@@ -63,6 +63,7 @@ from swarmtrain.roles.ps.downlink import entry_tensors
 from swarmtrain.roles.ps.randomness import CycledIterable, OwnRandomness, loader_generators, worker_seed
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.transport.auth import cluster_secret
 from swarmtrain.transport.identity import Identity, node_identity
 from swarmtrain.wire import (
     Assign,
@@ -213,7 +214,7 @@ class Worker:
         config: WorkerConfig | None = None,
         *,
         task_name: str = "",
-        secret: bytes | None = None,
+        secret: bytes | str | None = None,
         sample_bytes: int | None = None,
         identity: Identity | None = None,
         **overrides: Any,
@@ -226,7 +227,7 @@ class Worker:
         self.loss_fn = loss_fn
         self.data = data
         self.task_name = task_name
-        self.secret = secret if secret is not None else resolve_secret(cfg.security)
+        self.secret = cluster_secret(secret) if secret is not None else resolve_secret(cfg.security)
         self.tls = resolve_tls(cfg.security)
         t = cfg.training
         self.device = resolve_device(t.device)

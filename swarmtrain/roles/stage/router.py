@@ -43,6 +43,7 @@ from swarmtrain.roles.stage.buffers import Priority
 from swarmtrain.roles.stage.codes import RETRYABLE, StageErrorCode
 from swarmtrain.roles.stage.route import replica_problem, request_status
 from swarmtrain.transport import Connection, Timeouts, connect
+from swarmtrain.transport.auth import cluster_secret
 from swarmtrain.transport.tls import TLSConfig
 from swarmtrain.wire import (
     Error,
@@ -177,13 +178,13 @@ class Router:
         ValueError: no stages, or a stage without replicas.
     """
 
-    def __init__(self, stages: Sequence[Sequence[tuple[str, int]]], *, secret: bytes | None,
+    def __init__(self, stages: Sequence[Sequence[tuple[str, int]]], *, secret: bytes | str | None,
                  config: RouterConfig = RouterConfig(),
                  clock: Callable[[], float] = time.monotonic, tls: TLSConfig | None = None) -> None:
         if not stages or any(not s for s in stages):
             raise ValueError("a router needs at least one stage, and every stage at least one replica")
         self.config = config
-        self.secret = secret
+        self.secret = cluster_secret(secret)
         self.tls = tls
         self._clock = clock
         keep = 1.0 - self.config.ewma_alpha

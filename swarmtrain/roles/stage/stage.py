@@ -63,6 +63,7 @@ from swarmtrain.roles.stage.outbound import OfferResult, OutboundBuffer
 from swarmtrain.roles.stage.partition import LossFn
 from swarmtrain.roles.stage.replicas import ReplicaState, ReplicaSync, fetch_replica_state, sync_fractions
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
+from swarmtrain.transport.auth import cluster_secret
 from swarmtrain.transport.endpoints import payload_limit, peer_ip
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.transport.tls import TLSConfig
@@ -233,7 +234,7 @@ class StageServer:
         loss_fn: LossFn | None,
         compute: ComputeConfig = ComputeConfig(),
         config: StageServerConfig = StageServerConfig(),
-        secret: bytes | None,
+        secret: bytes | str | None,
         sync_peers: Sequence[tuple[str, int]] = (),
         name: str = "",
         tls: TLSConfig | None = None,
@@ -242,7 +243,7 @@ class StageServer:
         self.stage = stage
         self.layer_range = layer_range
         self.config = config
-        self.secret = secret
+        self.secret = cluster_secret(secret)
         self.tls = tls
         self.name = name or f"stage{stage}"
         self.compute = StageCompute(layers, is_first=stage == 0, loss_fn=loss_fn, config=compute,
@@ -254,7 +255,7 @@ class StageServer:
         self.monitor: BufferMonitor | None = None
         self.replicas = ReplicaSync(sync_peers, on_compute_thread=self._on_compute_thread,
                                     step=lambda: self.compute.steps,
-                                    trained=lambda: self.compute.trained_since_sync, secret=secret,
+                                    trained=lambda: self.compute.trained_since_sync, secret=self.secret,
                                     timeouts=config.timeouts, round_timeout=config.sync_timeout,
                                     name=self.name, tls=tls)
         self.sync_served = 0
