@@ -300,3 +300,34 @@ def test_gradients_carry_the_version_they_were_computed_on(inflight: int) -> Non
         assert rec.staleness_total == most == rec.steps - 2, (rec.staleness_total, most, rec.steps)
     else:
         assert rec.steps - 2 <= rec.staleness_total <= most, (rec.staleness_total, most, rec.steps)
+
+
+@pytest.mark.parametrize("inline_below", [1.0, 0.0])
+def test_quick_applies_run_on_the_event_loop_and_slow_ones_on_the_apply_thread(
+        inline_below: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model's apply (well under a millisecond) once always went to the apply thread and
+    back, which cost more than the apply; now, once its time is known, it runs on the event loop
+    (the thread is kept for slow applies: here "slow" is anything, with the limit at 0). The
+    run trains the same either way, and the status says where the applies ran."""
+    from swarmtrain.roles.ps import coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "INLINE_APPLY_SEC", inline_below)
+    c = coordinator(**{"training.max_steps": 60})
+
+    async def main() -> None:
+        await c.start()
+        try:
+            task = asyncio.create_task(worker(c.port).run_async())
+            await asyncio.wait_for(c.run(), 60)
+            await asyncio.wait_for(task, 30)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+    apply = c.status()["apply"]
+    assert c.version == 60 and apply["mean_ms"] > 0
+    assert apply["inline"] + apply["threaded"] >= 60  # every gradient's apply (and answer) ran
+    if inline_below:
+        assert apply["threaded"] <= 2 and apply["inline"] >= 55, apply  # the first one is timed
+    else:
+        assert apply["inline"] == 0, apply

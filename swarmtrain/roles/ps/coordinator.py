@@ -106,6 +106,15 @@ LOSS_KEEP = 0.95
 #: the mean samples per gradient that fair weighting divides by, over about ten gradients:
 #: one odd batch changes its own weight, not everyone's
 SAMPLES_KEEP = 0.9
+#: the time an apply (a gradient's, or its answer's) takes, over about ten of them
+APPLY_TIME_KEEP = 0.9
+
+#: a gradient's apply and its answer whose moving average is below this run on the event loop
+#: itself: handing a 0.2 ms apply of a small model to the apply thread and back costs more
+#: (two thread wake-ups, two hand-overs of the interpreter lock) than the apply, and blocking
+#: the loop that long delays no heartbeat. Longer ones run on the apply thread, so the loop
+#: keeps reading the other workers while a big model steps.
+INLINE_APPLY_SEC = 0.002
 
 Evaluate = Callable[[nn.Module], Mapping[str, float]]
 
@@ -354,6 +363,11 @@ class Coordinator:
         self.samples_average = MovingAverage(SAMPLES_KEEP)
         self._clip_logged_at = 0.0
         self._apply_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-apply")
+        #: jobs handed to the apply thread and not yet done (the event loop counts them): an
+        #: apply runs on the loop only while this is 0, so it never overlaps one on the thread
+        self._apply_jobs = 0
+        self.apply_time = MovingAverage(APPLY_TIME_KEEP)
+        self.applies_inline = self.applies_threaded = 0
         self._eval_pool = ThreadPoolExecutor(1, thread_name_prefix="swarm-eval")
         self._eval_state: ModelState | None = None  # a copy of the model to evaluate on
         self._server: Server | None = None
@@ -742,7 +756,7 @@ class Coordinator:
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
                 rec.step_time.update(arrived - rec.answered_at)
             version = self.version
-            status, reply = await self.run_on_apply_thread(self._apply_gradient, rec, msg)
+            status, reply = await self._run_apply(self._apply_gradient, rec, msg)
             if self.version != version:
                 self._after_update()
             elif self.window is not None and status is UpdateStatus.APPLIED:
@@ -750,7 +764,7 @@ class Coordinator:
                     self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
             if reply is None and not self.finished:
-                reply = await self.run_on_apply_thread(self._reply, rec, msg.msg_id, status)
+                reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
             if self.finished or reply is None:  # the final weights went out (or are going): a
                 return  # delta now would be added on top of them, and the replica would overshoot
             await self._send(rec, reply)
@@ -784,7 +798,29 @@ class Coordinator:
     async def run_on_apply_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the thread that applies gradients, so it sees the weights and the
         optimizer between two updates (a checkpoint snapshot, an evaluation)."""
-        return await asyncio.get_running_loop().run_in_executor(self._apply_pool, fn, *args)
+        self._apply_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._apply_pool, fn, *args)
+        finally:
+            self._apply_jobs -= 1
+
+    async def _run_apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A gradient's apply or its answer: on the event loop itself while applies are quick
+        (:data:`INLINE_APPLY_SEC`) and nothing is running on the apply thread, else there;
+        timed either way. The first ones run on the thread (how long they take is not known)."""
+        quick = self.apply_time.value is not None and self.apply_time.value < INLINE_APPLY_SEC
+        if quick and not self._apply_jobs:
+            self.applies_inline += 1
+            return self._timed(fn, *args)
+        self.applies_threaded += 1
+        return await self.run_on_apply_thread(self._timed, fn, *args)
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.apply_time.update(time.perf_counter() - started)
 
     def _replica_weights(self) -> dict[str, torch.Tensor]:
         """The trainable parameters as a worker holds them: the masters in the model's dtype."""
@@ -1295,6 +1331,9 @@ class Coordinator:
             "staleness_counts": {str(k): n for k, n in sorted(dict(self.staleness_counts).items())},
             # the shared downlink: published version, the log, answers by kind (chain / full)
             "downlink": self.downlink.summary(),
+            # where gradients were applied: on the event loop (quick ones) or the apply thread
+            "apply": {"inline": self.applies_inline, "threaded": self.applies_threaded,
+                      "mean_ms": 1e3 * (self.apply_time.value or 0.0)},
             "traffic": self._server.traffic() if self._server is not None else {},
             # everything refused, by reason: connections (handshakes, caps) and messages
             "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),
