@@ -331,3 +331,42 @@ def test_quick_applies_run_on_the_event_loop_and_slow_ones_on_the_apply_thread(
         assert apply["threaded"] <= 2 and apply["inline"] >= 55, apply  # the first one is timed
     else:
         assert apply["inline"] == 0, apply
+
+
+@pytest.mark.parametrize("inline_below", [1.0, 0.0])
+def test_a_worker_on_its_own_loop_computes_quick_steps_on_it(
+        inline_below: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker.run() (the CLI's way: an event loop of its own) computes quick steps (here: all,
+    with the limit at 1 s, as three actors in one process share one interpreter lock; or none,
+    at 0) on that loop instead of handing each to the compute thread; run_async() in the
+    caller's loop never does (it must not block what else runs there). Both train."""
+    import threading
+
+    from swarmtrain.roles.ps import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "INLINE_COMPUTE_SEC", inline_below)
+    c = coordinator(**{"training.max_steps": 80})
+    own: list[Worker] = []
+
+    async def main() -> Worker:
+        await c.start()
+        try:
+            own.append(worker(c.port, **{"training.worker_id": "own", "training.max_inflight": 1}))
+            thread = threading.Thread(target=own[0].run, daemon=True)
+            thread.start()
+            embedded = worker(c.port, **{"training.worker_id": "embedded", "training.max_inflight": 1})
+            task = asyncio.create_task(embedded.run_async())
+            await asyncio.wait_for(c.run(), 60)
+            await asyncio.wait_for(task, 30)
+            await asyncio.wait_for(asyncio.to_thread(thread.join, 30), 35)
+            assert not thread.is_alive()
+            return embedded
+        finally:
+            await c.close()
+
+    embedded = asyncio.run(main())
+    assert embedded.inline_computes == 0 and embedded.steps > 0 and own[0].steps > 0
+    if inline_below:  # all but the first (timed on the thread)
+        assert own[0].inline_computes >= own[0].steps - 2, (own[0].inline_computes, own[0].steps)
+    else:
+        assert own[0].inline_computes == 0

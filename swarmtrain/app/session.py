@@ -127,12 +127,12 @@ def run_worker(cfg: WorkerConfig) -> int:
         graceful_signals(lambda sig: worker.stop(), what="finishing the gradient in flight",
                          loop=asyncio.get_running_loop())
         if run_log is None:
-            await worker.run_async()
+            await worker.run_async(own_loop=True)
             return
         run_log.event("started", worker=worker.worker_id)
         logger = asyncio.create_task(log_worker_forever(worker, run_log))
         try:
-            await worker.run_async()
+            await worker.run_async(own_loop=True)
         finally:
             logger.cancel()
             await asyncio.gather(logger, return_exceptions=True)

@@ -86,6 +86,13 @@ __all__ = ["Worker", "WorkerState", "TRANSITIONS"]
 #: least this fraction of a step's compute; below it, fresher weights are worth more
 OVERLAP_MIN_FRACTION = 0.1
 
+#: a computation whose moving average is below this runs on the event loop itself, not on the
+#: compute thread: handing a 0.5 ms step of a small model to a thread and back costs two
+#: wake-ups and two hand-overs of the interpreter lock, a real fraction of the step, while
+#: blocking the loop that long delays no heartbeat. Longer ones keep the thread, so the loop
+#: reads answers and keeps the connection alive while a big model computes.
+INLINE_COMPUTE_SEC = 0.002
+
 log = logging.getLogger("swarmtrain.worker")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -286,6 +293,8 @@ class Worker:
         self._sent_at: dict[int, float] = {}
         self.round_trip_time = MovingAverage(TIMING_KEEP)  # gradient sent -> its answer arrived
         self.compute_time = MovingAverage(TIMING_KEEP)  # one message's compute, throttle included
+        self.inline_computes = 0  # computations run on the event loop (quick steps)
+        self._own_loop = False  # set by run(): the event loop is ours alone to block
         self.coordinator_aggregates = False  # training.aggregate_samples > 0 there: never overlap
         self.throttle = hardware.Throttle(self.config.training.speed)
         self._conn: Connection | None = None
@@ -319,17 +328,25 @@ class Worker:
     # -- public ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Train until the coordinator says SHUTDOWN (blocking)."""
-        asyncio.run(self.run_async())
+        """Train until the coordinator says SHUTDOWN (blocking), on an event loop of its own
+        (``run_async(own_loop=True)``)."""
+        asyncio.run(self.run_async(own_loop=True))
 
-    async def run_async(self) -> None:
+    async def run_async(self, *, own_loop: bool = False) -> None:
         """Connect (reconnecting with backoff), train, and return after SHUTDOWN.
+
+        Args:
+            own_loop: the running event loop does nothing that a millisecond or two of
+                blocking would hurt (the CLI's, :meth:`run`'s): quick steps are then computed
+                on it rather than handed to the compute thread (:data:`INLINE_COMPUTE_SEC`).
+                Off by default, so a worker in the caller's loop never blocks it.
 
         Raises:
             RefusedError: the coordinator refused this worker (model or config mismatch).
             AuthError: the cluster secrets differ, or a TLS certificate is refused.
             SwarmError: the coordinator stayed unreachable for ``reconnect_attempts`` tries.
         """
+        self._own_loop = own_loop
         net = self.config.network
         failures = 0
         if self.config.training.probe_seconds > 0 and self.samples_per_sec == 0:
@@ -585,7 +602,7 @@ class Worker:
                     # The gradient belongs to the weights it was computed on: take the version
                     # now, before updates arriving during the computation are applied.
                     base_version = self.version
-                    future = loop.run_in_executor(self._pool, self._compute)
+                    future = self._start_compute(loop, inline=self._compute_is_quick())
                 compressed, loss, samples, seconds, residual, changes = await future
                 self._record_speed(samples, seconds)
                 self.compute_time.update(seconds)
@@ -604,10 +621,11 @@ class Worker:
                 if self.lifecycle is WorkerState.STOPPED:
                     return
                 overlap = limit > 0 and self.overlaps()
-                if overlap and self.lifecycle is WorkerState.TRAINING:
+                inline = self._compute_is_quick()
+                if overlap and not inline and self.lifecycle is WorkerState.TRAINING:
                     # the replica is now exactly what the next gradient is computed on; it
                     # changes again only once that computation is back
-                    ahead = (loop.run_in_executor(self._pool, self._compute), self.version)
+                    ahead = (self._start_compute(loop, inline=False), self.version)
                 codecs, tensors = pack_compressed(compressed)
                 buffer_names, buffer_tensors = pack_buffers(changes)
                 tensors.update(buffer_tensors)
@@ -621,12 +639,33 @@ class Worker:
                 self._inflight += 1
                 self.steps += 1
                 self.samples += samples
+                if overlap and inline and self.lifecycle is WorkerState.TRAINING:
+                    # a quick step computes on the loop: let the writer put this gradient on
+                    # the wire first (a turn or two of the loop), then compute the next while
+                    # its answer is in flight
+                    for _ in range(2):
+                        await asyncio.sleep(0)
+                    ahead = (self._start_compute(loop, inline=True), self.version)
                 if not overlap:
                     while self._inflight:
                         await self._apply_next()
         finally:
             if ahead is not None:  # never leave the compute thread running into a reset
                 await _wait_out(ahead[0])
+
+    def _compute_is_quick(self) -> bool:
+        compute = self.compute_time.value
+        return self._own_loop and compute is not None and compute < INLINE_COMPUTE_SEC
+
+    def _start_compute(self, loop: asyncio.AbstractEventLoop, *, inline: bool) -> asyncio.Future[_Computed]:
+        """:meth:`_compute` on the compute thread, or with ``inline`` here and now (a quick
+        step: :data:`INLINE_COMPUTE_SEC`); either way a future of its result."""
+        if not inline:
+            return loop.run_in_executor(self._pool, self._compute)
+        self.inline_computes += 1
+        future: asyncio.Future[_Computed] = loop.create_future()
+        future.set_result(self._compute())  # (what it raises, it raises here, in _train's try)
+        return future
 
     def overlaps(self) -> bool:
         """Compute the next gradient while this one's answer is in flight? Only when the round
@@ -824,7 +863,7 @@ class Worker:
     def status(self) -> dict[str, Any]:
         return {
             "worker_id": self.worker_id, "state": self.lifecycle.name.lower(),
-            "version": self.version, "steps": self.steps,
+            "version": self.version, "steps": self.steps, "inline_computes": self.inline_computes,
             "samples": self.samples, "samples_per_sec": self.samples_per_sec,
             "shards": list(self.shards), "statuses": dict(self.statuses),
             "residual_norm": self.feedback.residual_norm() if self.feedback else 0.0,
