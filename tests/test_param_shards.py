@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +216,92 @@ def test_a_server_resumes_only_its_own_checkpoint(tmp_path: Path) -> None:
                 CoordinatorCheckpointer(str(tmp_path / "s1"), interval=0, keep=2).restore(wrong)
 
     asyncio.run(main())
+
+
+# -- real processes ----------------------------------------------------------------------
+
+
+def _read_version(path: Path) -> int:
+    import json
+
+    for _ in range(50):
+        try:
+            return int(json.loads(path.read_text())["version"])
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    raise AssertionError(f"no status in {path}")
+
+
+def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Two server processes and a worker process: server 1 is killed (SIGKILL) mid-run, the
+    leader's version stands still while it is gone, server 1 comes back on its port with
+    --resume from its own checkpoints, and the run finishes at the leader's max_steps with
+    the accuracy of a healthy run. A leader pointed at server 1's checkpoints is refused."""
+    import json
+    import signal
+    import subprocess
+
+    from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
+
+    env = {**os.environ, "SWARMTRAIN_SECRET": "shard-secret"}
+    d0, d1 = tmp_path / "ck0", tmp_path / "ck1"
+    one_args = ("--shard", "1/2", "--checkpoint-dir", str(d1), "--checkpoint-interval", "50")
+    one, port1 = start_coordinator(tmp_path, *one_args, name="s1", env=env)
+    status, summary = tmp_path / "s0.json", tmp_path / "summary.json"
+    leader_port = tmp_path / "s0.port"
+    leader_args = ("--shard", "0/2", "--servers", "127.0.0.1:1", "--servers", f"127.0.0.1:{port1}",
+                   "--max-steps", "600", "--eval-interval", "2", "--checkpoint-dir", str(d0),
+                   "--checkpoint-interval", "200", "--status-file", str(status),
+                   "--summary-file", str(summary))
+    leader = subprocess.Popen(
+        swarm_cmd("coordinator", "--host", "127.0.0.1", "--port", "0", "--port-file", str(leader_port),
+                  *leader_args),
+        env=env, stdout=open(tmp_path / "s0.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [leader]
+    try:
+        deadline = time.monotonic() + 60
+        while not leader_port.exists():  # (the worker's start overlaps the leader's)
+            assert time.monotonic() < deadline and leader.poll() is None, tail(tmp_path / "s0.log")
+            time.sleep(0.05)
+        w = subprocess.Popen(
+            swarm_cmd("worker", "--host", "127.0.0.1", "--port", leader_port.read_text(), "--threads", "1",
+                      "--worker-id", "w0", "--batch-size", "32", "--reconnect-attempts", "30",
+                      "--reconnect-delay", "0.3"),
+            env=env, stdout=open(tmp_path / "w.log", "ab"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        procs.append(w)
+        while _read_version(status) < 120:
+            assert time.monotonic() < deadline + 60 and leader.poll() is None, tail(tmp_path / "s0.log")
+            time.sleep(0.1)
+        one.send_signal(signal.SIGKILL)
+        one.wait(timeout=10)
+        # meanwhile: the leader's role at server 1's checkpoints is refused, naming both
+        wrong = subprocess.Popen(
+            swarm_cmd("coordinator", "--host", "127.0.0.1", "--port", "0", "--shard", "0/2", "--servers",
+                      "a:1", "--servers", "b:2", "--resume", "--checkpoint-dir", str(d1)),
+            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "wrong.log", "ab"))
+        procs.append(wrong)
+        time.sleep(2.0)  # the worker has noticed; the status file is rewritten every second
+        stalled = _read_version(status)
+        time.sleep(2.0)
+        assert _read_version(status) - stalled <= 1, "training went on without server 1"
+        assert stalled < 600
+        one, _ = start_coordinator(tmp_path, *one_args, "--port", str(port1), "--resume", name="s1b",
+                                   env=env)
+        procs.append(one)
+        assert wait_exit(leader, 120, tmp_path / "s0.log") == 0, tail(tmp_path / "s0.log")
+        assert wait_exit(w, 60, tmp_path / "w.log") == 0, tail(tmp_path / "w.log")
+        assert wait_exit(one, 60, tmp_path / "s1b.log") == 0, tail(tmp_path / "s1b.log")
+        assert wrong.wait(timeout=60) == 2
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    final = json.loads(summary.read_text())
+    assert final["version"] == 600 and final["metrics"]["accuracy"] > 0.9, final["metrics"]
+    assert "resumed from" in (tmp_path / "s1b.log").read_text()
+    said = " ".join((tmp_path / "w.log").read_text().split())  # (the log wraps lines)
+    assert "training waits until it is back" in said and "parameter server 1" in said, said[-3000:]
+    refused = (tmp_path / "wrong.log").read_text()
+    assert "written by parameter server 1/2" in refused, refused[-2000:]

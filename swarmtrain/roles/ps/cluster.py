@@ -171,8 +171,12 @@ class ClusterPeers:
     async def poll_forever(self) -> None:
         """Keep :attr:`statuses` current (every :data:`STATUS_POLL_SEC`)."""
         while True:
-            await asyncio.gather(*(self._poll(i, a) for i, a in self.others))
+            await self.poll_once()
             await asyncio.sleep(STATUS_POLL_SEC)
+
+    async def poll_once(self) -> None:
+        """Ask every other server for its status now."""
+        await asyncio.gather(*(self._poll(i, a) for i, a in self.others))
 
     async def _poll(self, index: int, address: str) -> None:
         try:

@@ -576,7 +576,9 @@ class Coordinator:
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
         if self.peers is not None:
             # the other servers finish with the leader, once its workers have stopped (told
-            # first, a worker would take another server's SHUTDOWN for a server lost)
+            # first, a worker would take another server's SHUTDOWN for a server lost); their
+            # last status first, for the final summary
+            await self.peers.poll_once()
             await self.peers.shut_down_others(reason)
         self.stop()
 
@@ -1209,7 +1211,7 @@ class Coordinator:
         with contextlib.suppress(SwarmError):
             while True:
                 msg = await conn.recv()
-                if not isinstance(msg, StatusRequest):
+                if not isinstance(msg, StatusRequest | Weights):  # (asked every few seconds)
                     # who asked, for the log and the events: the address and the node id its key proved
                     log.info("ctl %s from %s%s", msg.TYPE.name, conn.peer,
                              f" (node {conn.node})" if conn.node else "")

@@ -25,12 +25,21 @@ from swarmtrain.roles.ps.replica import Replica
 from swarmtrain.transport import Connection
 from swarmtrain.wire import Error, Message, Shutdown, Update, Weights
 
-__all__ = ["ServerLink", "total_norm"]
+__all__ = ["ServerLink", "ServerLost", "total_norm"]
 
 log = logging.getLogger("swarmtrain.worker")
 
 #: codecs whose ``values`` part is the decoded gradient's values (so has its norm)
 _VALUES_ARE_THE_GRADIENT = frozenset({"none", "fp16", "topk"})
+
+
+class ServerLost(ConnectionLost):
+    """A parameter server other than the leader was lost or cannot be reached: the worker
+    connects again (from the leader on, with backoff) and trains once every server is back."""
+
+    def __init__(self, index: int, address: str, why: str) -> None:
+        super().__init__(f"parameter server {index} at {address}: {why}")
+        self.index, self.address, self.why = index, address, why
 
 
 @dataclass
@@ -54,15 +63,18 @@ class ServerLink:
                 if isinstance(msg, Update | Weights):
                     self.replies.put_nowait(msg)
                 elif isinstance(msg, Shutdown):
-                    raise ConnectionLost(f"parameter server {self.index} at {self.address} shut down "
-                                         f"({msg.reason or 'no reason given'})")
+                    raise ServerLost(self.index, self.address,
+                                     f"shut down ({msg.reason or 'no reason given'})")
                 elif isinstance(msg, Error):
                     if msg.fatal:
                         raise RefusedError(msg.code, msg.message)
                     log.warning("parameter server %d reports: %.300s [%s]", self.index, msg.message, msg.code)
                 # START, PAUSE, RESUME and ASSIGN: the leader's count, this server's not
-        except (SwarmError, ConnectionError) as exc:
+        except RefusedError as exc:
             self.replies.put_nowait(exc)
+        except (SwarmError, ConnectionError) as exc:
+            self.replies.put_nowait(exc if isinstance(exc, ServerLost)
+                                    else ServerLost(self.index, self.address, f"lost ({exc})"))
 
     async def next_answer(self, timeout: float) -> None:
         """Apply this server's next answer (an UPDATE) to its replica.

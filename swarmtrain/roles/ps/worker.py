@@ -61,7 +61,7 @@ from swarmtrain.roles.ps.common import (
 from swarmtrain.roles.ps.partition import Partition, group_module, partition_model
 from swarmtrain.roles.ps.randomness import CycledIterable, OwnRandomness, loader_generators, worker_seed
 from swarmtrain.roles.ps.replica import Replica
-from swarmtrain.roles.ps.serverlinks import ServerLink, total_norm
+from swarmtrain.roles.ps.serverlinks import ServerLink, ServerLost, total_norm
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.identity import Identity, node_identity
@@ -442,7 +442,11 @@ class Worker:
         where = f"{net.coordinator_host}:{net.coordinator_port}"
         retry = f"reconnecting in {delay:.1f} s (attempt {attempt} of {net.reconnect_attempts})"
         frozen = self._frozen_for(self._connected_at)
-        if frozen:
+        if isinstance(exc, ServerLost) and not frozen:
+            log.warning("parameter server %d at %s is %s; training waits until it is back: "
+                        "registering again with the leader at %s and every server, %s", exc.index,
+                        exc.address, exc.why, where, retry)
+        elif frozen:
             log.warning("this process was paused or frozen for %.0f s (SIGSTOP, a suspended machine "
                         "or VM, or starved of CPU), longer than the heartbeat timeout of %g s, so its "
                         "connection to the coordinator at %s timed out (%s); %s", frozen,
@@ -575,8 +579,7 @@ class Worker:
                                   heartbeat_interval=net.heartbeat_interval_sec,
                                   heartbeat_timeout=net.heartbeat_timeout_sec))
         except (ConnectionLost, SwarmTimeout, ConnectionError, OSError) as exc:
-            raise ConnectionLost(f"parameter server {link.index} at {link.address} is unreachable "
-                                 f"({exc}); training waits until every server is back") from exc
+            raise ServerLost(link.index, link.address, f"unreachable ({exc})") from exc
         link.conn = conn
         assert self._partition is not None
         await conn.send(Register(
