@@ -305,3 +305,21 @@ def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tm
     assert "training waits until it is back" in said and "parameter server 1" in said, said[-3000:]
     refused = (tmp_path / "wrong.log").read_text()
     assert "written by parameter server 1/2" in refused, refused[-2000:]
+
+
+def test_ctl_status_of_the_leader_shows_every_parameter_server() -> None:
+    from rich.console import Console
+
+    from swarmtrain.app.ui import print_status
+
+    cluster = {"shard": "0/2", "partition": "abc123", "group_tensors": 2, "group_bytes": 35328,
+               "shards": [{"index": 0, "shard": "0/2", "address": "10.0.0.1:7100", "reachable": True,
+                           "state": "running", "version": 120, "workers_connected": 3,
+                           "stats": {"applied": 120}, "loss": 0.5},
+                          {"index": 1, "address": "10.0.0.2:7101", "reachable": False,
+                           "error": "cannot connect"}]}
+    console = Console(record=True, width=160)
+    print_status({"version": 120, "running": True, "cluster": cluster, "workers": []}, console)
+    text = console.export_text()
+    assert "parameter server 0/2" in text and "abc123" in text
+    assert "10.0.0.2:7101" in text and "unreachable" in text and "120" in text
