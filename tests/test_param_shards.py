@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import os
 import time
 from pathlib import Path
@@ -323,3 +324,30 @@ def test_ctl_status_of_the_leader_shows_every_parameter_server() -> None:
     text = console.export_text()
     assert "parameter server 0/2" in text and "abc123" in text
     assert "10.0.0.2:7101" in text and "unreachable" in text and "120" in text
+
+
+def test_every_server_clips_by_the_whole_gradients_norm() -> None:
+    """max_grad_norm on a server judges the worker's total norm (sent with each slice), not
+    the slice's own: a slice of norm 0.5 of a gradient of norm 10 is scaled by 1/10, as the
+    other slices are on their servers; a total below the slice's norm counts as the slice's."""
+    from swarmtrain.compression import make_codec
+    from swarmtrain.roles.ps.common import pack_compressed
+    from swarmtrain.roles.ps.coordinator import WorkerRecord
+    from swarmtrain.wire import Gradients
+
+    server = _server(ServerSpec(1, 2))
+    server.config = load_coordinator_config(overrides={"training.max_grad_norm": 1.0,
+                                                       "training.learning_rate": 3e-3})
+    rec = WorkerRecord("w", "", {}, 32, 0.0, accumulation_steps=1)
+    codec = make_codec("none")
+    for total, factor in ((10.0, 0.1), (0.2, 1.0)):
+        grads = {n: torch.ones_like(p) for n, p in server.params.items()}
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        grads = {n: g * (0.5 / norm) for n, g in grads.items()}  # the slice's norm: 0.5
+        codecs, tensors = pack_compressed({n: codec.compress(g) for n, g in grads.items()})
+        msg = Gradients(msg_id=1, version=0, samples=8, loss=1.0, codecs=codecs, tensors=tensors,
+                        total_norm=total)
+        decoded = {n: t.clone() for n, t in grads.items()}
+        assert server._refusal(rec, msg, decoded, {}) == ""
+        for n, g in grads.items():
+            assert torch.allclose(decoded[n], g * factor), (total, n)
