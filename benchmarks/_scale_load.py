@@ -131,9 +131,10 @@ class Load:
     wire_bytes: int
 
 
-def real_load(model: str, compression: str) -> Load:
+def real_load(model: str, compression: str, topk_ratio: float | None = None) -> Load:
     """One forward/backward of the model on a real textlm batch, compressed by the codec a
-    worker uses after warm-up (:func:`codec_for_step`), packed as the worker packs it."""
+    worker uses after warm-up (:func:`codec_for_step`), packed as the worker packs it
+    (``topk_ratio``: top-k's, default the config's)."""
     task = task_for(model)
     net = task.build_model(seed=0)
     state = ModelState(net)
@@ -141,7 +142,7 @@ def real_load(model: str, compression: str) -> Load:
     net.train()
     loss = task.loss(net, batch)
     loss.backward()
-    comp = CompressionConfig(type=compression)
+    comp = CompressionConfig(type=compression, **({"topk_ratio": topk_ratio} if topk_ratio else {}))
     codec = codec_for_step(comp, step=comp.warmup_steps)
     gen = torch.Generator().manual_seed(0)
     items = {n: codec.compress(p.grad.detach(), generator=gen)

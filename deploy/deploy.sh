@@ -5,7 +5,8 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(dirname "$HERE")
-STACK_FILE="$HERE/docker-stack.yml"
+# SWARMTRAIN_STACK_FILE=deploy/docker-stack-sharded.yml deploys two parameter servers
+STACK_FILE="${SWARMTRAIN_STACK_FILE:-$HERE/docker-stack.yml}"
 SECRET_NAME=swarmtrain_secret                  # the name docker-stack.yml declares (external)
 LOCAL_SECRET="$HERE/secrets/swarmtrain_secret" # the file docker-compose.yml mounts
 PLATFORMS=linux/amd64,linux/arm64
@@ -30,6 +31,7 @@ Deploy swarmtrain to a Docker Swarm. Run it on a Swarm manager, in this order:
           coordinator  runs the coordinator       (swarmtrain.role=coordinator)
           rpi          runs a Raspberry Pi worker (swarmtrain.profile=rpi)
           pc           runs a laptop/desktop/server worker (swarmtrain.profile=pc)
+          server1      runs parameter server 1 of docker-stack-sharded.yml (swarmtrain.server=1)
         a node may carry coordinator and one worker class: box=coordinator box=pc
   up [--image IMAGE] [--stack NAME]
         deploy or update the stack (default image \$SWARMTRAIN_IMAGE or swarmtrain:0.1.0,
@@ -183,7 +185,8 @@ cmd_label() {
         case "$class" in
             coordinator) labels+=(swarmtrain.role=coordinator) ;;
             rpi|pc) labels+=("swarmtrain.profile=$class") ;;
-            *) usage_error "unknown class '$class' for node $node: use coordinator, rpi or pc" ;;
+            server1) labels+=(swarmtrain.server=1) ;;
+            *) usage_error "unknown class '$class' for node $node: use coordinator, server1, rpi or pc" ;;
         esac
         nodes+=("$node")
     done

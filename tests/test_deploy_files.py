@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 import swarmtrain
-from swarmtrain.app.cli import build_parser
+from swarmtrain.app.cli import build_parser, config_overrides
 from swarmtrain.config import load_coordinator_config, load_worker_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -375,3 +375,43 @@ def test_deploy_sh_local_secret_is_readable_in_the_container_but_private_on_the_
     assert stat.S_IMODE(target.parent.stat().st_mode) == 0o700
     again = _sh("local-secret", str(target))
     assert again.returncode == 1 and "exists already" in again.stderr
+
+
+# ---------------------------------------------------------------- the sharded stack
+
+
+SHARDED = "docker-stack-sharded.yml"
+
+
+def test_sharded_stack_parses_and_runs_two_parameter_servers_the_cli_accepts() -> None:
+    test_file_parses_and_passes_the_docker_clients_compose_schema(SHARDED)
+    from swarmtrain.roles.ps.partition import parse_server_spec
+
+    doc = _load(SHARDED)
+    servers = {n: s for n, s in doc["services"].items() if s["command"][0] == "coordinator"}
+    assert set(servers) == {"coordinator", "coordinator-1"}
+    specs, volumes = {}, set()
+    for name, svc in servers.items():
+        args = _parse_cli(svc["command"])
+        assert args.secret_file == SECRET_PATH and args.resume
+        cfg = load_coordinator_config(_config_file(doc, svc, args.config), config_overrides(args))
+        spec = parse_server_spec(cfg.cluster.shard, cfg.cluster.servers)
+        specs[name] = (spec, cfg)
+        assert [p["target"] for p in svc["ports"]] == [cfg.network.port]
+        volumes |= {v.split(":")[0] for v in svc["volumes"]}  # each its own checkpoints
+        ctl = _parse_cli(svc["healthcheck"]["test"][2:])
+        assert ctl.port == cfg.network.port
+    assert len(volumes) == 2
+    lead, lead_cfg = specs["coordinator"]
+    assert (lead.index, lead.count, specs["coordinator-1"][0].index) == (0, 2, 1)
+    # the leader lists every server at the address its service answers on
+    port1 = specs["coordinator-1"][1].network.port
+    assert lead_cfg.cluster.servers == ("coordinator:7100", f"coordinator-1:{port1}")
+    for svc in doc["services"].values():  # workers need the leader's address only
+        if svc["command"][0] == "worker":
+            wcfg = load_worker_config(_config_file(doc, svc, "/etc/swarmtrain/worker.toml"))
+            assert (wcfg.network.coordinator_host, wcfg.network.coordinator_port) == ("coordinator", 7100)
+    out = _sh("--dry-run", "label", "n1=server1")
+    assert "docker node update --label-add swarmtrain.server=1 n1" in out.stdout, out.stderr
+    assert any(c == "node.labels.swarmtrain.server == 1"
+               for c in doc["services"]["coordinator-1"]["deploy"]["placement"]["constraints"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import os
@@ -25,7 +26,9 @@ from swarmtrain.core.events import RunRecorder
 from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.fsutil import write_atomic
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
+from swarmtrain.roles.ps.cluster import shard_of_model
 from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.partition import parse_server_spec
 from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import load_task
 
@@ -50,8 +53,23 @@ def build_coordinator(cfg: CoordinatorConfig, *, resume: bool = False,
     data = task.load_data(cfg.data.path or None)
     if cfg.training.learning_rate == 0:
         cfg = with_overrides(cfg, {"training.learning_rate": task.default_learning_rate})
-    coord = Coordinator(model, cfg, evaluate=lambda m: task.evaluate(m, data),
-                        task_name=cfg.training.task)
+    spec = parse_server_spec(cfg.cluster.shard, cfg.cluster.servers)
+    if spec.count > 1:
+        part, place = shard_of_model(model, spec, cfg.cluster.servers)
+        if not spec.leader:
+            # the leader gates the start and ends the run; this server serves whoever comes
+            cfg = with_overrides(cfg, {"training.min_workers": 1, "training.max_steps": 0})
+        log.info("parameter server %s: %d of the model's %d trainable tensors (%.1f MB, partition %s)",
+                 spec, len(place.partition.groups[spec.index]),
+                 sum(len(g) for g in place.partition.groups),
+                 place.partition.group_bytes[spec.index] / 1e6, place.partition.fingerprint)
+        # the leader evaluates on a model of its own (its group's tensors become the masters)
+        coord = Coordinator(part, cfg, task_name=cfg.training.task, cluster=place,
+                            evaluate=(lambda m: task.evaluate(m, data)) if spec.leader else None,
+                            eval_model=copy.deepcopy(model) if spec.leader else None)
+    else:
+        coord = Coordinator(model, cfg, evaluate=lambda m: task.evaluate(m, data),
+                            task_name=cfg.training.task)
     coord.run_log = run_log
     ck = cfg.checkpointing
     if ck.interval or resume:

@@ -53,6 +53,30 @@ def stale_note(status: dict[str, Any], now: float, after: float = STALE_AFTER_SE
     return f"stale (last written {age:.0f} s ago; is the coordinator still running?)"
 
 
+def _print_cluster(console: Console, cluster: dict[str, Any]) -> None:
+    """A sharded cluster's parameter servers (the leader's status has a row for each)."""
+    if not cluster:
+        return
+    console.print(f"[bold]parameter server[/] {cluster.get('shard')} of a sharded cluster "
+                  f"(partition {cluster.get('partition')}, {cluster.get('group_tensors')} tensors, "
+                  f"{_num(cluster.get('group_bytes', 0) / 1e6)} MB here)")
+    rows = cluster.get("shards") or []
+    if not rows:
+        return
+    table = Table(title="parameter servers", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("shard", "address", "state", "version", "workers", "applied", "loss"):
+        table.add_column(col)
+    for r in rows:
+        if not r.get("reachable"):
+            table.add_row(str(r.get("index")), str(r.get("address")),
+                          f"[bold red]unreachable[/] {str(r.get('error', ''))[:60]}", "", "", "", "")
+            continue
+        table.add_row(str(r.get("shard") or r.get("index")), str(r.get("address")), str(r.get("state")),
+                      str(r.get("version")), str(r.get("workers_connected")),
+                      str((r.get("stats") or {}).get("applied", "")), _num(r.get("loss")))
+    console.print(table)
+
+
 def print_status(status: dict[str, Any], console: Console | None = None, *,
                  now: float | None = None) -> None:
     """Print a coordinator's status: step, loss, metrics, and the workers table.
@@ -89,6 +113,7 @@ def print_status(status: dict[str, Any], console: Console | None = None, *,
                   f"min {status.get('min_workers')}")
     if refusals := status.get("refusals"):
         console.print("refused " + "  ".join(f"{reason} {n}" for reason, n in sorted(refusals.items())))
+    _print_cluster(console, status.get("cluster") or {})
     # connected workers first; a gone one keeps its steps and share, not a speed or shards
     workers = sorted(status.get("workers", []), key=lambda w: not w.get("connected"))
     rows = [_worker_cells(w) for w in workers]

@@ -21,7 +21,8 @@ from swarmtrain.config.sections import (
 if TYPE_CHECKING:
     from swarmtrain.transport.endpoints import ServerLimits
 
-__all__ = ["CoordinatorConfig", "CoordinatorDataConfig", "CoordinatorNetworkConfig",
+__all__ = ["CoordinatorClusterConfig", "CoordinatorConfig", "CoordinatorDataConfig",
+           "CoordinatorNetworkConfig",
            "CoordinatorTrainingConfig", "WorkerConfig", "WorkerDataConfig", "WorkerNetworkConfig",
            "WorkerTrainingConfig"]
 
@@ -124,6 +125,23 @@ class CoordinatorTrainingConfig(_Section):
 
 
 @dataclass(frozen=True)
+class CoordinatorClusterConfig(_Section):
+    """[cluster] of the coordinator: the parameter servers of a sharded cluster (parameter
+    shards: each server holds one group of the model's tensors; not the data shards of
+    ``training.num_shards``)."""
+
+    SECTION = "cluster"
+    shard: str = _opt(
+        "", 'which parameter server this is, "i/S": server i of S, each holding the master weights '
+        "and Adam state of one group of the model's tensors (server 0 leads: data shards, the run's "
+        'length, evaluation, the cluster status); "" = the only server', metavar="i/S")
+    servers: tuple[str, ...] = _opt(
+        (), "HOST:PORT of every parameter server, server 0 first (the index is the position); the "
+        "leader needs it and tells the workers, so a worker is started with the leader's address "
+        "only", metavar="HOST:PORT")
+
+
+@dataclass(frozen=True)
 class CoordinatorDataConfig(DataConfig):
     """[data] of the coordinator."""
 
@@ -141,6 +159,7 @@ class CoordinatorConfig:
     data: CoordinatorDataConfig = field(default_factory=CoordinatorDataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
+    cluster: CoordinatorClusterConfig = field(default_factory=CoordinatorClusterConfig)
 
 
 # ---------------------------------------------------------------- worker sections

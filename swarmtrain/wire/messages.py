@@ -289,7 +289,7 @@ class Register(Message):
     BOUNDS = {
         "batch_size": Bound(lo=1, hi=1 << 20), "accumulation_steps": Bound(lo=1, hi=1 << 12),
         "shard_index": Bound(lo=-1, hi=1 << 20), "samples_per_sec": Bound(lo=0.0, hi=1e9),
-        "hardware": Bound(max_len=64), "compression": Bound(max_len=64)}
+        "hardware": Bound(max_len=64), "compression": Bound(max_len=64), "partition": Bound(max_len=64)}
     worker_id: str
     task: str
     fingerprint: list[Any]
@@ -300,6 +300,10 @@ class Register(Message):
     compression: dict[str, Any]
     samples_per_sec: float
     last_msg_id: int = 0
+    #: the fingerprint of the parameter partition the worker computed for a sharded cluster
+    #: (roles/ps/partition.py); "" = not known yet (its first REGISTER to the leader, whose
+    #: REGISTER_ACK ``info`` says the servers and the partition)
+    partition: str = ""
 
 
 @dataclass(frozen=True)
@@ -342,13 +346,17 @@ class Gradients(Message):
     TYPE = MsgType.GRADIENTS
     BOUNDS = {
         "samples": Bound(lo=0, hi=1 << 40), "loss": Bound(lo=-1e30, hi=1e30, nan_ok=True),
-        "residual_norm": Bound(lo=0.0, hi=1e30, nan_ok=True)}
+        "residual_norm": Bound(lo=0.0, hi=1e30, nan_ok=True),
+        "total_norm": Bound(lo=0.0, hi=1e30, nan_ok=True)}
     msg_id: int
     version: int
     samples: int
     loss: float
     codecs: dict[str, Any]
     residual_norm: float = 0.0
+    #: in a sharded cluster, the L2 norm of the worker's whole gradient, of which this message
+    #: carries one server's slice: every server screens and clips by the same norm (0 = unknown)
+    total_norm: float = 0.0
     #: buffers (BatchNorm statistics...) this computation changed: how much each changed
     #: travels as payload tensor ``#i`` for the i-th name
     buffers: list[str] = field(default_factory=list)

@@ -124,6 +124,8 @@ class CoordinatorCheckpointer:
             # which node's key owns each worker id (absent from checkpoints before it)
             "worker_nodes": {w: r.node for w, r in coord.workers.items() if r.node},
             "screen": coord.screen.state_dict(),
+            # which parameter server's group this is (absent: the only server)
+            "param_shard": _param_shard(coord),
         }
         return tensors, meta
 
@@ -136,6 +138,7 @@ class CoordinatorCheckpointer:
             log.warning("no valid checkpoint in %s: starting from scratch", self.store.directory)
             return False
         meta = ckpt.meta
+        _check_param_shard(ckpt.path, meta.get("param_shard"), _param_shard(coord))
         import torch
 
         with torch.no_grad():
@@ -185,3 +188,32 @@ class CoordinatorCheckpointer:
                      path=str(ckpt.path))
         log.info("resumed from %s at version %d", ckpt.path, coord.version)
         return True
+
+
+def _param_shard(coord: Coordinator) -> dict[str, Any] | None:
+    """The parameter server a checkpoint belongs to: index, count and partition fingerprint
+    (None for a coordinator that is the only server)."""
+    place = coord.cluster
+    if place is None or place.spec.count == 1:
+        return None
+    return {"index": place.spec.index, "count": place.spec.count,
+            "partition": place.partition.fingerprint}
+
+
+def _check_param_shard(path: Any, saved: Any, mine: dict[str, Any] | None) -> None:
+    """Refuse a checkpoint written by another parameter server (or by an unsharded
+    coordinator for a server, or the other way round): its tensors are another group's.
+
+    Raises:
+        CheckpointError: naming both and what to do.
+    """
+    def name(p: Any) -> str:
+        if not isinstance(p, dict):
+            return "an unsharded coordinator (the only server)"
+        return f"parameter server {p.get('index')}/{p.get('count')} (partition {p.get('partition')})"
+
+    if (saved or None) != mine:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {name(saved)}, and this is {name(mine)}: each server "
+            "resumes from its own checkpoints; give it its own --checkpoint-dir (the one it wrote "
+            "before) with the same --shard i/S, or start without --resume")

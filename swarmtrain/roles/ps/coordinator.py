@@ -50,6 +50,7 @@ from swarmtrain.errors import (
 )
 from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
+from swarmtrain.roles.ps.cluster import ClusterPeers, ClusterPlace
 from swarmtrain.roles.ps.common import (
     check_compression_match,
     check_fingerprint,
@@ -277,6 +278,10 @@ class Coordinator:
         evaluate: optional held-out evaluation, ``evaluate(model) -> {"metric": value}``.
         task_name: the task name workers must also run (checked at registration).
         secret: the cluster secret; default from config / SWARMTRAIN_SECRET.
+        cluster: this server's place in a sharded cluster (:mod:`swarmtrain.roles.ps.cluster`);
+            ``model`` is then its parameter group only.
+        eval_model: the model ``evaluate`` runs on (default: a copy of ``model``); the leader
+            of a sharded cluster passes the whole model and fills it with every server's weights.
         **overrides: config keys by name, e.g. ``port=7100, min_workers=2``.
     """
 
@@ -288,6 +293,8 @@ class Coordinator:
         evaluate: Evaluate | None = None,
         task_name: str = "",
         secret: bytes | str | None = None,
+        cluster: ClusterPlace | None = None,
+        eval_model: nn.Module | None = None,
         **overrides: Any,
     ) -> None:
         # the caller loads files and the environment (load_coordinator_config); keywords adjust
@@ -309,6 +316,11 @@ class Coordinator:
             for n, b in self.state.synced_buffers.items()}
         self._buffer_changed: dict[str, int] = {}  # buffer -> version of its last change
         self._fingerprint = self.state.fingerprint()
+        #: a sharded cluster's server: its place, and (the leader) the other servers
+        self.cluster = cluster
+        self.peers = (ClusterPeers(cluster, secret=self.secret, tls=self.tls)
+                      if cluster is not None and cluster.leader and cluster.spec.count > 1 else None)
+        self._eval_model = eval_model
         self._sizes = [p.numel() for p in self.params.values()]
         t = cfg.training
         if t.learning_rate <= 0:
@@ -463,6 +475,8 @@ class Coordinator:
             server_limits=net.server_limits())
         self._tasks.append(asyncio.create_task(self._eval_loop()))
         self._tasks.append(asyncio.create_task(self._say_waiting_forever()))
+        if self.peers is not None:
+            self._tasks.append(asyncio.create_task(self.peers.poll_forever()))
         self.record_event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
                  net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
@@ -575,6 +589,12 @@ class Coordinator:
             for w in pending:
                 w.cancel()
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        if self.peers is not None:
+            # the other servers finish with the leader, once its workers have stopped (told
+            # first, a worker would take another server's SHUTDOWN for a server lost); their
+            # last status first, for the final summary
+            await self.peers.poll_once()
+            await self.peers.shut_down_others(reason)
         self.stop()
 
     # -- connections -----------------------------------------------------------------------
@@ -636,7 +656,11 @@ class Coordinator:
         _check_identity(msg)
         if self.task_name and msg.task and msg.task != self.task_name:
             raise ConfigError(f"this cluster trains task {self.task_name!r}, the worker runs {msg.task!r}")
-        check_fingerprint(self._fingerprint, msg.fingerprint)
+        if self.cluster is not None:  # the whole model, then how it is split
+            check_fingerprint(self.cluster.model_fingerprint, msg.fingerprint)
+            self.cluster.check_register(msg.partition)
+        else:
+            check_fingerprint(self._fingerprint, msg.fingerprint)
         check_compression_match(self.config.compression, msg.compression)
         if msg.shard_index >= self.num_shards:
             raise ConfigError(f"shard_index {msg.shard_index} is out of range: this cluster has "
@@ -729,7 +753,8 @@ class Coordinator:
             running=self.running, paused=self.paused, version=weights.version,
             last_applied_msg_id=rec.last_msg_id,
             info={"task": self.task_name, "min_workers": self.config.training.min_workers,
-                  "aggregate_samples": self.config.training.aggregate_samples},
+                  "aggregate_samples": self.config.training.aggregate_samples,
+                  **(self.cluster.welcome_info() if self.cluster is not None else {})},
         ))
         await self._send(rec, weights)
         rec.welcomed = True
@@ -1056,6 +1081,11 @@ class Coordinator:
             if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
                 return "NaN or infinite values"
             return "gradient norm overflows float32 (finite but enormous values)"
+        if self.cluster is not None and math.isfinite(msg.total_norm):
+            # a slice of a gradient: every server judges (and clips) by the whole gradient's
+            # norm, which the worker sends to each; a slice's own norm bounds it from below,
+            # so a worker under-stating it gains nothing
+            norm = max(norm, msg.total_norm)
         t = self.config.training
         if t.max_grad_norm and norm > t.max_grad_norm:
             if t.grad_norm_action == "reject":
@@ -1218,7 +1248,7 @@ class Coordinator:
         with contextlib.suppress(SwarmError):
             while True:
                 msg = await conn.recv()
-                if not isinstance(msg, StatusRequest):
+                if not isinstance(msg, StatusRequest | Weights):  # (asked every few seconds)
                     # who asked, for the log and the events: the address and the node id its key proved
                     log.info("ctl %s from %s%s", msg.TYPE.name, conn.peer,
                              f" (node {conn.node})" if conn.node else "")
@@ -1234,6 +1264,12 @@ class Coordinator:
                         await conn.send(Status(status=self.status()))
                 elif isinstance(msg, CheckpointMsg):
                     await conn.send(await self.checkpoint())
+                elif isinstance(msg, Weights):
+                    # an empty WEIGHTS asks for the current trainable weights (the leader of a
+                    # sharded cluster evaluates on every server's part)
+                    version, weights = await self.run_on_apply_thread(
+                        lambda: (self.version, self._replica_weights()))
+                    await conn.send(Weights(version=version, tensors=weights))
                 elif isinstance(msg, Shutdown):
                     await conn.send(Status(status=self.status()))
                     await self.shutdown_cluster(msg.reason or "shutdown requested")
@@ -1286,6 +1322,13 @@ class Coordinator:
             return
         snap = await self.run_on_apply_thread(lambda: (self._state_snapshot(), self.version))
         weights, version = snap
+        if self.peers is not None:
+            try:
+                weights = {**weights, **await self.peers.pull_weights()}
+            except (SwarmError, OSError) as exc:
+                log.warning("evaluation skipped: the other parameter servers' weights could not be "
+                            "fetched (%s)", exc)
+                return
         loop = asyncio.get_running_loop()
         try:
             metrics = await loop.run_in_executor(self._eval_pool, self._evaluate_snapshot, evaluate, weights)
@@ -1298,7 +1341,8 @@ class Coordinator:
 
     def _evaluate_snapshot(self, evaluate: Evaluate, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
         if self._eval_state is None:
-            self._eval_state = ModelState(copy.deepcopy(self.model))
+            self._eval_state = ModelState(self._eval_model if self._eval_model is not None
+                                          else copy.deepcopy(self.model))
         self._eval_state.load(weights)
         return evaluate(self._eval_state.model)
 
@@ -1339,7 +1383,20 @@ class Coordinator:
             "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),
             # robust windows: who is left out, and each worker's agreement with the combinations
             "robust": (self.window.scores.summary() if isinstance(self.window, RobustWindow) else {}),
+            # a sharded cluster: this server's place, and (the leader) one row per server
+            "cluster": self._cluster_status(),
         }
+
+    def _cluster_status(self) -> dict[str, Any]:
+        if self.cluster is None:
+            return {}
+        out = self.cluster.summary()
+        if self.peers is not None:
+            own = {"version": self.version, "state": self.lifecycle.name.lower(), "loss": self.loss_ema,
+                   "workers_connected": len(self._connected()), "stats": dict(self.stats),
+                   "shard": str(self.cluster.spec)}
+            out["shards"] = self.peers.summary(own)
+        return out
 
 
 FUSE_MAX_NUMEL = 1 << 20

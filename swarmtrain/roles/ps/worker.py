@@ -51,16 +51,17 @@ from swarmtrain.errors import (
     SwarmError,
     SwarmTimeout,
 )
+from swarmtrain.roles.ps.cluster import split_address
 from swarmtrain.roles.ps.common import (
     codec_for_step,
     pack_buffers,
     pack_compressed,
     payload_bytes,
-    split_buffers,
-    unpack_compressed,
 )
-from swarmtrain.roles.ps.downlink import entry_tensors
+from swarmtrain.roles.ps.partition import Partition, group_module, partition_model
 from swarmtrain.roles.ps.randomness import CycledIterable, OwnRandomness, loader_generators, worker_seed
+from swarmtrain.roles.ps.replica import Replica
+from swarmtrain.roles.ps.serverlinks import ServerLink, ServerLost, total_norm
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.auth import cluster_secret
@@ -272,7 +273,12 @@ class Worker:
         self.bytes_up = 0
         self.bytes_down = 0
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
-        self.version = 0
+        #: the replica the (leader) coordinator's answers change; in a sharded cluster, of the
+        #: leader's group, and each other server has its own (:attr:`servers`)
+        self._whole = self._replica = Replica(self.state, self.device)
+        #: the other parameter servers of a sharded cluster (empty: one coordinator)
+        self.servers: list[ServerLink] = []
+        self._partition: Partition | None = None  # the sharded cluster's, once the leader said
         self.msg_id = 0
         self.steps = 0
         self.samples = 0
@@ -454,7 +460,11 @@ class Worker:
         where = f"{net.coordinator_host}:{net.coordinator_port}"
         retry = f"reconnecting in {delay:.1f} s (attempt {attempt} of {net.reconnect_attempts})"
         frozen = self._frozen_for(self._connected_at)
-        if frozen:
+        if isinstance(exc, ServerLost) and not frozen:
+            log.warning("parameter server %d at %s is %s; training waits until it is back: "
+                        "registering again with the leader at %s and every server, %s", exc.index,
+                        exc.address, exc.why, where, retry)
+        elif frozen:
             log.warning("this process was paused or frozen for %.0f s (SIGSTOP, a suspended machine "
                         "or VM, or starved of CPU), longer than the heartbeat timeout of %g s, so its "
                         "connection to the coordinator at %s timed out (%s); %s", frozen,
@@ -479,6 +489,9 @@ class Worker:
             self._enter(WorkerState.STOPPED)
         if self._conn is not None:
             self._conn.abort(SwarmError("worker stopped"))
+        for link in self.servers:
+            if link.conn is not None:
+                link.conn.abort(SwarmError("worker stopped"))
 
     # -- one connection's life -------------------------------------------------------------
 
@@ -496,6 +509,7 @@ class Worker:
             compression={k: getattr(comp, k) for k in comp.SHARED_KEYS},
             samples_per_sec=min(max(self.samples_per_sec, 0.0), _MAX_SAMPLES_PER_SEC)
             if math.isfinite(self.samples_per_sec) else 0.0, last_msg_id=self.msg_id,
+            partition=self._partition.fingerprint if self._partition is not None else "",
         ))
         self._claim_cap = batch * self.plan.accumulation_steps
         ack = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
@@ -507,10 +521,16 @@ class Worker:
         # A restarted process reusing this worker id starts counting at 0; continue after the
         # last id the coordinator applied, or our new gradients would be taken for old ones.
         self.msg_id = max(self.msg_id, ack.last_applied_msg_id)
+        self._place_in_cluster(ack.info)
         weights = await conn.recv(timeout=conn.timeouts.heartbeat_timeout, phase="weights")
         if not isinstance(weights, Weights):
             raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
         self._load_full(weights.tensors, weights.version)
+        try:
+            await self._join_other_servers()
+        except BaseException:
+            await self._leave_other_servers()
+            raise
         # a coordinator that aggregates holds answers until a window closes: a gradient computed
         # while one is in flight would always miss that window's update
         self.coordinator_aggregates = bool(ack.info.get("aggregate_samples"))
@@ -521,10 +541,146 @@ class Worker:
                  self.plan.batch_size, self.plan.accumulation_steps)
         reader = asyncio.create_task(self._reader(conn))
         try:
-            await self._train(conn)
+            await (self._train_sharded(conn) if self.servers else self._train(conn))
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+            await self._leave_other_servers()
+
+    # -- a sharded cluster (roles/ps/serverlinks.py) ---------------------------------------
+
+    def _place_in_cluster(self, info: Mapping[str, Any]) -> None:
+        """From the leader's REGISTER_ACK: one coordinator (the replica is the whole model), or
+        a sharded cluster: the partition (computed here, checked against the leader's), the
+        leader's group as the replica its answers change, and a link per other server.
+
+        Raises:
+            RefusedError: this worker splits the model differently from the leader.
+        """
+        servers = info.get("servers")
+        if not isinstance(servers, list) or len(servers) < 2:
+            self._partition, self._replica, self.servers = None, self._whole, []
+            return
+        partition = partition_model(self.model, len(servers))
+        if partition.fingerprint != info.get("partition"):
+            raise RefusedError("partition_mismatch", (
+                f"this worker splits the model over {len(servers)} parameter servers with fingerprint "
+                f"{partition.fingerprint}, the leader with {info.get('partition')}: run the same "
+                "swarmtrain version and task settings on every machine"))
+        self._partition = partition
+
+        def replica(index: int) -> Replica:
+            part = group_module(self.model, partition.groups[index], with_rest=index == 0)
+            return Replica(ModelState(part), self.device)
+
+        self._replica = replica(0)
+        self.servers = [ServerLink(j, str(servers[j]), replica(j)) for j in range(1, len(servers))]
+
+    async def _join_other_servers(self) -> None:
+        """Register with every server but the leader (concurrently), load each one's weights
+        and start its reader.
+
+        Raises:
+            ConnectionLost: a server cannot be reached (the worker tries again with backoff,
+                from the leader on: training waits until every server is there).
+            RefusedError: a server refused this worker (another partition, another model).
+        """
+        await asyncio.gather(*(self._join_server(link) for link in self.servers))
+
+    async def _join_server(self, link: ServerLink) -> None:
+        net, comp = self.config.network, self.config.compression
+        host, port = split_address(link.address)
+        try:
+            conn = await connect(
+                host, port, secret=self.secret, tls=self.tls, role="worker", identity=self.identity,
+                timeouts=Timeouts(connect=net.connect_timeout_sec, handshake=net.handshake_timeout_sec,
+                                  heartbeat_interval=net.heartbeat_interval_sec,
+                                  heartbeat_timeout=net.heartbeat_timeout_sec))
+        except (ConnectionLost, SwarmTimeout, ConnectionError, OSError) as exc:
+            raise ServerLost(link.index, link.address, f"unreachable ({exc})") from exc
+        link.conn = conn
+        assert self._partition is not None
+        await conn.send(Register(
+            worker_id=self.worker_id, task=self.task_name, fingerprint=self.state.fingerprint(),
+            hardware=self.hw.to_dict(), batch_size=max(self.plan.batch_size, self._largest_batch),
+            accumulation_steps=self.plan.accumulation_steps, shard_index=-1,
+            compression={k: getattr(comp, k) for k in comp.SHARED_KEYS},
+            samples_per_sec=min(max(self.samples_per_sec, 0.0), _MAX_SAMPLES_PER_SEC)
+            if math.isfinite(self.samples_per_sec) else 0.0, last_msg_id=self.msg_id,
+            partition=self._partition.fingerprint))
+        ack = await conn.recv(timeout=conn.timeouts.handshake, phase="register")
+        if isinstance(ack, Error):
+            raise RefusedError(ack.code, f"parameter server {link.index} at {link.address}: {ack.message}")
+        if not isinstance(ack, RegisterAck):
+            raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
+        if ack.info.get("server") != link.index:
+            raise RefusedError("server_mismatch", (
+                f"the leader lists {link.address} as parameter server {link.index}, and it says it "
+                f"is server {ack.info.get('server', '(none: an unsharded coordinator)')}: list the "
+                "servers in cluster.servers in --shard index order"))
+        self.msg_id = max(self.msg_id, ack.last_applied_msg_id)
+        weights = await conn.recv(timeout=conn.timeouts.heartbeat_timeout, phase="weights")
+        if not isinstance(weights, Weights):
+            raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
+        link.replica.load_full(weights.tensors, weights.version)
+        link.replies = asyncio.Queue()
+        link.reader = asyncio.create_task(link.read())
+
+    async def _leave_other_servers(self) -> None:
+        for link in self.servers:
+            link.apply_ready()  # the final weights, if they came
+        await asyncio.gather(*(link.close() for link in self.servers), return_exceptions=True)
+
+    async def _train_sharded(self, conn: Connection) -> None:
+        """Compute, send each server its slice of the gradient (concurrently), apply each
+        server's answer to its group; one gradient at a time (no overlap with the answers)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.network.heartbeat_timeout_sec * 3
+        while True:
+            if not await self._wait_active():
+                return
+            versions = [self.version, *(link.replica.version for link in self.servers)]
+            future = self._start_compute(loop, inline=self._compute_is_quick())
+            compressed, loss, samples, seconds, residual, changes = await future
+            self._record_speed(samples, seconds)
+            self.compute_time.update(seconds)
+            await self._apply_ready()
+            if not compressed:
+                continue
+            self._check_claim(samples)
+            if self.lifecycle is WorkerState.STOPPED:
+                return
+            norm = _wire_float(total_norm(compressed))
+            self.msg_id += 1
+            sends, answered = [], []
+            for index, replica in enumerate([self._replica, *(link.replica for link in self.servers)]):
+                part = {n: c for n, c in compressed.items() if n in replica.params}
+                if not part:
+                    continue  # (no gradient for this group on this step: nothing to send)
+                codecs, tensors = pack_compressed(part)
+                names: list[str] = []
+                if index == 0:  # buffers live with the leader
+                    names, buffer_tensors = pack_buffers(changes)
+                    tensors.update(buffer_tensors)
+                self.bytes_up += payload_bytes(tensors)
+                target = conn if index == 0 else self.servers[index - 1].conn
+                assert target is not None
+                sends.append(target.send(Gradients(
+                    msg_id=self.msg_id, version=versions[index], samples=samples,
+                    loss=_wire_float(loss), codecs=codecs, residual_norm=_wire_float(residual),
+                    total_norm=norm, buffers=names, tensors=tensors)))
+                answered.append(index)
+            self._sent_at[self.msg_id] = time.monotonic()
+            await asyncio.gather(*sends)
+            self.steps += 1
+            self.samples += samples
+            if 0 in answered:
+                self._inflight += 1
+                while self._inflight:
+                    await self._apply_next()
+            for index in answered:
+                if index:
+                    await self.servers[index - 1].next_answer(timeout)
 
     def _reset_session(self) -> None:
         self._replies = asyncio.Queue()
@@ -609,13 +765,7 @@ class Worker:
                 await self._apply_ready()
                 if not compressed:  # float16 overflow: the loss scale was halved, compute again
                     continue
-                if samples > self._claim_cap:
-                    # the data's batches are larger than registered (a DataLoader's own batch
-                    # size): the coordinator would refuse this claim, so register them first
-                    raise ConnectionLost(
-                        f"a gradient of {samples} samples is more than the {self._claim_cap} this "
-                        f"worker registered (batch_size x accumulation_steps); registering again "
-                        f"with batches of {self._largest_batch}")
+                self._check_claim(samples)
                 while self._inflight >= max(1, limit):
                     await self._apply_next()
                 if self.lifecycle is WorkerState.STOPPED:
@@ -667,6 +817,16 @@ class Worker:
         future.set_result(self._compute())  # (what it raises, it raises here, in _train's try)
         return future
 
+    def _check_claim(self, samples: int) -> None:
+        """Raise ConnectionLost (register again) when a gradient has more samples than this
+        worker registered: the data's batches are larger (a DataLoader's own batch size), and
+        the coordinator would refuse the claim."""
+        if samples > self._claim_cap:
+            raise ConnectionLost(
+                f"a gradient of {samples} samples is more than the {self._claim_cap} this "
+                f"worker registered (batch_size x accumulation_steps); registering again "
+                f"with batches of {self._largest_batch}")
+
     def overlaps(self) -> bool:
         """Compute the next gradient while this one's answer is in flight? Only when the round
         trip is a real fraction of the compute (see the module docstring); not before the first
@@ -700,66 +860,25 @@ class Worker:
         elif isinstance(item, Update):
             self._inflight = max(0, self._inflight - 1)
             self.statuses[item.status] = self.statuses.get(item.status, 0) + 1
-            if item.full:
-                self._load_full(item.tensors, item.version)
-            else:
-                values, rest = split_buffers(item.buffers, item.tensors, self.buffers)
-                self._add_chain(item.deltas, rest, item.version)
-                if values:  # (split_buffers checked their shapes)
-                    self.state.load(values)
-                self.version = item.version
+            self._replica.apply_update(item)
 
     def _add_chain(self, chain: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor],
                    version: int) -> None:
-        """Add the update log's entries in order. The chain is checked whole before any of it
-        is added: each entry must start where the previous one ended, the first where our
-        replica is, the last at ``version`` (the coordinator keeps no copy of our replica; a
-        gap means its bookkeeping and ours differ, and re-registering mends it)."""
-        at = self.version
-        steps: list[tuple[int, dict[str, Any]]] = []
-        for entry in chain:
-            start, end, codecs = (entry.get(k) if isinstance(entry, dict) else None
-                                  for k in ("from", "to", "codecs"))
-            if not isinstance(start, int) or not isinstance(end, int) or not isinstance(codecs, dict):
-                raise ProtocolError("bad_update", "an UPDATE's delta entry is malformed")
-            if start != at:
-                raise ProtocolError("bad_update", f"an UPDATE's delta starts at version {start}, "
-                                    f"and this worker holds version {at}")
-            steps.append((start, codecs))
-            at = end
-        if chain and at != version:
-            raise ProtocolError("bad_update", f"an UPDATE's deltas end at version {at}, not at its "
-                                f"version {version}")
-        for start, codecs in steps:
-            self._add_deltas(unpack_compressed(codecs, entry_tensors(tensors, start), self.params))
-
-    def _add_deltas(self, deltas: Mapping[str, torch.Tensor]) -> None:
-        """Add the coordinator's weight deltas (float32, CPU) to our replica. A float32
-        parameter adds them; a half-precision one becomes ``dtype(float32(p) + delta)``, the
-        rounding the coordinator's published weights get too (so both stay bit-identical)."""
-        same, same_deltas = [], []
-        with torch.no_grad():  # the coordinator's published weights moved by exactly this
-            for name, p in self.params.items():
-                d = deltas[name].to(self.device, non_blocking=True)
-                if p.dtype == torch.float32:
-                    same.append(p)
-                    same_deltas.append(d)
-                else:
-                    p.copy_(p.to(torch.float32) + d)
-            if same:
-                torch._foreach_add_(same, same_deltas)
+        """Add the update log's entries to the replica (:meth:`Replica.add_chain`)."""
+        self._replica.add_chain(chain, tensors, version)
 
     def _load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load full weights: every trainable parameter, and whatever frozen parameters and
-        buffers the message carries (all of them at registration)."""
-        missing = set(self.params) - set(tensors)
-        if missing:
-            raise ProtocolError("shape_mismatch", f"weights lack {sorted(missing)[:3]}")
-        try:
-            self.state.load(tensors)
-        except ValueError as exc:
-            raise ProtocolError("shape_mismatch", str(exc)) from None
-        self.version = version
+        """Load full weights into the replica (:meth:`Replica.load_full`)."""
+        self._replica.load_full(tensors, version)
+
+    @property
+    def version(self) -> int:
+        """The weights version the replica holds (in a sharded cluster: the leader's group's)."""
+        return self._replica.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._replica.version = value
 
     # -- compute (runs on the compute thread) ----------------------------------------------
 
@@ -873,5 +992,7 @@ class Worker:
             "batch_size": self.plan.batch_size, "accumulation_steps": self.plan.accumulation_steps,
             "round_trip_ms": 1000 * rt if (rt := self.round_trip_time.value) is not None else None,
             "overlapping": self.overlaps(),
+            "servers": [{"index": link.index, "address": link.address, "version": link.replica.version}
+                        for link in self.servers],
             "loss": math.nan,
         }

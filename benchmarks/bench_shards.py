@@ -1,0 +1,236 @@
+"""A sharded coordinator: aggregate updates/s with S = 1, 2, 4 parameter servers on a simulated
+LAN, and a short real training run sharded vs not vs a plain PyTorch loop.
+
+**The LAN.** A :class:`~swarmtrain.testing.SimulatedLAN` (network namespaces, needs root) of
+S server hosts and 8 worker hosts, every host's link limited to 100 Mbit/s each way (tbf). Each
+server host runs one parameter server (``_shard_load.py server``: the real Coordinator over its
+group of bench_apply.py's ~10M-parameter textlm model); each worker host one light worker
+(``_shard_load.py worker``): real registration with every server, then one real compressed
+gradient of the model, split by the partition and sent slice by slice to every server at once,
+the next only when every server has answered (one *round* = one whole-gradient update). Rounds
+are offered faster than the links carry them, so the links are what is measured: with one
+server its link carries every worker's gradient in and every answer out; with S servers each
+carries 1/S of it. Compression: top-k (``--topk-ratio``, 0.01) up, uniform 2-bit down (the
+downlink a top-k uplink gets, at 2 bits), so that the S = 1 run makes a few updates per second.
+Measured: after every worker's first answered round and ``--warmup`` seconds, rounds completed
+in ``--window`` seconds, summed over workers: aggregate updates/s; the ratio to S = 1; the bar
+(issue 20, must-have 4): ratio >= 0.8 x S.
+
+**The training run** (one process, loopback TCP): digits, one worker of batch 32, 300 updates,
+Adam lr 3e-3, with one coordinator, with two parameter servers, and as a plain PyTorch loop
+(the same model, batches and optimizer at equal samples); held-out accuracy of each, and the
+bound: sharded within 0.03 of both.
+
+Run: ``python benchmarks/bench_shards.py [--quick] [--servers 1,2,4]`` (about 8 minutes; --quick
+shortens the windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _util import machine, md_table, report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from swarmtrain.testing import SimulatedLAN, netns_available
+
+HERE = Path(__file__).resolve().parent
+WORKERS = 8
+RATE_MBIT = 100.0
+#: (warm-up s, window s): full and --quick
+#: (the S = 1 run makes well under one update per second: each answer carries the deltas of
+#: the ~8 updates since the worker's last, so a short window counts a handful of rounds)
+WINDOWS = {False: (20.0, 60.0), True: (10.0, 25.0)}
+BAR = 0.8
+QUALITY_BOUND = 0.03
+
+
+def _wait_files(paths: list[Path], timeout: float, what: str, procs: list[Any]) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what}: not ready in {timeout:.0f} s ({sum(p.exists() for p in paths)} "
+                             f"of {len(paths)})")
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise SystemExit(f"{what}: a process exited ({dead[0].args[-12:]}, code {dead[0].returncode})")
+        time.sleep(0.2)
+
+
+def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """S = ``count`` servers and 8 light workers on a 100 Mbit/s LAN: aggregate updates/s."""
+    warm, window = WINDOWS[args.quick]
+    env = {"SWARMTRAIN_SECRET": secrets.token_hex(16), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    run_dir = tmp / f"s{count}"
+    run_dir.mkdir()
+    codec = ["--topk-ratio", str(args.topk_ratio), "--downlink-bits", "2"]
+    with SimulatedLAN(count + WORKERS, rate_mbit=RATE_MBIT) as lan:
+        addresses = [f"{lan.hosts[i].address}:7100" for i in range(count)]
+        procs, ready = [], []
+        for i in reversed(range(count)):  # the leader last: it polls the others
+            ready.append(run_dir / f"server{i}.ready")
+            procs.append(lan.hosts[i].run(
+                [sys.executable, str(HERE / "_shard_load.py"), "server", "--shard", f"{i}/{count}",
+                 "--servers", *addresses, "--min-workers", str(WORKERS), "--ready-file", str(ready[-1]),
+                 *codec], env=env, stdout=open(run_dir / f"server{i}.log", "ab"), stderr=-2))
+        _wait_files(ready, 180, f"S={count}: servers", procs)
+        outs, started, workers = [], [], []
+        for k in range(WORKERS):
+            outs.append(run_dir / f"w{k}.json")
+            started.append(run_dir / f"w{k}.started")
+            workers.append(lan.hosts[count + k].run(
+                [sys.executable, str(HERE / "_shard_load.py"), "worker", "--leader", addresses[0],
+                 "--worker-id", f"w{k}", "--out", str(outs[-1]), "--started-file", str(started[-1]),
+                 *codec], env=env, stdout=open(run_dir / f"w{k}.log", "ab"), stderr=-2))
+        _wait_files(started, 300, f"S={count}: workers' first rounds", [*procs, *workers])
+        t0 = time.monotonic() + warm
+        time.sleep(warm + window)
+        t1 = time.monotonic()
+        for w in workers:
+            w.terminate()
+        _wait_files(outs, 60, f"S={count}: workers' results", [])
+        for p in procs:
+            p.terminate()
+        for p in [*workers, *procs]:
+            p.wait(timeout=60)
+    results = [json.loads(o.read_text()) for o in outs]
+    errors = [r["error"] for r in results if r["error"]]
+    done = sum(1 for r in results for _, answered in r["rounds"] if t0 <= answered <= t1)
+    latencies = [a - s for r in results for s, a in r["rounds"] if t0 <= a <= t1]
+    rate = done / (t1 - t0)
+    print(f"S={count}: {rate:.2f} updates/s ({done} rounds in {t1 - t0:.1f} s; "
+          f"{'errors: ' + '; '.join(errors) if errors else 'no errors'})", flush=True)
+    return {"servers": count, "updates_per_sec": rate, "rounds": done, "window_sec": t1 - t0,
+            "mean_round_sec": sum(latencies) / len(latencies) if latencies else None,
+            "gradient_wire_bytes": results[0]["wire_bytes"], "errors": errors}
+
+
+def training_run(steps: int = 300) -> dict[str, float]:
+    """Digits, one worker of batch 32, ``steps`` updates: S = 1, S = 2 and a plain loop."""
+    import torch
+
+    from swarmtrain.config import load_coordinator_config, load_worker_config
+    from swarmtrain.roles.ps.cluster import shard_of_model
+    from swarmtrain.roles.ps.coordinator import Coordinator
+    from swarmtrain.roles.ps.partition import ServerSpec
+    from swarmtrain.roles.ps.randomness import worker_seed
+    from swarmtrain.roles.ps.worker import Worker
+    from swarmtrain.tasks import DigitsTask, Shard
+
+    task, secret, lr = DigitsTask(), b"bench-shards", 3e-3
+    data = task.load_data()
+
+    def server(spec: ServerSpec, servers: tuple[str, ...]) -> Coordinator:
+        leader = spec.leader
+        cfg = load_coordinator_config(overrides={
+            "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+            "training.learning_rate": lr, "training.eval_interval_sec": 3600.0,
+            "training.max_steps": steps if leader else 0, "training.min_workers": 1})
+        model = task.build_model()
+        if spec.count == 1:
+            return Coordinator(model, cfg, evaluate=lambda m: task.evaluate(m, data),
+                               task_name="digits", secret=secret)
+        part, place = shard_of_model(model, spec, servers)
+        return Coordinator(part, cfg, task_name="digits", secret=secret, cluster=place,
+                           evaluate=(lambda m: task.evaluate(m, data)) if leader else None,
+                           eval_model=copy.deepcopy(model) if leader else None)
+
+    async def swarm(count: int) -> float:
+        others = [server(ServerSpec(i, count), ()) for i in range(1, count)]
+        for c in others:
+            await c.start()
+        leader = server(ServerSpec(0, count),
+                        ("127.0.0.1:1", *(f"127.0.0.1:{c.port}" for c in others)) if count > 1 else ())
+        await leader.start()
+        wcfg = load_worker_config(overrides={
+            "network.coordinator_port": leader.port, "hardware.num_threads": 1,
+            "training.batch_size": 32, "training.accumulation_steps": 1, "training.probe_seconds": 0.0,
+            "training.worker_id": "w0", "network.reconnect_attempts": 0})
+        w = Worker(task.build_model(), task.loss, data.train, wcfg, task_name="digits", secret=secret)
+        try:
+            run = asyncio.create_task(w.run_async())
+            await asyncio.wait_for(leader.run(), 300)
+            await asyncio.wait_for(run, 60)
+        finally:
+            for c in [leader, *others]:
+                await c.close()
+        return float(leader.metrics["accuracy"])
+
+    def plain() -> float:
+        model = task.build_model()
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        shard = Shard(data.train, 0, 1, seed=worker_seed(0, 0, 1, "w0"))
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            task.loss(model, shard.next_batch(32)).backward()
+            opt.step()
+        return float(task.evaluate(model, data)["accuracy"])
+
+    out = {"plain_loop": plain(), "one_server": asyncio.run(swarm(1)), "two_servers": asyncio.run(swarm(2))}
+    print("digits held-out accuracy: " + ", ".join(f"{k} {v:.4f}" for k, v in out.items()), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="shorter warm-up and window")
+    ap.add_argument("--servers", default="1,2,4", help="comma-separated S values (S = 1 first)")
+    ap.add_argument("--topk-ratio", type=float, default=0.01)
+    ap.add_argument("--skip-training", action="store_true", help="the LAN part only")
+    args = ap.parse_args()
+    counts = [int(s) for s in args.servers.split(",")]
+    ok, why = netns_available()
+    if not ok:
+        raise SystemExit(f"needs network namespaces (root): {why}")
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        lan = [lan_run(s, args, Path(tmp)) for s in counts]
+    base = next((r["updates_per_sec"] for r in lan if r["servers"] == 1), None)
+    for r in lan:
+        r["ratio_to_one"] = r["updates_per_sec"] / base if base else None
+        r["bar"] = BAR * r["servers"]
+        r["meets_bar"] = r["ratio_to_one"] is not None and r["ratio_to_one"] >= r["bar"]
+    quality = {} if args.skip_training else training_run()
+    warm, window = WINDOWS[args.quick]
+    rows = [[r["servers"], f"{r['updates_per_sec']:.2f}", r["rounds"],
+             f"{r['ratio_to_one']:.2f}" if r["ratio_to_one"] is not None else "-", f"{r['bar']:.1f}",
+             "yes" if r["meets_bar"] else "**no**",
+             f"{r['mean_round_sec']:.2f} s" if r["mean_round_sec"] else "-"] for r in lan]
+    md = (
+        "## A sharded coordinator (`benchmarks/bench_shards.py`)\n\n"
+        f"{WORKERS} light workers and S parameter servers, each on its own host of a simulated LAN "
+        f"(network namespaces, every link {RATE_MBIT:g} Mbit/s each way), bench_apply.py's 10.1 M-parameter "
+        f"textlm model, top-k {args.topk_ratio:g} up ({lan[0]['gradient_wire_bytes'] / 1e6:.2f} MB per "
+        "gradient) and uniform 2-bit deltas down; a worker sends every server its slice of a real "
+        "gradient at once and the next gradient once all have answered. Updates/s = whole-gradient "
+        f"updates completed by all workers in a {window:g} s window after {warm:g} s of warm-up "
+        f"({'--quick' if args.quick else 'full'} run). Bar (issue 20): ratio to S = 1 >= {BAR} x S.\n\n"
+        + md_table(["S", "updates/s", "rounds", "ratio to S=1", "bar", "met", "mean round"], rows) + "\n")
+    if quality:
+        gap = max(abs(quality["two_servers"] - quality["one_server"]),
+                  abs(quality["two_servers"] - quality["plain_loop"]))
+        md += ("\nDigits, one worker of batch 32, 300 updates, Adam lr 3e-3, held-out accuracy: plain "
+               f"PyTorch loop **{quality['plain_loop']:.4f}**, one coordinator "
+               f"**{quality['one_server']:.4f}**, "
+               f"two parameter servers **{quality['two_servers']:.4f}** (largest gap {gap:.4f}; bound "
+               f"{QUALITY_BOUND}: {'met' if gap <= QUALITY_BOUND else '**not met**'}).\n")
+    data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "quick": args.quick,
+            "rate_mbit": RATE_MBIT, "workers": WORKERS, "topk_ratio": args.topk_ratio, "lan": lan,
+            "quality": quality, "seconds": time.monotonic() - began}
+    report("shards", data, md)
+
+
+if __name__ == "__main__":
+    main()

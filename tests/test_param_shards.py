@@ -1,0 +1,353 @@
+"""Parameter shards: the partition (pure), and a sharded cluster of coordinators in one
+process over loopback TCP (training, the handshake's refusals, per-server checkpoints)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from swarmtrain.config import load_coordinator_config
+from swarmtrain.errors import CheckpointError, ConfigError, RefusedError
+from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
+from swarmtrain.roles.ps.cluster import shard_of_model, split_address
+from swarmtrain.roles.ps.coordinator import Coordinator
+from swarmtrain.roles.ps.partition import (
+    ServerSpec,
+    group_module,
+    parse_server_spec,
+    partition_model,
+    partition_parameters,
+)
+from swarmtrain.tasks import DigitsTask
+from tests.test_ps_inprocess import SECRET, worker
+
+TASK = DigitsTask()
+DATA = TASK.load_data()
+
+
+# -- the partition (pure) -----------------------------------------------------------------
+
+
+def test_partition_is_deterministic_covers_every_tensor_once_and_balances_bytes() -> None:
+    params = [(f"layer{i}.weight", (i % 7 + 1) * 1000) for i in range(40)] + [("head.bias", 10)]
+    for count in (1, 2, 3, 4, 8):
+        a, b = partition_parameters(params, count), partition_parameters(list(params), count)
+        assert a == b  # the same on every machine
+        names = [n for g in a.groups for n in g]
+        assert sorted(names) == sorted(n for n, _ in params) and len(names) == len(params)
+        assert all(a.groups)  # every server holds something
+        assert sum(a.group_bytes) == sum(n for _, n in params)
+        # greedy largest-first: no group exceeds the mean by more than the largest tensor
+        assert max(a.group_bytes) - sum(a.group_bytes) / count <= 7000
+        for g in a.groups:  # each group keeps the model's order
+            order = [n for n, _ in params if n in g]
+            assert list(g) == order
+    fps = {partition_parameters(params, c).fingerprint for c in (1, 2, 3, 4)}
+    assert len(fps) == 4  # another S is another partition
+    renamed = [("x" + n, b) for n, b in params]
+    assert partition_parameters(renamed, 2).fingerprint != partition_parameters(params, 2).fingerprint
+
+
+def test_partition_refuses_what_it_cannot_split() -> None:
+    with pytest.raises(ConfigError, match="at least 1"):
+        partition_parameters([("a", 4)], 0)
+    with pytest.raises(ConfigError, match="at most 2 servers"):
+        partition_parameters([("a", 4), ("b", 4)], 3)
+    with pytest.raises(ConfigError, match="repeat"):
+        partition_parameters([("a", 4), ("a", 4)], 1)
+
+
+def test_a_tensor_larger_than_its_share_stays_whole() -> None:
+    p = partition_parameters([("big", 100), ("a", 10), ("b", 10), ("c", 10)], 2)
+    assert p.groups == (("big",), ("a", "b", "c"))
+    assert p.imbalance == pytest.approx(100 * 2 / 130)
+
+
+def test_group_module_shares_the_model_tensors_under_their_names() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model[2].bias.requires_grad_(False)
+    part = partition_model(model, 2)
+    lead = group_module(model, part.groups[0], with_rest=True)
+    other = group_module(model, part.groups[1], with_rest=False)
+    own = dict(model.named_parameters())
+    for g, m in zip(part.groups, (lead, other)):
+        for name, p in m.named_parameters():
+            assert p is own[name]
+        assert set(g) <= {n for n, _ in m.named_parameters()}
+    # frozen parameters and buffers go with the leader only
+    assert "2.bias" in dict(lead.named_parameters()) and "2.bias" not in dict(other.named_parameters())
+    assert "1.running_mean" in dict(lead.named_buffers()) and not list(other.named_buffers())
+
+
+def test_server_spec_and_addresses_are_parsed_or_refused_clearly() -> None:
+    assert parse_server_spec("1/2") == ServerSpec(1, 2)
+    assert parse_server_spec("") == ServerSpec(0, 1)
+    assert parse_server_spec("1", ("a:1", "b:2", "c:3")) == ServerSpec(1, 3)
+    for bad in ("2/2", "x/2", "-1/2", "0/0"):
+        with pytest.raises(ConfigError, match="i/S"):
+            parse_server_spec(bad)
+    with pytest.raises(ConfigError, match="lists 1"):
+        parse_server_spec("0/2", ("a:1",))
+    assert split_address("10.0.0.2:7101") == ("10.0.0.2", 7101)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        split_address("10.0.0.2")
+
+
+# -- a cluster in one process ------------------------------------------------------------
+
+
+def _server(spec: ServerSpec, servers: tuple[str, ...] = (), **over: Any) -> Coordinator:
+    """Server ``spec`` of a digits cluster, as `swarmtrain coordinator --shard` builds it."""
+    cfg = load_coordinator_config(overrides={
+        "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+        "training.learning_rate": 3e-3, "training.eval_interval_sec": 60.0, **over})
+    model = TASK.build_model()
+    if spec.count == 1:
+        return Coordinator(model, cfg, evaluate=lambda m: TASK.evaluate(m, DATA), task_name="digits",
+                           secret=SECRET)
+    part, place = shard_of_model(model, spec, servers)
+    if not spec.leader:
+        over = {"training.min_workers": 1, "training.max_steps": 0}
+        cfg = load_coordinator_config(overrides={
+            "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
+            "training.learning_rate": 3e-3, **over})
+    return Coordinator(part, cfg, task_name="digits", secret=SECRET, cluster=place,
+                       evaluate=(lambda m: TASK.evaluate(m, DATA)) if spec.leader else None,
+                       eval_model=copy.deepcopy(model) if spec.leader else None)
+
+
+async def _cluster(count: int, **over: Any) -> list[Coordinator]:
+    """Start servers 1..S-1, then the leader listing them."""
+    others = [_server(ServerSpec(i, count)) for i in range(1, count)]
+    for c in others:
+        await c.start()
+    servers = ("127.0.0.1:1", *(f"127.0.0.1:{c.port}" for c in others))
+    leader = _server(ServerSpec(0, count), servers, **over)
+    await leader.start()
+    return [leader, *others]
+
+
+def test_two_servers_train_digits_as_one_does_at_equal_samples() -> None:
+    """One worker, 300 updates: S = 2 reaches the accuracy S = 1 does (each server steps
+    Adam on its tensors, elementwise, so the two runs differ only by timing)."""
+    async def run(count: int) -> tuple[float, dict[str, Any], Any]:
+        servers = await _cluster(count, **{"training.max_steps": 300})
+        leader = servers[0]
+        w = worker(leader.port, **{"training.worker_id": "w0", "training.probe_seconds": 0.0})
+        try:
+            task = asyncio.create_task(w.run_async())
+            await asyncio.wait_for(leader.run(), 120)
+            await asyncio.wait_for(task, 30)
+            for s in servers[1:]:  # the leader shut the others down
+                await asyncio.wait_for(s._stopped.wait(), 30)
+        finally:
+            for s in servers:
+                await s.close()
+        return leader.metrics["accuracy"], leader.status(), [s.version for s in servers]
+
+    one, _, _ = asyncio.run(run(1))
+    two, status, versions = asyncio.run(run(2))
+    assert one > 0.9 and two > 0.9, (one, two)
+    assert abs(one - two) <= 0.03, (one, two)
+    assert versions[0] == 300 and versions[1] >= 295, versions  # each applied (about) every slice
+    rows = status["cluster"]["shards"]
+    assert [r["index"] for r in rows] == [0, 1] and all(r["reachable"] for r in rows)
+
+
+def test_handshake_refuses_a_different_partition_a_misplaced_server_and_a_skipped_leader() -> None:
+    async def main() -> None:
+        # server "1" of a 3-server split behind a leader of 2: the partitions differ
+        odd = _server(ServerSpec(1, 3))
+        plain = _server(ServerSpec(0, 1))  # an unsharded coordinator listed as server 1
+        follower = _server(ServerSpec(1, 2))
+        for c in (odd, plain, follower):
+            await c.start()
+        try:
+            for other, match in ((odd, "partition mismatch"), (plain, "says it is server")):
+                leader = _server(ServerSpec(0, 2), ("127.0.0.1:1", f"127.0.0.1:{other.port}"))
+                await leader.start()
+                try:
+                    w = worker(leader.port, **{"training.probe_seconds": 0.0})
+                    with pytest.raises(RefusedError, match=match):
+                        await asyncio.wait_for(w.run_async(), 60)
+                finally:
+                    await leader.close()
+            # a worker pointed at a server that does not lead is told where to go
+            w = worker(follower.port, **{"training.probe_seconds": 0.0})
+            with pytest.raises(RefusedError, match="not the leader"):
+                await asyncio.wait_for(w.run_async(), 60)
+        finally:
+            for c in (odd, plain, follower):
+                await c.close()
+
+    asyncio.run(main())
+
+
+def test_a_server_resumes_only_its_own_checkpoint(tmp_path: Path) -> None:
+    async def main() -> None:
+        one = _server(ServerSpec(1, 2))
+        ck = CoordinatorCheckpointer(str(tmp_path / "s1"), interval=0, keep=2)
+        one.attach_checkpointer(ck)
+        await one.start()
+        try:
+            with torch.no_grad():
+                for p in one.params.values():
+                    p.add_(1.0)
+            one.version = 7
+            assert (await one.checkpoint()).ok
+        finally:
+            await one.close()
+        again = _server(ServerSpec(1, 2))
+        assert CoordinatorCheckpointer(str(tmp_path / "s1"), interval=0, keep=2).restore(again)
+        assert again.version == 7
+        assert all(torch.equal(a, b) for a, b in zip(again.params.values(), one.params.values()))
+        for wrong, match in ((_server(ServerSpec(0, 2), ("a:1", "b:2")), "parameter server 1/2"),
+                             (_server(ServerSpec(0, 1)), "unsharded"),
+                             (_server(ServerSpec(1, 3)), "1/2")):
+            with pytest.raises(CheckpointError, match=match):
+                CoordinatorCheckpointer(str(tmp_path / "s1"), interval=0, keep=2).restore(wrong)
+
+    asyncio.run(main())
+
+
+# -- real processes ----------------------------------------------------------------------
+
+
+def _read_version(path: Path) -> int:
+    import json
+
+    for _ in range(50):
+        try:
+            return int(json.loads(path.read_text())["version"])
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    raise AssertionError(f"no status in {path}")
+
+
+def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Two server processes and a worker process: server 1 is killed (SIGKILL) mid-run, the
+    leader's version stands still while it is gone, server 1 comes back on its port with
+    --resume from its own checkpoints, and the run finishes at the leader's max_steps with
+    the accuracy of a healthy run. A leader pointed at server 1's checkpoints is refused."""
+    import json
+    import signal
+    import subprocess
+
+    from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
+
+    env = {**os.environ, "SWARMTRAIN_SECRET": "shard-secret"}
+    d0, d1 = tmp_path / "ck0", tmp_path / "ck1"
+    one_args = ("--shard", "1/2", "--checkpoint-dir", str(d1), "--checkpoint-interval", "50")
+    one, port1 = start_coordinator(tmp_path, *one_args, name="s1", env=env)
+    status, summary = tmp_path / "s0.json", tmp_path / "summary.json"
+    leader_port = tmp_path / "s0.port"
+    leader_args = ("--shard", "0/2", "--servers", "127.0.0.1:1", "--servers", f"127.0.0.1:{port1}",
+                   "--max-steps", "600", "--eval-interval", "2", "--checkpoint-dir", str(d0),
+                   "--checkpoint-interval", "200", "--status-file", str(status),
+                   "--summary-file", str(summary))
+    leader = subprocess.Popen(
+        swarm_cmd("coordinator", "--host", "127.0.0.1", "--port", "0", "--port-file", str(leader_port),
+                  *leader_args),
+        env=env, stdout=open(tmp_path / "s0.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [leader]
+    try:
+        deadline = time.monotonic() + 60
+        while not leader_port.exists():  # (the worker's start overlaps the leader's)
+            assert time.monotonic() < deadline and leader.poll() is None, tail(tmp_path / "s0.log")
+            time.sleep(0.05)
+        w = subprocess.Popen(
+            swarm_cmd("worker", "--host", "127.0.0.1", "--port", leader_port.read_text(), "--threads", "1",
+                      "--worker-id", "w0", "--batch-size", "32", "--reconnect-attempts", "30",
+                      "--reconnect-delay", "0.3"),
+            env=env, stdout=open(tmp_path / "w.log", "ab"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        procs.append(w)
+        while _read_version(status) < 120:
+            assert time.monotonic() < deadline + 60 and leader.poll() is None, tail(tmp_path / "s0.log")
+            time.sleep(0.1)
+        one.send_signal(signal.SIGKILL)
+        one.wait(timeout=10)
+        # meanwhile: the leader's role at server 1's checkpoints is refused, naming both
+        wrong = subprocess.Popen(
+            swarm_cmd("coordinator", "--host", "127.0.0.1", "--port", "0", "--shard", "0/2", "--servers",
+                      "a:1", "--servers", "b:2", "--resume", "--checkpoint-dir", str(d1)),
+            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "wrong.log", "ab"))
+        procs.append(wrong)
+        time.sleep(2.0)  # the worker has noticed; the status file is rewritten every second
+        stalled = _read_version(status)
+        time.sleep(2.0)
+        assert _read_version(status) - stalled <= 1, "training went on without server 1"
+        assert stalled < 600
+        one, _ = start_coordinator(tmp_path, *one_args, "--port", str(port1), "--resume", name="s1b",
+                                   env=env)
+        procs.append(one)
+        assert wait_exit(leader, 120, tmp_path / "s0.log") == 0, tail(tmp_path / "s0.log")
+        assert wait_exit(w, 60, tmp_path / "w.log") == 0, tail(tmp_path / "w.log")
+        assert wait_exit(one, 60, tmp_path / "s1b.log") == 0, tail(tmp_path / "s1b.log")
+        assert wrong.wait(timeout=60) == 2
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    final = json.loads(summary.read_text())
+    assert final["version"] == 600 and final["metrics"]["accuracy"] > 0.9, final["metrics"]
+    assert "resumed from" in (tmp_path / "s1b.log").read_text()
+    said = " ".join((tmp_path / "w.log").read_text().split())  # (the log wraps lines)
+    assert "training waits until it is back" in said and "parameter server 1" in said, said[-3000:]
+    refused = (tmp_path / "wrong.log").read_text()
+    assert "written by parameter server 1/2" in refused, refused[-2000:]
+
+
+def test_ctl_status_of_the_leader_shows_every_parameter_server() -> None:
+    from rich.console import Console
+
+    from swarmtrain.app.ui import print_status
+
+    cluster = {"shard": "0/2", "partition": "abc123", "group_tensors": 2, "group_bytes": 35328,
+               "shards": [{"index": 0, "shard": "0/2", "address": "10.0.0.1:7100", "reachable": True,
+                           "state": "running", "version": 120, "workers_connected": 3,
+                           "stats": {"applied": 120}, "loss": 0.5},
+                          {"index": 1, "address": "10.0.0.2:7101", "reachable": False,
+                           "error": "cannot connect"}]}
+    console = Console(record=True, width=160)
+    print_status({"version": 120, "running": True, "cluster": cluster, "workers": []}, console)
+    text = console.export_text()
+    assert "parameter server 0/2" in text and "abc123" in text
+    assert "10.0.0.2:7101" in text and "unreachable" in text and "120" in text
+
+
+def test_every_server_clips_by_the_whole_gradients_norm() -> None:
+    """max_grad_norm on a server judges the worker's total norm (sent with each slice), not
+    the slice's own: a slice of norm 0.5 of a gradient of norm 10 is scaled by 1/10, as the
+    other slices are on their servers; a total below the slice's norm counts as the slice's."""
+    from swarmtrain.compression import make_codec
+    from swarmtrain.roles.ps.common import pack_compressed
+    from swarmtrain.roles.ps.coordinator import WorkerRecord
+    from swarmtrain.wire import Gradients
+
+    server = _server(ServerSpec(1, 2))
+    server.config = load_coordinator_config(overrides={"training.max_grad_norm": 1.0,
+                                                       "training.learning_rate": 3e-3})
+    rec = WorkerRecord("w", "", {}, 32, 0.0, accumulation_steps=1)
+    codec = make_codec("none")
+    for total, factor in ((10.0, 0.1), (0.2, 1.0)):
+        grads = {n: torch.ones_like(p) for n, p in server.params.items()}
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        grads = {n: g * (0.5 / norm) for n, g in grads.items()}  # the slice's norm: 0.5
+        codecs, tensors = pack_compressed({n: codec.compress(g) for n, g in grads.items()})
+        msg = Gradients(msg_id=1, version=0, samples=8, loss=1.0, codecs=codecs, tensors=tensors,
+                        total_norm=total)
+        decoded = {n: t.clone() for n, t in grads.items()}
+        assert server._refusal(rec, msg, decoded, {}) == ""
+        for n, g in grads.items():
+            assert torch.allclose(decoded[n], g * factor), (total, n)
