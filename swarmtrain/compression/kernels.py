@@ -32,13 +32,15 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-__all__ = ["Kernels", "kernels"]
+__all__ = ["G_F16", "G_F32", "G_NONE", "G_TOPK", "PUB_FP16", "PUB_NONE", "PUB_SNAPSHOT", "PUB_UNIFORM",
+           "SEG_FIELDS", "Kernels", "Publication", "kernels"]
 
 log = logging.getLogger("swarmtrain.kernels")
 T = TypeVar("T")
@@ -106,6 +108,11 @@ class Kernels:
         lib.st_topk_decode.restype = ctypes.c_int
         lib.st_sumsq_f32.argtypes = lib.st_sumsq_f16.argtypes = [p, i64]
         lib.st_sumsq_f32.restype = lib.st_sumsq_f16.restype = ctypes.c_double
+        lib.st_topk_check.argtypes = [p, p, i64, i64, i64]
+        lib.st_topk_check.restype = ctypes.c_int
+        lib.st_adam_apply.argtypes = [p, p, i64, p, p, p, i64, i64, p, ctypes.c_int, ctypes.c_int,
+                                      p, p, p, i64, ctypes.c_int, f64p]
+        lib.st_adam_apply.restype = ctypes.c_int
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -194,6 +201,14 @@ class Kernels:
                                        counts.numel(), out.data_ptr(), numel)
         return None if bad else out
 
+    def topk_check(self, index_low: torch.Tensor, counts: torch.Tensor, numel: int) -> int:
+        """The top-k decoder's checks on contiguous parts: 0 (fine), 1 (the block counts are
+        negative or do not add up to k = the number of indices) or 2 (an index >= numel)."""
+        _check(index_low, torch.uint16)
+        _check(counts, torch.int32)
+        return int(self._lib.st_topk_check(index_low.data_ptr(), counts.data_ptr(), counts.numel(),
+                                           index_low.numel(), numel))
+
     def sumsq(self, x: torch.Tensor) -> float:
         """Σ x² of a float32 or float16 tensor (NaN or inf when it holds them)."""
         if x.dtype not in (torch.float32, torch.float16):
@@ -206,6 +221,68 @@ class Kernels:
 
         parts = self._run([partial(call, lo, hi) for lo, hi in self._slices(x.numel())])
         return float(sum(parts))
+
+    def adam_apply(self, segments: torch.Tensor, scalars: torch.Tensor, p: torch.Tensor,
+                   m: torch.Tensor, v: torch.Tensor, hyper: Sequence[float], *, held: bool,
+                   publication: Publication | None = None) -> tuple[int, float, float]:
+        """One Adam step (or a held-variance one) over the flat float32 ``p`` with moments
+        ``m``, ``v``, fused with the gradient's decoding and the downlink ``publication``.
+
+        Args:
+            segments: int64 ``[segments, SEG_FIELDS]``, one row per parameter (see kernels.c:
+                offset, numel, gradient kind, pointers), in flat order.
+            scalars: float64 ``[segments, 3]``, each segment's step scalars.
+            hyper: (decay?, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2, eps, -lr, clamp).
+
+        Returns:
+            (0, or 1 for a top-k index out of range, 2 for NaN/inf in the publication;
+            then the sums of the publication kernels).
+
+        The tensors' sizes are the caller's to match (FlatAdam builds them); only dtypes and
+        layout are checked here.
+        """
+        _check(p, torch.float32, m, v)
+        _check(m, torch.float32)
+        _check(v, torch.float32)
+        _check(segments, torch.int64)
+        _check(scalars, torch.float64)
+        if segments.shape[-1] != SEG_FIELDS or scalars.numel() != 3 * segments.shape[0] or len(hyper) != 8:
+            raise ValueError("adam_apply: segments, scalars or hyper are not shaped for kernels.c")
+        pub = publication or Publication(PUB_NONE)
+        align = pub.bucket if pub.mode == PUB_UNIFORM else 64
+        hyp = (ctypes.c_double * 8)(*hyper)
+        args = (segments.data_ptr(), scalars.data_ptr(), segments.shape[0], p.data_ptr(), m.data_ptr(),
+                v.data_ptr())
+        rule = 1 if held else 0
+        slices = self._slices(p.numel(), align=align)
+        sums = [(ctypes.c_double * 2)() for _ in slices]
+
+        def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> int:
+            return int(self._lib.st_adam_apply(*args, lo, hi, hyp, rule, pub.mode, pub.published, pub.out,
+                                               pub.scales, pub.bucket, pub.bits, s))
+
+        bad = self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(slices, sums)])
+        return max(bad), sum(s[0] for s in sums), sum(s[1] for s in sums)
+
+
+#: columns of :meth:`Kernels.adam_apply`'s segment rows (kernels.c's seg[]) and their values
+SEG_FIELDS = 7
+G_NONE, G_F32, G_F16, G_TOPK = 0, 1, 2, 3
+PUB_NONE, PUB_FP16, PUB_UNIFORM, PUB_SNAPSHOT = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Publication:
+    """Where :meth:`Kernels.adam_apply` publishes: ``mode`` (PUB_*), the published copy and
+    the codec's outputs as data pointers (0 where the mode has none), bucket and bits for
+    the uniform codec. The snapshot mode's outputs are in the segment rows."""
+
+    mode: int
+    published: int = 0
+    out: int = 0
+    scales: int = 0
+    bucket: int = 1
+    bits: int = 8
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, *same_size: torch.Tensor) -> None:
