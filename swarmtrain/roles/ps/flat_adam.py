@@ -34,6 +34,7 @@ from swarmtrain.compression.kernels import (
     G_F32,
     G_NONE,
     G_TOPK,
+    PUB_SNAPSHOT,
     Kernels,
     Publication,
     kernels,
@@ -132,6 +133,10 @@ class FlatAdam:
             RuntimeError: a top-k index out of range reached the kernel (they are checked
                 when unpacked; the weights are then part stepped).
         """
+        if snapshot is not None:
+            if publication is not None or len(snapshot) != len(self.params):
+                raise ValueError("FlatAdam.step: a snapshot (one tensor per parameter) or a publication")
+            publication = Publication(PUB_SNAPSHOT)
         self._bind()
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]
