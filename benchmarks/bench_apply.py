@@ -350,8 +350,14 @@ def to_markdown(res: dict[str, Any]) -> str:
         "weights every answer of that version shares. The apply rows keep the periodic restart "
         f"of the published track (every `resync_interval` = {every} publications) out of the "
         "timed call; \"apply incl. restart\" adds it back amortized (apply + (restart - publish) "
-        "/ resync_interval). \"rest\" is apply minus the four pieces (bookkeeping and noise; "
-        "can be negative).",
+        "/ resync_interval). \"rest\" is apply minus the four pieces (bookkeeping and noise). "
+        "With swarmtrain's fused Adam kernel (the coordinator's optimizer line above) the apply "
+        "does not run the pieces one after the other: \"decompress\" only checks fp16 and top-k "
+        "gradients (the kernel reads float16 values and top-k parts as they came), and the "
+        "publication (fp16 or uniform coding of the new weights, or with no compression the "
+        "copy the answers share) is made in Adam's pass, block by block while in cache; "
+        "\"Adam\" and \"publish + answer\" are timed apart, so \"rest\" is negative by what the "
+        "fusion saves.",
     ]
     return "\n".join(out)
 

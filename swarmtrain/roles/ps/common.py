@@ -4,7 +4,7 @@ compressed tensors into message fields and payload tensors."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -165,8 +165,8 @@ def unpack_compressed(
     Raises:
         RemoteProtocolError: names, shapes or parts do not match, or a codec rejects its parts.
     """
-    return {n: dense_gradient(g) for n, g in _unpack(codecs, tensors, expected, subset=subset,
-                                                     lazy=False).items()}
+    # (not lazy: every value is a decoded tensor)
+    return cast(dict[str, torch.Tensor], _unpack(codecs, tensors, expected, subset=subset, lazy=False))
 
 
 def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
