@@ -4,6 +4,7 @@ machine that cannot build them falls back to torch with one clear line."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -428,3 +429,23 @@ def test_the_coordinators_apply_with_the_fused_adam_is_its_torch_apply(codec: st
     if not a.downlink.fine.lossless:
         pa, pb = a.downlink.fine.published, b.downlink.fine.published
         assert pa is not None and pb is not None and torch.allclose(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_sum_of_squares_of_many_tensors_is_theirs_and_finds_nan(
+        fast: Kernels, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 64)  # slices cut tensors
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        ts = [torch.randn(n, generator=gen).to(dt) for n, dt in
+              [(0, torch.float32), (1, torch.float16), (1000, torch.float32), (70_001, torch.float16),
+               (129, torch.float32)]]
+        exact = sum(float(t.double().square().sum()) for t in ts)
+        assert fast.sumsq_many(ts) == pytest.approx(exact, rel=1e-6)
+        assert fast.sumsq_many([]) == 0.0
+        ts[3][70_000] = float("nan")
+        assert math.isnan(fast.sumsq_many(ts))
+    finally:
+        torch.set_num_threads(old)

@@ -495,3 +495,13 @@ int st_topk_check(const uint16_t *index_low, const int32_t *counts, int64_t bloc
         if (index_low[pos] >= last_len) return 2;
     return 0;
 }
+
+/* Sum of squares of many float32 / float16 ranges in one call (the screen's norm over every
+ * tensor of a gradient): ptrs[i], lens[i] elements, half[i] nonzero for float16. */
+double st_sumsq_many(const int64_t *ptrs, const int64_t *lens, const int32_t *half, int64_t count) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < count; i++)
+        acc += half[i] ? st_sumsq_f16((const _Float16 *)ptrs[i], lens[i])
+                       : st_sumsq_f32((const float *)ptrs[i], lens[i]);
+    return acc;
+}

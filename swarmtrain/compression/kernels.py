@@ -108,6 +108,8 @@ class Kernels:
         lib.st_topk_decode.restype = ctypes.c_int
         lib.st_sumsq_f32.argtypes = lib.st_sumsq_f16.argtypes = [p, i64]
         lib.st_sumsq_f32.restype = lib.st_sumsq_f16.restype = ctypes.c_double
+        lib.st_sumsq_many.argtypes = [p, p, p, i64]
+        lib.st_sumsq_many.restype = ctypes.c_double
         lib.st_topk_check.argtypes = [p, p, i64, i64, i64]
         lib.st_topk_check.restype = ctypes.c_int
         lib.st_adam_apply.argtypes = [p, p, i64, p, p, p, i64, i64, p, ctypes.c_int, ctypes.c_int,
@@ -200,6 +202,37 @@ class Kernels:
         bad = self._lib.st_topk_decode(values.data_ptr(), index_low.data_ptr(), counts.data_ptr(),
                                        counts.numel(), out.data_ptr(), numel)
         return None if bad else out
+
+    def sumsq_many(self, tensors: Sequence[torch.Tensor]) -> float:
+        """Σ x² over all ``tensors`` (float32 or float16, contiguous) in one call per thread,
+        each thread taking an equal share of the elements (tensors cut where needed): the
+        screen's norm of a gradient of a hundred tensors without a hundred calls."""
+        pieces: list[tuple[int, int, int]] = []
+        for t in tensors:
+            if t.dtype not in (torch.float32, torch.float16):
+                raise TypeError(f"sumsq takes float32 or float16, not {t.dtype}")
+            _check(t, t.dtype)
+            if t.numel():
+                pieces.append((t.data_ptr(), t.numel(), t.element_size()))
+        total = sum(n for _, n, _ in pieces)
+        shares: list[list[tuple[int, int, int]]] = []
+        for lo, hi in self._slices(total):  # cut the concatenation at the slice bounds
+            share, pos = [], 0
+            for ptr, n, size in pieces:
+                a, b = max(lo, pos), min(hi, pos + n)
+                if a < b:
+                    share.append((ptr + size * (a - pos), b - a, size))
+                pos += n
+            shares.append(share)
+
+        def call(share: list[tuple[int, int, int]]) -> float:
+            count = len(share)
+            ptrs = (ctypes.c_int64 * count)(*(p for p, _, _ in share))
+            lens = (ctypes.c_int64 * count)(*(n for _, n, _ in share))
+            half = (ctypes.c_int32 * count)(*(int(size == 2) for _, _, size in share))
+            return float(self._lib.st_sumsq_many(ptrs, lens, half, count))
+
+        return float(sum(self._run([partial(call, share) for share in shares])))
 
     def topk_check(self, index_low: torch.Tensor, counts: torch.Tensor, numel: int) -> int:
         """The top-k decoder's checks on contiguous parts: 0 (fine), 1 (the block counts are

@@ -1424,7 +1424,7 @@ def _gradient_norm(msg: Gradients, grads: Mapping[str, LazyGradient]) -> float:
     fast = kernels()
     if fast is not None and all(t.device.type == "cpu" and t.is_contiguous()
                                 and t.dtype in (torch.float32, torch.float16) for t in sources):
-        return math.sqrt(sum(fast.sumsq(t) for t in sources))
+        return math.sqrt(fast.sumsq_many(sources))
     return global_norm(sources)
 
 
