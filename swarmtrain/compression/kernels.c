@@ -54,8 +54,14 @@ void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, doubl
             __m256 ea = _mm256_cvtph_ps(ha), eb = _mm256_cvtph_ps(hb);
             _mm256_storeu_ps(pub + k, _mm256_add_ps(pa, ea));
             _mm256_storeu_ps(pub + k + 8, _mm256_add_ps(pb, eb));
-            _mm_storeu_si128((__m128i *)(out + k), ha);
-            _mm_storeu_si128((__m128i *)(out + k + 8), hb);
+            if (((uintptr_t)(out + k) & 15) == 0) {
+                /* out is not read again here: stream it past the cache (no read for ownership) */
+                _mm_stream_si128((__m128i *)(out + k), ha);
+                _mm_stream_si128((__m128i *)(out + k + 8), hb);
+            } else {
+                _mm_storeu_si128((__m128i *)(out + k), ha);
+                _mm_storeu_si128((__m128i *)(out + k + 8), hb);
+            }
             __m256 ra = _mm256_sub_ps(da, ea), rb = _mm256_sub_ps(db, eb);
             r0 = _mm256_add_ps(r0, _mm256_mul_ps(ra, ra));
             r1 = _mm256_add_ps(r1, _mm256_mul_ps(rb, rb));
@@ -65,6 +71,7 @@ void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, doubl
         resid += hsum(r0) + hsum(r1);
         norm += hsum(n0) + hsum(n1);
     }
+    _mm_sfence();
 #endif
     for (; i < n; i++) {
         float d = m[i] - pub[i];
@@ -406,6 +413,17 @@ static int topk_block(const int64_t *sg, int64_t blk, float *scratch) {
     return 0;
 }
 
+/* dst = src, with streaming stores where aligned: the snapshot is not read here again, so
+ * it goes past the cache and costs no read for ownership (the caller fences). */
+static void stream_copy(float *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = src[i];
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < n; i++) dst[i] = src[i];
+}
+
 /* One thread's part [lo, hi) of the flat vector (for PUB_UNIFORM lo is a multiple of the
  * bucket). Returns 0, 1 when a top-k index is out of range (nothing after it is stepped:
  * the caller refuses such a gradient before, this is a guard), 2 when the publication met
@@ -459,7 +477,7 @@ int st_adam_apply(const int64_t *seg, const double *segf, int64_t nseg, float *p
                 if (bad) break;
             }
             if (pubmode == PUB_SNAPSHOT && sg[6])
-                memcpy((float *)sg[6] + (a - off), p + a, (size_t)(z - a) * sizeof(float));
+                stream_copy((float *)sg[6] + (a - off), p + a, z - a);
         }
         if (bad) break;
         double part[2] = {0.0, 0.0};
@@ -474,6 +492,9 @@ int st_adam_apply(const int64_t *seg, const double *segf, int64_t nseg, float *p
         norm += part[1];
     }
     free(scratch);
+#ifdef HAVE_AVX2
+    _mm_sfence(); /* the streamed snapshot is complete before another thread reads it */
+#endif
     sums[0] = resid;
     sums[1] = norm;
     return bad;
