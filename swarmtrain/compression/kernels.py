@@ -3,7 +3,8 @@
 The downlink publication (``master − published``, its fp16 or uniform coding, the published
 copy moved by what was coded, and the two norms of the drift bound) is one pass over memory
 here, where the torch ops it replaces make six or more; so are a top-k gradient's decoding
-and the screen's sum of squares. The C source is
+and the screen's sum of squares; and the coordinator's Adam step, fused with the gradient's
+decoding and that publication (:meth:`Kernels.adam_apply`, used by roles/ps/flat_adam.py). The C source is
 ``swarmtrain/compression/kernels.c``; it is compiled once per machine with the C compiler ``cc``
 (or ``$CC``) into ``~/.cache/swarmtrain/kernels/`` (``$SWARMTRAIN_CACHE_DIR``, or
 ``$XDG_CACHE_HOME``), the way DeepSpeed builds its CPU Adam, and loaded with ctypes. Every
@@ -341,13 +342,13 @@ def kernels() -> Kernels | None:
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if not cc:
-            log.info("no C compiler (cc) found: the coordinator's downlink uses torch ops, which "
-                     "is slower (install gcc to build swarmtrain's fused kernels)")
+            log.info("no C compiler (cc) found: the coordinator's Adam and downlink use torch ops, "
+                     "which is slower (install gcc to build swarmtrain's fused kernels)")
             return None
         try:
             _loaded = Kernels(ctypes.CDLL(str(_build(cc))))
             log.debug("fused kernels loaded (%s)", _cache_dir())
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            log.warning("could not build swarmtrain's fused kernels (%s): the coordinator's "
-                        "downlink uses torch ops, which is slower", exc)
+            log.warning("could not build swarmtrain's fused kernels (%s): the coordinator's Adam "
+                        "and downlink use torch ops, which is slower", exc)
         return _loaded
