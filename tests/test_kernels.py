@@ -378,8 +378,9 @@ def test_a_state_loaded_into_the_optimizer_is_stepped_from(tmp_path: Path) -> No
     opt_b.load_state_dict(saved)
     fb.step(dict(zip(params_b, _grads(4))), LR, held=False)
     assert torch.equal(flat_a, flat_b) and torch.equal(fa.exp_avg, fb.exp_avg)
-    assert all(opt_b.state[p]["exp_avg"].data_ptr() == m.data_ptr()
-               for p, m in zip(params_b.values(), fb._m_views))
+    assert all(opt_b.state[p]["exp_avg"] is m and opt_b.state[p]["step"] is t
+               for p, m, t in zip(params_b.values(), fb._m_views, fb._step_views))
+    assert fb.steps.tolist() == [4.0] * len(ADAM_SIZES)
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "topk"])

@@ -256,36 +256,37 @@ class Kernels:
         parts = self._run([partial(call, lo, hi) for lo, hi in self._slices(x.numel())])
         return float(sum(parts))
 
-    def adam_apply(self, segments: torch.Tensor, scalars: torch.Tensor, p: torch.Tensor,
+    def adam_apply(self, segments: Sequence[int], scalars: Sequence[float], p: torch.Tensor,
                    m: torch.Tensor, v: torch.Tensor, hyper: Sequence[float], *, held: bool,
                    publication: Publication | None = None) -> tuple[int, float, float]:
         """One Adam step (or a held-variance one) over the flat float32 ``p`` with moments
         ``m``, ``v``, fused with the gradient's decoding and the downlink ``publication``.
 
         Args:
-            segments: int64 ``[segments, SEG_FIELDS]``, one row per parameter (see kernels.c:
-                offset, numel, gradient kind, pointers), in flat order.
-            scalars: float64 ``[segments, 3]``, each segment's step scalars.
+            segments: SEG_FIELDS ints per parameter, in flat order (see kernels.c: offset,
+                numel, gradient kind, pointers).
+            scalars: 3 floats per parameter, its step scalars.
             hyper: (decay?, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2, eps, -lr, clamp).
 
         Returns:
             (0, or 1 for a top-k index out of range, 2 for NaN/inf in the publication;
             then the sums of the publication kernels).
 
-        The tensors' sizes are the caller's to match (FlatAdam builds them); only dtypes and
-        layout are checked here.
+        The segments' sizes and pointers are the caller's to get right (FlatAdam builds
+        them); dtypes and layout of the tensors are checked here.
         """
         _check(p, torch.float32, m, v)
         _check(m, torch.float32)
         _check(v, torch.float32)
-        _check(segments, torch.int64)
-        _check(scalars, torch.float64)
-        if segments.shape[-1] != SEG_FIELDS or scalars.numel() != 3 * segments.shape[0] or len(hyper) != 8:
+        count = len(segments) // SEG_FIELDS
+        if len(segments) != SEG_FIELDS * count or len(scalars) != 3 * count or len(hyper) != 8:
             raise ValueError("adam_apply: segments, scalars or hyper are not shaped for kernels.c")
+        seg = (ctypes.c_int64 * len(segments))(*segments)
+        sca = (ctypes.c_double * len(scalars))(*scalars)
         pub = publication or Publication(PUB_NONE)
         align = pub.bucket if pub.mode == PUB_UNIFORM else 64
         hyp = (ctypes.c_double * 8)(*hyper)
-        args = (segments.data_ptr(), scalars.data_ptr(), segments.shape[0], p.data_ptr(), m.data_ptr(),
+        args = (ctypes.addressof(seg), ctypes.addressof(sca), count, p.data_ptr(), m.data_ptr(),
                 v.data_ptr())
         rule = 1 if held else 0
         slices = self._slices(p.numel(), align=align)

@@ -67,6 +67,12 @@ class FlatAdam:
         self.exp_avg_sq = torch.zeros_like(flat)
         self._m_views = [t.view(p.shape) for t, p in zip(self.exp_avg.split(self.sizes), self.params)]
         self._v_views = [t.view(p.shape) for t, p in zip(self.exp_avg_sq.split(self.sizes), self.params)]
+        #: every parameter's step count (its state's "step" is a 0-dim view of it): one add
+        #: and one read per step instead of one per tensor
+        self.steps = torch.zeros(len(self.params), dtype=torch.float32)
+        self._step_views = [self.steps[i] for i in range(len(self.params))]
+        #: the state dict last bound and its size (held, so that no new dict can take its id)
+        self._bound: tuple[Any, int] | None = None
 
     @classmethod
     def create(cls, optimizer: torch.optim.Optimizer, flat: torch.Tensor | None,
@@ -82,17 +88,28 @@ class FlatAdam:
         return cls(optimizer, flat, params, fast)
 
     def _bind(self) -> None:
-        """Make the optimizer's moments views of the flat buffers (copied in when
-        ``load_state_dict`` or anyone else replaced them)."""
+        """Make the optimizer's state views of the flat buffers (copied in where they are
+        not: after ``load_state_dict``, which makes a new state dict, or on the first step).
+        Only this class steps the optimizer once it exists, so a state dict it bound and
+        that has not changed size is still bound."""
         state = self.optimizer.state
-        for p, m, v in zip(self.params, self._m_views, self._v_views):
+        if self._bound is not None and self._bound[0] is state and self._bound[1] == len(state):
+            return
+        for p, m, v, t in zip(self.params, self._m_views, self._v_views, self._step_views):
             s = state.get(p)
-            if not s or (s.get("exp_avg") is m and s.get("exp_avg_sq") is v):
+            if not s:
                 continue
             with torch.no_grad():
-                m.copy_(s["exp_avg"])
-                v.copy_(s["exp_avg_sq"])
-            s["exp_avg"], s["exp_avg_sq"] = m, v
+                if s.get("exp_avg") is not m:
+                    m.copy_(s["exp_avg"])
+                    s["exp_avg"] = m
+                if s.get("exp_avg_sq") is not v:
+                    v.copy_(s["exp_avg_sq"])
+                    s["exp_avg_sq"] = v
+                if s.get("step") is not t:
+                    t.copy_(s["step"])
+                    s["step"] = t
+        self._bound = (state, len(state))
 
     def _states(self, stepped: Sequence[int]) -> list[dict[str, Any]]:
         """The state of every stepped parameter, made as torch's fused Adam makes it on a
@@ -103,10 +120,11 @@ class FlatAdam:
             p = self.params[i]
             s = state.get(p)
             if not s:
-                s = state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                s = state[p] = {"step": self._step_views[i].zero_(),
                                 "exp_avg": self._m_views[i].zero_(),
                                 "exp_avg_sq": self._v_views[i].zero_()}
             out.append(s)
+        self._bound = (state, len(state))  # (what was added is bound)
         return out
 
     def can_hold(self, grads: Mapping[str, LazyGradient]) -> bool:
@@ -142,42 +160,44 @@ class FlatAdam:
         beta1, beta2 = group["betas"]
         wd = float(group["weight_decay"])
         keep: list[Any] = []  # contiguous copies made here live until the kernel is done
-        rows: list[list[int]] = []
+        rows: list[int] = []
         stepped: list[int] = []
         for i, (name, off, n) in enumerate(zip(self.names, self.offsets, self.sizes)):
             g = grads.get(name)
             snap = snapshot[i].data_ptr() if snapshot is not None else 0
             if g is None:
-                rows.append([off, n, G_NONE, 0, 0, 0, snap])
+                rows += (off, n, G_NONE, 0, 0, 0, snap)
                 continue
             stepped.append(i)
             if isinstance(g, TopKParts):
                 parts = [t.contiguous() for t in (g.values, g.index_low, g.block_counts)]
                 keep.append(parts)
-                rows.append([off, n, G_TOPK, *(t.data_ptr() for t in parts), snap])
+                rows += (off, n, G_TOPK, *(t.data_ptr() for t in parts), snap)
                 continue
             if g.dtype not in (torch.float32, torch.float16):
                 g = g.to(torch.float32)
             g = g.contiguous()
             keep.append(g)
-            rows.append([off, n, G_F16 if g.dtype == torch.float16 else G_F32, g.data_ptr(), 0, 0, snap])
+            rows += (off, n, G_F16 if g.dtype == torch.float16 else G_F32, g.data_ptr(), 0, 0, snap)
         states = self._states(stepped)
-        steps = [s["step"] for s in states]
-        if steps:
-            torch._foreach_add_(steps, 1.0)
-        counts = torch.stack(steps).tolist() if steps else []
-        scalars = [[0.0, 1.0, 1.0] for _ in self.params]
-        for i, s, t in zip(stepped, states, counts):
+        if len(stepped) == len(self.params):
+            self.steps.add_(1.0)
+        elif stepped:
+            self.steps.index_add_(0, torch.tensor(stepped), torch.ones(len(stepped)))
+        counts = self.steps.tolist()
+        scalars = [0.0, 1.0, 1.0] * len(self.params)
+        for i, s in zip(stepped, states):
+            t = counts[i]
             if held:
                 vb = 1.0 - beta2 ** float(s[VARIANCE_STEPS])
-                scalars[i] = [1.0 / (1.0 - beta1 ** t), vb, 1.0 / math.sqrt(vb)]
+                scalars[3 * i:3 * i + 3] = [1.0 / (1.0 - beta1 ** t), vb, 1.0 / math.sqrt(vb)]
             else:
-                scalars[i] = [lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t), 0.0]
+                scalars[3 * i:3 * i + 3] = [lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t), 0.0]
         hyper = [1.0 if wd else 0.0, 1.0 - lr * wd, 1.0 - beta1, beta2, 1.0 - beta2,
                  float(group["eps"]), -lr, HELD_MAX_RATIO]
         status, resid, norm = self._fast.adam_apply(
-            torch.tensor(rows, dtype=torch.int64), torch.tensor(scalars, dtype=torch.float64),
-            self.flat, self.exp_avg, self.exp_avg_sq, hyper, held=held, publication=publication)
+            rows, scalars, self.flat, self.exp_avg, self.exp_avg_sq, hyper, held=held,
+            publication=publication)
         if status == 1:
             raise RuntimeError("a top-k index out of range reached the fused Adam kernel (unpack "
                                "checks them): this is a bug in swarmtrain, please report it")
