@@ -4,6 +4,7 @@ machine that cannot build them falls back to torch with one clear line."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -12,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmtrain.compression.kernels import Kernels, kernels
+from swarmtrain.compression.kernels import PUB_FP16, PUB_UNIFORM, Kernels, Publication, kernels
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
+from swarmtrain.roles.ps.adam import adam_step, held_variance_step, make_adam
+from swarmtrain.roles.ps.flat_adam import FlatAdam
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,3 +180,273 @@ def test_a_top_k_index_out_of_range_is_refused_by_the_kernel_too(fast: Kernels) 
     c = Compressed("topk", (70_000,), "float32", parts, {"k": 2})
     with pytest.raises(RemoteProtocolError, match="out of range"):
         decode_topk(c)
+
+
+# -- the fused Adam (roles/ps/flat_adam.py over st_adam_apply) ----------------------------
+
+ADAM_SIZES = [1, 7, 1000, 65_536 + 3, 200_001]
+LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
+
+
+def _flat_params(seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    flat = torch.randn(sum(ADAM_SIZES), generator=torch.Generator().manual_seed(seed))
+    return flat, {f"p{i}": t for i, t in enumerate(flat.split(ADAM_SIZES))}
+
+
+def _flat_adam(flat: torch.Tensor, params: dict[str, torch.Tensor]) -> tuple[FlatAdam, torch.optim.Adam]:
+    opt = make_adam(list(params.values()), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    fa = FlatAdam.create(opt, flat, params)
+    assert fa is not None
+    return fa, opt
+
+
+def _grads(step: int, scale: float = 1e-3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    # a spread of magnitudes, so the second moment and the division see more than one range
+    return [torch.randn(n, generator=gen) * scale * (1 + 100 * (i % 2)) for i, n in enumerate(ADAM_SIZES)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the tensor's scale (a per-element ratio is meaningless
+    for the elements that pass through zero)."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _adam64(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: int) -> None:
+    """Decoupled-weight-decay Adam in float64: the reference both float32 ones approximate."""
+    b1, b2 = BETAS
+    p.mul_(1 - LR * WD)
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / (1 - b2 ** step) ** 0.5).add_(EPS)
+    p.addcdiv_(m, denom, value=-LR / (1 - b1 ** step))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("as_fp16", [False, True])
+def test_the_fused_adam_is_torchs_fused_adam_over_many_steps(threads: int, as_fp16: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against torch.optim.Adam(fused=True, decoupled_weight_decay=True) over 200 steps: the
+    same operations in the same order give the same weights; torch's scalar tails (the last
+    elements of each of its chunks) round the second moment's update differently, so the bound
+    is stated: differences at most 1e-6 of each tensor's largest value (weights and moments),
+    and bit-identical weights for all but 0.1 % of the elements. Both are as close to a
+    float64 Adam."""
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 64)  # slices cut tensors
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flat, params = _flat_params()
+        ref = [torch.nn.Parameter(p.detach().clone()) for p in params.values()]
+        p64 = [p.detach().double() for p in params.values()]
+        m64 = [torch.zeros_like(p) for p in p64]
+        v64 = [torch.zeros_like(p) for p in p64]
+        torch_opt = torch.optim.Adam(ref, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True,
+                                     decoupled_weight_decay=True)
+        fa, opt = _flat_adam(flat, params)
+        for step in range(1, 201):
+            gs = _grads(step)
+            if as_fp16:
+                gs = [g.half() for g in gs]
+            for p, g in zip(ref, gs):
+                p.grad = g.float()
+            torch_opt.step()
+            status, _, _ = fa.step(dict(zip(params, gs)), LR, held=False)
+            assert status == 0
+            for p, m, v, g in zip(p64, m64, v64, gs):
+                _adam64(p, m, v, g.double(), step)
+        ours, theirs = flat, torch.cat([p.detach() for p in ref])
+        for key, mine in (("exp_avg", fa.exp_avg), ("exp_avg_sq", fa.exp_avg_sq)):
+            other = torch.cat([torch_opt.state[p][key] for p in ref])
+            assert _rel(mine, other) <= 1e-6, key
+        assert _rel(ours, theirs) <= 1e-6
+        assert int((ours != theirs).sum()) <= ours.numel() // 1000
+        exact = torch.cat(p64)
+        err_ours, err_torch = (float((x.double() - exact).abs().max()) for x in (ours, theirs))
+        # (float32 rounding over 200 steps: a few 1e-5 from float64, for torch as for us)
+        assert err_ours <= 1e-4 and err_ours <= 1.5 * err_torch + 1e-7
+        steps = [float(opt.state[p]["step"]) for p in params.values()]
+        assert steps == [200.0] * len(ADAM_SIZES)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_the_fused_adam_steps_only_parameters_with_a_gradient_and_reads_top_k_in_place() -> None:
+    """A parameter without a gradient is not stepped (no decay, no state); a top-k gradient
+    read as its parts steps as its decoded float32 tensor does, bit for bit."""
+    from swarmtrain.compression.topk import TopKCodec, check_topk
+
+    flat_a, params_a = _flat_params()
+    flat_b, params_b = _flat_params()
+    fa, opt_a = _flat_adam(flat_a, params_a)
+    fb, _ = _flat_adam(flat_b, params_b)
+    before = params_a["p1"].clone()
+    for step in range(1, 6):
+        gs = _grads(step)
+        sparse = {n: check_topk(TopKCodec(0.05).compress(g)) for n, g in zip(params_a, gs) if n != "p1"}
+        fa.step(sparse, LR, held=False)
+        fb.step({n: g.decode() for n, g in sparse.items()}, LR, held=False)
+    assert torch.equal(flat_a, flat_b) and torch.equal(fa.exp_avg_sq, fb.exp_avg_sq)
+    assert torch.equal(params_a["p1"], before) and params_a["p1"] not in opt_a.state
+
+
+def test_the_held_variance_step_is_adams_held_variance_step() -> None:
+    """The held-variance kernel against roles/ps/adam.py's torch code, after dense steps
+    taught the second moment (some of it left at 0: those take the gradient's square):
+    within 1e-6 of the largest weight, bit-identical for 99 % of the weights."""
+    flat_a, params_a = _flat_params()
+    fa, opt_a = _flat_adam(flat_a, params_a)
+    ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params_a.items()}
+    opt_b = make_adam(list(ref.values()), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for step in range(1, 4):  # dense steps; a gradient that is zero in places
+        gs = _grads(step)
+        gs[2][:100] = 0
+        fa.step(dict(zip(params_a, gs)), LR, held=False)
+        fa.count_variance_update(dict(zip(params_a, gs)))
+        for p, g in zip(ref.values(), gs):
+            p.grad = g
+        adam_step(opt_b, LR, sparse=False, hold=True)
+    grads = {n: g * (torch.rand(g.shape, generator=torch.Generator().manual_seed(7)) < 0.1)
+             for n, g in zip(params_a, _grads(9, scale=1e-2))}
+    assert fa.can_hold(grads)
+    for _ in range(20):
+        fa.step(grads, LR, held=True)
+        for n, p in ref.items():
+            p.grad = grads[n]
+        assert held_variance_step(opt_b, LR)
+    theirs = torch.cat([p.detach() for p in ref.values()])
+    # (a last-place difference now and then: torch's scalar tails, its separate kernels)
+    assert _rel(flat_a, theirs) <= 1e-6 and int((flat_a != theirs).sum()) <= flat_a.numel() // 100
+    other_v = torch.cat([opt_b.state[p]["exp_avg_sq"] for p in ref.values()])
+    assert _rel(fa.exp_avg_sq, other_v) <= 1e-6
+    assert [float(opt_a.state[p]["step"]) for p in params_a.values()] == [23.0] * len(ADAM_SIZES)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "uniform"])
+def test_a_publication_fused_into_the_step_is_the_publication_after_it(
+        fast: Kernels, codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing each block while the step writes it gives, bit for bit, the entry and the
+    published copy the publication kernels give on the stepped weights."""
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 1024)
+    flat_a, params_a = _flat_params()
+    flat_b, params_b = _flat_params()
+    fa, _ = _flat_adam(flat_a, params_a)
+    fb, _ = _flat_adam(flat_b, params_b)
+    n = flat_a.numel()
+    pub_a = flat_a + torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-3
+    pub_b = pub_a.clone()
+    gs = dict(zip(params_a, _grads(1)))
+    if codec == "fp16":
+        out_a, out_b = torch.empty(n, dtype=torch.float16), torch.empty(n, dtype=torch.float16)
+        target = Publication(PUB_FP16, pub_a.data_ptr(), out_a.data_ptr())
+        _, resid, norm = fa.step(gs, LR, held=False, publication=target)
+        fb.step(gs, LR, held=False)
+        expected = fast.publish_fp16(flat_b, pub_b, out_b)
+        assert torch.equal(out_a, out_b)
+    else:
+        bucket, bits = 512, 4
+        codes_a, codes_b = (torch.empty((n * bits + 7) // 8, dtype=torch.uint8) for _ in range(2))
+        scales_a, scales_b = (torch.empty(-(-n // bucket)) for _ in range(2))
+        target = Publication(PUB_UNIFORM, pub_a.data_ptr(), codes_a.data_ptr(), scales_a.data_ptr(),
+                             bucket, bits)
+        _, resid, norm = fa.step(gs, LR, held=False, publication=target)
+        fb.step(gs, LR, held=False)
+        sums = fast.publish_uniform(flat_b, pub_b, codes_b, scales_b, bucket, bits)
+        assert sums is not None
+        expected = sums
+        assert torch.equal(codes_a, codes_b) and torch.equal(scales_a, scales_b)
+    assert torch.equal(flat_a, flat_b) and torch.equal(pub_a, pub_b)
+    assert resid == pytest.approx(expected[0], rel=1e-5) and norm == pytest.approx(expected[1], rel=1e-5)
+
+
+def test_a_state_loaded_into_the_optimizer_is_stepped_from(tmp_path: Path) -> None:
+    """The optimizer's state stays torch's (checkpoints save it as they do torch's): a state
+    loaded with load_state_dict replaces the views, and the next fused step continues from it
+    exactly as an uninterrupted run."""
+    flat_a, params_a = _flat_params()
+    fa, opt_a = _flat_adam(flat_a, params_a)
+    for step in range(1, 4):
+        fa.step(dict(zip(params_a, _grads(step))), LR, held=False)
+    saved = {k: v for k, v in opt_a.state_dict().items()}
+    saved = {"state": {i: {k: t.clone() for k, t in s.items()} for i, s in saved["state"].items()},
+             "param_groups": saved["param_groups"]}
+    weights = flat_a.clone()
+    fa.step(dict(zip(params_a, _grads(4))), LR, held=False)
+    flat_b, params_b = _flat_params()
+    flat_b.copy_(weights)
+    fb, opt_b = _flat_adam(flat_b, params_b)
+    opt_b.load_state_dict(saved)
+    fb.step(dict(zip(params_b, _grads(4))), LR, held=False)
+    assert torch.equal(flat_a, flat_b) and torch.equal(fa.exp_avg, fb.exp_avg)
+    assert all(opt_b.state[p]["exp_avg"] is m and opt_b.state[p]["step"] is t
+               for p, m, t in zip(params_b.values(), fb._m_views, fb._step_views))
+    assert fb.steps.tolist() == [4.0] * len(ADAM_SIZES)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "topk"])
+def test_the_coordinators_apply_with_the_fused_adam_is_its_torch_apply(codec: str) -> None:
+    """The coordinator's whole apply (decoding, screen, Adam, publication, answer) with the
+    fused kernel and with torch's Adam: the same weights (to the stated bound), the same
+    answers' layout, the published copy as close."""
+    from swarmtrain.compression import make_codec
+    from swarmtrain.config import load_coordinator_config
+    from swarmtrain.roles.ps.common import pack_compressed
+    from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
+    from swarmtrain.wire import Gradients
+
+    def coordinator(fused: bool) -> tuple[Coordinator, WorkerRecord]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.ReLU(), torch.nn.Linear(200, 10))
+        cfg = load_coordinator_config(overrides={"compression.type": codec, "training.learning_rate": 1e-3,
+                                                 "training.weight_decay": 0.01})
+        c = Coordinator(model, cfg, task_name="t")
+        if not fused:
+            c._flat_adam = None
+        assert (c._flat_adam is not None) == fused
+        rec = WorkerRecord("w", "", {}, 32, 0.0, [0])
+        c.workers["w"] = rec
+        c._snapshot_for(rec)
+        return c, rec
+
+    (a, ra), (b, rb) = coordinator(True), coordinator(False)
+    up = make_codec(codec, topk_ratio=0.1)
+    for i in range(1, 8):
+        gen = torch.Generator().manual_seed(i)
+        g = {n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in a.params.items()}
+        codecs, tensors = pack_compressed({n: up.compress(t) for n, t in g.items()})
+        replies = []
+        for c, rec in ((a, ra), (b, rb)):
+            msg = Gradients(msg_id=i, version=c.version, samples=32, loss=1.0, codecs=codecs, tensors=tensors)
+            status, reply = c._apply_gradient(rec, msg)
+            assert status == "applied" and reply is not None
+            replies.append(reply)
+        assert replies[0].version == replies[1].version and replies[0].full == replies[1].full
+        ours, theirs = replies[0].tensor_map(), replies[1].tensor_map()
+        assert sorted(ours) == sorted(theirs)
+        for name, t in ours.items():  # what the worker adds or takes: the same, to the bound
+            assert torch.allclose(t.float(), theirs[name].float(), rtol=1e-5, atol=1e-6), name
+    for n in a.params:
+        assert torch.allclose(a.params[n], b.params[n], rtol=1e-5, atol=1e-7), n
+    if not a.downlink.fine.lossless:
+        pa, pb = a.downlink.fine.published, b.downlink.fine.published
+        assert pa is not None and pb is not None and torch.allclose(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_sum_of_squares_of_many_tensors_is_theirs_and_finds_nan(
+        fast: Kernels, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 64)  # slices cut tensors
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        ts = [torch.randn(n, generator=gen).to(dt) for n, dt in
+              [(0, torch.float32), (1, torch.float16), (1000, torch.float32), (70_001, torch.float16),
+               (129, torch.float32)]]
+        exact = sum(float(t.double().square().sum()) for t in ts)
+        assert fast.sumsq_many(ts) == pytest.approx(exact, rel=1e-6)
+        assert fast.sumsq_many([]) == 0.0
+        ts[3][70_000] = float("nan")
+        assert math.isnan(fast.sumsq_many(ts))
+    finally:
+        torch.set_num_threads(old)

@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define FP16_MAX 65504.0f
@@ -53,8 +54,14 @@ void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, doubl
             __m256 ea = _mm256_cvtph_ps(ha), eb = _mm256_cvtph_ps(hb);
             _mm256_storeu_ps(pub + k, _mm256_add_ps(pa, ea));
             _mm256_storeu_ps(pub + k + 8, _mm256_add_ps(pb, eb));
-            _mm_storeu_si128((__m128i *)(out + k), ha);
-            _mm_storeu_si128((__m128i *)(out + k + 8), hb);
+            if (((uintptr_t)(out + k) & 15) == 0) {
+                /* out is not read again here: stream it past the cache (no read for ownership) */
+                _mm_stream_si128((__m128i *)(out + k), ha);
+                _mm_stream_si128((__m128i *)(out + k + 8), hb);
+            } else {
+                _mm_storeu_si128((__m128i *)(out + k), ha);
+                _mm_storeu_si128((__m128i *)(out + k + 8), hb);
+            }
             __m256 ra = _mm256_sub_ps(da, ea), rb = _mm256_sub_ps(db, eb);
             r0 = _mm256_add_ps(r0, _mm256_mul_ps(ra, ra));
             r1 = _mm256_add_ps(r1, _mm256_mul_ps(rb, rb));
@@ -64,6 +71,7 @@ void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, doubl
         resid += hsum(r0) + hsum(r1);
         norm += hsum(n0) + hsum(n1);
     }
+    _mm_sfence();
 #endif
     for (; i < n; i++) {
         float d = m[i] - pub[i];
@@ -259,4 +267,262 @@ int st_topk_decode(const _Float16 *values, const uint16_t *index_low, const int3
         }
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The coordinator's Adam step over one flat float32 vector of master weights, fused with the
+ * gradient's decoding and the downlink publication.
+ *
+ * The vector is cut into segments (one per parameter tensor): seg[SEG_FIELDS * s + ...] =
+ * {flat offset, numel, kind, gradient pointer, top-k index_low, top-k block counts, snapshot
+ * pointer}, kinds: no gradient (not stepped, as torch skips grad None), float32, float16 (the
+ * fp16 codec's wire values, widened in registers) and top-k (decoded 65536 at a time into a
+ * cache-sized scratch buffer rather than into a full-size tensor). segf[3 * s ...] are the
+ * segment's scalars: step size lr / (1 - beta1^step) and sqrt(1 - beta2^step) for Adam (the
+ * third unused), see held_piece for the held variance.
+ *
+ * The arithmetic is torch's fused CPU Adam with decoupled weight decay, operation for
+ * operation in float32 (tests/test_kernels.py compares the two):
+ *   p *= 1 - lr * wd;  m = fma(w, g - m, m) (lerp, w = 1 - beta1 < 0.5);
+ *   v = fma((1 - beta2) * g, g, v * beta2);  p += (-step_size * m) / (sqrt(v) / bc2 + eps)
+ * (torch's build contracts its v * beta2 + c * g * g into that fma).
+ *
+ * After each block of the flat range is stepped (while it is in cache) the publication runs
+ * on it: fp16 or uniform coding of p - pub, as st_publish_fp16 / st_publish_uniform do, or
+ * (lossless downlink) a copy of the new weights into the snapshot tensors.
+ * ------------------------------------------------------------------------------------- */
+#define SEG_FIELDS 7
+enum { G_NONE = 0, G_F32 = 1, G_F16 = 2, G_TOPK = 3 };
+enum { PUB_NONE = 0, PUB_FP16 = 1, PUB_UNIFORM = 2, PUB_SNAPSHOT = 3 };
+enum { RULE_ADAM = 0, RULE_HELD = 1 };
+#define TOPK_BLOCK 65536
+#define APPLY_BLOCK 16384
+
+typedef struct {
+    float wd_scale, w, beta2, one_minus_beta2, eps, neg_lr, clamp;
+    int decay;
+} hyper_t;
+
+static inline float load_g1(const void *g, int kind, int64_t i) {
+    return kind == G_F16 ? (float)((const _Float16 *)g)[i] : ((const float *)g)[i];
+}
+
+/* plain Adam over n elements; g is float32 or float16 (kind) */
+static void adam_piece(float *p, float *m, float *v, const void *g, int kind, int64_t n,
+                       const hyper_t *h, float step_size, float bc2) {
+    const float nss = -step_size;
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 wd = _mm256_set1_ps(h->wd_scale), w = _mm256_set1_ps(h->w);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), c2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 vbc2 = _mm256_set1_ps(bc2), veps = _mm256_set1_ps(h->eps);
+    const __m256 vnss = _mm256_set1_ps(nss);
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = kind == G_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)g + i)))
+                                  : _mm256_loadu_ps((const float *)g + i);
+        __m256 pv = _mm256_loadu_ps(p + i);
+        if (h->decay) pv = _mm256_mul_ps(pv, wd);
+        __m256 mv = _mm256_loadu_ps(m + i);
+        mv = _mm256_fmadd_ps(w, _mm256_sub_ps(gv, mv), mv);
+        __m256 vv = _mm256_fmadd_ps(_mm256_mul_ps(c2, gv), gv, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
+        __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), vbc2), veps);
+        pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(vnss, mv), den));
+        _mm256_storeu_ps(p + i, pv);
+        _mm256_storeu_ps(m + i, mv);
+        _mm256_storeu_ps(v + i, vv);
+    }
+#endif
+    for (; i < n; i++) {
+        float gv = load_g1(g, kind, i), pv = p[i];
+        if (h->decay) pv = pv * h->wd_scale;
+        float mv = fmaf(h->w, gv - m[i], m[i]);
+        float vv = fmaf(h->one_minus_beta2 * gv, gv, v[i] * h->beta2);
+        float den = sqrtf(vv) / bc2 + h->eps;
+        p[i] = pv + (nss * mv) / den;
+        m[i] = mv;
+        v[i] = vv;
+    }
+}
+
+/* Adam with the second moment held (roles/ps/adam.py, held_variance_step): v only takes
+ * (g * g) * vb where it is still 0; r = clamp((m / (sqrt(v) * rsvb + eps)) * rbc1, +-clamp);
+ * p = fma(r, -lr, p) (torch's add with alpha). a = rbc1 = 1 / (1 - beta1^step), b = vb =
+ * 1 - beta2^variance_steps, c = rsvb = 1 / sqrt(vb), each rounded from double as torch does. */
+static void held_piece(float *p, float *m, float *v, const void *g, int kind, int64_t n,
+                       const hyper_t *h, float rbc1, float vb, float rsvb) {
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 wd = _mm256_set1_ps(h->wd_scale), w = _mm256_set1_ps(h->w);
+    const __m256 vvb = _mm256_set1_ps(vb), vrs = _mm256_set1_ps(rsvb), veps = _mm256_set1_ps(h->eps);
+    const __m256 vr = _mm256_set1_ps(rbc1), hi = _mm256_set1_ps(h->clamp), lo = _mm256_set1_ps(-h->clamp);
+    const __m256 nlr = _mm256_set1_ps(h->neg_lr), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = kind == G_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)g + i)))
+                                  : _mm256_loadu_ps((const float *)g + i);
+        __m256 pv = _mm256_loadu_ps(p + i);
+        if (h->decay) pv = _mm256_mul_ps(pv, wd);
+        __m256 mv = _mm256_loadu_ps(m + i);
+        mv = _mm256_fmadd_ps(w, _mm256_sub_ps(gv, mv), mv);
+        __m256 vv = _mm256_loadu_ps(v + i);
+        vv = _mm256_blendv_ps(vv, _mm256_mul_ps(_mm256_mul_ps(gv, gv), vvb), _mm256_cmp_ps(vv, zero, _CMP_EQ_OQ));
+        __m256 den = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), vrs), veps);
+        __m256 r = _mm256_mul_ps(_mm256_div_ps(mv, den), vr);
+        /* r second: max/min return it when it is NaN, which torch's clamp keeps too */
+        r = _mm256_min_ps(hi, _mm256_max_ps(lo, r));
+        _mm256_storeu_ps(p + i, _mm256_fmadd_ps(r, nlr, pv));
+        _mm256_storeu_ps(m + i, mv);
+        _mm256_storeu_ps(v + i, vv);
+    }
+#endif
+    for (; i < n; i++) {
+        float gv = load_g1(g, kind, i), pv = p[i];
+        if (h->decay) pv = pv * h->wd_scale;
+        float mv = fmaf(h->w, gv - m[i], m[i]);
+        float vv = v[i] == 0.0f ? (gv * gv) * vb : v[i];
+        float den = sqrtf(vv) * rsvb + h->eps;
+        float r = (mv / den) * rbc1;
+        r = r < -h->clamp ? -h->clamp : (r > h->clamp ? h->clamp : r);
+        p[i] = fmaf(r, h->neg_lr, pv);
+        m[i] = mv;
+        v[i] = vv;
+    }
+}
+
+static void step_piece(int rule, float *p, float *m, float *v, const void *g, int kind, int64_t n,
+                       const hyper_t *h, float a, float b, float c) {
+    if (rule == RULE_HELD)
+        held_piece(p, m, v, g, kind, n, h, a, b, c);
+    else
+        adam_piece(p, m, v, g, kind, n, h, a, b);
+}
+
+/* Decode top-k block `blk` of a segment into scratch (TOPK_BLOCK floats); 1 if an index
+ * falls past the segment's end. */
+static int topk_block(const int64_t *sg, int64_t blk, float *scratch) {
+    const _Float16 *values = (const _Float16 *)sg[3];
+    const uint16_t *low = (const uint16_t *)sg[4];
+    const int32_t *counts = (const int32_t *)sg[5];
+    int64_t pos = 0;
+    for (int64_t b = 0; b < blk; b++) pos += counts[b];
+    const int64_t base = blk * TOPK_BLOCK, len = sg[1] - base < TOPK_BLOCK ? sg[1] - base : TOPK_BLOCK;
+    memset(scratch, 0, (size_t)len * sizeof(float));
+    for (int64_t e = pos + counts[blk]; pos < e; pos++) {
+        if (low[pos] >= len) return 1;
+        scratch[low[pos]] = (float)values[pos];
+    }
+    return 0;
+}
+
+/* dst = src, with streaming stores where aligned: the snapshot is not read here again, so
+ * it goes past the cache and costs no read for ownership (the caller fences). */
+static void stream_copy(float *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = src[i];
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < n; i++) dst[i] = src[i];
+}
+
+/* One thread's part [lo, hi) of the flat vector (for PUB_UNIFORM lo is a multiple of the
+ * bucket). Returns 0, 1 when a top-k index is out of range (nothing after it is stepped:
+ * the caller refuses such a gradient before, this is a guard), 2 when the publication met
+ * NaN/inf. sums as the publication kernels give them. */
+int st_adam_apply(const int64_t *seg, const double *segf, int64_t nseg, float *p, float *m,
+                  float *v, int64_t lo, int64_t hi, const double *hyper, int rule, int pubmode,
+                  float *pub, void *out, float *scales, int64_t bucket, int bits, double *sums) {
+    hyper_t h;
+    h.decay = hyper[0] != 0.0;
+    h.wd_scale = (float)hyper[1];
+    h.w = (float)hyper[2];
+    h.beta2 = (float)hyper[3];
+    h.one_minus_beta2 = (float)hyper[4];
+    h.eps = (float)hyper[5];
+    h.neg_lr = (float)hyper[6];
+    h.clamp = (float)hyper[7];
+    int64_t block = APPLY_BLOCK;
+    if (pubmode == PUB_UNIFORM && block % bucket) block = (block / bucket + 1) * bucket;
+    float *scratch = NULL;
+    int64_t scratch_seg = -1, scratch_blk = -1;
+    int bad = 0;
+    double resid = 0.0, norm = 0.0;
+    int64_t s = 0;
+    while (s < nseg && seg[SEG_FIELDS * s] + seg[SEG_FIELDS * s + 1] <= lo) s++;
+    for (int64_t b0 = lo; b0 < hi && !bad; b0 += block) {
+        const int64_t b1 = b0 + block < hi ? b0 + block : hi;
+        for (int64_t t = s; t < nseg; t++) {
+            const int64_t *sg = seg + SEG_FIELDS * t;
+            const int64_t off = sg[0], end = off + sg[1];
+            if (off >= b1) break;
+            if (end <= b0) { s = t + 1; continue; }
+            const int64_t a = off > b0 ? off : b0, z = end < b1 ? end : b1;
+            const int kind = (int)sg[2];
+            const float sa = (float)segf[3 * t], sb = (float)segf[3 * t + 1], sc = (float)segf[3 * t + 2];
+            if (kind == G_F32 || kind == G_F16) {
+                const char *g = (const char *)sg[3] + (a - off) * (kind == G_F16 ? 2 : 4);
+                step_piece(rule, p + a, m + a, v + a, g, kind, z - a, &h, sa, sb, sc);
+            } else if (kind == G_TOPK) {
+                if (!scratch && !(scratch = (float *)malloc(TOPK_BLOCK * sizeof(float)))) return 1;
+                for (int64_t x = a; x < z;) {
+                    const int64_t blk = (x - off) / TOPK_BLOCK, base = off + blk * TOPK_BLOCK;
+                    if (scratch_seg != t || scratch_blk != blk) {
+                        if (topk_block(sg, blk, scratch)) { bad = 1; break; }
+                        scratch_seg = t;
+                        scratch_blk = blk;
+                    }
+                    const int64_t y = base + TOPK_BLOCK < z ? base + TOPK_BLOCK : z;
+                    step_piece(rule, p + x, m + x, v + x, scratch + (x - base), G_F32, y - x, &h, sa, sb, sc);
+                    x = y;
+                }
+                if (bad) break;
+            }
+            if (pubmode == PUB_SNAPSHOT && sg[6])
+                stream_copy((float *)sg[6] + (a - off), p + a, z - a);
+        }
+        if (bad) break;
+        double part[2] = {0.0, 0.0};
+        if (pubmode == PUB_FP16) {
+            st_publish_fp16(p + b0, pub + b0, (_Float16 *)out + b0, b1 - b0, part);
+        } else if (pubmode == PUB_UNIFORM) {
+            if (st_publish_uniform(p + b0, pub + b0, (uint8_t *)out + b0 * bits / 8, scales + b0 / bucket,
+                                   b1 - b0, bucket, bits, part))
+                bad = 2;
+        }
+        resid += part[0];
+        norm += part[1];
+    }
+    free(scratch);
+#ifdef HAVE_AVX2
+    _mm_sfence(); /* the streamed snapshot is complete before another thread reads it */
+#endif
+    sums[0] = resid;
+    sums[1] = norm;
+    return bad;
+}
+
+/* The top-k decoder's checks without the decoding: 0 when the block counts are >= 0 and add
+ * up to k and the last block's indices fall inside the tensor; 1 (counts) or 2 (an index). */
+int st_topk_check(const uint16_t *index_low, const int32_t *counts, int64_t blocks, int64_t k,
+                  int64_t n) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        if (counts[b] < 0) return 1;
+        total += counts[b];
+    }
+    if (total != k) return 1;
+    if (blocks == 0) return 0;
+    const int64_t last_len = n - (blocks - 1) * 65536;
+    for (int64_t pos = k - counts[blocks - 1]; pos < k; pos++)
+        if (index_low[pos] >= last_len) return 2;
+    return 0;
+}
+
+/* Sum of squares of many float32 / float16 ranges in one call (the screen's norm over every
+ * tensor of a gradient): ptrs[i], lens[i] elements, half[i] nonzero for float16. */
+double st_sumsq_many(const int64_t *ptrs, const int64_t *lens, const int32_t *half, int64_t count) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < count; i++)
+        acc += half[i] ? st_sumsq_f16((const _Float16 *)ptrs[i], lens[i])
+                       : st_sumsq_f32((const float *)ptrs[i], lens[i]);
+    return acc;
 }

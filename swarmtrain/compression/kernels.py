@@ -3,7 +3,8 @@
 The downlink publication (``master − published``, its fp16 or uniform coding, the published
 copy moved by what was coded, and the two norms of the drift bound) is one pass over memory
 here, where the torch ops it replaces make six or more; so are a top-k gradient's decoding
-and the screen's sum of squares. The C source is
+and the screen's sum of squares; and the coordinator's Adam step, fused with the gradient's
+decoding and that publication (:meth:`Kernels.adam_apply`, used by roles/ps/flat_adam.py). The C source is
 ``swarmtrain/compression/kernels.c``; it is compiled once per machine with the C compiler ``cc``
 (or ``$CC``) into ``~/.cache/swarmtrain/kernels/`` (``$SWARMTRAIN_CACHE_DIR``, or
 ``$XDG_CACHE_HOME``), the way DeepSpeed builds its CPU Adam, and loaded with ctypes. Every
@@ -32,13 +33,15 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-__all__ = ["Kernels", "kernels"]
+__all__ = ["G_F16", "G_F32", "G_NONE", "G_TOPK", "PUB_FP16", "PUB_NONE", "PUB_SNAPSHOT", "PUB_UNIFORM",
+           "SEG_FIELDS", "Kernels", "Publication", "kernels"]
 
 log = logging.getLogger("swarmtrain.kernels")
 T = TypeVar("T")
@@ -106,6 +109,13 @@ class Kernels:
         lib.st_topk_decode.restype = ctypes.c_int
         lib.st_sumsq_f32.argtypes = lib.st_sumsq_f16.argtypes = [p, i64]
         lib.st_sumsq_f32.restype = lib.st_sumsq_f16.restype = ctypes.c_double
+        lib.st_sumsq_many.argtypes = [p, p, p, i64]
+        lib.st_sumsq_many.restype = ctypes.c_double
+        lib.st_topk_check.argtypes = [p, p, i64, i64, i64]
+        lib.st_topk_check.restype = ctypes.c_int
+        lib.st_adam_apply.argtypes = [p, p, i64, p, p, p, i64, i64, p, ctypes.c_int, ctypes.c_int,
+                                      p, p, p, i64, ctypes.c_int, f64p]
+        lib.st_adam_apply.restype = ctypes.c_int
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -194,6 +204,45 @@ class Kernels:
                                        counts.numel(), out.data_ptr(), numel)
         return None if bad else out
 
+    def sumsq_many(self, tensors: Sequence[torch.Tensor]) -> float:
+        """Σ x² over all ``tensors`` (float32 or float16, contiguous) in one call per thread,
+        each thread taking an equal share of the elements (tensors cut where needed): the
+        screen's norm of a gradient of a hundred tensors without a hundred calls."""
+        pieces: list[tuple[int, int, int]] = []
+        for t in tensors:
+            if t.dtype not in (torch.float32, torch.float16):
+                raise TypeError(f"sumsq takes float32 or float16, not {t.dtype}")
+            _check(t, t.dtype)
+            if t.numel():
+                pieces.append((t.data_ptr(), t.numel(), t.element_size()))
+        total = sum(n for _, n, _ in pieces)
+        shares: list[list[tuple[int, int, int]]] = []
+        for lo, hi in self._slices(total):  # cut the concatenation at the slice bounds
+            share, pos = [], 0
+            for ptr, n, size in pieces:
+                a, b = max(lo, pos), min(hi, pos + n)
+                if a < b:
+                    share.append((ptr + size * (a - pos), b - a, size))
+                pos += n
+            shares.append(share)
+
+        def call(share: list[tuple[int, int, int]]) -> float:
+            count = len(share)
+            ptrs = (ctypes.c_int64 * count)(*(p for p, _, _ in share))
+            lens = (ctypes.c_int64 * count)(*(n for _, n, _ in share))
+            half = (ctypes.c_int32 * count)(*(int(size == 2) for _, _, size in share))
+            return float(self._lib.st_sumsq_many(ptrs, lens, half, count))
+
+        return float(sum(self._run([partial(call, share) for share in shares])))
+
+    def topk_check(self, index_low: torch.Tensor, counts: torch.Tensor, numel: int) -> int:
+        """The top-k decoder's checks on contiguous parts: 0 (fine), 1 (the block counts are
+        negative or do not add up to k = the number of indices) or 2 (an index >= numel)."""
+        _check(index_low, torch.uint16)
+        _check(counts, torch.int32)
+        return int(self._lib.st_topk_check(index_low.data_ptr(), counts.data_ptr(), counts.numel(),
+                                           index_low.numel(), numel))
+
     def sumsq(self, x: torch.Tensor) -> float:
         """Σ x² of a float32 or float16 tensor (NaN or inf when it holds them)."""
         if x.dtype not in (torch.float32, torch.float16):
@@ -206,6 +255,69 @@ class Kernels:
 
         parts = self._run([partial(call, lo, hi) for lo, hi in self._slices(x.numel())])
         return float(sum(parts))
+
+    def adam_apply(self, segments: Sequence[int], scalars: Sequence[float], p: torch.Tensor,
+                   m: torch.Tensor, v: torch.Tensor, hyper: Sequence[float], *, held: bool,
+                   publication: Publication | None = None) -> tuple[int, float, float]:
+        """One Adam step (or a held-variance one) over the flat float32 ``p`` with moments
+        ``m``, ``v``, fused with the gradient's decoding and the downlink ``publication``.
+
+        Args:
+            segments: SEG_FIELDS ints per parameter, in flat order (see kernels.c: offset,
+                numel, gradient kind, pointers).
+            scalars: 3 floats per parameter, its step scalars.
+            hyper: (decay?, 1 - lr * wd, 1 - beta1, beta2, 1 - beta2, eps, -lr, clamp).
+
+        Returns:
+            (0, or 1 for a top-k index out of range, 2 for NaN/inf in the publication;
+            then the sums of the publication kernels).
+
+        The segments' sizes and pointers are the caller's to get right (FlatAdam builds
+        them); dtypes and layout of the tensors are checked here.
+        """
+        _check(p, torch.float32, m, v)
+        _check(m, torch.float32)
+        _check(v, torch.float32)
+        count = len(segments) // SEG_FIELDS
+        if len(segments) != SEG_FIELDS * count or len(scalars) != 3 * count or len(hyper) != 8:
+            raise ValueError("adam_apply: segments, scalars or hyper are not shaped for kernels.c")
+        seg = (ctypes.c_int64 * len(segments))(*segments)
+        sca = (ctypes.c_double * len(scalars))(*scalars)
+        pub = publication or Publication(PUB_NONE)
+        align = pub.bucket if pub.mode == PUB_UNIFORM else 64
+        hyp = (ctypes.c_double * 8)(*hyper)
+        args = (ctypes.addressof(seg), ctypes.addressof(sca), count, p.data_ptr(), m.data_ptr(),
+                v.data_ptr())
+        rule = 1 if held else 0
+        slices = self._slices(p.numel(), align=align)
+        sums = [(ctypes.c_double * 2)() for _ in slices]
+
+        def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> int:
+            return int(self._lib.st_adam_apply(*args, lo, hi, hyp, rule, pub.mode, pub.published, pub.out,
+                                               pub.scales, pub.bucket, pub.bits, s))
+
+        bad = self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(slices, sums)])
+        return max(bad), sum(s[0] for s in sums), sum(s[1] for s in sums)
+
+
+#: columns of :meth:`Kernels.adam_apply`'s segment rows (kernels.c's seg[]) and their values
+SEG_FIELDS = 7
+G_NONE, G_F32, G_F16, G_TOPK = 0, 1, 2, 3
+PUB_NONE, PUB_FP16, PUB_UNIFORM, PUB_SNAPSHOT = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Publication:
+    """Where :meth:`Kernels.adam_apply` publishes: ``mode`` (PUB_*), the published copy and
+    the codec's outputs as data pointers (0 where the mode has none), bucket and bits for
+    the uniform codec. The snapshot mode's outputs are in the segment rows."""
+
+    mode: int
+    published: int = 0
+    out: int = 0
+    scales: int = 0
+    bucket: int = 1
+    bits: int = 8
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, *same_size: torch.Tensor) -> None:
@@ -231,13 +343,13 @@ def kernels() -> Kernels | None:
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if not cc:
-            log.info("no C compiler (cc) found: the coordinator's downlink uses torch ops, which "
-                     "is slower (install gcc to build swarmtrain's fused kernels)")
+            log.info("no C compiler (cc) found: the coordinator's Adam and downlink use torch ops, "
+                     "which is slower (install gcc to build swarmtrain's fused kernels)")
             return None
         try:
             _loaded = Kernels(ctypes.CDLL(str(_build(cc))))
             log.debug("fused kernels loaded (%s)", _cache_dir())
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            log.warning("could not build swarmtrain's fused kernels (%s): the coordinator's "
-                        "downlink uses torch ops, which is slower", exc)
+            log.warning("could not build swarmtrain's fused kernels (%s): the coordinator's Adam "
+                        "and downlink use torch ops, which is slower", exc)
         return _loaded

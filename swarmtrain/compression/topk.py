@@ -12,6 +12,7 @@ receiver learns the high bits from the number of kept indices in each block
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +30,8 @@ from swarmtrain.compression.base import (
 from swarmtrain.compression.kernels import kernels
 from swarmtrain.errors import ConfigError, RemoteProtocolError
 
-__all__ = ["INDEX_BLOCK", "TopKCodec", "topk_count", "topk_warmup_ratio"]
+__all__ = ["INDEX_BLOCK", "TopKCodec", "TopKParts", "check_topk", "decode_topk", "topk_count",
+           "topk_warmup_ratio"]
 
 INDEX_BLOCK = 1 << 16
 """Width of an index block; each kept index sends its offset in its block as uint16."""
@@ -126,10 +128,35 @@ class TopKCodec(Codec):
         return 4 * topk_count(numel, self.ratio) + 4 * _num_blocks(numel)
 
 
-def decode_topk(c: Compressed) -> torch.Tensor:
-    """Decode a ``topk`` :class:`Compressed` from its parts and meta alone.
+@dataclass(frozen=True)
+class TopKParts:
+    """A top-k gradient's wire parts, checked (counts add up to k, every index in range) but
+    not decoded: the coordinator's fused Adam decodes them a cache-sized block at a time."""
 
-    Duplicate indices are not rejected (one of the values wins); they cannot crash.
+    shape: tuple[int, ...]
+    numel: int
+    values: torch.Tensor  # float16, k
+    index_low: torch.Tensor  # uint16, k
+    block_counts: torch.Tensor  # int32, one per INDEX_BLOCK elements
+
+    def decode(self) -> torch.Tensor:
+        """The dense float32 tensor (``decode_topk``'s result)."""
+        fast = kernels()
+        if fast is not None and self.numel and all(
+                t.is_contiguous() for t in (self.values, self.index_low, self.block_counts)):
+            out = fast.topk_decode(self.values, self.index_low, self.block_counts, self.numel)
+            if out is not None:  # (checked: every index is in range)
+                return out.view(self.shape)
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        k = self.values.numel()
+        if k:
+            kept = _kept_indices(self.index_low, self.block_counts.to(torch.int64), k)
+            out[kept] = self.values.to(torch.float32)
+        return out.view(self.shape)
+
+
+def check_topk(c: Compressed) -> TopKParts:
+    """The parts of a ``topk`` :class:`Compressed`, checked as :func:`decode_topk` checks them.
 
     Raises:
         RemoteProtocolError: malformed parts, counts that do not add up to ``k``, or an
@@ -147,27 +174,44 @@ def decode_topk(c: Compressed) -> torch.Tensor:
             "block_counts": (torch.int32, blocks),
         },
     )
-    counts = c.parts["block_counts"].to(torch.int64)
-    if blocks == 1:
-        if int(counts[0]) != k:
-            raise RemoteProtocolError("bad_topk_counts", f"topk: the block count must be k={k}")
-    elif blocks and (int(counts.min()) < 0 or int(counts.sum()) != k):
+    fast = kernels()
+    low, block_counts = c.parts["index_low"], c.parts["block_counts"]
+    if fast is not None and low.is_contiguous() and block_counts.is_contiguous():
+        bad = fast.topk_check(low, block_counts, numel)  # one call, not a few torch ops
+    else:
+        bad = _topk_check(low, block_counts, numel, k)
+    if bad == 1:
         raise RemoteProtocolError(
             "bad_topk_counts", f"topk: block counts must be >= 0 and sum to k={k}"
         )
-    fast = kernels()
-    if fast is not None and blocks and all(t.is_contiguous() for t in c.parts.values()):
-        out = fast.topk_decode(c.parts["values"], c.parts["index_low"], c.parts["block_counts"], numel)
-        if out is None:
-            raise RemoteProtocolError("bad_topk_index", f"topk: index out of range [0, {numel})")
-        return out.view(c.shape)
-    out = torch.zeros(numel, dtype=torch.float32)
-    if k:
-        indices = _kept_indices(c.parts["index_low"], counts, k)
-        if int(indices.max()) >= numel:
-            raise RemoteProtocolError("bad_topk_index", f"topk: index out of range [0, {numel})")
-        out[indices] = c.parts["values"].to(torch.float32)
-    return out.view(c.shape)
+    if bad == 2:
+        raise RemoteProtocolError("bad_topk_index", f"topk: index out of range [0, {numel})")
+    return TopKParts(tuple(c.shape), numel, c.parts["values"], c.parts["index_low"], c.parts["block_counts"])
+
+
+def _topk_check(low: torch.Tensor, block_counts: torch.Tensor, numel: int, k: int) -> int:
+    """:meth:`Kernels.topk_check` in torch ops."""
+    blocks = block_counts.numel()
+    counts = block_counts.to(torch.int64)
+    if blocks and (int(counts.min()) < 0 or int(counts.sum()) != k):
+        return 1
+    last = int(counts[-1]) if blocks else 0
+    # only the last block can be short: its low parts must stay below its length
+    if last and int(low[k - last:].to(torch.int32).max()) >= numel - (blocks - 1) * INDEX_BLOCK:
+        return 2
+    return 0
+
+
+def decode_topk(c: Compressed) -> torch.Tensor:
+    """Decode a ``topk`` :class:`Compressed` from its parts and meta alone.
+
+    Duplicate indices are not rejected (one of the values wins); they cannot crash.
+
+    Raises:
+        RemoteProtocolError: malformed parts, counts that do not add up to ``k``, or an
+            index outside ``[0, numel)``.
+    """
+    return check_topk(c).decode()
 
 
 def topk_warmup_ratio(step: int, target: float, warmup_steps: int) -> float:

@@ -4,7 +4,10 @@ Dense gradients step plain Adam (decoupled weight decay, the fused CPU kernel) a
 often they taught the second moment. Top-k gradients, once that count is above zero, step
 with the second moment held (:func:`held_variance_step`), so that error feedback's late sums
 move the weights as far as their parts would have; ``training.sparse_variance = "update"``
-turns that off. :func:`adam_step` is the one entry point.
+turns that off. :func:`adam_step` is the one entry point of the torch path; where the master
+weights are one flat buffer and the C kernels are built, the coordinator steps the same
+optimizer state with :mod:`swarmtrain.roles.ps.flat_adam` instead (same arithmetic, one pass),
+for which these functions are the reference.
 """
 
 from __future__ import annotations

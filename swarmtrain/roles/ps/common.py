@@ -4,11 +4,13 @@ compressed tensors into message fields and payload tensors."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from swarmtrain.compression import Codec, Compressed, decompress_any, make_codec, topk_warmup_ratio
+from swarmtrain.compression.base import check_header, check_meta_keys, check_parts
+from swarmtrain.compression.topk import TopKParts, check_topk
 from swarmtrain.config import CompressionConfig
 from swarmtrain.errors import ConfigError, ModelMismatch, RemoteProtocolError
 
@@ -24,6 +26,9 @@ __all__ = [
     "pack_buffers",
     "split_buffers",
     "unpack_compressed",
+    "unpack_lazy",
+    "LazyGradient",
+    "dense_gradient",
 ]
 
 
@@ -125,6 +130,28 @@ def pack_compressed(
     return codecs, tensors
 
 
+#: a gradient as :func:`unpack_lazy` gives it: float32, the fp16 codec's float16 values, or
+#: top-k parts (each decodes to the same float32 tensor; see :func:`dense_gradient`)
+LazyGradient = torch.Tensor | TopKParts
+
+
+def dense_gradient(g: LazyGradient) -> torch.Tensor:
+    """The float32 tensor a lazily unpacked gradient decodes to."""
+    if isinstance(g, TopKParts):
+        return g.decode()
+    return g if g.dtype == torch.float32 else g.to(torch.float32)
+
+
+def unpack_lazy(
+    codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+    *, subset: bool = False,
+) -> dict[str, LazyGradient]:
+    """:func:`unpack_compressed`, checked the same, but fp16 tensors stay their float16 values
+    (shaped) and top-k ones their parts: the coordinator's fused Adam reads them as they came,
+    instead of after a full-size float32 decoding pass."""
+    return _unpack(codecs, tensors, expected, subset=subset, lazy=True)
+
+
 def unpack_compressed(
     codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
     *, subset: bool = False,
@@ -138,6 +165,12 @@ def unpack_compressed(
     Raises:
         RemoteProtocolError: names, shapes or parts do not match, or a codec rejects its parts.
     """
+    # (not lazy: every value is a decoded tensor)
+    return cast(dict[str, torch.Tensor], _unpack(codecs, tensors, expected, subset=subset, lazy=False))
+
+
+def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+            expected: Mapping[str, torch.Tensor], *, subset: bool, lazy: bool) -> dict[str, LazyGradient]:
     fused = set(codecs) == {FUSED} and FUSED not in expected
     shapes = ({FUSED: (sum(t.numel() for t in expected.values()),)} if fused
               else {n: tuple(t.shape) for n, t in expected.items()})
@@ -149,7 +182,7 @@ def unpack_compressed(
             f"{missing if not subset else []}, unknown {extra})"
         )
     used = 0
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, LazyGradient] = {}
     for name, spec in codecs.items():
         if not (isinstance(spec, dict) and isinstance(spec.get("parts"), list)
                 and isinstance(spec.get("shape"), list) and isinstance(spec.get("meta"), dict)
@@ -168,15 +201,28 @@ def unpack_compressed(
         used += len(parts)
         c = Compressed(codec=spec["codec"], shape=tuple(spec["shape"]), dtype=spec["dtype"],
                        parts=parts, meta=spec["meta"])
-        out[name] = decompress_any(c)
+        if lazy and c.codec == "fp16" and name != FUSED:
+            out[name] = _fp16_values(c)
+        elif lazy and c.codec == "topk" and name != FUSED:
+            out[name] = check_topk(c)
+        else:
+            out[name] = decompress_any(c)
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
     if fused and subset:
         raise RemoteProtocolError("bad_codec", "a fused entry must carry every parameter")
     if fused:  # one view per parameter, in the model's order
-        pieces = out[FUSED].split([t.numel() for t in expected.values()])
+        pieces = dense_gradient(out[FUSED]).split([t.numel() for t in expected.values()])
         return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
     return out
+
+
+def _fp16_values(c: Compressed) -> torch.Tensor:
+    """The fp16 codec's values, checked as its decoder checks them, shaped, not widened."""
+    numel = check_header(c, "fp16")
+    check_meta_keys(c, set())
+    check_parts(c, {"values": (torch.float16, numel)})
+    return c.parts["values"].view(c.shape)
 
 
 def buffer_key(index: int) -> str:

@@ -52,16 +52,20 @@ from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
 from swarmtrain.roles.ps.cluster import ClusterPeers, ClusterPlace
 from swarmtrain.roles.ps.common import (
+    LazyGradient,
     check_compression_match,
     check_fingerprint,
+    dense_gradient,
     downlink_codec,
     global_norm,
     pack_buffers,
     payload_bytes,
     split_buffers,
     unpack_compressed,
+    unpack_lazy,
 )
-from swarmtrain.roles.ps.downlink import Downlink
+from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink
+from swarmtrain.roles.ps.flat_adam import FlatAdam
 from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
@@ -330,6 +334,9 @@ class Coordinator:
         self.base_lr = t.learning_rate
         self.optimizer = make_adam(list(self.params.values()), lr=self.base_lr,
                                     betas=(t.beta1, t.beta2), eps=t.epsilon, weight_decay=t.weight_decay)
+        #: the optimizer's step in the fused kernel (one pass: decoding, Adam, publication);
+        #: None when the masters are not one flat float32 buffer or the kernels are not built
+        self._flat_adam = FlatAdam.create(self.optimizer, self._flat, self.params)
         # Weight deltas to workers: published once per version into a shared log; what this
         # codec drops stays in master - published and goes with the next entry.
         self.codec = downlink_codec(cfg.compression)
@@ -995,9 +1002,13 @@ class Coordinator:
         return reply
 
     def _apply_checked(self, rec: WorkerRecord, msg: Gradients, staleness: int) -> UpdateStatus:
+        # without a window the fused Adam reads fp16 and top-k gradients as they came
+        lazy = self.window is None and self._flat_adam is not None
         try:
             buffer_changes, rest = split_buffers(msg.buffers, msg.tensors, self.buffers)
-            grads = unpack_compressed(msg.codecs, rest, self.params, subset=True)
+            grads: dict[str, LazyGradient] = (
+                unpack_lazy(msg.codecs, rest, self.params, subset=True) if lazy
+                else dict(unpack_compressed(msg.codecs, rest, self.params, subset=True)))
         except RemoteProtocolError as exc:
             return self._reject(rec, msg, str(exc))
         refusal = self._refusal(rec, msg, grads, buffer_changes)
@@ -1005,11 +1016,11 @@ class Coordinator:
             return self._reject(rec, msg, refusal)
         if isinstance(self.window, RobustWindow):
             rec.weight = 1.0  # one vote, whatever it claims
-            self.window.add(rec.worker_id, grads, self._damping(staleness), msg.samples,
+            self.window.add(rec.worker_id, _dense(grads), self._damping(staleness), msg.samples,
                             sparse=is_sparse(msg.codecs))
         elif self.window is not None:
             rec.weight = self._sample_weight(msg.samples)
-            self.window.add(grads, msg.samples * self._damping(staleness), msg.samples,
+            self.window.add(_dense(grads), msg.samples * self._damping(staleness), msg.samples,
                             sparse=is_sparse(msg.codecs))
         if self.window is not None:
             self._window_ids.add(rec.worker_id)
@@ -1017,7 +1028,8 @@ class Coordinator:
                 self._step_window(self.window)
         else:
             rec.weight = self._sample_weight(msg.samples)
-            self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs))
+            self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs),
+                       answer=rec)
         with torch.no_grad():  # in arrival order, as one process updates them batch by batch
             for name, change in buffer_changes.items():
                 master = self.buffers[name]
@@ -1037,22 +1049,58 @@ class Coordinator:
         self.loss_average.update(msg.loss)
         return UpdateStatus.APPLIED
 
-    def _adam(self, grads: Mapping[str, torch.Tensor], lr: float, sparse: bool) -> None:
+    def _adam(self, grads: Mapping[str, LazyGradient], lr: float, sparse: bool,
+              answer: WorkerRecord | None = None) -> None:
         """One update: an optimizer step on ``grads`` (a parameter without one is not stepped,
-        decayed or moved, as torch's optimizers skip ``grad is None``)."""
-        for name, p in self.params.items():
-            g = grads.get(name)
-            p.grad = None if g is None else g.to(p.dtype)
-        if adam_step(self.optimizer, lr, sparse=sparse, hold=self.config.training.sparse_variance == "hold"):
+        decayed or moved, as torch's optimizers skip ``grad is None``). ``answer``: the worker
+        whose answer follows at once; with the fused kernel the publication it is answered
+        from is made in the same pass."""
+        hold = self.config.training.sparse_variance == "hold"
+        if self._flat_adam is not None:
+            held = self._fused_step(grads, lr, sparse=sparse, held=sparse and hold
+                                    and self._flat_adam.can_hold(grads), answer=answer)
+        else:
+            for name, p in self.params.items():
+                g = grads.get(name)
+                p.grad = None if g is None else dense_gradient(g).to(p.dtype)
+            held = adam_step(self.optimizer, lr, sparse=sparse, hold=hold)
+            for p in self.params.values():
+                p.grad = None
+            self.version += 1
+        if held:
             if not self.held_variance_steps:
                 log.info("top-k gradients from now on: Adam's second moment is held at what %d "
                          "dense steps taught it", variance_steps(self.optimizer))
             self.held_variance_steps += 1
-        for p in self.params.values():
-            p.grad = None
-        self.version += 1
 
-    def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, torch.Tensor],
+    def _fused_step(self, grads: Mapping[str, LazyGradient], lr: float, *, sparse: bool, held: bool,
+                    answer: WorkerRecord | None) -> bool:
+        """:meth:`_adam` in the fused kernel, publishing the finest downlink track in the same
+        pass when ``answer``'s reply publishes it anyway (the worker is on it, or a lossless
+        downlink will answer it with this version's weights); returns ``held``."""
+        fa = self._flat_adam
+        if fa is None:
+            raise RuntimeError("_fused_step needs the fused Adam")
+        fine = self.downlink.fine
+        version = self.version + 1
+        target = snapshot = None
+        if answer is not None and answer.track == 0 and not self._lowp:
+            if not fine.lossless:
+                target = fine.fused_target(fa.flat.numel())
+            elif _wanted_track(version - answer.holds_version) == 0:
+                snapshot = [torch.empty(p.shape, dtype=torch.float32) for p in self.params.values()]
+        status, resid, norm = fa.step(grads, lr, held=held, publication=target[0] if target else None,
+                                      snapshot=snapshot)
+        if not held and not sparse:
+            fa.count_variance_update(grads)
+        self.version = version
+        if target is not None:
+            fine.finish_fused(fa.flat, version, target[1], status == 0, resid, norm)
+        elif snapshot is not None:
+            fine.set_snapshot(version, dict(zip(self.params, snapshot)))
+        return held
+
+    def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, LazyGradient],
                  buffer_changes: Mapping[str, torch.Tensor]) -> str:
         """Why a decoded gradient must not touch the weights ("" = it may). Clips in place
         when ``max_grad_norm`` is exceeded and the action is ``clip``, and when the outlier
@@ -1078,7 +1126,7 @@ class Coordinator:
                 return f"buffer {name!r} changed by NaN or infinite values"
         norm = _gradient_norm(msg, grads)  # one pass: also the screen for NaN/Inf
         if not math.isfinite(norm):
-            if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            if not all(bool(torch.isfinite(dense_gradient(g)).all()) for g in grads.values()):
                 return "NaN or infinite values"
             return "gradient norm overflows float32 (finite but enormous values)"
         if self.cluster is not None and math.isfinite(msg.total_norm):
@@ -1090,11 +1138,15 @@ class Coordinator:
         if t.max_grad_norm and norm > t.max_grad_norm:
             if t.grad_norm_action == "reject":
                 return f"gradient norm {norm:.3g} > max_grad_norm {t.max_grad_norm:g}"
-            torch._foreach_mul_(list(grads.values()), t.max_grad_norm / norm)
+            dense = _dense(grads)  # (scaled as float32, as without the fused Adam)
+            grads.update(dense)
+            torch._foreach_mul_(list(dense.values()), t.max_grad_norm / norm)
             norm = t.max_grad_norm
         scale = self.screen.check(rec.worker_id, norm)
         if scale < 1.0:
-            torch._foreach_mul_(list(grads.values()), scale)
+            dense = _dense(grads)
+            grads.update(dense)
+            torch._foreach_mul_(list(dense.values()), scale)
             rec.clipped += 1
             now = time.monotonic()
             if now - self._clip_logged_at >= 10.0:  # at most one line per 10 s
@@ -1447,7 +1499,17 @@ def _master_weights(
 _VALUES_ARE_THE_GRADIENT = frozenset({"none", "fp16", "topk"})
 
 
-def _gradient_norm(msg: Gradients, grads: Mapping[str, torch.Tensor]) -> float:
+def _dense(grads: Mapping[str, LazyGradient]) -> dict[str, torch.Tensor]:
+    """The gradients decoded to float32 (the ones already are, as they are)."""
+    return {n: dense_gradient(g) for n, g in grads.items()}
+
+
+def _wanted_track(lag: int) -> int:
+    """The track :meth:`Downlink.choose` answers a worker ``lag`` versions behind from."""
+    return max(i for i, g in enumerate(TRACK_INTERVALS) if g <= max(1, lag // 2))
+
+
+def _gradient_norm(msg: Gradients, grads: Mapping[str, LazyGradient]) -> float:
     """The L2 norm of a decoded gradient, read from the smallest exact form of each tensor:
     the float16 values on the wire (a top-k gradient's k of them) where decoding only widens
     and places them, the decoded tensor otherwise. One pass, in the fused kernels when built."""
@@ -1455,11 +1517,11 @@ def _gradient_norm(msg: Gradients, grads: Mapping[str, torch.Tensor]) -> float:
     for name, g in grads.items():
         values = (msg.tensors.get(f"{name}/values")
                   if msg.codecs[name].get("codec") in _VALUES_ARE_THE_GRADIENT else None)
-        sources.append(values if values is not None else g)
+        sources.append(values if values is not None else dense_gradient(g))
     fast = kernels()
     if fast is not None and all(t.device.type == "cpu" and t.is_contiguous()
                                 and t.dtype in (torch.float32, torch.float16) for t in sources):
-        return math.sqrt(sum(fast.sumsq(t) for t in sources))
+        return math.sqrt(fast.sumsq_many(sources))
     return global_norm(sources)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from swarmtrain.compression import LOSSLESS_CODECS, Codec, Compressed, SizeAdaptive
-from swarmtrain.compression.kernels import Kernels, kernels
+from swarmtrain.compression.kernels import PUB_FP16, PUB_UNIFORM, Kernels, Publication, kernels
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
 from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
@@ -153,6 +153,53 @@ class UpdateLog:
                     return
             torch._foreach_add_(pubs, sent)  # exactly what every worker will add
         self._round(published)
+        self._append(items, drift, version)
+
+    def fused_target(self, numel: int) -> tuple[Publication, Compressed] | None:
+        """Where the next publication goes when the optimizer step writes it (the fused
+        kernel: each block of new weights coded while in cache), and the entry's item it
+        fills; None when it cannot be fused (lossless: see :meth:`set_snapshot`; a restart
+        is due; a codec without a kernel). Finish with :meth:`finish_fused`."""
+        published = self.published
+        if (self.lossless or published is None or self._since_reset + 1 >= self.reset_interval
+                or published.numel() != numel or not _kernel_ready(published, published)):
+            return None
+        chosen = self.codec.codec_for(numel) if isinstance(self.codec, SizeAdaptive) else self.codec
+        if isinstance(chosen, FP16Codec):
+            out = torch.empty(numel, dtype=torch.float16)
+            return (Publication(PUB_FP16, published.data_ptr(), out.data_ptr()),
+                    Compressed(chosen.name, (numel,), "float32", {"values": out}))
+        if isinstance(chosen, UniformCodec) and chosen.bucket_size % (8 // chosen.bits) == 0:
+            size, bits = chosen.bucket_size, chosen.bits
+            codes = torch.empty((numel * bits + 7) // 8, dtype=torch.uint8)
+            scales = torch.empty(-(-numel // size), dtype=torch.float32)
+            return (Publication(PUB_UNIFORM, published.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                size, bits),
+                    Compressed(chosen.name, (numel,), "float32", {"scales": scales, "codes": codes},
+                               {"bits": bits, "bucket_size": size}))
+        return None
+
+    def finish_fused(self, master: torch.Tensor, version: int, item: Compressed, ok: bool,
+                     resid: float, norm: float) -> None:
+        """Record the publication the optimizer step made into :meth:`fused_target`'s
+        buffers (``ok`` False: it met NaN/inf) as :meth:`publish` records its own."""
+        drift = math.sqrt(resid) / max(math.sqrt(norm), 1e-30) if ok else math.inf
+        if not math.isfinite(drift) or drift > self.max_drift:
+            self._reset(master, version)  # (overwrites the copy the kernel moved)
+            return
+        if self.published is not None:  # (fused_target saw it)
+            self._round(self.published)
+        self._append({FUSED: item}, drift, version)
+
+    def set_snapshot(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """(lossless) The weights of ``version`` as a worker holds them, written by the
+        optimizer step itself: the snapshot every answer of that version shares."""
+        if not self.lossless:
+            raise ValueError("set_snapshot is for a lossless downlink (its master is what is published)")
+        self.head = version
+        self._snapshot = (version, tensors)
+
+    def _append(self, items: dict[str, Compressed], drift: float, version: int) -> None:
         codecs, tensors = pack_compressed(items)
         prefix = entry_prefix(self.head)
         entry = LogEntry(self.head, version, codecs, {prefix + k: t for k, t in tensors.items()},
