@@ -66,6 +66,7 @@ from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
 from swarmtrain.transport.endpoints import payload_limit, require_secret
+from swarmtrain.transport.payload_gate import PayloadGate
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.wire import (
     Assign,
@@ -317,6 +318,12 @@ class Coordinator:
             fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
             reset_interval=t.resync_interval)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
+        #: gradients received and not yet applied, all workers together, are bounded: a worker's
+        #: next one is read off the socket once there is room (network.max_held_gradient_mb)
+        net = cfg.network
+        self.gradient_gate = PayloadGate(
+            int(net.max_held_gradient_mb * 2**20) or 2 * self.raw_bytes_per_step,
+            timeout=net.admission_timeout_sec)
         #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
         self.screen = NormScreen(t.outlier_norm_factor)
         #: bounded asynchrony: gradients summed until they hold aggregate_samples samples; with
@@ -594,16 +601,18 @@ class Coordinator:
         except SwarmError as exc:
             log.warning("worker at %s failed to register: %s", conn.peer, exc)
             return
+        conn.admit_payloads(self.gradient_gate)
         try:
             await self._welcome(rec)
             while True:
-                msg = await conn.recv()
-                rec.last_seen = time.monotonic()
-                await self._on_worker_message(rec, msg)
+                # (no local keeps the message: a gradient's payload is freed once applied,
+                # not when the next one arrives)
+                await self._on_worker_message(rec, conn, await conn.recv())
         except SwarmError as exc:
             if not self.finished:
                 log.info("worker %s left: %s", rec.worker_id, exc)
         finally:
+            conn.release_all()
             if rec.conn is conn:
                 rec.conn = None
                 rec.welcomed = False
@@ -733,15 +742,22 @@ class Coordinator:
             if state is CoordinatorState.PAUSED:
                 await self._send(rec, Pause())
 
-    async def _on_worker_message(self, rec: WorkerRecord, msg: Message) -> None:
+    async def _on_worker_message(self, rec: WorkerRecord, conn: Connection, msg: Message) -> None:
+        rec.last_seen = time.monotonic()
         if isinstance(msg, Gradients):
             if self.finished:
+                conn.done_with(msg)
                 return  # the run is over; SHUTDOWN is on its way to this worker
             arrived = time.monotonic()
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
                 rec.step_time.update(arrived - rec.answered_at)
             version = self.version
-            status, reply = await self.run_on_apply_thread(self._apply_gradient, rec, msg)
+            try:
+                status, reply = await self.run_on_apply_thread(self._apply_gradient, rec, msg)
+            finally:
+                conn.done_with(msg)  # applied (or refused): its room goes to the next gradient
+            msg_id = msg.msg_id
+            del msg  # and its payload is freed now, not after the answer is sent
             if self.version != version:
                 self._after_update()
             elif self.window is not None and status is UpdateStatus.APPLIED:
@@ -749,7 +765,7 @@ class Coordinator:
                     self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
             if reply is None and not self.finished:
-                reply = await self.run_on_apply_thread(self._reply, rec, msg.msg_id, status)
+                reply = await self.run_on_apply_thread(self._reply, rec, msg_id, status)
             if self.finished or reply is None:  # the final weights went out (or are going): a
                 return  # delta now would be added on top of them, and the replica would overshoot
             await self._send(rec, reply)
@@ -1294,6 +1310,8 @@ class Coordinator:
             "staleness_counts": {str(k): n for k, n in sorted(dict(self.staleness_counts).items())},
             # the shared downlink: published version, the log, answers by kind (chain / full)
             "downlink": self.downlink.summary(),
+            # gradients received and not yet applied (bytes), and the workers that waited for room
+            "admission": self.gradient_gate.summary(),
             "traffic": self._server.traffic() if self._server is not None else {},
             # everything refused, by reason: connections (handshakes, caps) and messages
             "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),
