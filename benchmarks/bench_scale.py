@@ -607,8 +607,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         "load, is what is measured). Downlink tracks = the shared update log's published tracks in "
         "use (intervals 1, 4, 16, 64 versions; a worker lagging far is answered from a coarser "
         "one), each O(model): its published weights, a log of at most the model's size and a "
-        "snapshot; at most four, whatever N, but more workers lag more and use more of them, "
-        "which the RSS slope from N=4 counts as growth per worker. MB = 2^20 bytes.",
+        "snapshot (a lossless codec: the snapshot alone); at most four whatever N, and a coarse "
+        "one no connected worker is on is dropped, so more workers (more lag) move the tracks in "
+        "use to coarser ones rather than adding to them. MB = 2^20 bytes.",
         "",
         md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
                   "vs N=4", "capacity /s (loop / apply ms)", "vs N=4", "latency ms", "staleness",

@@ -29,7 +29,9 @@ from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.transport import Connection, Timeouts, connect, start_server
 from swarmtrain.transport.payload_gate import GATE_MIN_BYTES, PayloadGate
 from swarmtrain.wire import (
+    Decoder,
     Gradients,
+    MsgType,
     Register,
     RegisterAck,
     Shutdown,
@@ -37,6 +39,7 @@ from swarmtrain.wire import (
     StatusRequest,
     Update,
     Weights,
+    encode_bytes,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -99,6 +102,20 @@ def test_a_waiting_ticket_that_gives_up_leaves_the_queue() -> None:
     gate.timed_out(gone)
     gate.release(first)
     assert third.granted and gate.timeouts == 1 and gate.summary()["waiting"] == 0
+
+
+def test_the_decoder_says_how_large_a_payload_is_before_it_takes_any_of_it() -> None:
+    data = encode_bytes(frame(7))
+    dec = Decoder()
+    header_end = len(data) - FRAME
+    dec.feed(data[:header_end])
+    assert dec.awaiting_payload == FRAME and dec.frame_type is MsgType.WEIGHTS
+    assert dec.awaiting_payload == FRAME  # asking twice changes nothing
+    dec.feed(data[header_end:header_end + 1])  # the first payload byte: the buffer now exists
+    assert dec.awaiting_payload == 0 and dec.next_message() is None
+    dec.feed(data[header_end + 1:])
+    msg = dec.next_message()
+    assert isinstance(msg, Weights) and float(msg.tensors["w"][-1]) == 7.0
 
 
 # --- over real connections -------------------------------------------------------------------

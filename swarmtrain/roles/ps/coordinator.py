@@ -1173,7 +1173,10 @@ class Coordinator:
         publication that would leave them further away sends everyone the full weights.
         """
         master = self._flat_master()
+        before = rec.track
         rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
+        if rec.track != before:  # a track may have lost its last worker: its memory goes
+            self.downlink.forget_unused({r.track for r in self._connected()})
         track = self.downlink.tracks[rec.track]
         rec.drift = track.drift
         if chain is None:
