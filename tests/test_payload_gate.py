@@ -94,6 +94,17 @@ def test_a_payload_larger_than_the_bound_is_admitted_alone() -> None:
     assert after.granted
 
 
+def test_an_automatic_gate_holds_two_of_the_largest_payloads_seen() -> None:
+    gate = PayloadGate(0)
+    first = gate.request(FRAME, lambda: None)
+    second = gate.request(FRAME, lambda: None)
+    third = gate.request(FRAME, lambda: None)
+    assert first.granted and second.granted and not third.granted
+    assert gate.summary()["limit_bytes"] == 2 * FRAME and gate.summary()["automatic"]
+    gate.release(first)
+    assert third.granted and gate.peak_held_bytes == 2 * FRAME and gate.oversize == 0
+
+
 def test_a_waiting_ticket_that_gives_up_leaves_the_queue() -> None:
     gate = PayloadGate(FRAME)
     first = gate.request(FRAME, lambda: None)

@@ -40,7 +40,7 @@ class CoordinatorNetworkConfig(ServerLimitsConfig):
     send_queue_size: int = _opt(64, "messages queued per connection before backpressure", ge=1)
     max_held_gradient_mb: float = _opt(
         0.0, "gradient bytes received and not yet applied, all workers together, in MiB (0 = "
-        "twice the model's fp32 size: one gradient applied while the next is received). A worker "
+        "twice the largest gradient received so far: one applied while the next is received). A worker "
         "whose next gradient does not fit waits, in arrival order, before its bytes are read (they "
         "stay in the network buffers); one gradient larger than this is taken alone. The "
         "coordinator's memory then does not grow with the number of workers", ge=0.0)

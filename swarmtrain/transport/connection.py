@@ -173,7 +173,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         gate.timed_out(ticket)
         exc = SwarmTimeout("admission", gate.timeout,
                            f"{self._peer()}'s {ticket.nbytes}-byte frame found no room among the "
-                           f"{gate.limit_bytes} bytes of payloads this node holds")
+                           f"{gate.limit} bytes of payloads this node holds")
         log.warning("dropping %s: %s", self._peer(), exc)
         self._mark_closed(exc)
         if self.transport is not None:

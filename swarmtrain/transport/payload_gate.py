@@ -24,11 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PayloadGate", "Ticket", "GATE_MIN_BYTES"]
+__all__ = ["PayloadGate", "Ticket", "GATE_MIN_BYTES", "AUTO_FRAMES"]
 
 #: frames with a smaller payload are not counted: control messages, status requests and
 #: heartbeats must never wait behind gradients (and they are a few bytes each)
 GATE_MIN_BYTES = 64 * 1024
+#: a gate without a set limit holds this many of the largest payloads it has seen: one being
+#: processed while the next is received
+AUTO_FRAMES = 2
 
 
 @dataclass(eq=False)
@@ -46,16 +49,19 @@ class PayloadGate:
     """At most ``limit_bytes`` of admitted payloads held at once (one larger payload alone).
 
     Args:
-        limit_bytes: the bound on the payload bytes admitted and not yet released.
+        limit_bytes: the bound on the payload bytes admitted and not yet released; 0: twice
+            (:data:`AUTO_FRAMES`) the largest payload asked for so far, which follows what the
+            senders send (a 10M-parameter model's gradient is 40 MB in fp32, 4 MB in top-k).
         min_bytes: payloads below this pass without a ticket (see :data:`GATE_MIN_BYTES`).
         timeout: how long a frame may wait for admission, seconds; the connection gives up
             after that (the gate only reports it, through :meth:`timed_out`).
     """
 
     def __init__(self, limit_bytes: int, *, min_bytes: int = GATE_MIN_BYTES, timeout: float = 120.0) -> None:
-        if limit_bytes < 1:
-            raise ValueError(f"limit_bytes must be at least 1, not {limit_bytes}")
+        if limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be at least 0 (0: automatic), not {limit_bytes}")
         self.limit_bytes = limit_bytes
+        self.largest = 0  # the largest payload asked for so far
         self.min_bytes = min_bytes
         self.timeout = timeout
         self._waiting: deque[Ticket] = deque()
@@ -78,6 +84,7 @@ class PayloadGate:
         """A ticket for a payload of ``nbytes``: granted now if there is room and no one is
         waiting before it; else queued, and ``on_grant()`` is called once it is granted."""
         ticket = Ticket(nbytes, on_grant)
+        self.largest = max(self.largest, nbytes)
         if not self._waiting and self._fits(nbytes):
             self._grant(ticket)
         else:
@@ -104,15 +111,20 @@ class PayloadGate:
             self.timeouts += 1
         self.release(ticket)
 
+    @property
+    def limit(self) -> int:
+        """The bound in force: ``limit_bytes``, or :data:`AUTO_FRAMES` x the largest payload."""
+        return self.limit_bytes or AUTO_FRAMES * self.largest
+
     def _fits(self, nbytes: int) -> bool:
-        return self.held_bytes + nbytes <= self.limit_bytes or self.held_bytes == 0
+        return self.held_bytes + nbytes <= self.limit or self.held_bytes == 0
 
     def _grant(self, ticket: Ticket) -> None:
         ticket.granted = True
         self.admitted += 1
         self.held_bytes += ticket.nbytes
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-        if ticket.nbytes > self.limit_bytes:
+        if ticket.nbytes > self.limit:
             self.oversize += 1
 
     def _grant_waiting(self) -> None:
@@ -133,7 +145,7 @@ class PayloadGate:
     def summary(self) -> dict[str, Any]:
         """The gate's counters, for a status (bytes and seconds)."""
         return {
-            "limit_bytes": self.limit_bytes, "held_bytes": self.held_bytes,
+            "limit_bytes": self.limit, "automatic": not self.limit_bytes, "held_bytes": self.held_bytes,
             "peak_held_bytes": self.peak_held_bytes, "waiting": len(self._waiting),
             "waiting_bytes": sum(t.nbytes for t in self._waiting), "admitted": self.admitted,
             "waited": self.waited, "mean_wait_sec": self.wait_sec_total / self.waited if self.waited else 0.0,

@@ -321,9 +321,8 @@ class Coordinator:
         #: gradients received and not yet applied, all workers together, are bounded: a worker's
         #: next one is read off the socket once there is room (network.max_held_gradient_mb)
         net = cfg.network
-        self.gradient_gate = PayloadGate(
-            int(net.max_held_gradient_mb * 2**20) or 2 * self.raw_bytes_per_step,
-            timeout=net.admission_timeout_sec)
+        self.gradient_gate = PayloadGate(int(net.max_held_gradient_mb * 2**20),
+                                         timeout=net.admission_timeout_sec)
         #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
         self.screen = NormScreen(t.outlier_norm_factor)
         #: bounded asynchrony: gradients summed until they hold aggregate_samples samples; with

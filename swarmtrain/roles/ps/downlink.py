@@ -328,7 +328,7 @@ class Downlink:
     that many versions in the bytes of one. Its replica is then up to one interval older
     than the finest track's, no more than half of what it lags anyway. Each track is an
     :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker costs
-    one small int (its track). A coarse track no connected worker is on is dropped
+    one small int (its track). A track no connected worker is on is dropped
     (:meth:`forget_unused`): as more workers lag more they move to coarser tracks, and the
     finer ones they left would otherwise keep their copies of the weights for nobody.
 
@@ -344,7 +344,7 @@ class Downlink:
         self.tracks = [UpdateLog(codec, **kwargs) for _ in intervals]
         self.intervals = intervals
         self.switches = 0  # workers moved to another track
-        self.forgotten = 0  # coarse tracks dropped once no worker was on them
+        self.forgotten = 0  # tracks dropped once no worker was on them
 
     @property
     def fine(self) -> UpdateLog:
@@ -391,14 +391,14 @@ class Downlink:
         return self.tracks[track].snapshot(master, to_replica, version)
 
     def forget_unused(self, in_use: set[int]) -> int:
-        """Drop the state of every coarse track not in ``in_use`` (the tracks the connected
-        workers are on): each holds up to three copies of the weights (published, log,
-        snapshot), and as more workers lag more the coarse ones are taken up while the finer
-        ones empty. The finest track is kept (joining workers start there). Returns how many
-        were dropped."""
+        """Drop the state of every track not in ``in_use`` (the tracks the connected workers
+        are on): each holds up to three copies of the weights (published, log, snapshot), and
+        as more workers lag more the coarse ones are taken up while the finer ones empty. A
+        joining worker starts on the finest track, which then starts afresh from the master.
+        Returns how many were dropped."""
         dropped = 0
         for i, track in enumerate(self.tracks):
-            if i and i not in in_use and track.head >= 0:
+            if i not in in_use and track.head >= 0:
                 track.forget()
                 dropped += 1
         self.forgotten += dropped
@@ -409,6 +409,8 @@ class Downlink:
         fine = self.fine.summary()
         used = [dict(t.summary(), interval=g) for g, t in zip(self.intervals, self.tracks) if t.head >= 0]
         answers = {k: sum(t.answers[k] for t in self.tracks) for k in fine["answers"]}
-        return {**fine, "answers": answers, "entries_sent": sum(t.entries_sent for t in self.tracks),
+        # (the version published last on any track: the finest one is dropped while no worker is on it)
+        return {**fine, "version": max(t.head for t in self.tracks), "answers": answers,
+                "entries_sent": sum(t.entries_sent for t in self.tracks),
                 "log_bytes": sum(t.log_bytes() for t in self.tracks), "tracks": used,
                 "switches": self.switches, "forgotten": self.forgotten}
