@@ -14,8 +14,9 @@ packed once (shared by every worker of the process); each send is that message w
 screens, steps Adam and answers every one. The transport encodes the header of each send; the
 tensor memory is written without a copy. Every answer is read off the socket (and decoded by
 the transport) but not applied: the replica is not needed, only the coordinator's work is
-measured. At most one gradient is in flight per worker, and sends are paced at ``--rate``
-gradients/s per worker (no burst to catch up after a slow answer).
+measured. At most ``--inflight`` gradients are in flight per worker (a real worker's
+``training.max_inflight``), and sends are paced at ``--rate`` gradients/s per worker (no burst
+to catch up after a slow answer).
 
 On exit (SHUTDOWN from the coordinator, SIGTERM, or ``--seconds``) the process writes one JSON
 file: per worker, every answer as (sent, answered, status, version sent, version answered,
@@ -97,6 +98,8 @@ def coordinator_config(compression: str, min_workers: int, connections: int) -> 
         "network.max_connections_per_address": connections + 8,
         "network.heartbeat_timeout_sec": HEARTBEAT_TIMEOUT_SEC,
         "network.handshake_timeout_sec": 60.0,
+        # 64 gradients in arrival order wait for room in turn: allowed as long as an answer
+        "network.admission_timeout_sec": WAIT_SEC,
     })
 
 
@@ -156,13 +159,16 @@ def real_load(model: str, compression: str, topk_ratio: float | None = None) -> 
 
 
 class LightWorker:
-    """One worker that sends ``load.gradient`` at ``rate`` per second, one in flight."""
+    """One worker that sends ``load.gradient`` at ``rate`` per second, ``inflight`` in flight
+    at most."""
 
-    def __init__(self, worker_id: str, load: Load, rate: float, hw: dict[str, Any]) -> None:
+    def __init__(self, worker_id: str, load: Load, rate: float, hw: dict[str, Any],
+                 inflight: int = 1) -> None:
         self.worker_id = worker_id
         self.load = load
         self.period = 1.0 / rate
         self.hw = hw
+        self.inflight = inflight
         self.version = 0
         self.msg_id = 0
         #: (sent, answered, status, version sent, version answered, full)
@@ -173,8 +179,8 @@ class LightWorker:
         self._started = asyncio.Event()
         self._answered = asyncio.Event()
         self._done = asyncio.Event()  # SHUTDOWN or a broken connection: stop sending
-        self._sent_at = 0.0
-        self._sent_version = 0
+        #: gradients sent and not answered yet: msg_id -> (sent at, version it was computed on)
+        self._unanswered: dict[int, tuple[float, int]] = {}
 
     async def run(self, host: str, port: int, secret: bytes, stop: asyncio.Event) -> None:
         try:
@@ -225,16 +231,16 @@ class LightWorker:
                 await self._wait_for(stop, delay, self._done)
                 if stop.is_set() or self._done.is_set():
                     return
+            while len(self._unanswered) >= self.inflight:
+                self._answered.clear()
+                if not await self._wait_for(self._answered, WAIT_SEC, self._done):
+                    if self._done.is_set():
+                        return
+                    raise SwarmError(f"no answer to gradient {min(self._unanswered)} in {WAIT_SEC:.0f} s")
             self.msg_id += 1
-            self._answered.clear()
-            self._sent_version = self.version
-            self._sent_at = time.monotonic()
+            self._unanswered[self.msg_id] = (time.monotonic(), self.version)
             await conn.send(dataclasses.replace(self.load.gradient, msg_id=self.msg_id,
                                                 version=self.version))
-            if not await self._wait_for(self._answered, WAIT_SEC, self._done):
-                if self._done.is_set():
-                    return
-                raise SwarmError(f"no answer to gradient {self.msg_id} in {WAIT_SEC:.0f} s")
             next_at = max(next_at + self.period, time.monotonic())
 
     @staticmethod
@@ -254,11 +260,12 @@ class LightWorker:
             while True:
                 msg = await conn.recv()
                 if isinstance(msg, Update):
-                    if msg.msg_id != self.msg_id:  # one in flight: never, unless the protocol broke
+                    sent = self._unanswered.pop(msg.msg_id, None)
+                    if sent is None:  # never, unless the protocol broke
                         raise ProtocolError("unexpected", f"an answer to gradient {msg.msg_id}, "
-                                            f"but gradient {self.msg_id} is the one in flight")
-                    self.answers.append((self._sent_at, time.monotonic(), str(msg.status),
-                                         self._sent_version, msg.version, msg.full))
+                                            f"which is not in flight ({sorted(self._unanswered)} are)")
+                    self.answers.append((sent[0], time.monotonic(), str(msg.status), sent[1],
+                                         msg.version, msg.full))
                     self.version = msg.version
                     self._answered.set()
                 elif isinstance(msg, Start):
@@ -296,7 +303,8 @@ async def run_workers(args: argparse.Namespace) -> None:
     hw = hardware.detect().to_dict()
     port = args.port or await _port_from(Path(args.port_file))
     secret = os.environ["SWARMTRAIN_SECRET"].encode()
-    workers = [LightWorker(f"{args.prefix}{i:03d}", load, args.rate, hw) for i in range(args.count)]
+    workers = [LightWorker(f"{args.prefix}{i:03d}", load, args.rate, hw, args.inflight)
+               for i in range(args.count)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -335,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--count", type=int, required=True, help="light workers in this process")
     w.add_argument("--prefix", default="light-", help="worker ids are PREFIX000, PREFIX001, ...")
     w.add_argument("--rate", type=float, required=True, help="gradients/s offered per worker")
+    w.add_argument("--inflight", type=int, default=1, help="gradients in flight per worker at most")
     w.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0 = at SHUTDOWN)")
     w.add_argument("--out", required=True, help="JSON file written on exit")
     for p in (c, w):
@@ -343,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if "SWARMTRAIN_SECRET" not in os.environ:
         raise SystemExit("set SWARMTRAIN_SECRET (the cluster secret) in the environment")
-    if args.what == "workers" and (args.count < 1 or args.rate <= 0):
-        raise SystemExit("--count must be >= 1 and --rate > 0")
+    if args.what == "workers" and (args.count < 1 or args.rate <= 0 or args.inflight < 1):
+        raise SystemExit("--count and --inflight must be >= 1 and --rate > 0")
     if args.what == "workers" and not (args.port or args.port_file):
         raise SystemExit("give --port or --port-file")
     # stamped with the machine's monotonic clock, to line the logs up with the answers

@@ -343,3 +343,50 @@ def test_a_worker_whose_lag_shrinks_comes_back_to_the_finest_track() -> None:
         w.ask(dl, master, version)
     assert w.track == 0 and w.version == version
     assert torch.equal(w.flat, dl.fine.published)
+
+
+def test_a_track_no_worker_is_on_is_forgotten_and_starts_afresh_when_needed() -> None:
+    # a worker lagging 40 versions moves to a coarse track; once its lag shrinks it comes back
+    # to the finest, and the coarse track (three copies of the weights at most) is dropped;
+    # lagging again, the finest is dropped in turn
+    dl = _downlink()
+    gen = torch.Generator().manual_seed(7)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    w = TrackedReplica()
+    w.ask(dl, master, 0)
+    version = 0
+
+    def lag(n: int) -> None:
+        nonlocal version
+        for _ in range(n):
+            version += 1
+            _walk(master, gen)
+            dl.publish(master, version)
+        w.ask(dl, master, version)
+
+    for _ in range(5):
+        lag(40)
+    coarse = w.track
+    assert coarse > 0 and dl.tracks[coarse].published is not None
+    assert dl.forget_unused({coarse}) == 1  # its worker is on it: kept; the finest is not
+    assert dl.fine.head == -1 and dl.tracks[coarse].published is not None
+    for _ in range(5):
+        lag(1)
+    assert w.track == 0
+    assert dl.forget_unused({0}) >= 1
+    dropped = dl.tracks[coarse]
+    assert dropped.published is None and not dropped.entries and dropped.head == -1
+    intervals = [t["interval"] for t in dl.summary()["tracks"]]
+    assert dl.summary()["forgotten"] >= 1 and TRACK_INTERVALS[coarse] not in intervals
+    assert torch.equal(w.flat, dl.fine.published)  # its own track is kept
+    for _ in range(3):  # lagging again: the coarse track starts afresh from the master
+        lag(40)
+    assert w.track > 0 and torch.equal(w.flat, dl.tracks[w.track].published)
+    # now no one is on the finest track: it goes too, and a joiner gets it afresh
+    assert dl.forget_unused({w.track}) == 1 and dl.fine.head == -1
+    assert dl.summary()["version"] == dl.tracks[w.track].head
+    dl.publish(master, version)  # a joiner's welcome (Coordinator._snapshot_for, track 0)
+    held, weights = dl.snapshot(master, lambda views: {f"p{i}": v.clone() for i, v in enumerate(views)},
+                                version)
+    assert held == version and torch.equal(torch.cat([weights[f"p{i}"] for i in range(len(SIZES))]), master)

@@ -129,6 +129,12 @@ def test_coordinator_metrics_expose_the_named_series_during_a_real_run() -> None
     assert value(second, "swarmtrain_step") >= v2
     assert value(first, "swarmtrain_running") == 1 and value(first, "swarmtrain_paused") == 0
     assert value(first, "swarmtrain_workers_connected") == 2
+    # the bound on gradients received and not yet applied: what is held now is within the peak,
+    # and nothing is held once the run is over
+    held = value(second, "swarmtrain_gradient_bytes_held")
+    peak = value(second, "swarmtrain_gradient_bytes_held_peak")
+    assert 0 <= held <= peak and value(second, "swarmtrain_gradients_waited_for_room_total") >= 0
+    assert value(final, "swarmtrain_gradient_bytes_held") == 0
     loss = value(second, "swarmtrain_loss")
     assert math.isfinite(loss) and 0 < loss < 5
     assert 0 <= value(second, "swarmtrain_heldout_metric", metric="accuracy") <= 1

@@ -39,6 +39,16 @@ class CoordinatorNetworkConfig(ServerLimitsConfig):
     heartbeat_timeout_sec: float = _opt(10.0, "silence after which a peer is dead", gt=0.0)
     handshake_timeout_sec: float = _opt(10.0, "limit on the connection handshake", gt=0.0)
     send_queue_size: int = _opt(64, "messages queued per connection before backpressure", ge=1)
+    max_held_gradient_mb: float = _opt(
+        0.0, "gradient bytes received and not yet applied, all workers together, in MiB (0 = "
+        "twice the largest gradient received so far: one applied while the next is received). A worker "
+        "whose next gradient does not fit waits, in arrival order, before its bytes are read (they "
+        "stay in the network buffers); one gradient larger than this is taken alone. The "
+        "coordinator's memory then does not grow with the number of workers", ge=0.0)
+    admission_timeout_sec: float = _opt(
+        20.0, "how long a worker's gradient may wait for room under max_held_gradient_mb before "
+        "its connection is dropped (the worker reconnects and sends it again); keep it below the "
+        "workers' answer timeout, 3 x their heartbeat_timeout_sec", gt=0.0)
     ctl_slots: int = _opt(
         4, "connections beyond max_connections kept for `swarmtrain ctl` (any other role is "
         "refused there once authenticated)", ge=0)

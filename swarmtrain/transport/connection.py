@@ -2,8 +2,12 @@
 
 Reads go through :class:`FrameProtocol`, an ``asyncio.BufferedProtocol`` that lets the
 kernel write straight into the decoder's buffers, so a tensor payload lands in the very
-bytearray its tensors are built over (no copy per read). Writes go through a bounded send
-queue drained by one writer task that honours the transport's flow control.
+bytearray its tensors are built over (no copy per read). A connection given a
+:class:`~swarmtrain.transport.payload_gate.PayloadGate` stops reading before a large payload
+until the gate has room for it (the bytes wait in the kernel). Writes go through a bounded
+send queue drained by one writer task that honours the transport's flow control, and large
+tensors go out in slices: asyncio copies whatever the kernel does not take at once into the
+transport's own buffer, so a whole answer written at once would be copied per connection.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmtrain.errors import ConnectionLost, ProtocolError, RemoteProtocolError, SwarmTimeout
+from swarmtrain.transport.payload_gate import PayloadGate, Ticket
 from swarmtrain.wire import Decoder, Error, Heartbeat, Limits, Message, encode
+from swarmtrain.wire.frame import DecoderState
 
 __all__ = ["Timeouts", "Connection", "FrameProtocol"]
 
@@ -43,6 +49,11 @@ class _Closed:
 _CLOSED = _Closed()
 #: frame segments smaller than this are gathered into one write (one system call)
 _GATHER_BYTES = 64 * 1024
+#: large segments are handed to the transport this much at a time, each once the previous
+#: has drained below the transport's low-water mark: at most about this much of an answer is
+#: ever copied into the transport's buffer per connection (asyncio copies what the kernel does
+#: not take at once), instead of the whole answer (40 MB for a 10M-parameter model in fp32)
+_WRITE_SLICE_BYTES = 256 * 1024
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -57,7 +68,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed = asyncio.Event()
         self._can_write = asyncio.Event()
         self._can_write.set()
-        self._reading_paused = False
+        #: why reading is paused: "inbox" (the application is behind), "admission" (the
+        #: payload gate has no room for the frame whose header was just read)
+        self._paused_by: set[str] = set()
         self.last_received = time.monotonic()
         self.protocol_error: RemoteProtocolError | None = None
         self.received_by_type: Counter[str] = Counter()
@@ -70,6 +83,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
         #: also told each refused message's code (see :meth:`Connection.count_refusals_with`)
         self.on_refused: Callable[[str], None] | None = None
         self._refusals = 0
+        #: bounds the payloads held (see :meth:`Connection.admit_payloads`); None: unbounded
+        self.gate: PayloadGate | None = None
+        self._frame_ticket: Ticket | None = None  # the frame in progress's, admitted or waiting
+        self._admission_timer: asyncio.TimerHandle | None = None
+        #: admitted messages the application has not said it is done with, by id (the message
+        #: is kept with its ticket, so an id cannot be reused while the ticket is held)
+        self.held: dict[int, tuple[Message, Ticket]] = {}
+        #: a frame is being written in slices: nothing else may write to the transport now
+        self.writing_frame = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -92,6 +114,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._refuse(exc)
             return
         while (msg := self.decoder.next_message()) is not None:
+            # get_buffer() hands out at most the rest of one frame: this message is the frame
+            # the ticket was asked for, if any
+            ticket, self._frame_ticket = self._frame_ticket, None
             self.received_by_type[msg.TYPE.name] += 1
             # get_buffer() hands out at most the rest of one frame, so these bytes are this one's
             self.received_bytes_by_type[msg.TYPE.name] += self.decoder.bytes_received - self._bytes_counted
@@ -101,13 +126,93 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 # to call recv() nor fill the inbox and pause reading (which would stop
                 # last_received and get a live peer dropped while the application is busy)
                 self.peer_step = msg.step
+                self._release(ticket)
                 continue
+            if ticket is not None:
+                self.held[id(msg)] = (msg, ticket)
             self.inbox.put_nowait(msg)
         while (refused := self.decoder.next_refusal()) is not None:
             self._refuse_message(refused)
-        if self.inbox.qsize() >= self.max_pending and not self._reading_paused and self.transport:
-            self._reading_paused = True
+        if self._frame_ticket is not None and self.decoder.state is not DecoderState.PAYLOAD:
+            self._release(self._frame_ticket)  # its frame was dropped (refused)
+            self._frame_ticket = None
+        if self.inbox.qsize() >= self.max_pending:
+            self._pause("inbox")
+        self.wait_for_room()
+
+    # -- admission (the payload gate) --------------------------------------------------------
+
+    def wait_for_room(self) -> None:
+        """If a frame's header is in and its payload is large, ask the gate for room before
+        any payload byte is read; without room, stop reading until the gate grants it."""
+        gate, n = self.gate, self.decoder.awaiting_payload
+        if gate is None or not n or self._frame_ticket is not None or not gate.wants_ticket(n):
+            return
+        if self.protocol_error is not None or self.closed.is_set():
+            return
+        self._frame_ticket = ticket = gate.request(n, self._admitted)
+        if not ticket.granted:
+            self._pause("admission")
+            loop = asyncio.get_running_loop()
+            self._admission_timer = loop.call_later(gate.timeout, self._admission_timed_out)
+
+    def _admitted(self) -> None:
+        if self._admission_timer is not None:
+            self._admission_timer.cancel()
+            self._admission_timer = None
+        self._resume("admission")
+
+    def _admission_timed_out(self) -> None:
+        """The gate had no room for this frame for its whole timeout: give up the connection
+        (the peer reconnects and resends; a gradient's msg_id makes the resend idempotent)."""
+        self._admission_timer = None
+        ticket, self._frame_ticket = self._frame_ticket, None
+        gate = self.gate
+        if ticket is None or gate is None:
+            return
+        gate.timed_out(ticket)
+        exc = SwarmTimeout("admission", gate.timeout,
+                           f"{self._peer()}'s {ticket.nbytes}-byte frame found no room among the "
+                           f"{gate.limit} bytes of payloads this node holds")
+        log.warning("dropping %s: %s", self._peer(), exc)
+        self._mark_closed(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _release(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self.gate is not None:
+            self.gate.release(ticket)
+
+    def done_with(self, msg: Message) -> None:
+        """The application is done with ``msg``: its payload's bytes go back to the gate."""
+        held = self.held.pop(id(msg), None)
+        if held is not None:
+            self._release(held[1])
+
+    def release_all(self) -> None:
+        """Give back every ticket this connection holds (its handler has ended)."""
+        for _, ticket in self.held.values():
+            self._release(ticket)
+        self.held.clear()
+        if self._frame_ticket is not None:
+            self._release(self._frame_ticket)
+            self._frame_ticket = None
+        if self._admission_timer is not None:
+            self._admission_timer.cancel()
+            self._admission_timer = None
+
+    def _pause(self, reason: str) -> None:
+        if not self._paused_by and self.transport is not None:
             self.transport.pause_reading()
+        self._paused_by.add(reason)
+
+    def _resume(self, reason: str) -> None:
+        if reason not in self._paused_by:
+            return
+        self._paused_by.discard(reason)
+        if not self._paused_by and self.transport is not None and not self.transport.is_closing():
+            self.last_received = time.monotonic()  # silence while we did not read is ours
+            self.transport.resume_reading()
 
     def _refuse_message(self, exc: RemoteProtocolError) -> None:
         """A sound frame whose message the decoder dropped (a field out of range): count it,
@@ -119,7 +224,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._refusals <= 3:  # a flood of them is counted, not logged line by line
             log.warning("refused a message from %s: %s", self._peer(), exc)
         if (self.transport is not None and not self.transport.is_closing() and self.can_write
-                and self.transport.get_write_buffer_size() < _GATHER_BYTES):
+                and not self.writing_frame and self.transport.get_write_buffer_size() < _GATHER_BYTES):
             with contextlib.suppress(Exception):
                 self.transport.write(b"".join(encode(Error(code=exc.code, message=str(exc), fatal=False))))
 
@@ -130,33 +235,43 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Tell the peer what was wrong with its frame, then close (the stream can't resync)."""
         log.warning("closing connection: %s", exc)
         if self.transport is not None and not self.transport.is_closing():
-            with contextlib.suppress(Exception):
-                for seg in encode(Error(code=exc.code, message=str(exc), fatal=True)):
-                    self.transport.write(seg)
+            if not self.writing_frame:  # (else the error would land inside that frame)
+                with contextlib.suppress(Exception):
+                    for seg in encode(Error(code=exc.code, message=str(exc), fatal=True)):
+                        self.transport.write(seg)
             self.transport.close()
         self._mark_closed(exc)
 
     def resume_if_drained(self) -> None:
-        if self._reading_paused and self.inbox.qsize() < self.max_pending // 2 and self.transport:
-            self._reading_paused = False
-            self.last_received = time.monotonic()  # silence while we did not read is ours
-            self.transport.resume_reading()
+        if self.inbox.qsize() < self.max_pending // 2:
+            self._resume("inbox")
 
     @property
     def reading_paused(self) -> bool:
-        """True while reading is paused because the application has not consumed messages."""
-        return self._reading_paused
+        """True while reading is paused: the application has not consumed messages, or the
+        payload gate has no room for the next frame (either way the peer is not silent)."""
+        return bool(self._paused_by)
 
     def eof_received(self) -> bool | None:
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._can_write.set()
+        # a frame whose payload we chose not to read yet (no room in the gate): the peer hung
+        # up while we held it back, which says nothing bad about its stream
+        held_back = self._frame_ticket is not None and not self._frame_ticket.granted
+        if self._frame_ticket is not None:  # a frame that will never be complete
+            self._release(self._frame_ticket)
+            self._frame_ticket = None
+        if self._admission_timer is not None:
+            self._admission_timer.cancel()
+            self._admission_timer = None
         truncated = None
         if self.protocol_error is None and not self.closed.is_set():  # not closed by us
             truncated = self.decoder.end_of_stream()
         if truncated is not None:
-            log.warning("connection closed mid-frame: %s", truncated)
+            log.log(logging.INFO if held_back else logging.WARNING, "connection closed mid-frame%s: %s",
+                    " (its payload waited for room)" if held_back else "", truncated)
             self.protocol_error = truncated
         self._mark_closed(truncated or exc or ConnectionLost("connection closed by peer"))
 
@@ -244,7 +359,7 @@ class Connection:
                 await self._proto.writable()
                 if self.transport.is_closing():
                     return
-                size = self._write_frame(encode(msg, self.limits))
+                size = await self._write_frame(encode(msg, self.limits))
                 self.bytes_sent += size
                 self.sent_by_type[msg.TYPE.name] += 1
                 self.sent_bytes_by_type[msg.TYPE.name] += size
@@ -252,11 +367,12 @@ class Connection:
             log.error("cannot send to %s: %s", self.peer, exc)
             self.abort(exc)
 
-    def _write_frame(self, segments: list[bytes | memoryview]) -> int:
+    async def _write_frame(self, segments: list[bytes | memoryview]) -> int:
         """Hand a frame's segments to the transport; returns its size. Small segments (the
         preamble, the header, small tensors) are gathered into one write: a frame of a small
         model has a dozen of them, and each write is a system call. Large tensors are
-        written from their own memory, without a copy."""
+        written from their own memory in slices of :data:`_WRITE_SLICE_BYTES`, each once the
+        transport has room (so what asyncio copies into its buffer stays that small)."""
         size = 0
         pending = bytearray()
         for seg in segments:
@@ -266,7 +382,7 @@ class Connection:
                 if pending:
                     self.transport.write(pending)
                     pending = bytearray()
-                self.transport.write(seg)
+                await self._write_sliced(memoryview(seg).cast("B"))
             else:
                 pending += seg
                 if len(pending) >= _GATHER_BYTES:
@@ -275,6 +391,17 @@ class Connection:
         if pending:
             self.transport.write(pending)
         return size
+
+    async def _write_sliced(self, view: memoryview) -> None:
+        self._proto.writing_frame = True
+        try:
+            for start in range(0, view.nbytes, _WRITE_SLICE_BYTES):
+                await self._proto.writable()  # returns at once while the transport has room
+                if self.transport.is_closing():
+                    return
+                self.transport.write(view[start:start + _WRITE_SLICE_BYTES])
+        finally:
+            self._proto.writing_frame = False
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -355,6 +482,24 @@ class Connection:
             for _ in range(n):
                 count(code)
         self._proto.on_refused = count
+
+    def admit_payloads(self, gate: PayloadGate) -> None:
+        """Bound the payloads received from now on by ``gate`` (shared with other connections):
+        a large frame is read only once the gate has room for it. The application then calls
+        :meth:`done_with` for every message it received once it is done with it (or
+        :meth:`release_all` when it stops serving the connection), or the gate fills up."""
+        self._proto.gate = gate
+        self._proto.wait_for_room()
+
+    def done_with(self, msg: Message) -> None:
+        """Done with ``msg`` (a received message): its payload's room goes back to the gate
+        (no-op for a message the gate did not count)."""
+        self._proto.done_with(msg)
+
+    def release_all(self) -> None:
+        """Give back the gate's room for every message of this connection still held, and
+        for a frame waiting or in progress (call when the connection's handler ends)."""
+        self._proto.release_all()
 
     def set_inbound_limits(self, limits: Limits) -> None:
         """Bound the frames received from now on (raised once the handshake has succeeded)."""

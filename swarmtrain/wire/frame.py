@@ -163,6 +163,9 @@ class Decoder:
         self._payload_len = 0
         self._fields: dict[str, Any] = {}
         self._descs: list[Any] = []
+        #: the payload buffer of the frame in progress exists (it is made on demand, by the
+        #: first :meth:`get_buffer` after the header: a receiver may first wait for room)
+        self._payload_made = True
         self.bytes_received = 0
 
     @property
@@ -204,10 +207,26 @@ class Decoder:
             self.buffer_updated(n)
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """A writable view of exactly the bytes the decoder needs next."""
+        """A writable view of exactly the bytes the decoder needs next (the payload's buffer
+        is allocated here, the first time it is asked for)."""
         if self._error is not None:
             raise self._error
+        if not self._payload_made:
+            self._buf = bytearray(self._payload_len)
+            self._payload_made = True
         return memoryview(self._buf)[self._filled :]
+
+    @property
+    def awaiting_payload(self) -> int:
+        """Payload bytes of the frame in progress whose buffer is not allocated yet: its header
+        is decoded and no payload byte is taken (0 otherwise). A receiver that bounds what it
+        holds can wait here, before any of those bytes are read, for room to take them."""
+        return 0 if self._payload_made else self._payload_len
+
+    @property
+    def frame_type(self) -> MsgType:
+        """The message type of the frame in progress (once its preamble is decoded)."""
+        return self._mtype
 
     def buffer_updated(self, nbytes: int) -> None:
         """Record that ``nbytes`` were written into the last buffer from :meth:`get_buffer`."""
@@ -215,7 +234,7 @@ class Decoder:
             raise self._error
         self._filled += nbytes
         self.bytes_received += nbytes
-        while self._filled == len(self._buf) and self._error is None:
+        while self._filled == len(self._buf) and self._error is None and self._payload_made:
             self._advance()
 
     # -- state machine ----------------------------------------------------------------------
@@ -280,9 +299,11 @@ class Decoder:
                 "too_many_tensors", f"frame carries {len(obj['t'])} tensors; limit {self.limits.max_tensors}"
             ))
         self._fields, self._descs = obj["f"], obj["t"]
-        self._start(DecoderState.PAYLOAD, bytearray(self._payload_len))
+        self._start(DecoderState.PAYLOAD, bytearray())
         if self._payload_len == 0:
             self._finish()
+        else:
+            self._payload_made = False  # allocated by the next get_buffer()
 
     def _finish(self) -> None:
         payload = self._buf

@@ -115,6 +115,7 @@ class CoordinatorCollector(StatusCollector):
         yield from _worker_families(list(st.get("workers") or []))
         yield _staleness(dict(st.get("staleness_counts") or {}))
         yield from _downlink(dict(st.get("downlink") or {}))
+        yield from _admission(dict(st.get("admission") or {}))
         yield from _traffic(dict(st.get("traffic") or {}))
         yield _refusals(st)
 
@@ -128,6 +129,16 @@ def _downlink(d: Mapping[str, Any]) -> Iterator[Metric]:
                    "full weights)", d.get("resets", 0))
     yield _by_label(CounterMetricFamily, "downlink_answers", "answers to gradients, by what they "
                     "carried (chain of log entries, full weights, nothing new)", "kind", d.get("answers"))
+
+
+def _admission(d: Mapping[str, Any]) -> Iterator[Metric]:
+    """The bound on gradients received and not yet applied (network.max_held_gradient_mb)."""
+    yield _gauge("gradient_bytes_held", "gradient bytes received and not yet applied, all workers",
+                 d.get("held_bytes", 0))
+    yield _gauge("gradient_bytes_held_peak", "most gradient bytes held at once so far (at most "
+                 "max_held_gradient_mb, or one larger gradient alone)", d.get("peak_held_bytes", 0))
+    yield _counter("gradients_waited_for_room", "gradients whose bytes waited in the network "
+                   "buffers until the coordinator had room for them", d.get("waited", 0))
 
 
 def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:

@@ -72,6 +72,7 @@ from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
 from swarmtrain.transport.auth import cluster_secret
 from swarmtrain.transport.endpoints import payload_limit, require_secret
+from swarmtrain.transport.payload_gate import PayloadGate
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.wire import (
     Assign,
@@ -346,6 +347,11 @@ class Coordinator:
             fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
             reset_interval=t.resync_interval)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
+        #: gradients received and not yet applied, all workers together, are bounded: a worker's
+        #: next one is read off the socket once there is room (network.max_held_gradient_mb)
+        net = cfg.network
+        self.gradient_gate = PayloadGate(int(net.max_held_gradient_mb * 2**20),
+                                         timeout=net.admission_timeout_sec)
         #: the outlier screen's reference norm cannot collapse or be ratcheted (roles/screen.py)
         self.screen = NormScreen(t.outlier_norm_factor)
         #: bounded asynchrony: gradients summed until they hold aggregate_samples samples; with
@@ -636,16 +642,18 @@ class Coordinator:
         except SwarmError as exc:
             log.warning("worker at %s failed to register: %s", conn.peer, exc)
             return
+        conn.admit_payloads(self.gradient_gate)
         try:
             await self._welcome(rec)
             while True:
-                msg = await conn.recv()
-                rec.last_seen = time.monotonic()
-                await self._on_worker_message(rec, msg)
+                # (no local keeps the message: a gradient's payload is freed once applied,
+                # not when the next one arrives)
+                await self._on_worker_message(rec, conn, await conn.recv())
         except SwarmError as exc:
             if not self.finished:
                 log.info("worker %s left: %s", rec.worker_id, exc)
         finally:
+            conn.release_all()
             if rec.conn is conn:
                 rec.conn = None
                 rec.welcomed = False
@@ -780,15 +788,22 @@ class Coordinator:
             if state is CoordinatorState.PAUSED:
                 await self._send(rec, Pause())
 
-    async def _on_worker_message(self, rec: WorkerRecord, msg: Message) -> None:
+    async def _on_worker_message(self, rec: WorkerRecord, conn: Connection, msg: Message) -> None:
+        rec.last_seen = time.monotonic()
         if isinstance(msg, Gradients):
             if self.finished:
+                conn.done_with(msg)
                 return  # the run is over; SHUTDOWN is on its way to this worker
             arrived = time.monotonic()
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
                 rec.step_time.update(arrived - rec.answered_at)
             version = self.version
-            status, reply = await self._run_apply(self._apply_gradient, rec, msg)
+            try:
+                status, reply = await self._run_apply(self._apply_gradient, rec, msg)
+            finally:
+                conn.done_with(msg)  # applied (or refused): its room goes to the next gradient
+            msg_id = msg.msg_id
+            del msg  # and its payload is freed now, not after the answer is sent
             if self.version != version:
                 self._after_update()
             elif self.window is not None and status is UpdateStatus.APPLIED:
@@ -796,7 +811,7 @@ class Coordinator:
                     self._window_timer = asyncio.create_task(self._close_window_at_deadline())
                 await self._hold_for_window(rec)
             if reply is None and not self.finished:
-                reply = await self._run_apply(self._reply, rec, msg.msg_id, status)
+                reply = await self._run_apply(self._reply, rec, msg_id, status)
             if self.finished or reply is None:  # the final weights went out (or are going): a
                 return  # delta now would be added on top of them, and the replica would overshoot
             await self._send(rec, reply)
@@ -1276,7 +1291,10 @@ class Coordinator:
         publication that would leave them further away sends everyone the full weights.
         """
         master = self._flat_master()
+        before = rec.track
         rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
+        if rec.track != before:  # a track may have lost its last worker: its memory goes
+            self.downlink.forget_unused({r.track for r in self._connected()})
         track = self.downlink.tracks[rec.track]
         rec.drift = track.drift
         if chain is None:
@@ -1430,6 +1448,8 @@ class Coordinator:
             # where gradients were applied: on the event loop (quick ones) or the apply thread
             "apply": {"inline": self.applies_inline, "threaded": self.applies_threaded,
                       "mean_ms": 1e3 * (self.apply_time.value or 0.0)},
+            # gradients received and not yet applied (bytes), and the workers that waited for room
+            "admission": self.gradient_gate.summary(),
             "traffic": self._server.traffic() if self._server is not None else {},
             # everything refused, by reason: connections (handshakes, caps) and messages
             "refusals": merge_refusals([self.refusals, *([self._server.refused] if self._server else [])]),

@@ -228,6 +228,18 @@ class UpdateLog:
         self.publications += 1
         self._since_reset = 0
 
+    def forget(self) -> None:
+        """Drop the track's published weights, log and snapshot (no worker is on it): it starts
+        afresh from the master at its next publication. A worker only ever joins a track with
+        its full weights, so nothing it holds refers to what is dropped."""
+        self.published = None
+        self.entries.clear()
+        self._log_bytes = 0
+        self._snapshot = None
+        self.head = -1
+        self.drift = 0.0
+        self._since_reset = 0
+
     def _trim(self) -> None:
         """Forget the oldest entries no answer would use: a chain through the oldest carries
         all the log's bytes, and once they are as many as the weights' it is never sent."""
@@ -363,7 +375,9 @@ class Downlink:
     that many versions in the bytes of one. Its replica is then up to one interval older
     than the finest track's, no more than half of what it lags anyway. Each track is an
     :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker costs
-    one small int (its track).
+    one small int (its track). A track no connected worker is on is dropped
+    (:meth:`forget_unused`): as more workers lag more they move to coarser tracks, and the
+    finer ones they left would otherwise keep their copies of the weights for nobody.
 
     With a lossless codec every answer that changes anything is the track's weights (a
     float32 delta is as large); a coarse track then shares one copy of the weights among all
@@ -377,6 +391,7 @@ class Downlink:
         self.tracks = [UpdateLog(codec, **kwargs) for _ in intervals]
         self.intervals = intervals
         self.switches = 0  # workers moved to another track
+        self.forgotten = 0  # tracks dropped once no worker was on them
 
     @property
     def fine(self) -> UpdateLog:
@@ -422,11 +437,27 @@ class Downlink:
         """:meth:`UpdateLog.snapshot` of ``track``."""
         return self.tracks[track].snapshot(master, to_replica, version)
 
+    def forget_unused(self, in_use: set[int]) -> int:
+        """Drop the state of every track not in ``in_use`` (the tracks the connected workers
+        are on): each holds up to three copies of the weights (published, log, snapshot), and
+        as more workers lag more the coarse ones are taken up while the finer ones empty. A
+        joining worker starts on the finest track, which then starts afresh from the master.
+        Returns how many were dropped."""
+        dropped = 0
+        for i, track in enumerate(self.tracks):
+            if i not in in_use and track.head >= 0:
+                track.forget()
+                dropped += 1
+        self.forgotten += dropped
+        return dropped
+
     def summary(self) -> dict[str, Any]:
         """The finest track's summary, plus every track's and the switches."""
         fine = self.fine.summary()
         used = [dict(t.summary(), interval=g) for g, t in zip(self.intervals, self.tracks) if t.head >= 0]
         answers = {k: sum(t.answers[k] for t in self.tracks) for k in fine["answers"]}
-        return {**fine, "answers": answers, "entries_sent": sum(t.entries_sent for t in self.tracks),
+        # (the version published last on any track: the finest one is dropped while no worker is on it)
+        return {**fine, "version": max(t.head for t in self.tracks), "answers": answers,
+                "entries_sent": sum(t.entries_sent for t in self.tracks),
                 "log_bytes": sum(t.log_bytes() for t in self.tracks), "tracks": used,
-                "switches": self.switches}
+                "switches": self.switches, "forgotten": self.forgotten}
