@@ -23,6 +23,7 @@ from swarmtrain.config import load_coordinator_config, load_worker_config
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.worker import Worker
 from swarmtrain.tasks import DigitsTask
+from swarmtrain.testing.turns import ComputeTurns
 from tests.test_ps_inprocess import _run
 
 TASK = DigitsTask()
@@ -357,10 +358,12 @@ def test_bounded_asynchrony_steps_once_per_window_on_fresh_gradients() -> None:
     assert accuracy(coord.model) > 0.85
 
 
-def _staleness_by_worker(wait: float, speeds: list[float], aggregate: int,
-                         steps: int = 60) -> tuple[Coordinator, list[float]]:
-    """Workers of 16 samples at ``speeds``, windows of ``aggregate`` samples: the coordinator
-    and each worker's mean staleness."""
+def _staleness_by_worker(wait: float, speeds: list[float], aggregate: int, steps: int = 60, *,
+                         slots: list[int] | None = None) -> tuple[Coordinator, list[float]]:
+    """Workers of 16 samples at ``speeds`` (a wall-clock throttle), or whose steps cost
+    ``slots`` compute turns each (a virtual clock: :class:`ComputeTurns`; it stands still
+    while a worker waits, so it cannot model windows that wait for a slow worker), windows of
+    ``aggregate`` samples: the coordinator and each worker's mean staleness."""
     coord = coordinator(TASK.build_model(), **{
         "training.max_steps": steps, "training.min_workers": len(speeds),
         "training.aggregate_samples": aggregate, "training.aggregate_wait": wait})
@@ -368,9 +371,15 @@ def _staleness_by_worker(wait: float, speeds: list[float], aggregate: int,
 
     async def main() -> None:
         await coord.start()
-        workers.extend(worker(coord.port, TASK.build_model(), **{
-            "training.worker_id": f"s{i}", "training.batch_size": 16, "training.speed": speed})
-            for i, speed in enumerate(speeds))
+        names = [f"s{i}" for i in range(len(speeds))]
+        turns = ComputeTurns(names, done=lambda: coord.finished or coord.version >= steps)
+        for name, speed, n in zip(names, speeds, slots or [0] * len(names)):
+            cfg = load_worker_config(overrides={
+                "network.coordinator_port": coord.port, "training.batch_size": 16,
+                "network.reconnect_attempts": 0, "training.probe_seconds": 0.0,
+                "training.accumulation_steps": 1, "training.worker_id": name, "training.speed": speed})
+            workers.append(Worker(TASK.build_model(), turns.loss(name, n, loss_fn) if slots else loss_fn,
+                                  DATA.train, cfg, secret=SECRET))
         await _train(coord, workers)
 
     asyncio.run(main())
@@ -396,9 +405,12 @@ def test_a_window_does_not_wait_for_a_slow_worker_unless_told_to() -> None:
     """At the default ``aggregate_wait`` (half a median step) a worker at a fifth of the
     speed is not due, so the fast ones' windows close without it and its gradients land
     damped in later ones; with a wait of 10 steps it is due, and every window waits for it.
-    (At a quarter of the speed it is due often enough that its staleness went as low as 0.20
-    on a loaded CI run; at a fifth it measured 0.97-1.37 against 0.03-0.17.)"""
-    _, default = _staleness_by_worker(0.5, [1.0, 1.0, 0.2], 32)
+    Without the wait the speeds are compute turns, not a wall-clock throttle: under load a
+    throttle's sleep does not stretch while the others' computing does, and on a loaded CI
+    run the "fifth" came close enough that the slow worker's staleness fell to 0.17 (0.42 on
+    a box with two busy loops beside it). With it, turns would stand still while the fast
+    ones' answers are held, so there the throttle stays (the wait only grows under load)."""
+    _, default = _staleness_by_worker(0.5, [1.0] * 3, 32, slots=[1, 1, 5])
     _, patient = _staleness_by_worker(10.0, [1.0, 1.0, 0.2], 32)
     assert default[2] >= 0.5, default  # the slow one: about a window behind on average
     assert max(patient) <= 0.35, patient  # everyone (nearly) fresh

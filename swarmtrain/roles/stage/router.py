@@ -546,14 +546,16 @@ class Router:
 
     async def _probe_loop(self) -> None:
         """While a replica is banned, ask each banned one for its status every
-        ``probe_interval`` seconds; lift the ban of one that answers and fits its stage."""
+        ``probe_interval`` seconds, the first time one interval after the ban (a replica that
+        has just failed is not asked at once: a liar that answers status probes had its ban
+        lifted within milliseconds); lift the ban of one that answers and fits its stage."""
         while True:
+            await asyncio.sleep(self.config.probe_interval)
             now = self._clock()
             banned = [r for r in itertools.chain.from_iterable(self.replicas) if r.banned_until > now]
             if not banned:
                 return
             await asyncio.gather(*(self._probe(r) for r in banned))
-            await asyncio.sleep(self.config.probe_interval)
 
     async def _probe(self, replica: Replica) -> None:
         timeout = min(5.0, self.config.request_timeout)
