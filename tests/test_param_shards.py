@@ -351,3 +351,29 @@ def test_every_server_clips_by_the_whole_gradients_norm() -> None:
         assert server._refusal(rec, msg, decoded, {}) == ""
         for n, g in grads.items():
             assert torch.allclose(decoded[n], g * factor), (total, n)
+
+
+def test_ctl_checkpoint_to_the_leader_checkpoints_every_server(tmp_path: Path) -> None:
+    """`swarmtrain ctl checkpoint` against the leader used to write the leader's group alone,
+    so a cluster "checkpointed now" could not be resumed at that point. Now every server
+    writes its own; one without checkpointing makes the answer not ok, naming it."""
+    from swarmtrain.roles.ps.ctl import ctl_request
+
+    async def main() -> tuple[Any, Any]:
+        servers = await _cluster(2)
+        leader, other = servers
+        try:
+            leader.attach_checkpointer(CoordinatorCheckpointer(str(tmp_path / "s0"), interval=0, keep=2))
+            missing = await ctl_request("127.0.0.1", leader.port, "checkpoint", secret=SECRET, timeout=20)
+            other.attach_checkpointer(CoordinatorCheckpointer(str(tmp_path / "s1"), interval=0, keep=2))
+            both = await ctl_request("127.0.0.1", leader.port, "checkpoint", secret=SECRET, timeout=20)
+            return missing, both
+        finally:
+            for s in servers:
+                await s.close()
+
+    missing, both = asyncio.run(asyncio.wait_for(main(), 60))
+    assert not missing.ok and "parameter server 1" in missing.message, missing
+    assert both.ok, both
+    for d in ("s0", "s1"):
+        assert any((tmp_path / d).iterdir()), d

@@ -34,7 +34,7 @@ from swarmtrain.roles.ps.partition import Partition, ServerSpec, group_module, p
 from swarmtrain.transport import Timeouts, connect
 from swarmtrain.transport.identity import Identity, node_identity
 from swarmtrain.transport.tls import TLSConfig
-from swarmtrain.wire import Error, Shutdown, Status, StatusRequest, Weights
+from swarmtrain.wire import CheckpointMsg, Error, Shutdown, Status, StatusRequest, Weights
 
 __all__ = ["ClusterPlace", "ClusterPeers", "split_address", "shard_of_model"]
 
@@ -206,18 +206,36 @@ class ClusterPeers:
             merged.update(reply.tensors)
         return merged
 
+    async def ask_others(self, msg: Any) -> list[tuple[int, str, Any]]:
+        """Send ``msg`` to every other server at once: (index, address, its answer, or the
+        SwarmError / OSError that stood in its way) for each."""
+        async def one(address: str) -> Any:
+            try:
+                return await self._request(address, msg)
+            except (SwarmError, OSError) as exc:
+                return exc
+
+        replies = await asyncio.gather(*(one(a) for _, a in self.others))
+        return [(i, a, r) for (i, a), r in zip(self.others, replies)]
+
+    async def checkpoint_others(self) -> list[str]:
+        """Ask every other server to checkpoint now; what went wrong, one line per server
+        that could not (empty: all wrote theirs)."""
+        problems = []
+        for index, address, reply in await self.ask_others(CheckpointMsg()):
+            if not isinstance(reply, CheckpointMsg) or not reply.ok:
+                why = reply.message if isinstance(reply, CheckpointMsg) else str(reply)
+                problems.append(f"parameter server {index} at {address}: {why}")
+        return problems
+
     async def shut_down_others(self, reason: str) -> None:
         """Tell every other server to finish (checkpoint, final weights, stop); one that cannot
         be reached is named in the log (stop it yourself: it has checkpointed as it went)."""
-        async def one(index: int, address: str) -> None:
-            try:
-                await self._request(address, Shutdown(reason=f"the leader finished: {reason}"))
-            except (SwarmError, OSError) as exc:
+        for index, address, reply in await self.ask_others(Shutdown(reason=f"the leader finished: {reason}")):
+            if isinstance(reply, SwarmError | OSError):
                 log.warning("could not tell parameter server %d at %s to shut down (%s); stop it "
                             "with `swarmtrain ctl shutdown --host/--port` of that server",
-                            index, address, exc)
-
-        await asyncio.gather(*(one(i, a) for i, a in self.others))
+                            index, address, reply)
 
     def summary(self, own: Mapping[str, Any]) -> list[dict[str, Any]]:
         """One row per server, this one (``own``) first among them in index order."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import enum
 import logging
 import math
@@ -1333,7 +1334,7 @@ class Coordinator:
                     else:
                         await conn.send(Status(status=self.status()))
                 elif isinstance(msg, CheckpointMsg):
-                    await conn.send(await self.checkpoint())
+                    await conn.send(await self._checkpoint_cluster())
                 elif isinstance(msg, Weights):
                     # an empty WEIGHTS asks for the current trainable weights (the leader of a
                     # sharded cluster evaluates on every server's part)
@@ -1366,6 +1367,20 @@ class Coordinator:
             self._enter(target, **({"source": source} if source else {}))
         msg: Message = Pause() if paused else Resume()
         await asyncio.gather(*(self._send(r, msg) for r in self._connected()), return_exceptions=True)
+
+    async def _checkpoint_cluster(self) -> CheckpointMsg:
+        """``ctl checkpoint``: this server's checkpoint, and with it (the leader of a sharded
+        cluster) every other server's; ok only if all were written, naming any that was not."""
+        own = await self.checkpoint()
+        if self.peers is None:
+            return own
+        problems = await self.peers.checkpoint_others()
+        if not own.ok:
+            problems.insert(0, f"parameter server 0 (this one): {own.message}")
+        if not problems:
+            return dataclasses.replace(own, message=f"{own.message} (and every other parameter "
+                                       "server's)".strip())
+        return dataclasses.replace(own, ok=False, message="; ".join(problems))
 
     async def checkpoint(self) -> CheckpointMsg:
         """Write a checkpoint now (if checkpointing is set up)."""
