@@ -123,6 +123,24 @@ async def serve(args: argparse.Namespace) -> None:
 # -------------------------------------------------------------------------------- light workers
 
 
+async def registered(conn: Connection) -> tuple[RegisterAck, Weights]:
+    """The coordinator's REGISTER_ACK and WEIGHTS after a REGISTER sent on ``conn``.
+
+    Raises:
+        RefusedError: it refused the registration.
+        ProtocolError: it answered with something else.
+    """
+    ack = await conn.recv(timeout=WAIT_SEC, phase="register")
+    if isinstance(ack, Error):
+        raise RefusedError(ack.code, ack.message)
+    if not isinstance(ack, RegisterAck):
+        raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
+    weights = await conn.recv(timeout=WAIT_SEC, phase="weights")
+    if not isinstance(weights, Weights):
+        raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
+    return ack, weights
+
+
 @dataclasses.dataclass
 class Load:
     """What every light worker of a process sends: REGISTER's model and compression fields,
@@ -203,14 +221,7 @@ class LightWorker:
             worker_id=self.worker_id, task=TASK, fingerprint=self.load.fingerprint,
             hardware=self.hw, batch_size=BATCH, accumulation_steps=1, shard_index=-1,
             compression=self.load.compression, samples_per_sec=0.0))
-        ack = await conn.recv(timeout=WAIT_SEC, phase="register")
-        if isinstance(ack, Error):
-            raise RefusedError(ack.code, ack.message)
-        if not isinstance(ack, RegisterAck):
-            raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
-        weights = await conn.recv(timeout=WAIT_SEC, phase="weights")
-        if not isinstance(weights, Weights):
-            raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
+        ack, weights = await registered(conn)
         self.version = weights.version
         if ack.running:
             self._started.set()

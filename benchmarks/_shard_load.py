@@ -31,16 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _scale_load import BATCH, LR, MAX_STALENESS, TASK, WAIT_SEC, real_load, task_for
+from _scale_load import BATCH, LR, MAX_STALENESS, TASK, WAIT_SEC, real_load, registered, task_for
 
 from swarmtrain.config import load_coordinator_config
 from swarmtrain.core import hardware
-from swarmtrain.errors import ProtocolError, RefusedError, SwarmError
+from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ps.cluster import shard_of_model, split_address
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.partition import parse_server_spec, partition_model
 from swarmtrain.transport import Connection, Timeouts, connect
-from swarmtrain.wire import Error, Gradients, Register, RegisterAck, Start, Update, Weights
+from swarmtrain.wire import Gradients, Register, RegisterAck, Start, Update, Weights
 
 PORT = 7100
 HEARTBEAT_TIMEOUT_SEC = 120.0
@@ -106,14 +106,7 @@ class ShardedLightWorker:
             hardware=hardware.detect().to_dict(), batch_size=BATCH, accumulation_steps=1,
             shard_index=-1, compression=self.load.compression, samples_per_sec=0.0,
             partition=partition))
-        ack = await conn.recv(timeout=WAIT_SEC, phase="register")
-        if isinstance(ack, Error):
-            raise RefusedError(ack.code, ack.message)
-        if not isinstance(ack, RegisterAck):
-            raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
-        weights = await conn.recv(timeout=WAIT_SEC, phase="weights")
-        if not isinstance(weights, Weights):
-            raise ProtocolError("unexpected", f"expected WEIGHTS, got {weights.TYPE.name}")
+        ack, weights = await registered(conn)
         return conn, ack, weights
 
     def _slice(self, names: tuple[str, ...]) -> Gradients:
