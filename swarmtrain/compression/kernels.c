@@ -307,6 +307,29 @@ static inline float load_g1(const void *g, int kind, int64_t i) {
     return kind == G_F16 ? (float)((const _Float16 *)g)[i] : ((const float *)g)[i];
 }
 
+/* What both Adam kernels do first at element i: the gradient as float32, the weight with its
+ * decoupled decay, and the new first moment m + w * (g - m) (torch's lerp). */
+static inline void adam_start1(const float *p, const float *m, const void *g, int kind, int64_t i,
+                               const hyper_t *h, float *gv, float *pv, float *mv) {
+    *gv = load_g1(g, kind, i);
+    *pv = h->decay ? p[i] * h->wd_scale : p[i];
+    *mv = fmaf(h->w, *gv - m[i], m[i]);
+}
+
+#ifdef HAVE_AVX2
+/* adam_start1 for the 8 elements at i; wd and w are h->wd_scale and h->w broadcast */
+static inline void adam_start8(const float *p, const float *m, const void *g, int kind, int64_t i,
+                               const hyper_t *h, __m256 wd, __m256 w, __m256 *gv, __m256 *pv,
+                               __m256 *mv) {
+    *gv = kind == G_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)g + i)))
+                        : _mm256_loadu_ps((const float *)g + i);
+    *pv = _mm256_loadu_ps(p + i);
+    if (h->decay) *pv = _mm256_mul_ps(*pv, wd);
+    __m256 m0 = _mm256_loadu_ps(m + i);
+    *mv = _mm256_fmadd_ps(w, _mm256_sub_ps(*gv, m0), m0);
+}
+#endif
+
 /* plain Adam over n elements; g is float32 or float16 (kind) */
 static void adam_piece(float *p, float *m, float *v, const void *g, int kind, int64_t n,
                        const hyper_t *h, float step_size, float bc2) {
@@ -318,12 +341,8 @@ static void adam_piece(float *p, float *m, float *v, const void *g, int kind, in
     const __m256 vbc2 = _mm256_set1_ps(bc2), veps = _mm256_set1_ps(h->eps);
     const __m256 vnss = _mm256_set1_ps(nss);
     for (; i + 8 <= n; i += 8) {
-        __m256 gv = kind == G_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)g + i)))
-                                  : _mm256_loadu_ps((const float *)g + i);
-        __m256 pv = _mm256_loadu_ps(p + i);
-        if (h->decay) pv = _mm256_mul_ps(pv, wd);
-        __m256 mv = _mm256_loadu_ps(m + i);
-        mv = _mm256_fmadd_ps(w, _mm256_sub_ps(gv, mv), mv);
+        __m256 gv, pv, mv;
+        adam_start8(p, m, g, kind, i, h, wd, w, &gv, &pv, &mv);
         __m256 vv = _mm256_fmadd_ps(_mm256_mul_ps(c2, gv), gv, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
         __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), vbc2), veps);
         pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(vnss, mv), den));
@@ -333,9 +352,8 @@ static void adam_piece(float *p, float *m, float *v, const void *g, int kind, in
     }
 #endif
     for (; i < n; i++) {
-        float gv = load_g1(g, kind, i), pv = p[i];
-        if (h->decay) pv = pv * h->wd_scale;
-        float mv = fmaf(h->w, gv - m[i], m[i]);
+        float gv, pv, mv;
+        adam_start1(p, m, g, kind, i, h, &gv, &pv, &mv);
         float vv = fmaf(h->one_minus_beta2 * gv, gv, v[i] * h->beta2);
         float den = sqrtf(vv) / bc2 + h->eps;
         p[i] = pv + (nss * mv) / den;
@@ -357,12 +375,8 @@ static void held_piece(float *p, float *m, float *v, const void *g, int kind, in
     const __m256 vr = _mm256_set1_ps(rbc1), hi = _mm256_set1_ps(h->clamp), lo = _mm256_set1_ps(-h->clamp);
     const __m256 nlr = _mm256_set1_ps(h->neg_lr), zero = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
-        __m256 gv = kind == G_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)g + i)))
-                                  : _mm256_loadu_ps((const float *)g + i);
-        __m256 pv = _mm256_loadu_ps(p + i);
-        if (h->decay) pv = _mm256_mul_ps(pv, wd);
-        __m256 mv = _mm256_loadu_ps(m + i);
-        mv = _mm256_fmadd_ps(w, _mm256_sub_ps(gv, mv), mv);
+        __m256 gv, pv, mv;
+        adam_start8(p, m, g, kind, i, h, wd, w, &gv, &pv, &mv);
         __m256 vv = _mm256_loadu_ps(v + i);
         vv = _mm256_blendv_ps(vv, _mm256_mul_ps(_mm256_mul_ps(gv, gv), vvb), _mm256_cmp_ps(vv, zero, _CMP_EQ_OQ));
         __m256 den = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vv), vrs), veps);
@@ -375,9 +389,8 @@ static void held_piece(float *p, float *m, float *v, const void *g, int kind, in
     }
 #endif
     for (; i < n; i++) {
-        float gv = load_g1(g, kind, i), pv = p[i];
-        if (h->decay) pv = pv * h->wd_scale;
-        float mv = fmaf(h->w, gv - m[i], m[i]);
+        float gv, pv, mv;
+        adam_start1(p, m, g, kind, i, h, &gv, &pv, &mv);
         float vv = v[i] == 0.0f ? (gv * gv) * vb : v[i];
         float den = sqrtf(vv) * rsvb + h->eps;
         float r = (mv / den) * rbc1;
