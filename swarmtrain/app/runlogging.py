@@ -53,6 +53,7 @@ class CoordinatorSampler:
             }
         line: dict[str, Any] = {
             "role": "coordinator", "version": coord.version, "loss": coord.loss_ema,
+            "learning_rate": coord.learning_rate(),
             "samples": sum(w["samples"] for w in workers.values()),
             "samples_per_sec": sum(w["samples_per_sec"] for w in workers.values()),
             "bytes_up": sum(w["bytes_up"] for w in workers.values()),

@@ -334,6 +334,8 @@ class Coordinator:
                 "training.learning_rate is 0, which means 'the task's default', but no task supplies "
                 "one here: pass learning_rate=... (e.g. learning_rate=1e-3)")
         self.base_lr = t.learning_rate
+        #: the learning rate's factor by update (warm-up, decay): :meth:`learning_rate`
+        self.lr_schedule = t.schedule()
         self.optimizer = make_adam(list(self.params.values()), lr=self.base_lr,
                                     betas=(t.beta1, t.beta2), eps=t.epsilon, weight_decay=t.weight_decay)
         #: the optimizer's step in the fused kernel (one pass: decoding, Adam, publication);
@@ -1044,8 +1046,8 @@ class Coordinator:
                 self._step_window(self.window)
         else:
             rec.weight = self._sample_weight(msg.samples)
-            self._adam(grads, self.base_lr * self._damping(staleness) * rec.weight, is_sparse(msg.codecs),
-                       answer=rec)
+            self._adam(grads, self.learning_rate() * self._damping(staleness) * rec.weight,
+                       is_sparse(msg.codecs), answer=rec)
         with torch.no_grad():  # in arrival order, as one process updates them batch by batch
             for name, change in buffer_changes.items():
                 master = self.buffers[name]
@@ -1192,6 +1194,11 @@ class Coordinator:
         if rec.conn is not None:
             await rec.conn.close(Error(code="too_many_bad_gradients", message=why))
 
+    def learning_rate(self) -> float:
+        """The learning rate of the next update (the one that makes version ``version + 1``):
+        ``training.learning_rate`` times the schedule's factor at this version."""
+        return self.base_lr * self.lr_schedule.factor(self.version)
+
     def _damping(self, staleness: int) -> float:
         """A gradient ``staleness`` updates behind moves the weights 1/staleness as far."""
         return 1.0 / max(1, staleness) if self.config.training.staleness_damping else 1.0
@@ -1253,7 +1260,7 @@ class Coordinator:
     def _step_window(self, window: GradientWindow | RobustWindow) -> None:
         """One Adam step on the open window's combination; the next window opens empty."""
         combined, sparse = window.take()
-        self._adam(combined, self.base_lr, sparse)
+        self._adam(combined, self.learning_rate(), sparse)
         if isinstance(window, RobustWindow):
             self._report_exclusions(window, *window.last_changes)
         self._window_ids.clear()
@@ -1447,6 +1454,7 @@ class Coordinator:
             # "step" is the same number, for the readers every mode's status shares (the
             # swarmtrain_step metric, the demo's progress bar)
             "version": self.version, "step": self.version, "loss": self.loss_ema,
+            "learning_rate": self.learning_rate(),
             "metrics": dict(self.metrics), "state": self.lifecycle.name.lower(),
             "running": self.running, "paused": self.paused,
             "finished": self.finished, "task": self.task_name,
