@@ -123,3 +123,43 @@ def test_a_decaying_schedule_without_a_run_length_is_refused_saying_what_to_set(
     # a warm-up alone needs no run length
     cfg = load_coordinator_config(overrides={"training.warmup_updates": 10})
     assert cfg.training.schedule().factor(4) == 0.5 and cfg.training.schedule().factor(10 ** 6) == 1.0
+
+
+def test_a_peer_steps_its_adamw_with_the_schedule_by_round_as_one_process() -> None:
+    """Peer mode: the round counter travels with the agreed state and sets the inner AdamW's
+    rate; one member alone follows torch's AdamW + SequentialLR, and DiLoCo's inner steps of
+    a round share that round's rate."""
+    from swarmtrain.config import load_peer_config
+    from swarmtrain.roles.peer.training import DiLoCo, StepAveraging
+    from tests.test_peer_model_state import _average
+
+    cfg = load_peer_config(overrides={"training.lr_schedule": "linear", "training.max_rounds": 30,
+                                      "training.warmup_updates": 4, "training.min_lr_ratio": 0.2})
+    schedule = cfg.training.schedule()
+    gen = torch.Generator().manual_seed(3)
+    batches = [DATA.train.get_batch(torch.randint(0, len(DATA.train), (32,), generator=gen))
+               for _ in range(30)]
+    it = iter(batches)
+    peer = StepAveraging(TASK.build_model(), TASK.loss, lambda: next(it), lr=LR, weight_decay=0.01,
+                         schedule=schedule)
+    ref = TASK.build_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    sched = torch_schedule(opt, "linear", 30, 4, 0.2)
+    for batch in batches:
+        assert peer.learning_rate == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9)
+        peer.apply_average(*_average([peer.local_work()]))
+        opt.zero_grad()
+        TASK.loss(ref, batch).backward()
+        opt.step()
+        sched.step()
+    assert peer.round == 30
+    for (name, p), q in zip(peer.model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+
+    diloco = DiLoCo(TASK.build_model(), TASK.loss, lambda: batches[0], lr=LR, weight_decay=0.0,
+                    inner_steps=2, schedule=schedule)
+    for r in range(6):
+        diloco.apply_average(*_average([diloco.local_work()]))
+        assert diloco.inner.param_groups[0]["lr"] == pytest.approx(LR * schedule.factor(r)), r
+    with pytest.raises(ConfigError, match="training.max_rounds, which is 0"):
+        load_peer_config(overrides={"training.lr_schedule": "cosine"})

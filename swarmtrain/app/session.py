@@ -276,7 +276,8 @@ def _build_peer(cfg: PeerConfig) -> tuple[PeerBackend, PeerTrainer, CoreShare]:
     # every peer samples the whole data set, in its own order
     shard = Shard(data.train, 0, 1, seed=zlib.crc32(identity.peer_id.encode()))
     lr = t.learning_rate or task.default_learning_rate
-    common: dict[str, Any] = {"lr": lr, "weight_decay": t.weight_decay, "speed": t.speed, "device": device}
+    common: dict[str, Any] = {"lr": lr, "weight_decay": t.weight_decay, "speed": t.speed, "device": device,
+                              "schedule": t.schedule()}
 
     def next_batch() -> Any:
         share.apply()  # the training thread, between steps: where a new thread count takes

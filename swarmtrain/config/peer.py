@@ -9,6 +9,7 @@ from swarmtrain.config.sections import (
     DataConfig,
     HardwareConfig,
     LoggingConfig,
+    LRScheduleConfig,
     OpsConfig,
     SecurityConfig,
     ServerLimitsConfig,
@@ -53,10 +54,11 @@ class PeerDiscoveryConfig(_Section):
 
 
 @dataclass(frozen=True)
-class PeerTrainingConfig(_Section):
+class PeerTrainingConfig(LRScheduleConfig):
     """[training] of a peer: per-step averaging or DiLoCo."""
 
     SECTION = "training"
+    RUN_LENGTH = "max_rounds"
     task: str = _opt("textlm", "'digits', 'textlm' or 'package.module:factory'")
     mode: str = _opt("diloco", "'diloco' (H local steps, then average) or 'step' (every step)",
                      choices=("diloco", "step"))

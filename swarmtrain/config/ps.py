@@ -13,12 +13,11 @@ from swarmtrain.config.sections import (
     DataConfig,
     HardwareConfig,
     LoggingConfig,
+    LRScheduleConfig,
     OpsConfig,
     SecurityConfig,
     ServerLimitsConfig,
 )
-from swarmtrain.core.schedule import SCHEDULES, LRSchedule
-from swarmtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from swarmtrain.transport.endpoints import ServerLimits
@@ -61,7 +60,7 @@ class CoordinatorNetworkConfig(ServerLimitsConfig):
 
 
 @dataclass(frozen=True)
-class CoordinatorTrainingConfig(_Section):
+class CoordinatorTrainingConfig(LRScheduleConfig):
     """[training] of the coordinator: task, Adam, staleness, and the run's length."""
 
     SECTION = "training"
@@ -74,16 +73,6 @@ class CoordinatorTrainingConfig(_Section):
     weight_decay: float = _opt(
         0.0, "decoupled weight decay (AdamW's rule: each step multiplies the weights by "
         "1 - lr * weight_decay)", ge=0.0)
-    lr_schedule: str = _opt(
-        "constant", "learning rate over the run, after the warm-up: 'constant', or 'cosine' / "
-        "'linear' decay to min_lr_ratio x learning_rate at update max_steps (which must be set); "
-        "a function of the update number, so --resume continues it", choices=SCHEDULES)
-    warmup_updates: int = _opt(
-        0, "updates over which the learning rate ramps linearly from learning_rate / "
-        "warmup_updates up to learning_rate (0 = no warm-up)", ge=0)
-    min_lr_ratio: float = _opt(
-        0.0, "with a cosine or linear lr_schedule: the learning rate at the last update, as a "
-        "fraction of learning_rate", ge=0.0, le=1.0)
     min_workers: int = _opt(1, "workers needed before training starts", ge=1)
     max_staleness: int = _opt(16, "gradients staler than this are dropped", ge=0)
     staleness_damping: bool = _opt(True, "scale the learning rate down with staleness")
@@ -144,20 +133,6 @@ class CoordinatorTrainingConfig(_Section):
         "only as robust as the workers in it)", gt=0.0)
     max_bad_in_row: int = _opt(
         5, "disconnect a worker whose gradients were refused this many times in a row", ge=1)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.lr_schedule != "constant" and self.max_steps <= self.warmup_updates:
-            raise ConfigError(
-                f"training.lr_schedule = {self.lr_schedule!r} decays the learning rate until "
-                f"training.max_steps, which is {self.max_steps}"
-                + (" (run until stopped)" if not self.max_steps else
-                   f", not more than training.warmup_updates ({self.warmup_updates})")
-                + ": set max_steps to the run's length, or lr_schedule = 'constant'")
-
-    def schedule(self) -> LRSchedule:
-        """The learning-rate factor by update that these keys describe."""
-        return LRSchedule(self.lr_schedule, self.max_steps, self.warmup_updates, self.min_lr_ratio)
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from swarmtrain.config.schema import _opt, _Section
+from swarmtrain.core.schedule import SCHEDULES, LRSchedule
 from swarmtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from swarmtrain.transport.endpoints import ServerLimits
 
 __all__ = ["CheckpointingConfig", "ClientSecurityConfig", "CompressionConfig", "ConsoleLoggingConfig",
-           "HardwareConfig", "LoggingConfig", "OpsConfig", "SecurityConfig", "ServerLimitsConfig"]
+           "HardwareConfig", "LRScheduleConfig", "LoggingConfig", "OpsConfig", "SecurityConfig",
+           "ServerLimitsConfig"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +172,42 @@ class ServerLimitsConfig(_Section):
         return ServerLimits(max_connections=self.max_connections,
                             max_per_address=self.max_connections_per_address,
                             max_failed_auth=self.max_failed_auth)
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig(_Section):
+    """The learning-rate schedule keys of a ``[training]`` that steps an optimizer (the
+    coordinator's, counted in updates up to ``max_steps``; a peer's, in rounds up to
+    ``max_rounds``): :class:`~swarmtrain.core.schedule.LRSchedule`."""
+
+    SECTION = "training"
+    TRAILING: ClassVar[bool] = True
+    #: the key holding the run's length, which a decaying schedule ends at
+    RUN_LENGTH: ClassVar[str] = "max_steps"
+    lr_schedule: str = _opt(
+        "constant", "learning rate over the run, after the warm-up: 'constant', or 'cosine' / "
+        "'linear' decay to min_lr_ratio x learning_rate at the run's last update (max_steps of a "
+        "coordinator, max_rounds of a peer: it must be set); a function of the update number, so "
+        "a resumed run continues it", choices=SCHEDULES)
+    warmup_updates: int = _opt(
+        0, "updates (a peer's rounds) over which the learning rate ramps linearly from "
+        "learning_rate / warmup_updates up to learning_rate (0 = no warm-up)", ge=0)
+    min_lr_ratio: float = _opt(
+        0.0, "with a cosine or linear lr_schedule: the learning rate at the last update, as a "
+        "fraction of learning_rate", ge=0.0, le=1.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        length = getattr(self, self.RUN_LENGTH)
+        if self.lr_schedule != "constant" and length <= self.warmup_updates:
+            raise ConfigError(
+                f"training.lr_schedule = {self.lr_schedule!r} decays the learning rate until "
+                f"training.{self.RUN_LENGTH}, which is {length}"
+                + (" (run until stopped)" if not length else
+                   f", not more than training.warmup_updates ({self.warmup_updates})")
+                + f": set {self.RUN_LENGTH} to the run's length, or lr_schedule = 'constant'")
+
+    def schedule(self) -> LRSchedule:
+        """The learning-rate factor by update that these keys describe."""
+        return LRSchedule(self.lr_schedule, getattr(self, self.RUN_LENGTH), self.warmup_updates,
+                          self.min_lr_ratio)

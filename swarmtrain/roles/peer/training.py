@@ -59,6 +59,7 @@ from swarmtrain.core import hardware
 from swarmtrain.core.devices import batch_to
 from swarmtrain.core.modelstate import ModelState, buffer_changes, master_dtype, snapshot_buffers
 from swarmtrain.core.precision import LossScaler
+from swarmtrain.core.schedule import LRSchedule
 
 __all__ = ["Contribution", "Strategy", "StepAveraging", "DiLoCo", "flatten", "unflatten_into"]
 
@@ -131,13 +132,15 @@ class Strategy(ABC):
         loss_fn: ``loss_fn(model, batch)``, a scalar loss.
         next_batch: the next training batch (moved to ``device`` here).
         lr, weight_decay: of the (inner) AdamW, which steps the float32 masters.
+        schedule: the learning rate's factor by round (warm-up, decay; default constant): the
+            round travels with the agreed state, so every member steps with the same rate.
         speed: fraction of full speed (a throttle, to rehearse a slower machine).
         device: where the model computes (default: where its parameters already are).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, next_batch: NextBatch, *,
                  lr: float, weight_decay: float, speed: float = 1.0,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, schedule: LRSchedule | None = None) -> None:
         if device is not None:
             model.to(device)
         first = next(iter(model.parameters()), None)
@@ -157,6 +160,8 @@ class Strategy(ABC):
         self.round_tensor = torch.zeros(1)  # the round counter travels with the state
         self.throttle = hardware.Throttle(speed)
         self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        self.base_lr = lr
+        self.schedule = schedule or LRSchedule()
         self.last_loss = float("nan")
         self._shares: torch.Tensor | None = None
 
@@ -168,6 +173,15 @@ class Strategy(ABC):
     @property
     def round(self) -> int:
         return int(self.round_tensor.item())
+
+    @property
+    def learning_rate(self) -> float:
+        """The inner optimizer's learning rate in this round: ``lr`` times the schedule's factor."""
+        return self.base_lr * self.schedule.factor(self.round)
+
+    def _schedule_inner(self) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = self.learning_rate
 
     @abstractmethod
     def boundary_state(self) -> list[torch.Tensor]:
@@ -314,6 +328,7 @@ class StepAveraging(Strategy):
     def apply(self, mean: torch.Tensor) -> None:
         grads, changes = self._unpack(mean)
         self._set_grads(self.masters, grads)
+        self._schedule_inner()
         self.inner.step()  # a master with grad None is not stepped at all
         for m in self.masters:
             m.grad = None
@@ -336,9 +351,9 @@ class DiLoCo(Strategy):
     def __init__(self, model: nn.Module, loss_fn: LossFn, next_batch: NextBatch, *, lr: float,
                  weight_decay: float, inner_steps: int = 50, inner_seconds: float = 0.0,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, speed: float = 1.0,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, schedule: LRSchedule | None = None) -> None:
         super().__init__(model, loss_fn, next_batch, lr=lr, weight_decay=weight_decay, speed=speed,
-                         device=device)
+                         device=device, schedule=schedule)
         self.inner_steps = inner_steps
         self.inner_seconds = inner_seconds
         self.global_params = [m.detach().clone() for m in self.masters]
@@ -366,6 +381,7 @@ class DiLoCo(Strategy):
 
     def local_work(self) -> Contribution:
         self.after_state_load()
+        self._schedule_inner()  # the inner steps of a round share its rate; the outer lr stays
         before = snapshot_buffers(self.buffers)
         computed = [False] * len(self.params)
         samples = steps = tries = 0
