@@ -314,7 +314,8 @@ class PeerTrainer:
             self.run_log.metrics(
                 force=evaluated, role="peer", round=r, epoch=self.backend.epoch,
                 world_size=self.backend.world_size, loss=self.strategy.last_loss,
-                learning_rate=self.strategy.learning_rate, samples=self.samples, samples_per_sec=self.samples / elapsed if elapsed > 0 else 0.0,
+                learning_rate=self.strategy.learning_rate, samples=self.samples,
+                samples_per_sec=self.samples / elapsed if elapsed > 0 else 0.0,
                 bytes_sent=self.backend.bytes_sent, bytes_received=self.backend.bytes_received,
                 **({"eval": dict(self.metrics)} if evaluated else {}))
         if self.status_file:
@@ -326,7 +327,8 @@ class PeerTrainer:
 
     def status(self) -> dict[str, Any]:
         return {**self.backend.status(), "round": self.strategy.round, "samples": self.samples,
-                "learning_rate": self.strategy.learning_rate, "inner_steps": self.inner_steps, "metrics": self.metrics,
+                "learning_rate": self.strategy.learning_rate, "inner_steps": self.inner_steps,
+                "metrics": self.metrics,
                 "nonfinite_local": self.nonfinite_local, "rounds_refused": self.rounds_refused,
                 "robust": self.scores.summary() if self.robust != "none" else {},
                 "loss": self.strategy.last_loss if math.isfinite(self.strategy.last_loss) else None,
