@@ -216,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--task", default="digits")
     d.add_argument("--steps", type=int, default=0, help="updates to run (default: the task's demo length)")
     d.add_argument("--compression", default="none", choices=_choices(CoordinatorConfig, "compression.type"))
+    d.add_argument("--lr-schedule", default="cosine",
+                   choices=_choices(CoordinatorConfig, "training.lr_schedule"),
+                   help="the coordinator's learning rate over the run (default: warm-up over the first "
+                   "5%%, then cosine to 0.1x by the last update)")
     d.add_argument("--log-level", default="warning", choices=_choices(CoordinatorConfig, "logging.level"))
 
     k = sub.add_parser("ctl", help="control a running coordinator")
@@ -435,7 +439,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from swarmtrain.app.demo import run_demo
 
     return run_demo(workers=args.workers, task=args.task, steps=args.steps,
-                    compression=args.compression, log_level=args.log_level)
+                    compression=args.compression, lr_schedule=args.lr_schedule, log_level=args.log_level)
 
 
 def _cli_security(args: argparse.Namespace) -> ClientSecurityConfig:
