@@ -202,6 +202,22 @@ def test_plot_of_a_worker_log_draws_the_charts_that_apply(real_run: Run, tmp_pat
     assert {Path(p).name for p in r.stdout.split()} == {"worker-throughput.png", "worker-bytes.png"}
 
 
+def test_plot_charts_a_changing_learning_rate_and_not_a_constant_one(tmp_path: Path) -> None:
+    from swarmtrain.app.plotting import plot_run_log
+    from swarmtrain.core.schedule import LRSchedule
+
+    for kind in ("cosine", "constant"):
+        schedule = LRSchedule(kind, 100, 10 if kind == "cosine" else 0, 0.1)
+        path = tmp_path / kind / "coordinator.jsonl"
+        path.parent.mkdir()
+        path.write_text("".join(json.dumps({
+            "time": 1000.0 + v, "kind": "metrics", "role": "coordinator", "version": v, "loss": 1.0 / (1 + v),
+            "learning_rate": 3e-3 * schedule.factor(v)}) + "\n" for v in range(0, 100, 5)))
+        names = {p.name for p in plot_run_log(path)}
+        assert ("coordinator-lr.png" in names) == (kind == "cosine"), (kind, names)
+        assert "coordinator-loss.png" in names
+
+
 @pytest.mark.parametrize(("content", "message"), [
     (None, "does not exist"), ("", "is empty"), ("loss,accuracy\n1,2\n", "line 1 is not JSON"),
 ])

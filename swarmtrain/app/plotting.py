@@ -1,11 +1,12 @@
 """`swarmtrain plot`: PNG charts of a run log (see :mod:`swarmtrain.app.runlog`).
 
-Up to four charts, each written only when the log has data for it:
+Up to five charts, each written only when the log has data for it:
 
 * ``<stem>-loss.png`` — training loss over time;
 * ``<stem>-heldout.png`` — every held-out metric (accuracy, loss...) over time;
 * ``<stem>-throughput.png`` — samples/s over time, one line per worker for a coordinator;
-* ``<stem>-bytes.png`` — bytes sent and received so far, in MB.
+* ``<stem>-bytes.png`` — bytes sent and received so far, in MB;
+* ``<stem>-lr.png`` — the learning rate over time, when it changes (a warm-up or decay).
 
 Membership changes (workers joining or leaving, peer epochs, broken rings) are drawn as
 dotted vertical lines on the loss and throughput charts. Matplotlib draws off-screen (Agg),
@@ -65,6 +66,8 @@ def plot_run_log(path: str | os.PathLike[str], out_dir: str | os.PathLike[str] |
         ("heldout", f"held-out metrics ({role})", "value", _eval_series(metrics, at), False),
         ("throughput", f"throughput ({role})", "samples/s", _throughput(metrics, at), True),
         ("bytes", f"traffic ({role})", "MB so far", _bytes(metrics, at), False),
+        ("lr", f"learning rate ({role})", "learning rate",
+         _changing(_series(metrics, at, ("learning_rate",))), True),
     ]
     written = []
     for name, title, ylabel, series, with_marks in charts:
@@ -98,6 +101,11 @@ def _series(records: Iterable[Mapping[str, Any]], at: Any, keys: tuple[str, ...]
             xs.append(at(r))
             ys.append(y)
     return xs, ys
+
+
+def _changing(series: Series) -> dict[str, Series]:
+    """The learning rate's series if it changes at all (a constant one is not worth a chart)."""
+    return {"learning rate": series} if len(set(series[1])) > 1 else {}
 
 
 def _eval_series(metrics: list[dict[str, Any]], at: Any) -> dict[str, Series]:
