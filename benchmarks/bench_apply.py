@@ -42,6 +42,7 @@ from swarmtrain.roles.ps.common import pack_compressed, unpack_compressed, unpac
 from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
 from swarmtrain.tasks import TextLMConfig, TextLMTask
 from swarmtrain.wire import Decoder, Gradients, UpdateStatus, encode_bytes
+from swarmtrain.wire.pool import MIN_BYTES, PAYLOADS
 
 #: the ~10M-parameter model: a byte-level GPT of the textlm task (10,069,120 params, 101 tensors)
 MODEL = TextLMConfig(context=128, d_model=320, n_heads=8, n_layers=8)
@@ -112,17 +113,29 @@ def adam_baseline(grads: dict[str, torch.Tensor], kind: dict[str, bool]) -> Call
 # -------------------------------------------------------------------------------- (b) swarmtrain
 
 
-def received_message(grads: dict[str, torch.Tensor], cfg: Any) -> Gradients:
-    """A Gradients message as the coordinator gets it: compressed, packed, framed, decoded."""
+#: the pieces the socket hands the decoder in the receive rows (a loopback recv here returns
+#: 64 KiB to a few MiB at a time)
+RECV_CHUNK = 1 << 18
+
+
+def gradient_frame(grads: dict[str, torch.Tensor], cfg: Any) -> bytes:
+    """A worker's Gradients frame: compressed by the real codec, packed, framed."""
     c = cfg.compression
     codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
                        bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
     items = {n: codec.compress(g) for n, g in grads.items()}
     codecs, tensors = pack_compressed(items)
-    frame = encode_bytes(Gradients(msg_id=1, version=0, samples=32, loss=2.5, codecs=codecs,
-                                   tensors=tensors))
-    dec = Decoder()
-    dec.feed(frame)
+    return encode_bytes(Gradients(msg_id=1, version=0, samples=32, loss=2.5, codecs=codecs,
+                                  tensors=tensors))
+
+
+def receive(frame: memoryview, *, measure: bool = True) -> Gradients:
+    """``frame`` through a :class:`Decoder` as the coordinator's connection feeds it: the
+    socket's copy into the payload buffer is a copy of RECV_CHUNK pieces here, and with
+    ``measure`` (the default for GRADIENTS) each piece's sums of squares are taken after it."""
+    dec = Decoder() if measure else Decoder(measure=())
+    for i in range(0, len(frame), RECV_CHUNK):
+        dec.feed(frame[i:i + RECV_CHUNK])
     msg = dec.next_message()
     if not isinstance(msg, Gradients):
         raise RuntimeError(f"decoded {type(msg).__name__}, expected Gradients")
@@ -133,6 +146,7 @@ class ApplyBench:
     """A coordinator with one registered worker, and the pieces of its apply path."""
 
     PIECES = ("decompress", "screen", "adam", "publish")
+    RECEIVES = ("receive", "receive unmeasured", "receive fresh buffers", "norm after")
 
     def __init__(self, codec_name: str, grads: dict[str, torch.Tensor]) -> None:
         self.codec_name = codec_name
@@ -141,7 +155,8 @@ class ApplyBench:
                                                  "training.learning_rate": LR,
                                                  "training.resync_interval": 10**9})
         self.coord = Coordinator(build_model(), cfg, task_name="bench")
-        self.rx = received_message(grads, cfg)
+        self.frame = memoryview(gradient_frame(grads, cfg))
+        self.rx = receive(self.frame)
         self.wire_bytes = sum(t.numel() * t.element_size() for t in self.rx.tensors.values())
         self.rec = WorkerRecord("bench", "127.0.0.1:0", {}, 32, 0.0, [0])
         self.coord.workers[self.rec.worker_id] = self.rec
@@ -163,6 +178,31 @@ class ApplyBench:
         if status != "applied":
             raise RuntimeError(f"gradient was {status}, not applied")
 
+    def receive(self, _: int) -> None:
+        """The frame's receive as the coordinator's connection does it: into a payload buffer
+        from the pool, the sums of squares taken piece by piece (the norm screen's pass)."""
+        receive(self.frame)
+
+    def receive_unmeasured(self, _: int) -> None:
+        """The same receive without the sums (their cost is the difference)."""
+        receive(self.frame, measure=False)
+
+    def receive_fresh(self, _: int) -> None:
+        """The receive before the payload pool: a new buffer per frame, whose pages fault
+        as the socket first writes them (and no sums)."""
+        PAYLOADS.min_bytes = 1 << 62
+        try:
+            receive(self.frame, measure=False)
+        finally:
+            PAYLOADS.min_bytes = MIN_BYTES
+
+    def norm_after(self, _: int) -> None:
+        """The screen's norm read after the frame, as it was before the sums were taken on
+        arrival (one pass over the gradient in memory)."""
+        plain = dataclasses.replace(self.rx, tensors=dict(self.rx.tensors))
+        if not math.isfinite(coordinator_module._gradient_norm(plain, self.grads)):
+            raise RuntimeError("the benchmark gradients are finite")
+
     def decompress(self, _: int) -> None:
         """The unpacking the apply does: checks only for fp16 and top-k with the fused Adam
         (it decodes them in its pass), a float32 decoding otherwise."""
@@ -172,8 +212,8 @@ class ApplyBench:
             unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
 
     def screen(self, _: int) -> None:
-        """The screen ``Coordinator._refusal`` runs: one norm pass (over the wire values where
-        they are the gradient), which also finds NaN/Inf."""
+        """The screen ``Coordinator._refusal`` runs on the apply thread: the norm (which also
+        finds NaN/Inf) from the sums taken on arrival."""
         if not math.isfinite(coordinator_module._gradient_norm(self.rx, self.grads)):
             raise RuntimeError("the benchmark gradients are finite")
 
@@ -207,7 +247,9 @@ class ApplyBench:
         c = self.codec_name
         return {f"{c} apply": self.apply, f"{c} decompress": self.decompress,
                 f"{c} screen": self.screen, f"{c} adam": self.adam,
-                f"{c} publish": self.publish, f"{c} snapshot": self.snapshot}
+                f"{c} publish": self.publish, f"{c} snapshot": self.snapshot,
+                f"{c} receive": self.receive, f"{c} receive unmeasured": self.receive_unmeasured,
+                f"{c} receive fresh buffers": self.receive_fresh, f"{c} norm after": self.norm_after}
 
     def result(self, t: dict[str, Timing]) -> dict[str, Any]:
         c = self.codec_name
@@ -222,6 +264,10 @@ class ApplyBench:
             "apply": total.to_dict(),
             "apply_amortized_resync_ms": amortized * 1e3,
             "parts": {k: v.to_dict() for k, v in parts.items()},
+            "receive": {k: t[f"{c} {k}"].to_dict() for k in self.RECEIVES},
+            # the sums' cost on the receiving thread: with it, the coordinator's whole CPU per
+            # update is this plus the receive's unavoidable copy
+            "measuring_ms": (t[f"{c} receive"].median - t[f"{c} receive unmeasured"].median) * 1e3,
             "other_ms": (total.median - sum(v.median for v in parts.values())) * 1e3,
             "resync_snapshot": snapshot.to_dict(),
             "resync_interval": every,
@@ -308,7 +354,9 @@ def to_markdown(res: dict[str, Any]) -> str:
             rows.append([f"torch Adam {label}", "-", t["median_ms"], rate, per_step * rate / 1e9,
                          ref / t["median_ms"], ref_fused / t["median_ms"], rate / bound])
         for codec, s in r["swarmtrain"].items():
-            ms = s["apply"]["median_ms"]
+            # the apply thread's call plus the sums of squares the receiving thread took (the
+            # screen's pass, moved to arrival): every check the update pays for
+            ms = s["apply"]["median_ms"] + max(0.0, s.get("measuring_ms", 0.0))
             rate = 1e3 / ms
             rows.append([f"swarmtrain apply, {codec}", f"{s['wire_bytes'] / 1e6:.1f}", ms, rate,
                          per_step * rate / 1e9, ref / ms, ref_fused / ms, rate / bound])
@@ -342,6 +390,25 @@ def to_markdown(res: dict[str, Any]) -> str:
                       "rest", "track restart", "apply incl. restart"], split_rows),
             "",
         ]
+        recv_rows = []
+        for codec, s in r["swarmtrain"].items():
+            rc = s.get("receive")
+            if rc:
+                recv_rows.append([codec, rc["receive fresh buffers"]["median_ms"],
+                                  rc["receive unmeasured"]["median_ms"], rc["receive"]["median_ms"],
+                                  s["measuring_ms"], rc["norm after"]["median_ms"],
+                                  s["apply"]["median_ms"], s["apply"]["median_ms"] + s["measuring_ms"]])
+        if recv_rows:
+            out += [
+                f"Receiving the gradient (the frame fed to the decoder in {RECV_CHUNK >> 10} KiB "
+                "pieces, each copied in as the socket would; ms):",
+                "",
+                md_table(["codec", "receive, fresh buffer per frame (before)",
+                          "receive, pooled buffer", "receive, pooled + sums on arrival",
+                          "sums on arrival", "the same norm read after the frame (before)",
+                          "apply", "apply + sums on arrival"], recv_rows),
+                "",
+            ]
     every = next(iter(next(iter(res['by_threads'].values()))['swarmtrain'].values()))['resync_interval']
     out += [
         "Notes: \"publish + answer\" is one publication into the shared downlink log (the "
@@ -357,7 +424,11 @@ def to_markdown(res: dict[str, Any]) -> str:
         "publication (fp16 or uniform coding of the new weights, or with no compression the "
         "copy the answers share) is made in Adam's pass, block by block while in cache; "
         "\"Adam\" and \"publish + answer\" are timed apart, so \"rest\" is negative by what the "
-        "fusion saves.",
+        "fusion saves. The swarmtrain rows of the first table are the apply **plus** the sums of "
+        "squares taken as the gradient arrived (on the receiving thread, while the pieces are in "
+        "cache: the norm screen's pass, which \"norm screen\" then only adds up); the receive "
+        "itself (the copy off the socket) is in no Adam baseline and in no row there, and is "
+        "given in the receive table.",
     ]
     return "\n".join(out)
 

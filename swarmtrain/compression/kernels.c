@@ -202,10 +202,11 @@ int st_publish_uniform(const float *m, float *pub, uint8_t *codes, float *scales
     return bad;
 }
 
-/* sum of squares of float32 / float16 values (NaN and inf make it NaN / inf) */
+/* sum of squares of float32 / float16 values (NaN and inf make it NaN / inf), added to acc
+ * block by block: a range summed in pieces cut at multiples of BLOCK, each piece continuing
+ * from the last one's acc, gives the bits of one call over the whole range */
 #define SUMSQ(name, type)                                                    \
-    double name(const type *x, int64_t n) {                                  \
-        double acc = 0.0;                                                    \
+    static double name##_acc(double acc, const type *x, int64_t n) {         \
         int64_t i = 0;                                                       \
         for (; i + BLOCK <= n; i += BLOCK) {                                 \
             float l[LANES] = {0};                                            \
@@ -219,13 +220,14 @@ int st_publish_uniform(const float *m, float *pub, uint8_t *codes, float *scales
         for (; i < n; i++) acc += (double)(float)x[i] * (double)(float)x[i]; \
         return acc;                                                          \
     }
-SUMSQ(st_sumsq_f32, float)
+SUMSQ(sumsq_f32_acc_c, float)
 SUMSQ(sumsq_f16_scalar, _Float16)
 
+double st_sumsq_f32(const float *x, int64_t n) { return sumsq_f32_acc_c_acc(0.0, x, n); }
+
 /* float16: the compiler does not vectorize the widening here, so it is written out */
-double st_sumsq_f16(const _Float16 *x, int64_t n) {
+static double sumsq_f16_acc(double acc, const _Float16 *x, int64_t n) {
 #ifdef HAVE_AVX2
-    double acc = 0.0;
     int64_t i = 0;
     for (; i + BLOCK <= n; i += BLOCK) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -241,11 +243,13 @@ double st_sumsq_f16(const _Float16 *x, int64_t n) {
         }
         acc += hsum(a0) + hsum(a1) + hsum(a2) + hsum(a3);
     }
-    return acc + sumsq_f16_scalar(x + i, n - i);
+    return sumsq_f16_scalar_acc(acc, x + i, n - i);
 #else
-    return sumsq_f16_scalar(x, n);
+    return sumsq_f16_scalar_acc(acc, x, n);
 #endif
 }
+
+double st_sumsq_f16(const _Float16 *x, int64_t n) { return sumsq_f16_acc(0.0, x, n); }
 
 /* The top-k decoder (swarmtrain/compression/topk.py) after its checks: out = 0 but for the
  * k kept entries, block b's j-th at b * 65536 + index_low, value widened from float16.
@@ -538,4 +542,23 @@ double st_sumsq_many(const int64_t *ptrs, const int64_t *lens, const int32_t *ha
         acc += half[i] ? st_sumsq_f16((const _Float16 *)ptrs[i], lens[i])
                        : st_sumsq_f32((const float *)ptrs[i], lens[i]);
     return acc;
+}
+
+/* The receiver's sums of squares while a payload arrives (swarmtrain/wire/measure.py): for
+ * every float range i of the payload at `base` (ranges[4i..4i+3] = start byte, end byte,
+ * element size 4 for float32 or 2 for float16, bytes summed so far), out[i] takes the sum of
+ * squares of the range's elements below byte hi: up to the last whole BLOCK of elements
+ * below hi, or to its end once hi reaches it. Pieces are cut at whole blocks, so out[i] has
+ * the bits of st_sumsq_f32 / _f16 over the whole range however the payload arrived. */
+void st_sumsq_ranges(const char *base, int64_t *ranges, int64_t count, int64_t hi, double *out) {
+    for (int64_t i = 0; i < count; i++) {
+        int64_t *r = ranges + 4 * i;
+        const int64_t start = r[0], end = r[1], size = r[2], done = r[3];
+        int64_t z = end;
+        if (hi < end) z = start + (hi - start) / (BLOCK * size) * (BLOCK * size);
+        if (z <= done) continue;
+        out[i] = size == 2 ? sumsq_f16_acc(out[i], (const _Float16 *)(base + done), (z - done) / 2)
+                           : sumsq_f32_acc_c_acc(out[i], (const float *)(base + done), (z - done) / 4);
+        r[3] = z;
+    }
 }

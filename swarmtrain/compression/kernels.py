@@ -111,6 +111,8 @@ class Kernels:
         lib.st_sumsq_f32.restype = lib.st_sumsq_f16.restype = ctypes.c_double
         lib.st_sumsq_many.argtypes = [p, p, p, i64]
         lib.st_sumsq_many.restype = ctypes.c_double
+        lib.st_sumsq_ranges.argtypes = [p, p, i64, i64, p]
+        lib.st_sumsq_ranges.restype = None
         lib.st_topk_check.argtypes = [p, p, i64, i64, i64]
         lib.st_topk_check.restype = ctypes.c_int
         lib.st_adam_apply.argtypes = [p, p, i64, p, p, p, i64, i64, p, ctypes.c_int, ctypes.c_int,
@@ -234,6 +236,15 @@ class Kernels:
             return float(self._lib.st_sumsq_many(ptrs, lens, half, count))
 
         return float(sum(self._run([partial(call, share) for share in shares])))
+
+    def sumsq_ranges(self, base: int, ranges: ctypes.Array[ctypes.c_int64], count: int, hi: int,
+                     out: ctypes.Array[ctypes.c_double]) -> None:
+        """Advance the sums of squares ``out[i]`` of the ``count`` float ranges of the buffer
+        at address ``base`` (``ranges[4i:4i+4]`` = start byte, end byte, element size 4 or 2,
+        bytes summed so far, which this moves) over what lies below byte ``hi``, on this
+        thread. The caller (:mod:`swarmtrain.wire.measure`) checked the ranges against the
+        buffer."""
+        self._lib.st_sumsq_ranges(base, ranges, count, hi, out)
 
     def topk_check(self, index_low: torch.Tensor, counts: torch.Tensor, numel: int) -> int:
         """The top-k decoder's checks on contiguous parts: 0 (fine), 1 (the block counts are

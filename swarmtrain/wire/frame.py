@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -29,7 +30,9 @@ from typing import Any
 import msgpack
 
 from swarmtrain.errors import LocalProtocolError, RemoteProtocolError, TruncatedFrame
+from swarmtrain.wire.measure import MeasuredTensors, PayloadMeasure
 from swarmtrain.wire.messages import Message, MsgType, OutOfRange, message_from_fields
+from swarmtrain.wire.pool import PAYLOADS
 from swarmtrain.wire.tensors import layout_tensors, rebuild_tensors
 
 __all__ = [
@@ -147,10 +150,18 @@ class Decoder:
     stays broken and every later call raises the same error. The exception is a sound frame
     whose message has a field out of range (:class:`OutOfRange`, outside the handshake): it
     is dropped, kept for :meth:`next_refusal`, and decoding goes on.
+
+    Frames of the types in ``measure`` (GRADIENTS by default) have the sums of squares of
+    their float tensors taken while the payload arrives, in cache
+    (:mod:`swarmtrain.wire.measure`): their message's ``tensors`` is then a
+    :class:`~swarmtrain.wire.measure.MeasuredTensors` holding them.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS,
+                 measure: Collection[MsgType] = (MsgType.GRADIENTS,)) -> None:
         self.limits = limits
+        self._measure_types = frozenset(measure)
+        self._measure: PayloadMeasure | None = None
         self._ready: deque[Message] = deque()
         #: well-framed messages dropped for a field out of range (the stream went on)
         self.refused: deque[OutOfRange] = deque(maxlen=256)
@@ -212,7 +223,7 @@ class Decoder:
         if self._error is not None:
             raise self._error
         if not self._payload_made:
-            self._buf = bytearray(self._payload_len)
+            self._buf = PAYLOADS.take(self._payload_len)  # (a large one used before, if idle)
             self._payload_made = True
         return memoryview(self._buf)[self._filled :]
 
@@ -234,6 +245,8 @@ class Decoder:
             raise self._error
         self._filled += nbytes
         self.bytes_received += nbytes
+        if self._measure is not None and self._state is DecoderState.PAYLOAD:
+            self._measure.advance(self._buf, self._filled)
         while self._filled == len(self._buf) and self._error is None and self._payload_made:
             self._advance()
 
@@ -299,6 +312,8 @@ class Decoder:
                 "too_many_tensors", f"frame carries {len(obj['t'])} tensors; limit {self.limits.max_tensors}"
             ))
         self._fields, self._descs = obj["f"], obj["t"]
+        self._measure = (PayloadMeasure.plan(self._descs, self._payload_len)
+                         if self._payload_len and self._mtype in self._measure_types else None)
         self._start(DecoderState.PAYLOAD, bytearray())
         if self._payload_len == 0:
             self._finish()
@@ -307,8 +322,11 @@ class Decoder:
 
     def _finish(self) -> None:
         payload = self._buf
+        measure, self._measure = self._measure, None
         try:
             tensors = rebuild_tensors(self._descs, payload, self.limits.max_tensors)
+            if measure is not None:
+                tensors = MeasuredTensors(tensors, measure.sums())
             msg = message_from_fields(self._mtype, self._fields, tensors)
         except OutOfRange as exc:
             if exc.fatal:

@@ -1555,17 +1555,29 @@ def _wanted_track(lag: int) -> int:
 def _gradient_norm(msg: Gradients, grads: Mapping[str, LazyGradient]) -> float:
     """The L2 norm of a decoded gradient, read from the smallest exact form of each tensor:
     the float16 values on the wire (a top-k gradient's k of them) where decoding only widens
-    and places them, the decoded tensor otherwise. One pass, in the fused kernels when built."""
+    and places them, the decoded tensor otherwise. The sums of squares the decoder took as
+    the payload arrived (:mod:`swarmtrain.wire.measure`) are used where it took them; the
+    rest is one pass, in the fused kernels when built."""
+    measured = getattr(msg.tensors, "sumsq", None)
+    total = 0.0
     sources = []
     for name, g in grads.items():
-        values = (msg.tensors.get(f"{name}/values")
-                  if msg.codecs[name].get("codec") in _VALUES_ARE_THE_GRADIENT else None)
+        values = None
+        if msg.codecs[name].get("codec") in _VALUES_ARE_THE_GRADIENT:
+            key = f"{name}/values"
+            if measured is not None and key in measured:
+                total += measured[key]
+                continue
+            values = msg.tensors.get(key)
         sources.append(values if values is not None else dense_gradient(g))
+    if not sources:
+        return math.sqrt(total)
     fast = kernels()
     if fast is not None and all(t.device.type == "cpu" and t.is_contiguous()
                                 and t.dtype in (torch.float32, torch.float16) for t in sources):
-        return math.sqrt(fast.sumsq_many(sources))
-    return global_norm(sources)
+        return math.sqrt(total + fast.sumsq_many(sources))
+    rest = global_norm(sources)
+    return math.sqrt(total + rest * rest)
 
 
 def _check_identity(msg: Register) -> None:
