@@ -213,3 +213,51 @@ def test_a_message_still_held_keeps_its_bytes_while_later_frames_arrive() -> Non
         del other
     assert PAYLOADS.reused > before  # the later ones did reuse each other's buffer
     del held
+
+
+# ------------------------------------------------------------------- unpacking, short path
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_the_short_unpacking_path_gives_what_the_general_one_gives(codec: str) -> None:
+    from swarmtrain.roles.ps import common
+
+    model = {"w": torch.zeros(6, 4), "b": torch.zeros(4)}
+    grads = {"w": torch.randn(6, 4), "b": torch.randn(4)}
+    c = make_codec(codec)
+    codecs, tensors = pack_compressed({n: c.compress(g) for n, g in grads.items()})
+    short = unpack_lazy(codecs, tensors, model)
+    for name, spec in codecs.items():
+        assert common._plain_values(name, spec, tensors, model, lazy=True) is not None
+    # the general path, entry by entry (what _unpack did for every entry before)
+    general = {n: common._fp16_values(common.Compressed(codec=s["codec"], shape=tuple(s["shape"]),
+                                                        dtype=s["dtype"], parts={"values": tensors[f"{n}/values"]},
+                                                        meta=s["meta"]))
+               if codec == "fp16" else common.decompress_any(common.Compressed(
+                   codec=s["codec"], shape=tuple(s["shape"]), dtype=s["dtype"],
+                   parts={"values": tensors[f"{n}/values"]}, meta=s["meta"]))
+               for n, s in codecs.items()}
+    for name in grads:
+        assert short[name].dtype == general[name].dtype and torch.equal(short[name], general[name])
+        assert short[name].data_ptr() == tensors[f"{name}/values"].data_ptr()  # a view, no copy
+
+
+@pytest.mark.parametrize("spoil", ["float_dims", "meta", "dtype", "length", "parts"])
+def test_what_the_short_path_does_not_take_is_refused_by_the_general_one(spoil: str) -> None:
+    from swarmtrain.errors import RemoteProtocolError
+
+    model = {"w": torch.zeros(6, 4)}
+    codecs, tensors = pack_compressed({"w": make_codec("none").compress(torch.randn(6, 4))})
+    spec = codecs["w"]
+    if spoil == "float_dims":
+        spec["shape"] = [6.0, 4.0]
+    elif spoil == "meta":
+        spec["meta"] = {"k": 1}
+    elif spoil == "dtype":
+        tensors["w/values"] = tensors["w/values"].to(torch.float64)
+    elif spoil == "length":
+        tensors["w/values"] = tensors["w/values"][:-1]
+    else:
+        spec["parts"] = ["values", "extra"]
+    with pytest.raises(RemoteProtocolError):
+        unpack_lazy(codecs, tensors, model)

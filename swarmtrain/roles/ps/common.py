@@ -9,7 +9,7 @@ from typing import Any, cast
 import torch
 
 from swarmtrain.compression import Codec, Compressed, decompress_any, make_codec, topk_warmup_ratio
-from swarmtrain.compression.base import check_header, check_meta_keys, check_parts
+from swarmtrain.compression.base import FLOAT_DTYPES, check_header, check_meta_keys, check_parts
 from swarmtrain.compression.topk import TopKParts, check_topk
 from swarmtrain.config import CompressionConfig
 from swarmtrain.errors import ConfigError, ModelMismatch, RemoteProtocolError
@@ -184,6 +184,11 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     used = 0
     out: dict[str, LazyGradient] = {}
     for name, spec in codecs.items():
+        plain = _plain_values(name, spec, tensors, expected, lazy) if not fused else None
+        if plain is not None:
+            out[name] = plain
+            used += 1
+            continue
         if not (isinstance(spec, dict) and isinstance(spec.get("parts"), list)
                 and isinstance(spec.get("shape"), list) and isinstance(spec.get("meta"), dict)
                 and isinstance(spec.get("codec"), str) and isinstance(spec.get("dtype"), str)):
@@ -215,6 +220,37 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         pieces = dense_gradient(out[FUSED]).split([t.numel() for t in expected.values()])
         return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
     return out
+
+
+#: dtype of the one ``values`` part of the codecs :func:`_plain_values` takes
+_PLAIN_CODECS = {"none": torch.float32, "fp16": torch.float16}
+_VALUES = ["values"]
+
+
+def _plain_values(name: str, spec: Any, tensors: Mapping[str, torch.Tensor],
+                  expected: Mapping[str, torch.Tensor], lazy: bool) -> torch.Tensor | None:
+    """The common case of :func:`_unpack` in a few checks instead of the codec's general ones
+    (the same ones, in short): a ``none`` entry, or with ``lazy`` an ``fp16`` one, whose one
+    ``values`` part is a contiguous 1-D CPU tensor of the codec's dtype and the model's element
+    count, under the model's shape, no meta, a float dtype: that part, shaped (a view). None
+    for anything else, which the general path then checks and explains."""
+    if not isinstance(spec, dict):
+        return None
+    codec = spec.get("codec")
+    want = _PLAIN_CODECS.get(codec) if isinstance(codec, str) else None
+    ref = expected.get(name)
+    if (want is None or ref is None or (codec == "fp16" and not lazy)
+            or spec.get("parts") != _VALUES or spec.get("meta") != {}
+            or spec.get("dtype") not in FLOAT_DTYPES):
+        return None
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or tuple(shape) != ref.shape or any(type(d) is not int for d in shape):
+        return None
+    t = tensors.get(f"{name}/values")
+    if (type(t) is not torch.Tensor or t.dtype != want or t.dim() != 1 or t.numel() != ref.numel()
+            or t.device.type != "cpu" or not t.is_contiguous()):
+        return None
+    return t.view(ref.shape)
 
 
 def _fp16_values(c: Compressed) -> torch.Tensor:
