@@ -230,13 +230,11 @@ def test_the_short_unpacking_path_gives_what_the_general_one_gives(codec: str) -
     for name, spec in codecs.items():
         assert common._plain_values(name, spec, tensors, model, lazy=True) is not None
     # the general path, entry by entry (what _unpack did for every entry before)
-    general = {n: common._fp16_values(common.Compressed(codec=s["codec"], shape=tuple(s["shape"]),
-                                                        dtype=s["dtype"], parts={"values": tensors[f"{n}/values"]},
-                                                        meta=s["meta"]))
-               if codec == "fp16" else common.decompress_any(common.Compressed(
-                   codec=s["codec"], shape=tuple(s["shape"]), dtype=s["dtype"],
-                   parts={"values": tensors[f"{n}/values"]}, meta=s["meta"]))
-               for n, s in codecs.items()}
+    general = {}
+    for n, s in codecs.items():
+        entry = common.Compressed(codec=s["codec"], shape=tuple(s["shape"]), dtype=s["dtype"],
+                                  parts={"values": tensors[f"{n}/values"]}, meta=s["meta"])
+        general[n] = common._fp16_values(entry) if codec == "fp16" else common.decompress_any(entry)
     for name in grads:
         assert short[name].dtype == general[name].dtype and torch.equal(short[name], general[name])
         assert short[name].data_ptr() == tensors[f"{name}/values"].data_ptr()  # a view, no copy
