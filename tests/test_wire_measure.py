@@ -27,7 +27,8 @@ needs_kernels = pytest.mark.skipif(FAST is None, reason="no C compiler: nothing 
 def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     # one tensor over several windows, one whose end is not a whole block, a tiny one
-    return {"w": torch.randn(3 * WINDOW // 4 + 5000, generator=gen),
+    # (top-k at 10 % of it still fills more than a window: smaller payloads are not measured)
+    return {"w": torch.randn(3 * WINDOW + 5000, generator=gen),
             "b": torch.randn(1027, generator=gen), "s": torch.randn(3, generator=gen)}
 
 
@@ -77,7 +78,7 @@ def test_the_sums_are_one_pass_over_each_tensor_however_the_payload_arrives(code
 @needs_kernels
 def test_nan_and_inf_reach_the_sums() -> None:
     g = _grads()
-    g["w"][123_456] = float("nan")
+    g["w"][1_234_567] = float("nan")
     g["b"][3] = float("inf")
     msg = _decode(_frame(g), 65536)
     sums = msg.tensors.sumsq  # type: ignore[attr-defined]
@@ -86,9 +87,12 @@ def test_nan_and_inf_reach_the_sums() -> None:
 
 
 @needs_kernels
-def test_only_gradients_are_measured_unless_asked() -> None:
+def test_only_gradients_of_a_window_or_more_are_measured_unless_asked() -> None:
     frame = _frame(_grads())
+    assert type(_decode(frame, 65536).tensors) is MeasuredTensors
     assert type(_decode(frame, 65536, measure=()).tensors) is dict
+    small = _frame({"w": torch.randn(WINDOW // 8)})  # half a window of float32
+    assert type(_decode(small, 4096).tensors) is dict
     hb = Decoder()
     hb.feed(encode_bytes(Heartbeat(time=1.0, step=3)))
     assert type(hb.next_message()) is Heartbeat
@@ -110,7 +114,7 @@ def test_a_malformed_layout_is_refused_as_before() -> None:
 
 
 def _coordinator() -> tuple[Coordinator, WorkerRecord]:
-    model = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(512, 512)  # 1 MB of float32 gradient: measured on arrival
     cfg = load_coordinator_config(overrides={"training.outlier_norm_factor": 0.0,
                                              "training.learning_rate": 1e-3})
     coord = Coordinator(model, cfg, task_name="measure")
@@ -142,7 +146,7 @@ def test_a_received_gradient_is_judged_by_its_measured_norm_nan_refused() -> Non
     coord, rec = _coordinator()
     try:
         grads = {n: torch.full_like(p, 0.5) for n, p in coord.params.items()}
-        msg = _decode(_frame(grads), 5)
+        msg = _decode(_frame(grads), 4099)
         assert isinstance(msg.tensors, MeasuredTensors)
         exact = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
         lazy = unpack_lazy(msg.codecs, msg.tensors, coord.params)
@@ -150,7 +154,7 @@ def test_a_received_gradient_is_judged_by_its_measured_norm_nan_refused() -> Non
         status, _ = coord._apply_gradient(rec, msg)
         assert status is UpdateStatus.APPLIED
         grads["bias"][1] = float("nan")
-        bad = _decode(_frame(grads, msg_id=2), 5)
+        bad = _decode(_frame(grads, msg_id=2), 4099)
         status, _ = coord._apply_gradient(rec, bad)
         assert status is UpdateStatus.REJECTED and "NaN" in rec.last_refusal
     finally:

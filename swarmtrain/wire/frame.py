@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 
 from swarmtrain.errors import LocalProtocolError, RemoteProtocolError, TruncatedFrame
+from swarmtrain.wire.measure import WINDOW as MEASURE_FROM
 from swarmtrain.wire.measure import MeasuredTensors, PayloadMeasure
 from swarmtrain.wire.messages import Message, MsgType, OutOfRange, message_from_fields
 from swarmtrain.wire.pool import PAYLOADS
@@ -151,8 +152,9 @@ class Decoder:
     whose message has a field out of range (:class:`OutOfRange`, outside the handshake): it
     is dropped, kept for :meth:`next_refusal`, and decoding goes on.
 
-    Frames of the types in ``measure`` (GRADIENTS by default) have the sums of squares of
-    their float tensors taken while the payload arrives, in cache
+    Frames of the types in ``measure`` (GRADIENTS by default) with a payload of at least
+    :data:`~swarmtrain.wire.measure.WINDOW` bytes have the sums of squares of their float
+    tensors taken while the payload arrives, in cache
     (:mod:`swarmtrain.wire.measure`): their message's ``tensors`` is then a
     :class:`~swarmtrain.wire.measure.MeasuredTensors` holding them.
     """
@@ -312,8 +314,11 @@ class Decoder:
                 "too_many_tensors", f"frame carries {len(obj['t'])} tensors; limit {self.limits.max_tensors}"
             ))
         self._fields, self._descs = obj["f"], obj["t"]
+        # (a payload under a window is in cache anyway when the coordinator reads it: the
+        # plan would cost more than it saves)
         self._measure = (PayloadMeasure.plan(self._descs, self._payload_len)
-                         if self._payload_len and self._mtype in self._measure_types else None)
+                         if self._payload_len >= MEASURE_FROM and self._mtype in self._measure_types
+                         else None)
         self._start(DecoderState.PAYLOAD, bytearray())
         if self._payload_len == 0:
             self._finish()
