@@ -810,8 +810,7 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
 HANDSHAKE_TYPES = frozenset({MsgType.HELLO, MsgType.CHALLENGE, MsgType.AUTH, MsgType.WELCOME})
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint) or hint
+def _origin_ok(value: Any, origin: Any) -> bool:
     if origin is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin is int:
@@ -839,6 +838,29 @@ _BOUNDS_OF: dict[type[Message], dict[str, Bound | None]] = {
     cls: {f.name: bound_of(cls, f.name) for f in dataclasses.fields(cls) if f.name != "tensors"}
     for cls in MESSAGE_CLASSES.values()
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """What :func:`message_from_fields` checks of one field, worked out once per class."""
+
+    name: str
+    hint: Any
+    origin: Any  # the hint's type as _origin_ok takes it
+    required: bool
+    bound: Bound | None
+
+
+_FIELDS: dict[type[Message], tuple[_Field, ...]] = {
+    cls: tuple(
+        _Field(f.name, _HINTS[cls][f.name], typing.get_origin(_HINTS[cls][f.name]) or _HINTS[cls][f.name],
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+               _BOUNDS_OF[cls][f.name])
+        for f in dataclasses.fields(cls) if f.name != "tensors")
+    for cls in MESSAGE_CLASSES.values()
+}
+_CARRIES_TENSORS = {cls: any(f.name == "tensors" for f in dataclasses.fields(cls))
+                    for cls in MESSAGE_CLASSES.values()}
 
 
 def _check_number(mtype: MsgType, name: str, value: int | float, bound: Bound) -> None:
@@ -878,30 +900,27 @@ def message_from_fields(
             arrived on a message type that carries none.
     """
     cls = MESSAGE_CLASSES[mtype]
-    hints = _HINTS[cls]
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name == "tensors":
-            kwargs["tensors"] = tensors
-            continue
+    for f in _FIELDS[cls]:
         if f.name not in fields:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if f.required:
                 raise RemoteProtocolError(
                     "missing_field", f"{mtype.name} message lacks required field '{f.name}'"
                 )
             continue
         value = fields[f.name]
-        if not _type_ok(value, hints[f.name]):
+        if not _origin_ok(value, f.origin):
             raise RemoteProtocolError(
                 "bad_field",
-                f"{mtype.name} field '{f.name}' should be {hints[f.name]}, got {type(value).__name__}",
+                f"{mtype.name} field '{f.name}' should be {f.hint}, got {type(value).__name__}",
             )
-        if hints[f.name] is float:
+        if f.hint is float:
             value = float(value)
-        bound = _BOUNDS_OF[cls][f.name]
-        if bound is not None:
-            _check_bound(mtype, f.name, value, bound)
+        if f.bound is not None:
+            _check_bound(mtype, f.name, value, f.bound)
         kwargs[f.name] = value
-    if tensors and "tensors" not in kwargs:
+    if _CARRIES_TENSORS[cls]:
+        kwargs["tensors"] = tensors
+    elif tensors:
         raise RemoteProtocolError("unexpected_tensors", f"{mtype.name} messages carry no tensors")
     return cls(**kwargs)

@@ -154,7 +154,7 @@ def rebuild_tensors(
     for i, raw in enumerate(raw_descs):
         d = _parse_desc(raw, i)
         dt = DTYPES[d.dtype]
-        itemsize = torch.empty((), dtype=dt).element_size()
+        itemsize = dt.itemsize
         numel = math.prod(d.shape)
         if numel * itemsize != d.nbytes:
             raise RemoteProtocolError(
