@@ -377,3 +377,75 @@ def test_ctl_checkpoint_to_the_leader_checkpoints_every_server(tmp_path: Path) -
     assert both.ok, both
     for d in ("s0", "s1"):
         assert any((tmp_path / d).iterdir()), d
+
+
+def test_the_servers_slices_merge_into_the_whole_model_and_wrong_sets_are_refused(tmp_path: Path) -> None:
+    """`swarmtrain export` of a sharded cluster: each server's export and checkpoint holds its
+    slice, marked with its place; given all of them, in any order, they make one file that
+    loads strictly into the plain model; a server missing or given twice, a whole model among
+    slices, or slices of another cluster are refused, saying which."""
+    from safetensors.torch import load_file
+
+    from swarmtrain.app.export import export_model, merge_exports
+    from swarmtrain.app.runlogging import export_final_weights
+
+    async def run() -> list[dict[str, torch.Tensor]]:
+        servers = await _cluster(2, **{"training.max_steps": 40})
+        for i, s in enumerate(servers):  # each checkpoints as the cluster shuts down
+            s.attach_checkpointer(CoordinatorCheckpointer(str(tmp_path / f"ck{i}"), interval=0, keep=2))
+        w = worker(servers[0].port, **{"training.worker_id": "w0", "training.probe_seconds": 0.0})
+        try:
+            task = asyncio.create_task(w.run_async())
+            await asyncio.wait_for(servers[0].run(), 120)
+            await asyncio.wait_for(task, 30)
+            for s in servers[1:]:  # the leader shut the others down
+                await asyncio.wait_for(s._stopped.wait(), 30)
+        finally:
+            for s in servers:
+                await s.close()
+        for i, s in enumerate(servers):  # what the session does once a server stops
+            export_final_weights(s, str(tmp_path / f"s{i}.safetensors"))
+        return [{n: p.detach().clone() for n, p in s.params.items()} for s in servers]
+
+    held = asyncio.run(run())
+    assert held[0] and held[1] and not set(held[0]) & set(held[1])
+    whole = {**held[0], **held[1]}
+    for sources in ([tmp_path / "s1.safetensors", tmp_path / "s0.safetensors"],
+                    [tmp_path / "ck0", tmp_path / "ck1"],
+                    [tmp_path / "ck1", tmp_path / "s0.safetensors"]):
+        out = tmp_path / "merged.safetensors"
+        path, slices = merge_exports(sources, out)
+        assert [s.shard["index"] for s in slices if s.shard] == [0, 1]
+        model = TASK.build_model()
+        model.load_state_dict(load_file(path), strict=True)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, whole[name]), name
+    import subprocess
+    import sys
+
+    cli = subprocess.run([sys.executable, "-m", "swarmtrain", "export", str(tmp_path / "ck1"),
+                          str(tmp_path / "s0.safetensors"), "--out", str(tmp_path / "cli.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "whole model of 2 parameter servers" in cli.stdout, cli.stderr
+    assert set(load_file(tmp_path / "cli.safetensors")) == set(whole)
+    cli = subprocess.run([sys.executable, "-m", "swarmtrain", "export", str(tmp_path / "ck1"),
+                          "--out", str(tmp_path / "x.safetensors")], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 2 and "0/2 is missing" in cli.stderr, cli.stderr
+    one = load_file(tmp_path / "s0.safetensors")
+    assert set(one) == set(held[0])  # a server's own export is its slice
+    with pytest.raises(CheckpointError, match=r"1/2 (is|are) missing"):
+        merge_exports([tmp_path / "s0.safetensors"], tmp_path / "x.safetensors")
+    with pytest.raises(CheckpointError, match="given twice"):
+        merge_exports([tmp_path / "s0.safetensors", tmp_path / "ck0"], tmp_path / "x.safetensors")
+    export_model(TASK.build_model(), tmp_path / "whole.safetensors", task="digits")
+    with pytest.raises(CheckpointError, match="is a whole model"):
+        merge_exports([tmp_path / "s0.safetensors", tmp_path / "whole.safetensors"],
+                      tmp_path / "x.safetensors")
+    other = TASK.build_model()
+    export_model(other, tmp_path / "other.safetensors", task="digits",
+                 shard={"index": 1, "count": 2, "partition": "not-this-one"})
+    with pytest.raises(CheckpointError, match="another cluster"):
+        merge_exports([tmp_path / "s0.safetensors", tmp_path / "other.safetensors"],
+                      tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()

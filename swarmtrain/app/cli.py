@@ -308,9 +308,13 @@ def _run_parsers(sub: Any) -> None:
     ex = sub.add_parser("export", help="write a checkpoint's model weights as one safetensors file",
                         description="Export the model of the newest valid checkpoint in CHECKPOINT_DIR "
                                     "(or of one ckpt-* directory) for loading into the plain PyTorch "
-                                    "model with safetensors.torch.load_file.")
-    ex.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
-                    help="the coordinator's --checkpoint-dir, or one ckpt-* directory in it")
+                                    "model with safetensors.torch.load_file. For a sharded cluster "
+                                    "(--shard i/S), give every parameter server's checkpoint directory "
+                                    "or exported model file, in any order: the slices are checked and "
+                                    "put back together into one file of the whole model.")
+    ex.add_argument("sources", nargs="+", metavar="CHECKPOINT_DIR",
+                    help="the coordinator's --checkpoint-dir, one ckpt-* directory in it, or a "
+                         "model file swarmtrain exported; one per parameter server of a sharded cluster")
     ex.add_argument("--out", default="model.safetensors", help="file to write (default model.safetensors)")
 
 
@@ -323,10 +327,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from swarmtrain.app.export import export_checkpoint
+    from swarmtrain.app.export import merge_exports
 
-    path, ckpt = export_checkpoint(args.checkpoint_dir, args.out)
-    print(f"wrote the model of {ckpt.path} (version {ckpt.step}) to {path}")
+    path, slices = merge_exports(args.sources, args.out)
+    if len(slices) == 1:
+        print(f"wrote the model of {slices[0].source} (version {slices[0].version}) to {path}")
+    else:
+        versions = ", ".join(str(s.version) for s in slices)
+        print(f"wrote the whole model of {len(slices)} parameter servers (versions {versions}) to {path}")
     return 0
 
 

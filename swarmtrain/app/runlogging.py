@@ -119,12 +119,16 @@ def export_final_weights(coord: Coordinator, setting: str) -> Path | None:
         CheckpointError: if the file cannot be written.
     """
     from swarmtrain.app.export import export_model
+    from swarmtrain.roles.ps.checkpointing import param_shard_of
 
     run_log = coord.run_log if isinstance(coord.run_log, RunLog) else None
     path = resolve_export_path(setting, run_log)
     if path is None:
         return None
-    export_model(coord.model, path, task=coord.task_name, version=coord.version)
+    # (a parameter server of a sharded cluster writes its slice, marked as such: `swarmtrain
+    # export` puts the servers' slices back together)
+    export_model(coord.model, path, task=coord.task_name, version=coord.version,
+                 shard=param_shard_of(coord))
     coord.record_event("exported", path=str(path), version=coord.version)
     log.info("final weights (version %d) written to %s", coord.version, path)
     return path

@@ -125,7 +125,7 @@ class CoordinatorCheckpointer:
             "worker_nodes": {w: r.node for w, r in coord.workers.items() if r.node},
             "screen": coord.screen.state_dict(),
             # which parameter server's group this is (absent: the only server)
-            "param_shard": _param_shard(coord),
+            "param_shard": param_shard_of(coord),
         }
         return tensors, meta
 
@@ -138,7 +138,7 @@ class CoordinatorCheckpointer:
             log.warning("no valid checkpoint in %s: starting from scratch", self.store.directory)
             return False
         meta = ckpt.meta
-        _check_param_shard(ckpt.path, meta.get("param_shard"), _param_shard(coord))
+        _check_param_shard(ckpt.path, meta.get("param_shard"), param_shard_of(coord))
         import torch
 
         with torch.no_grad():
@@ -190,7 +190,7 @@ class CoordinatorCheckpointer:
         return True
 
 
-def _param_shard(coord: Coordinator) -> dict[str, Any] | None:
+def param_shard_of(coord: Coordinator) -> dict[str, Any] | None:
     """The parameter server a checkpoint belongs to: index, count and partition fingerprint
     (None for a coordinator that is the only server)."""
     place = coord.cluster
