@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from swarmtrain.wire.tensors import ALIGN
+
+if TYPE_CHECKING:  # (torch is imported where tensors are built, not by importing the wire)
+    import torch
+
+    _TensorDict = dict[str, torch.Tensor]
+else:
+    _TensorDict = dict
 
 __all__ = ["WINDOW", "MeasuredTensors", "PayloadMeasure"]
 
@@ -36,7 +41,7 @@ WINDOW = 1 << 19
 _SIZES = {"float32": 4, "float16": 2}
 
 
-class MeasuredTensors(dict[str, torch.Tensor]):
+class MeasuredTensors(_TensorDict):
     """A message's tensors (name -> tensor, as a plain dict) and ``sumsq``: name -> the sum
     of squares of that float32 / float16 tensor's elements (in double; NaN or inf when it
     holds them), computed as its bytes arrived. Other tensors have no entry."""
