@@ -275,6 +275,42 @@ def test_large_tensor_message_echoes_bit_exactly() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("size", [0, 256 * 1024])
+def test_accepted_connections_have_the_socket_buffers_asked_for(size: int) -> None:
+    """A server that holds connections unread (the payload gate) bounds the kernel memory each
+    may fill: with ``socket_buffer_bytes`` every accepted connection's buffers are fixed at
+    that size (Linux books twice what is asked), and a 16 MiB message still goes through
+    bit for bit; with 0 the kernel sizes them itself."""
+    import socket as socketlib
+
+    seen: list[tuple[int, int]] = []
+
+    async def handler(conn: Connection, role: str) -> None:
+        sock = conn.transport.get_extra_info("socket")
+        seen.append((sock.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF),
+                     sock.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_SNDBUF)))
+        await echo(conn, role)
+
+    big = Weights(version=1, tensors={"w": torch.randn(4 * 1024 * 1024)})
+
+    async def scenario() -> None:
+        async with serving(handler, socket_buffer_bytes=size) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=SLOW)
+            try:
+                await conn.send(big)
+                got = await conn.recv(timeout=30)
+            finally:
+                await conn.close()
+        assert isinstance(got, Weights) and torch.equal(got.tensors["w"], big.tensors["w"])
+
+    run(scenario())
+    (rcv, snd), = seen
+    if size:
+        assert (rcv, snd) == (2 * size, 2 * size)
+    else:  # the kernel's own sizing (tcp_rmem / tcp_wmem defaults), not what a test asked
+        assert rcv != 2 * 256 * 1024 and snd != 2 * 256 * 1024
+
+
 def test_messages_arrive_in_order() -> None:
     async def scenario() -> None:
         async with serving(echo) as srv:

@@ -50,6 +50,13 @@ class CoordinatorNetworkConfig(ServerLimitsConfig):
         20.0, "how long a worker's gradient may wait for room under max_held_gradient_mb before "
         "its connection is dropped (the worker reconnects and sends it again); keep it below the "
         "workers' answer timeout, 3 x their heartbeat_timeout_sec", gt=0.0)
+    socket_buffer_kb: int = _opt(
+        512, "kernel receive and send buffer of each worker connection, KiB (0 = the system's "
+        "automatic sizing, which grows each buffer up to net.ipv4.tcp_rmem's maximum). Workers "
+        "waiting under max_held_gradient_mb leave their gradients in these buffers, so many "
+        "workers with automatic sizing can fill the machine's TCP memory, and every connection "
+        "stalls; 512 KiB keeps a 1 Gbit/s LAN link full (raise it for long round trips: a "
+        "connection carries at most this much per round trip)", ge=0)
     ctl_slots: int = _opt(
         4, "connections beyond max_connections kept for `swarmtrain ctl` (any other role is "
         "refused there once authenticated)", ge=0)

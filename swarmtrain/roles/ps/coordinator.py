@@ -488,7 +488,7 @@ class Coordinator:
         self._server = await start_server(
             net.host, net.port, self._handle, secret=self.secret, tls=self.tls, timeouts=timeouts,
             send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
-            server_limits=net.server_limits())
+            server_limits=net.server_limits(), socket_buffer_bytes=net.socket_buffer_kb * 1024)
         self._tasks.append(asyncio.create_task(self._eval_loop()))
         self._tasks.append(asyncio.create_task(self._say_waiting_forever()))
         if self.peers is not None:
