@@ -428,7 +428,12 @@ def to_markdown(res: dict[str, Any]) -> str:
         "squares taken as the gradient arrived (on the receiving thread, while the pieces are in "
         "cache: the norm screen's pass, which \"norm screen\" then only adds up); the receive "
         "itself (the copy off the socket) is in no Adam baseline and in no row there, and is "
-        "given in the receive table.",
+        "given in the receive table. Its \"fresh buffer\" column depends on the allocator's "
+        "state: a 40 MB bytearray is served from memory this process freed before when glibc "
+        "kept enough of it (this benchmark frees large temporaries all the time, so mostly it "
+        "is: see the spread in apply.json), and from fresh pages otherwise, ~10,000 page faults: "
+        "35-60 ms in a process that did nothing else, and in the coordinator of bench_scale.py "
+        "(event loop 64 ms per none update before the pool, 24-40 ms after).",
     ]
     return "\n".join(out)
 
