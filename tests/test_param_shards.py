@@ -136,22 +136,27 @@ async def _cluster(count: int, **over: Any) -> list[Coordinator]:
     return [leader, *others]
 
 
+async def _train_to_the_end(servers: list[Coordinator]) -> None:
+    """One worker trains the cluster until the leader's max_steps; every server closed."""
+    w = worker(servers[0].port, **{"training.worker_id": "w0", "training.probe_seconds": 0.0})
+    try:
+        task = asyncio.create_task(w.run_async())
+        await asyncio.wait_for(servers[0].run(), 120)
+        await asyncio.wait_for(task, 30)
+        for s in servers[1:]:  # the leader shut the others down
+            await asyncio.wait_for(s._stopped.wait(), 30)
+    finally:
+        for s in servers:
+            await s.close()
+
+
 def test_two_servers_train_digits_as_one_does_at_equal_samples() -> None:
     """One worker, 300 updates: S = 2 reaches the accuracy S = 1 does (each server steps
     Adam on its tensors, elementwise, so the two runs differ only by timing)."""
     async def run(count: int) -> tuple[float, dict[str, Any], Any]:
         servers = await _cluster(count, **{"training.max_steps": 300})
+        await _train_to_the_end(servers)
         leader = servers[0]
-        w = worker(leader.port, **{"training.worker_id": "w0", "training.probe_seconds": 0.0})
-        try:
-            task = asyncio.create_task(w.run_async())
-            await asyncio.wait_for(leader.run(), 120)
-            await asyncio.wait_for(task, 30)
-            for s in servers[1:]:  # the leader shut the others down
-                await asyncio.wait_for(s._stopped.wait(), 30)
-        finally:
-            for s in servers:
-                await s.close()
         return leader.metrics["accuracy"], leader.status(), [s.version for s in servers]
 
     one, _, _ = asyncio.run(run(1))
@@ -393,16 +398,7 @@ def test_the_servers_slices_merge_into_the_whole_model_and_wrong_sets_are_refuse
         servers = await _cluster(2, **{"training.max_steps": 40})
         for i, s in enumerate(servers):  # each checkpoints as the cluster shuts down
             s.attach_checkpointer(CoordinatorCheckpointer(str(tmp_path / f"ck{i}"), interval=0, keep=2))
-        w = worker(servers[0].port, **{"training.worker_id": "w0", "training.probe_seconds": 0.0})
-        try:
-            task = asyncio.create_task(w.run_async())
-            await asyncio.wait_for(servers[0].run(), 120)
-            await asyncio.wait_for(task, 30)
-            for s in servers[1:]:  # the leader shut the others down
-                await asyncio.wait_for(s._stopped.wait(), 30)
-        finally:
-            for s in servers:
-                await s.close()
+        await _train_to_the_end(servers)
         for i, s in enumerate(servers):  # what the session does once a server stops
             export_final_weights(s, str(tmp_path / f"s{i}.safetensors"))
         return [{n: p.detach().clone() for n, p in s.params.items()} for s in servers]

@@ -157,13 +157,18 @@ def read_model_source(source: str | os.PathLike[str]) -> ModelSlice:
                               "`swarmtrain` exported, the coordinator's checkpoint directory "
                               "(--checkpoint-dir) or one ckpt-* directory in it")
     ckpt = _load_checkpoint_source(src)
+    return ModelSlice(ckpt.path or src, *_model_of(ckpt))
+
+
+def _model_of(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str, int, dict[str, Any] | None]:
+    """A checkpoint's model tensors (``model/`` names stripped), task, step and server place."""
     tensors = {name[len(MODEL_PREFIX):]: t for name, t in ckpt.tensors.items()
                if name.startswith(MODEL_PREFIX)}
     if not tensors:
         raise CheckpointError(f"checkpoint {ckpt.path} holds no model/ tensors")
     shard = ckpt.meta.get("param_shard")
-    return ModelSlice(ckpt.path or src, tensors, str(ckpt.meta.get("task", "")), ckpt.step,
-                      dict(shard) if isinstance(shard, dict) else None)
+    place = dict(shard) if isinstance(shard, dict) else None
+    return tensors, str(ckpt.meta.get("task", "")), ckpt.step, place
 
 
 def export_checkpoint(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, Checkpoint]:
@@ -187,13 +192,8 @@ def export_checkpoint(source: str | os.PathLike[str], out: str | os.PathLike[str
         raise CheckpointError(f"{src} is not a directory; give the coordinator's checkpoint "
                               "directory (--checkpoint-dir) or one ckpt-* directory in it")
     ckpt = _load_checkpoint_source(src)
-    tensors = {name[len(MODEL_PREFIX):]: t for name, t in ckpt.tensors.items()
-               if name.startswith(MODEL_PREFIX)}
-    if not tensors:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds no model/ tensors")
-    shard = ckpt.meta.get("param_shard")
-    return write_model_file(out, tensors, task=str(ckpt.meta.get("task", "")), version=ckpt.step,
-                            shard=shard if isinstance(shard, dict) else None), ckpt
+    tensors, task, step, shard = _model_of(ckpt)
+    return write_model_file(out, tensors, task=task, version=step, shard=shard), ckpt
 
 
 def merge_exports(sources: Sequence[str | os.PathLike[str]],
