@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,8 @@ def test_a_stage_replica_killed_mid_training_the_trainer_fails_over_and_finishes
                           str(MICROBATCHES), "--batch-size", str(BATCH), "--chunks", str(CHUNKS),
                           "--eval-every", "100", "--seed", "1", "--request-timeout", "20")
     procs.wait("trainer", lambda s: s["done"] >= KILL_AFTER, 120, f"{KILL_AFTER} micro-batches")
-    # a synchronous group goes to one replica of a stage, the other standing by: kill the
-    # one in use (the one that applied more), so the trainer must fail over
-    applied = {n: (procs.status(n) or {}).get("microbatches", 0) for n in ("s1a", "s1b")}
-    gone = max(applied, key=lambda n: applied[n])
+    gone = kill_the_replica_in_use(procs, ("s1a", "s1b"))
     kept = "s1b" if gone == "s1a" else "s1a"
-    procs.procs[gone].send_signal(signal.SIGKILL)
     try:
         rc = trainer.wait(timeout=150)
     except subprocess.TimeoutExpired:
@@ -111,6 +108,39 @@ def test_a_stage_replica_killed_mid_training_the_trainer_fails_over_and_finishes
 
 RESTART_MICROBATCHES = 160
 EVAL_EVERY = 32
+
+
+def kill_the_replica_in_use(procs: Procs, replicas: tuple[str, ...], timeout: float = 60) -> str:
+    """SIGKILL the replica (of ``replicas``) that holds the trainer's current group, so the
+    trainer must resend or redo work to fail over; its name.
+
+    A group's micro-batches go to one replica of a stage, chosen as the group starts, so which
+    one is in use changes from group to group. The trainer is paused (SIGSTOP) while the
+    replicas are asked: with nothing new arriving, a status written half a second into the
+    pause shows the group where it is (forwards held for their backwards, or gradients not yet
+    stepped). Between groups (neither holds any) the trainer goes on and they are asked again.
+    """
+    trainer = procs.procs["trainer"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            settled = time.time() + 0.5  # requests already sent are answered by then
+
+            def written_since(sts: dict[str, dict[str, Any]], t: float = settled) -> bool:
+                return all(s["time"] > t for s in sts.values())
+
+            sts = procs.wait_all(list(replicas), written_since, 10, "the replicas' status during the pause")
+            in_use = [n for n, s in sts.items() if s["pending_forwards"] or s["accumulated"]]
+            if len(in_use) == 1:
+                procs.procs[in_use[0]].send_signal(signal.SIGKILL)
+                procs.procs[in_use[0]].wait(timeout=10)
+                return in_use[0]
+            assert not in_use, f"two replicas of one stage hold a group: {sts}"
+        finally:
+            trainer.send_signal(signal.SIGCONT)
+        time.sleep(0.3)
+    raise AssertionError(f"no replica of {replicas} held a group in {timeout} s\n{procs.logs()}")
 
 
 def yardstick(st: dict[str, Any]) -> float:
