@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from swarmtrain.errors import SwarmTimeout
+from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.roles.peer.backend import NonFiniteResult, PeerBackend, PeerOptions
 from swarmtrain.roles.peer.membership import Candidate, Membership
 from swarmtrain.roles.peer.ring import RingBroken
@@ -368,3 +368,27 @@ def test_the_byte_totals_are_the_rings_counters_over_every_collective_and_epoch(
 
     group[2].close()
     assert group[2].bytes_sent == again[2][0] and group[2].bytes_received == again[2][1]
+
+
+@pytest.mark.parametrize("interval", [0.5, 2.0])
+def test_a_silent_peer_is_probed_backing_off_to_four_probe_intervals(
+        interval: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer outside the group that does not answer is asked again after the probe interval,
+    doubling per failure up to 4x the interval (as [peer] probe_interval_sec documents),
+    whatever the interval: not a fixed number of seconds."""
+    port, nobody = free_ports(2)
+    backend = start_peer(port, [port, nobody], Identity.generate(), probe_interval_sec=interval)
+    try:
+        async def unreachable(host: str, port: int, timeout: float = 3.0) -> SwarmError:
+            return SwarmError(f"cannot reach {host}:{port}")
+
+        monkeypatch.setattr(backend.control, "probe_detail", unreachable)
+        silent = Candidate("f" * 64, "127.0.0.1", nobody, nobody)
+        waits = []
+        for _ in range(6):
+            backend._call(backend._probe_one(silent.peer_id, silent), 10)
+            waits.append(backend._probe_next[silent.peer_id] - time.monotonic())
+    finally:
+        backend.close()
+    want = [interval * k for k in (1, 2, 4, 4, 4, 4)]
+    assert all(w - 1.0 < got <= w for got, w in zip(waits, want, strict=True)), (waits, want)

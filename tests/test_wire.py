@@ -9,6 +9,8 @@ import dataclasses
 import itertools
 import re
 import struct
+import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -780,3 +782,26 @@ def test_protocol_doc_lists_every_message_type_with_its_fields() -> None:
         assert got == want, f"docs/protocol.md row for {mtype.name} is stale"
         carries = any(f.name == "tensors" for f in dataclasses.fields(cls))
         assert ("**tensors**" in cell) == carries, mtype.name
+
+
+_WITHOUT_TORCH = """
+import sys
+import {module}
+from swarmtrain.wire import Decoder, Heartbeat, StatusRequest, encode_bytes
+
+decoder = Decoder()
+decoder.feed(encode_bytes(Heartbeat(time=1.5, step=3)) + encode_bytes(StatusRequest()))
+assert decoder.next_message() == Heartbeat(time=1.5, step=3)
+assert decoder.next_message() == StatusRequest()
+print("torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("module", ["swarmtrain.wire.messages", "swarmtrain.wire", "swarmtrain.roles.ps.ctl"])
+def test_messages_without_tensors_need_no_torch(module: str) -> None:
+    """The wire layer imports torch only to lay out or rebuild tensors: a client whose messages
+    carry none (``swarmtrain ctl``) starts without it (importing torch takes seconds)."""
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH.format(module=module)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", f"importing {module} imported torch"

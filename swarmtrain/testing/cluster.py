@@ -47,14 +47,18 @@ class LanCluster:
     def coordinator_address(self) -> str:
         return self.lan.hosts[0].address
 
-    def start_coordinator(self, *args: str, resume: bool = False) -> subprocess.Popen[Any]:
+    def start_coordinator(self, *args: str, resume: bool = False, wait: bool = True) -> subprocess.Popen[Any]:
+        """Start the coordinator on host 0; with ``wait``, return once it wrote a status (else at
+        once: the workers reconnect until it listens, and a later :meth:`wait_for` fails if it
+        exits first)."""
         self.status_file.unlink(missing_ok=True)
         argv = swarm_cmd("coordinator", "--config", str(self.tmp / "coordinator.toml"),
                          "--host", self.coordinator_address, "--port", str(PORT),
                          "--status-file", str(self.status_file), *args, *(["--resume"] if resume else []))
         self.procs["coordinator"] = p = self.lan.hosts[0].run(
             argv, env=self.env, stdout=open(self.tmp / "coordinator.log", "ab"), stderr=subprocess.STDOUT)
-        self.wait_for(lambda s: True, 60, "the coordinator to start")
+        if wait:
+            self.wait_for(lambda s: True, 60, "the coordinator to start")
         return p
 
     def start_worker(self, host: int, name: str, *args: str) -> subprocess.Popen[Any]:

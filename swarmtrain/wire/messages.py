@@ -15,11 +15,21 @@ import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from swarmtrain.errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    import torch
+
+    #: a message's tensors by name
+    TensorMap = Mapping[str, torch.Tensor]
+else:
+    # This module never touches a tensor (payloads are laid out and rebuilt in
+    # swarmtrain.wire.tensors), so it does not import torch: clients whose messages carry none
+    # (`swarmtrain ctl`) start without it. At run time the hint names no torch type, so that
+    # typing.get_type_hints of a message class (decoding checks fields by them) needs no torch.
+    TensorMap = Mapping[str, Any]
 
 __all__ = [
     "MsgType",
@@ -67,7 +77,6 @@ __all__ = [
     "message_from_fields",
 ]
 
-TensorMap = Mapping[str, torch.Tensor]
 
 
 class MsgType(enum.IntEnum):

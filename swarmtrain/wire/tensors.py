@@ -4,39 +4,66 @@ A frame's payload is the raw bytes of its tensors back to back, each starting at
 that is a multiple of :data:`ALIGN` (zero padding between). The header lists one descriptor per
 tensor: ``[name, dtype, shape, offset, nbytes]``. A receiver rebuilds every tensor with
 ``torch.frombuffer`` over the one buffer the payload was received into: no per-tensor copies.
+
+torch is imported by the functions that handle tensors, not with this module: a client whose
+messages carry none (``swarmtrain ctl``) starts without it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from swarmtrain.errors import LocalProtocolError, RemoteProtocolError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ALIGN", "DTYPES", "TensorDesc", "layout_tensors", "tensor_bytes", "rebuild_tensors"]
 
 #: every tensor starts at a multiple of this many bytes in the payload
 ALIGN = 64
 
+
+class _WireDtypes(Mapping[str, "torch.dtype"]):
+    """The dtype names allowed on the wire, each the name of its torch dtype (``"float32"`` ->
+    ``torch.float32``). Names are checked without torch; torch is imported when a dtype is
+    looked up."""
+
+    _NAMES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8",
+              "uint16",  # top-k index_low parts
+              "int16", "int32", "int64", "bool")
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        if name not in self._NAMES:
+            raise KeyError(name)
+        import torch
+
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._NAMES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._NAMES)
+
+    def __len__(self) -> int:
+        return len(self._NAMES)
+
+
 #: dtype names allowed on the wire, and their torch dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "uint16": torch.uint16,  # top-k index_low parts
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-_NAMES = {dt: name for name, dt in DTYPES.items()}
+DTYPES: Mapping[str, torch.dtype] = _WireDtypes()
+
+
+def _wire_name(dtype: torch.dtype) -> str | None:
+    """The wire name of ``dtype`` (None: the wire cannot carry it)."""
+    name = str(dtype).removeprefix("torch.")
+    return name if name in DTYPES else None
+
+
 _MAX_NAME = 512
 _MAX_DIMS = 16
 # torch sizes are int64: a larger dim (possible on an empty tensor) would break torch.empty
@@ -63,6 +90,8 @@ def _aligned(n: int) -> int:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, as a memoryview sharing its memory."""
+    import torch
+
     arr: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(arr)
 
@@ -82,10 +111,15 @@ def layout_tensors(
     descs: list[TensorDesc] = []
     segments: list[memoryview | bytes] = []
     offset = 0
+    if not tensors:
+        return descs, segments, offset
+    import torch
+
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise LocalProtocolError("bad_tensor", f"tensor {name!r} is a {type(t).__name__}")
-        if t.dtype not in _NAMES:
+        wire_dtype = _wire_name(t.dtype)
+        if wire_dtype is None:
             raise LocalProtocolError(
                 "bad_dtype", f"tensor {name!r} has dtype {t.dtype}; the wire carries {sorted(DTYPES)}"
             )
@@ -101,7 +135,7 @@ def layout_tensors(
         if not t.is_contiguous():
             t = t.contiguous()
         nbytes = t.numel() * t.element_size()
-        descs.append(TensorDesc(name, _NAMES[t.dtype], tuple(t.shape), offset, nbytes))
+        descs.append(TensorDesc(name, wire_dtype, tuple(t.shape), offset, nbytes))
         if nbytes:
             segments.append(tensor_bytes(t))
         end = offset + nbytes
@@ -150,6 +184,10 @@ def rebuild_tensors(
             "too_many_tensors", f"frame carries {len(raw_descs)} tensors; the limit is {max_tensors}"
         )
     out: dict[str, torch.Tensor] = {}
+    if not raw_descs:
+        return out
+    import torch
+
     end_prev = 0
     for i, raw in enumerate(raw_descs):
         d = _parse_desc(raw, i)

@@ -71,6 +71,17 @@ def load_state_bytes(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Non
             offset += n
 
 
+#: a peer that does not answer is asked again at most this many probe intervals later
+PROBE_BACKOFF_CAP = 4
+
+
+def probe_backoff(interval: float, fails: int) -> float:
+    """Seconds until a peer that failed ``fails`` probes in a row (``fails >= 1``) is asked
+    again: ``interval`` doubling per failure, capped at ``PROBE_BACKOFF_CAP`` intervals (so a
+    peer that comes back is seen within a few intervals, however long it was away)."""
+    return interval * min(2 ** (fails - 1), PROBE_BACKOFF_CAP)
+
+
 class NonFiniteResult(SwarmError):
     """An all-reduce result holds NaN or Inf (asked for with ``check_finite=True``): some
     member contributed a non-finite value. Every member holds the same reduced bits, so every
@@ -438,10 +449,10 @@ class PeerBackend:
 
     async def _probe_forever(self) -> None:
         """Ask every discovered peer outside the current view who it is, cheaply and often
-        (every ``probe_interval``, backing off to 4 s while it does not answer): a peer is a
-        candidate once its authenticated answer confirms its id, and a suspect or a peer
-        cooling down after a failure is forgiven as soon as it answers again, so a mended link
-        or a resumed process is taken in within seconds."""
+        (every ``probe_interval``, backing off to 4x that while it does not answer:
+        :func:`probe_backoff`): a peer is a candidate once its authenticated answer confirms
+        its id, and a suspect or a peer cooling down after a failure is forgiven as soon as it
+        answers again, so a mended link or a resumed process is taken in within seconds."""
         while True:
             try:
                 await asyncio.wait_for(self._wake_probe.wait(), self.options.probe_interval_sec)
@@ -502,13 +513,13 @@ class PeerBackend:
             self._verified.pop(pid, None)
             self._probe_next[pid] = time.monotonic() + 30.0
             return
-        backoff = self.options.probe_interval_sec * 2 ** (fails - 1)
-        self._probe_next[pid] = time.monotonic() + min(4.0, backoff)
+        self._probe_next[pid] = time.monotonic() + probe_backoff(self.options.probe_interval_sec, fails)
         if fails >= 2 and self._verified.pop(pid, None) is not None:
             log.debug("peer %s at %s stopped answering: no longer a candidate", pid[:8], where)
         member = self.view is not None and pid in self.view.members
         if fails >= self.FORGET_AFTER_FAILS and pid not in self._discovered() and not member:
-            # silent for about ten minutes and no longer advertised: stop asking
+            # silent for FORGET_AFTER_FAILS probes (ten minutes at the default interval) and
+            # no longer advertised: stop asking
             for table in (self._known, self._probe_next, self._probe_fails, self._left_at):
                 table.pop(pid, None)
 
