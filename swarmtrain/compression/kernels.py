@@ -360,6 +360,9 @@ def kernels() -> Kernels | None:
         try:
             _loaded = Kernels(ctypes.CDLL(str(_build(cc))))
             log.debug("fused kernels loaded (%s)", _cache_dir())
+            from swarmtrain.wire import measure  # a GRADIENTS frame's norm, summed as it arrives
+
+            measure.use_kernel(_loaded.sumsq_ranges)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             log.warning("could not build swarmtrain's fused kernels (%s): the coordinator's Adam "
                         "and downlink use torch ops, which is slower", exc)

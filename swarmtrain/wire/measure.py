@@ -13,14 +13,16 @@ as bytes are received, and hands the sums over with the message's tensors
 (:class:`MeasuredTensors`). The sums are this node's own arithmetic over the bytes it holds,
 the same bytes the tensors are views of; nothing the sender claims about them is used.
 
-Needs swarmtrain's C kernels (:mod:`swarmtrain.compression.kernels`); without them no frame is
-measured and a coordinator computes the norm itself, after the frame, as before.
+Needs swarmtrain's C kernels (:mod:`swarmtrain.compression.kernels`), which register their sum
+here once they are built (:func:`use_kernel`: the wire layer imports nothing above it); until
+then, or without them, no frame is measured and a coordinator computes the norm itself, after
+the frame, as before.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from swarmtrain.wire.tensors import ALIGN
@@ -32,13 +34,22 @@ if TYPE_CHECKING:  # (torch is imported where tensors are built, not by importin
 else:
     _TensorDict = dict
 
-__all__ = ["WINDOW", "MeasuredTensors", "PayloadMeasure"]
+__all__ = ["WINDOW", "MeasuredTensors", "PayloadMeasure", "use_kernel"]
 
 #: bytes received between two measuring calls, at most (but the last of a payload): small
 #: enough that they are still in the core's cache when measured, large enough that the calls
 #: cost nothing next to the copy
 WINDOW = 1 << 19
 _SIZES = {"float32": 4, "float16": 2}
+
+#: ``Kernels.sumsq_ranges`` once the C kernels are built (None: nothing is measured)
+_sumsq_ranges: Callable[..., None] | None = None
+
+
+def use_kernel(sumsq_ranges: Callable[..., None] | None) -> None:
+    """Measure payloads with ``sumsq_ranges`` (the loaded kernels' method; None: stop)."""
+    global _sumsq_ranges
+    _sumsq_ranges = sumsq_ranges
 
 
 class MeasuredTensors(_TensorDict):
@@ -56,11 +67,11 @@ class MeasuredTensors(_TensorDict):
 class PayloadMeasure:
     """The running sums of squares over one payload's float tensors."""
 
-    __slots__ = ("_fast", "_names", "_ranges", "_out", "_done", "_view", "_addr")
+    __slots__ = ("_sum", "_names", "_ranges", "_out", "_done", "_view", "_addr")
     # _ranges: 4 int64 per float tensor (start, end, element size, bytes summed so far)
 
-    def __init__(self, fast: Any, names: list[str], flat: list[int]) -> None:
-        self._fast = fast
+    def __init__(self, sumsq_ranges: Callable[..., None], names: list[str], flat: list[int]) -> None:
+        self._sum = sumsq_ranges
         self._names = names
         self._ranges = (ctypes.c_int64 * len(flat))(*flat)
         self._out = (ctypes.c_double * len(names))()
@@ -88,11 +99,8 @@ class PayloadMeasure:
                 return None
             names.append(name)
             flat += (offset, offset + nbytes, size, offset)
-        if not names:
-            return None
-        from swarmtrain.compression.kernels import kernels
-        fast = kernels()
-        return None if fast is None else cls(fast, names, flat)
+        fn = _sumsq_ranges
+        return cls(fn, names, flat) if names and fn is not None else None
 
     def advance(self, buf: bytearray, filled: int) -> None:
         """``buf`` (the payload buffer) holds its first ``filled`` bytes: measure what arrived
@@ -104,7 +112,7 @@ class PayloadMeasure:
         if self._view is None:
             self._view = (ctypes.c_char * len(buf)).from_buffer(buf)
             self._addr = ctypes.addressof(self._view)
-        self._fast.sumsq_ranges(self._addr, self._ranges, len(self._names), filled, self._out)
+        self._sum(self._addr, self._ranges, len(self._names), filled, self._out)
         self._done = filled
         if complete:
             self._view = None  # (the bytearray may be resized or freed again)
