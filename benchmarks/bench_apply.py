@@ -409,6 +409,21 @@ def to_markdown(res: dict[str, Any]) -> str:
                           "apply", "apply + sums on arrival"], recv_rows),
                 "",
             ]
+    quiet = res.get("quiet_receive")
+    if quiet:
+        out += [
+            "### The receive in a process that does nothing else",
+            "",
+            "A coordinator's event loop does little but receive, so the allocator rarely has a freed "
+            "40 MB block at hand: each codec's payload size received 9 times in a new process into a new "
+            "buffer per frame (as before the pool) and into the pool (medians; page faults per frame).",
+            "",
+            md_table(["codec", "payload MB", "new buffer per frame ms", "page faults", "pooled ms",
+                      "page faults (pooled)"],
+                     [[c, q["nbytes"] / 1e6, q["fresh"]["median_ms"], q["fresh"]["page_faults"],
+                       q["pooled"]["median_ms"], q["pooled"]["page_faults"]] for c, q in quiet.items()]),
+            "",
+        ]
     every = next(iter(next(iter(res['by_threads'].values()))['swarmtrain'].values()))['resync_interval']
     out += [
         "Notes: \"publish + answer\" is one publication into the shared downlink log (the "
@@ -438,12 +453,54 @@ def to_markdown(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def receive_in_a_quiet_process(nbytes: int, calls: int = 9) -> dict[str, Any]:
+    """The receive of an ``nbytes`` float32 payload timed in a new process that does nothing
+    else, as a coordinator's event loop does little else: into a new buffer per frame (before
+    the pool) and into the pool; medians in ms and page faults per frame."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, "--receive-child", str(nbytes), "--calls", str(calls)],
+                         capture_output=True, text=True, timeout=600, check=True)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _receive_child(nbytes: int, calls: int) -> None:
+    import json
+    import resource
+
+    from swarmtrain.core.hardware import tune_allocator
+
+    tune_allocator()
+    frame = memoryview(encode_bytes(Gradients(
+        msg_id=1, version=0, samples=1, loss=1.0, codecs={},
+        tensors={"g/values": torch.randn(nbytes // 4)})))
+    res: dict[str, Any] = {"nbytes": nbytes}
+    for label, floor in (("fresh", 1 << 62), ("pooled", MIN_BYTES)):
+        PAYLOADS.min_bytes = floor
+        receive(frame, measure=False)  # (warm)
+        times, before = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            receive(frame, measure=False)
+            times.append(time.perf_counter() - t0)
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+        res[label] = {"median_ms": sorted(times)[calls // 2] * 1e3, "page_faults": faults}
+    print(json.dumps(res))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (smoke run)")
+    ap.add_argument("--receive-child", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--calls", type=int, default=9, help=argparse.SUPPRESS)
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     ap.add_argument("--rounds", type=int, default=0, help="timed calls per operation")
     args = ap.parse_args(argv)
+    if args.receive_child:
+        _receive_child(args.receive_child, args.calls)
+        return 0
     from swarmtrain.core.hardware import tune_allocator
 
     tune_allocator()  # as every `swarmtrain` command does at start-up
@@ -452,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup = 1 if args.quick else 2
     start = time.perf_counter()
     res = run(threads, rounds, warmup)
+    res["quiet_receive"] = {c: receive_in_a_quiet_process(s["wire_bytes"])
+                            for c, s in next(iter(res["by_threads"].values()))["swarmtrain"].items()}
     res["seconds"] = time.perf_counter() - start
     report("apply", res, to_markdown(res))
     return 0
