@@ -146,7 +146,7 @@ class ApplyBench:
     """A coordinator with one registered worker, and the pieces of its apply path."""
 
     PIECES = ("decompress", "screen", "adam", "publish")
-    RECEIVES = ("receive", "receive unmeasured", "receive fresh buffers", "norm after")
+    RECEIVES = ("receive", "receive unmeasured", "norm after")
 
     def __init__(self, codec_name: str, grads: dict[str, torch.Tensor]) -> None:
         self.codec_name = codec_name
@@ -186,15 +186,6 @@ class ApplyBench:
     def receive_unmeasured(self, _: int) -> None:
         """The same receive without the sums (their cost is the difference)."""
         receive(self.frame, measure=False)
-
-    def receive_fresh(self, _: int) -> None:
-        """The receive before the payload pool: a new buffer per frame, whose pages fault
-        as the socket first writes them (and no sums)."""
-        PAYLOADS.min_bytes = 1 << 62
-        try:
-            receive(self.frame, measure=False)
-        finally:
-            PAYLOADS.min_bytes = MIN_BYTES
 
     def norm_after(self, _: int) -> None:
         """The screen's norm read after the frame, as it was before the sums were taken on
@@ -249,7 +240,7 @@ class ApplyBench:
                 f"{c} screen": self.screen, f"{c} adam": self.adam,
                 f"{c} publish": self.publish, f"{c} snapshot": self.snapshot,
                 f"{c} receive": self.receive, f"{c} receive unmeasured": self.receive_unmeasured,
-                f"{c} receive fresh buffers": self.receive_fresh, f"{c} norm after": self.norm_after}
+                f"{c} norm after": self.norm_after}
 
     def result(self, t: dict[str, Timing]) -> dict[str, Any]:
         c = self.codec_name
@@ -394,8 +385,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         for codec, s in r["swarmtrain"].items():
             rc = s.get("receive")
             if rc:
-                recv_rows.append([codec, rc["receive fresh buffers"]["median_ms"],
-                                  rc["receive unmeasured"]["median_ms"], rc["receive"]["median_ms"],
+                recv_rows.append([codec, rc["receive unmeasured"]["median_ms"], rc["receive"]["median_ms"],
                                   s["measuring_ms"], rc["norm after"]["median_ms"],
                                   s["apply"]["median_ms"], s["apply"]["median_ms"] + s["measuring_ms"]])
         if recv_rows:
@@ -403,8 +393,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                 f"Receiving the gradient (the frame fed to the decoder in {RECV_CHUNK >> 10} KiB "
                 "pieces, each copied in as the socket would; ms):",
                 "",
-                md_table(["codec", "receive, fresh buffer per frame (before)",
-                          "receive, pooled buffer", "receive, pooled + sums on arrival",
+                md_table(["codec", "receive, pooled buffer", "receive, pooled + sums on arrival",
                           "sums on arrival", "the same norm read after the frame (before)",
                           "apply", "apply + sums on arrival"], recv_rows),
                 "",
@@ -443,12 +432,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         "squares taken as the gradient arrived (on the receiving thread, while the pieces are in "
         "cache: the norm screen's pass, which \"norm screen\" then only adds up); the receive "
         "itself (the copy off the socket) is in no Adam baseline and in no row there, and is "
-        "given in the receive table. Its \"fresh buffer\" column depends on the allocator's "
-        "state: a 40 MB bytearray is served from memory this process freed before when glibc "
-        "kept enough of it (this benchmark frees large temporaries all the time, so mostly it "
-        "is: see the spread in apply.json), and from fresh pages otherwise, ~10,000 page faults: "
-        "35-60 ms in a process that did nothing else, and in the coordinator of bench_scale.py "
-        "(event loop 64 ms per none update before the pool, 24-40 ms after).",
+        "given in the receive tables. A new buffer per frame (before the pool) is timed only in "
+        "a process that does nothing else: here, where large temporaries are freed all the "
+        "time, glibc mostly hands a 40 MB request memory it kept, which a coordinator's event "
+        "loop seldom has (bench_scale.py: 64 ms per none update before the pool, 24-40 after).",
     ]
     return "\n".join(out)
 

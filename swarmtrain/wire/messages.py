@@ -843,12 +843,6 @@ def bound_of(cls: type[Message], name: str) -> Bound | None:
     return DEFAULT_BOUNDS.get(typing.get_origin(hint) or hint)
 
 
-_BOUNDS_OF: dict[type[Message], dict[str, Bound | None]] = {
-    cls: {f.name: bound_of(cls, f.name) for f in dataclasses.fields(cls) if f.name != "tensors"}
-    for cls in MESSAGE_CLASSES.values()
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class _Field:
     """What :func:`message_from_fields` checks of one field, worked out once per class."""
@@ -864,7 +858,7 @@ _FIELDS: dict[type[Message], tuple[_Field, ...]] = {
     cls: tuple(
         _Field(f.name, _HINTS[cls][f.name], typing.get_origin(_HINTS[cls][f.name]) or _HINTS[cls][f.name],
                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-               _BOUNDS_OF[cls][f.name])
+               bound_of(cls, f.name))
         for f in dataclasses.fields(cls) if f.name != "tensors")
     for cls in MESSAGE_CLASSES.values()
 }
