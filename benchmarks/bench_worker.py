@@ -7,7 +7,9 @@
     size, the coordinator with ``OMP_NUM_THREADS=1`` (it has no thread flag); with
     ``max_inflight`` 1 (the default: the next gradient is computed while the previous one
     travels) and 0 (wait for each answer), set through a worker ``--config`` file since the
-    CLI has no flag for it.
+    CLI has no flag for it; and max_inflight 1 once more with ``[network] direct_io = false``,
+    the data path through the worker's event loop (what quick steps took before their socket
+    was lent to the compute thread).
 
 The swarmtrain rate is measured on the coordinator's clock: once the worker has applied
 updates for a warm-up period, this script asks the coordinator for its status twice (an
@@ -46,6 +48,10 @@ TASKS = {"digits": 32, "textlm": 16}
 #: task -> (warm-up s, window s), full and --quick; textlm steps take ~0.2-0.3 s each
 WINDOWS = {"digits": ((3.0, 6.0), (1.0, 3.0)), "textlm": ((3.0, 10.0), (2.0, 5.0))}
 HOST = "127.0.0.1"
+#: the swarmtrain runs of each task: (label, max_inflight, [network] direct_io); the last is
+#: the data path through the event loop that quick steps took before the socket was lent
+RUNS = [("max_inflight 1", 1, True), ("max_inflight 0", 0, True),
+        ("max_inflight 1, via the loop", 1, False)]
 
 
 # -------------------------------------------------------------------------------- (a) plain
@@ -112,14 +118,15 @@ def _tail(path: Path, n: int = 20) -> str:
 
 
 def swarm_run(task_name: str, batch: int, inflight: int, warm_s: float, window_s: float,
-              tmp: Path) -> dict[str, Any]:
+              tmp: Path, direct: bool = True) -> dict[str, Any]:
     """Coordinator + one worker as processes; the worker's applied samples/s in steady state."""
     secret = secrets.token_hex(16)
     env = {**os.environ, "SWARMTRAIN_SECRET": secret}
-    tag = f"{task_name}-inflight{inflight}"
+    tag = f"{task_name}-inflight{inflight}-{'direct' if direct else 'loop'}"
     port_file, summary = tmp / f"{tag}.port", tmp / f"{tag}.summary.json"
     wcfg = tmp / f"{tag}.worker.toml"
-    wcfg.write_text(f"[training]\nmax_inflight = {inflight}\n")
+    wcfg.write_text(f"[training]\nmax_inflight = {inflight}\n[network]\n"
+                    f"direct_io = {'true' if direct else 'false'}\n")
     clog, wlog = tmp / f"{tag}.coordinator.log", tmp / f"{tag}.worker.log"
     py = [sys.executable, "-m", "swarmtrain"]
     coord = subprocess.Popen(
@@ -172,6 +179,7 @@ def swarm_run(task_name: str, batch: int, inflight: int, warm_s: float, window_s
         "window_s": dt, "steps_in_window": wb["steps"] - wa["steps"],
         "coordinator_cpu_cores": (cb[0] - ca[0]) / dt, "worker_cpu_cores": (cb[1] - ca[1]) / dt,
         "avg_staleness": wb["avg_staleness"], "stats": final.get("stats", sb_["stats"]),
+        "direct_io": direct,
         "exit_codes": {"coordinator": rc_c, "worker": rc_w},
     }
 
@@ -190,10 +198,10 @@ def run(quick: bool, tasks: list[str]) -> dict[str, Any]:
             before = plain_run(name, batch, warm_s, window_s)
             print(f"   plain         {before['samples_per_s']:9.0f} samples/s", flush=True)
             swarm = {}
-            for inflight in (1, 0):
-                r = swarm_run(name, batch, inflight, warm_s, window_s, tmp)
-                swarm[str(inflight)] = r
-                print(f"   max_inflight {inflight} {r['samples_per_s']:9.0f} samples/s "
+            for key, inflight, direct in RUNS:
+                r = swarm_run(name, batch, inflight, warm_s, window_s, tmp, direct=direct)
+                swarm[key] = r
+                print(f"   {key:24s} {r['samples_per_s']:9.0f} samples/s "
                       f"(coordinator {r['coordinator_cpu_cores']:.2f} cores, worker "
                       f"{r['worker_cpu_cores']:.2f})", flush=True)
             after = plain_run(name, batch, warm_s, window_s)
@@ -219,7 +227,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                      f"before {pb['samples_per_s']:.0f}, after {pa['samples_per_s']:.0f}; "
                      f"{t['window_s']:.0f} s windows"])
         for k, r in t["swarmtrain"].items():
-            rows.append([name, t["batch_size"], f"swarmtrain, max_inflight {k}",
+            rows.append([name, t["batch_size"], f"swarmtrain, {k}",
                          r["samples_per_s"], r["steps_per_s"], r["samples_per_s"] / ref,
                          r["samples_per_worker_cpu_s"], r["samples_per_worker_cpu_s"] / ref_cpu,
                          f"{r['worker_cpu_cores']:.2f}", f"{r['coordinator_cpu_cores']:.2f}",
@@ -241,7 +249,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         "coordinator uptime). Limit: the plain loop (one async worker can at best match it). "
         "\"per CPU-s\" divides samples by the CPU time the training process (plain) or the "
         "worker process (swarmtrain) used in the window: a figure less sensitive to other load "
-        "on the machine, and the worker's CPU overhead.",
+        "on the machine, and the worker's CPU overhead. Quick steps of a small model train with "
+        "the connection's socket lent to the worker's compute thread (`[network] direct_io`, "
+        "one `sendmsg` and one `recv_into` per message); the run \"via the loop\" turns that off, "
+        "so gradients and answers go through the worker's event loop as slow steps' do.",
         "",
         md_table(["task", "batch", "run", "samples/s", "steps/s", "ratio to plain",
                   "samples per CPU-s", "ratio per CPU-s", "worker CPU (cores)",

@@ -183,8 +183,11 @@ def test_a_frozen_worker_says_it_was_frozen_not_that_the_coordinator_went_silent
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     assert ready.wait(30)
+    # (through the loop: with the socket lent to the compute thread, that thread would train
+    # on through a blocked loop, which is then rightly not a frozen process)
     w = worker(c.port, **{**fast, "network.reconnect_attempts": 5, "network.reconnect_delay_sec": 0.05,
-                          "training.probe_seconds": 0.0, "training.batch_size": 8})
+                          "training.probe_seconds": 0.0, "training.batch_size": 8,
+                          "network.direct_io": False})
 
     def said_frozen() -> bool:
         return any("was paused or frozen" in r.getMessage() for r in caplog.records)

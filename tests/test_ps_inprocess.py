@@ -339,7 +339,9 @@ def test_a_worker_on_its_own_loop_computes_quick_steps_on_it(
     """Worker.run() (the CLI's way: an event loop of its own) computes quick steps (here: all,
     with the limit at 1 s, as three actors in one process share one interpreter lock; or none,
     at 0) on that loop instead of handing each to the compute thread; run_async() in the
-    caller's loop never does (it must not block what else runs there). Both train."""
+    caller's loop never does (it must not block what else runs there). Both train. (This is
+    the path through the loop, ``direct_io`` off: with it on, quick steps train on the socket
+    lent to the compute thread instead, tests/test_direct.py.)"""
     import threading
 
     from swarmtrain.roles.ps import worker as worker_module
@@ -351,10 +353,11 @@ def test_a_worker_on_its_own_loop_computes_quick_steps_on_it(
     async def main() -> Worker:
         await c.start()
         try:
-            own.append(worker(c.port, **{"training.worker_id": "own", "training.max_inflight": 1}))
+            loop_path = {"training.max_inflight": 1, "network.direct_io": False}
+            own.append(worker(c.port, **{"training.worker_id": "own", **loop_path}))
             thread = threading.Thread(target=own[0].run, daemon=True)
             thread.start()
-            embedded = worker(c.port, **{"training.worker_id": "embedded", "training.max_inflight": 1})
+            embedded = worker(c.port, **{"training.worker_id": "embedded", **loop_path})
             task = asyncio.create_task(embedded.run_async())
             await asyncio.wait_for(c.run(), 60)
             await asyncio.wait_for(task, 30)

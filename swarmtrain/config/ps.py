@@ -198,6 +198,11 @@ class WorkerNetworkConfig(_Section):
     heartbeat_timeout_sec: float = _opt(10.0, "silence after which the link is dead", gt=0.0)
     handshake_timeout_sec: float = _opt(10.0, "limit on the connection handshake", gt=0.0)
     connect_timeout_sec: float = _opt(10.0, "limit on opening the TCP connection", gt=0.0)
+    direct_io: bool = _opt(
+        True, "quick steps of a small model (under 10 ms of compute, gradients up to 4 MiB) send "
+        "and receive on the compute thread with blocking socket calls instead of through the "
+        "event loop: one system call per message and no hand-over between threads; a plain TCP "
+        "connection only (TLS goes through the loop)")
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from swarmtrain.errors import ConnectionLost, ProtocolError, RemoteProtocolError, SwarmTimeout
+from swarmtrain.transport.direct import DirectLink
 from swarmtrain.transport.payload_gate import PayloadGate, Ticket
 from swarmtrain.wire import Decoder, Error, Heartbeat, Limits, Message, encode
 from swarmtrain.wire.frame import DecoderState
@@ -332,6 +335,11 @@ class Connection:
         #: the other side's node id, verified: the peer id of the identity key it proved in
         #: the handshake (AUTH's signature); empty if it proved none
         self.node = ""
+        #: set while no thread holds the socket (:meth:`start_direct`): the writer waits on it
+        self._undirected = asyncio.Event()
+        self._undirected.set()
+        self._direct: DirectLink | None = None
+        self._writing = False  # the writer is handing a frame to the transport
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -356,16 +364,24 @@ class Connection:
                 msg = await self._outbox.get()
                 if msg is None or self.transport.is_closing():
                     return
+                await self._undirected.wait()  # (a thread holds the socket: after it)
                 await self._proto.writable()
                 if self.transport.is_closing():
                     return
-                size = await self._write_frame(encode(msg, self.limits))
-                self.bytes_sent += size
-                self.sent_by_type[msg.TYPE.name] += 1
-                self.sent_bytes_by_type[msg.TYPE.name] += size
+                self._writing = True
+                try:
+                    size = await self._write_frame(encode(msg, self.limits))
+                finally:
+                    self._writing = False
+                self._count_sent(msg.TYPE.name, size)
         except ProtocolError as exc:
             log.error("cannot send to %s: %s", self.peer, exc)
             self.abort(exc)
+
+    def _count_sent(self, kind: str, size: int) -> None:
+        self.bytes_sent += size
+        self.sent_by_type[kind] += 1
+        self.sent_bytes_by_type[kind] += size
 
     async def _write_frame(self, segments: list[bytes | memoryview]) -> int:
         """Hand a frame's segments to the transport; returns its size. Small segments (the
@@ -436,6 +452,84 @@ class Connection:
     def _check_open(self) -> None:
         if self._proto.closed.is_set() or self.transport.is_closing():
             raise self._closed_error()
+
+    # -- lending the socket to a thread (transport/direct.py) -------------------------------
+
+    async def start_direct(self, step_fn: Callable[[], int] | None = None,
+                           timeout: float = 5.0) -> DirectLink | None:
+        """Lend the socket to one thread: a :class:`~swarmtrain.transport.direct.DirectLink`
+        to send and receive on with blocking calls, until :meth:`end_direct`. The messages
+        already received and not yet taken by :meth:`recv` move to the link first, in order.
+
+        Only a plain TCP connection is lent (TLS state lives in asyncio's transport), one with
+        no payload gate, open and sound, once what is queued for sending has gone out (at most
+        ``timeout`` seconds); None otherwise, and nothing changed.
+        """
+        proto = self._proto
+        if (self._direct is not None or proto.gate is not None or proto.protocol_error is not None
+                or self.transport.get_extra_info("sslcontext") is not None):
+            return None
+        raw = self.transport.get_extra_info("socket")
+        if raw is None:
+            return None
+        deadline = time.monotonic() + timeout
+        while not (self._outbox.empty() and not self._writing
+                   and self.transport.get_write_buffer_size() == 0):
+            if self.is_closed or time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.001)
+        if self.is_closed or self.transport.is_closing():
+            return None
+        pending: deque[Message] = deque()
+        while not proto.inbox.empty():
+            item = proto.inbox.get_nowait()
+            if isinstance(item, _Closed):  # (closed meanwhile: not lent)
+                for msg in pending:
+                    proto.inbox.put_nowait(msg)
+                proto.inbox.put_nowait(item)
+                return None
+            pending.append(item)
+        try:
+            sock = socket.socket(raw.family, raw.type, raw.proto, fileno=os.dup(raw.fileno()))
+        except OSError:
+            for msg in pending:
+                proto.inbox.put_nowait(msg)
+            return None
+        self._undirected.clear()
+        proto._pause("direct")
+        self._direct = DirectLink(sock, proto, self.timeouts, self.peer, pending=pending, step_fn=step_fn)
+        return self._direct
+
+    def end_direct(self, link: DirectLink) -> None:
+        """Take the socket back from ``link`` (on the event loop, once its thread is done with
+        it): what the link decoded and nobody took goes to the inbox, in order; a link that
+        failed closes the connection with its error; otherwise reading and writing resume."""
+        if link is not self._direct:
+            return
+        self._direct = None
+        link.close()
+        proto = self._proto
+        for kind, size in link.sent:
+            self._count_sent(kind, size)
+        for msg in link.pending:
+            proto.inbox.put_nowait(msg)
+        link.pending.clear()
+        for refused in link.refused:
+            proto._refuse_message(refused)
+        error = link.error
+        if isinstance(error, RemoteProtocolError):
+            proto.protocol_error = error
+            proto._refuse(error)
+        elif error is not None:
+            self.abort(error)
+        self._undirected.set()
+        if not self.is_closed:
+            proto._resume("direct")
+
+    @property
+    def direct(self) -> DirectLink | None:
+        """The link the socket is lent to, if it is (:meth:`start_direct`)."""
+        return self._direct
 
     # -- liveness --------------------------------------------------------------------------
 
@@ -528,7 +622,9 @@ class Connection:
         await self._cancel_tasks()
 
     def abort(self, reason: BaseException) -> None:
-        """Close now, discarding anything unsent."""
+        """Close now, discarding anything unsent (a thread holding the socket is woken)."""
+        if self._direct is not None:
+            self._direct.interrupt()
         self._proto._mark_closed(reason)
         self.transport.abort()
         for t in self._tasks:

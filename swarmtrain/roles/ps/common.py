@@ -22,6 +22,10 @@ __all__ = [
     "payload_bytes",
     "check_fingerprint",
     "FUSED",
+    "FUSE_MAX_NUMEL",
+    "fuse_plain",
+    "fused_views",
+    "entry_spec",
     "pack_compressed",
     "pack_buffers",
     "split_buffers",
@@ -113,7 +117,54 @@ def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
 FUSED = "*"
 """The ``codecs`` name of one entry that carries every parameter, flattened and concatenated
 in the model's parameter order (the fingerprint guarantees both ends share it): weight
-deltas travel this way, one codec call per message instead of one per tensor."""
+deltas travel this way, one codec call per message instead of one per tensor, and so do the
+uncompressed gradients and full weights of a small model (:func:`fuse_plain`)."""
+
+FUSE_MAX_NUMEL = 1 << 20
+"""Models up to this many parameters send their tensors as one :data:`FUSED` entry: weight
+deltas always, uncompressed float32 gradients and full weights too. Per tensor a message
+costs its descriptor, codec entry and checks on both ends, which for a small model's
+millisecond step is more than copying its tensors into one."""
+
+
+def fuse_plain(items: Mapping[str, Compressed],
+               params: Mapping[str, torch.Tensor]) -> Mapping[str, Compressed]:
+    """``items`` (compressed gradients by name) as one :data:`FUSED` ``none`` entry when every
+    one of ``params`` is there, in their order, each ``none`` in float32, and they hold at most
+    :data:`FUSE_MAX_NUMEL` elements; ``items`` unchanged otherwise."""
+    if len(items) < 2 or len(items) != len(params) or list(items) != list(params):
+        return items
+    values = []
+    for c in items.values():
+        v = c.parts.get("values")
+        if (c.codec != "none" or c.dtype != "float32" or c.meta or len(c.parts) != 1 or v is None
+                or v.dtype != torch.float32):
+            return items
+        values.append(v.reshape(-1))
+    total = sum(v.numel() for v in values)
+    if total > FUSE_MAX_NUMEL:
+        return items
+    return {FUSED: Compressed(codec="none", shape=(total,), dtype="float32",
+                              parts={"values": torch.cat(values)}, meta={})}
+
+
+def fused_views(flat: torch.Tensor, expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A :data:`FUSED` tensor cut into one view per tensor of ``expected``, shaped like it.
+
+    Raises:
+        RemoteProtocolError: ``flat`` is not a 1-D tensor of their total element count.
+    """
+    sizes = [t.numel() for t in expected.values()]
+    if flat.dim() != 1 or flat.numel() != sum(sizes):
+        raise RemoteProtocolError("shape_mismatch", f"a fused entry of shape {list(flat.shape)} does not "
+                                  f"hold the model's {sum(sizes)} elements")
+    return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), flat.split(sizes))}
+
+
+def entry_spec(codecs: Mapping[str, Any], name: str) -> Any:
+    """The codec entry that carries tensor ``name``: its own, or the :data:`FUSED` one."""
+    spec = codecs.get(name)
+    return codecs.get(FUSED) if spec is None else spec
 
 
 def pack_compressed(
@@ -214,11 +265,8 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             out[name] = decompress_any(c)
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
-    if fused and subset:
-        raise RemoteProtocolError("bad_codec", "a fused entry must carry every parameter")
-    if fused:  # one view per parameter, in the model's order
-        pieces = dense_gradient(out[FUSED]).split([t.numel() for t in expected.values()])
-        return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), pieces)}
+    if fused:  # one view per parameter, in the model's order (its shape: every parameter)
+        return dict(fused_views(dense_gradient(out[FUSED]), expected))
     return out
 
 

@@ -53,11 +53,14 @@ from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
 from swarmtrain.roles.ps.cluster import ClusterPeers, ClusterPlace
 from swarmtrain.roles.ps.common import (
+    FUSE_MAX_NUMEL,
+    FUSED,
     LazyGradient,
     check_compression_match,
     check_fingerprint,
     dense_gradient,
     downlink_codec,
+    entry_spec,
     global_norm,
     pack_buffers,
     payload_bytes,
@@ -350,6 +353,11 @@ class Coordinator:
             fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
             reset_interval=t.resync_interval)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
+        #: full weights go to workers as one FUSED tensor (a small float32 model), the last made
+        #: with the snapshot it was made from: (its first tensor, the fused tensor)
+        self._fuse_full = (len(self.params) > 1 and sum(self._sizes) <= FUSE_MAX_NUMEL
+                           and all(p.dtype == torch.float32 for p in self.state.trainable.values()))
+        self._fused_snapshot: tuple[torch.Tensor, torch.Tensor] | None = None
         #: gradients received and not yet applied, all workers together, are bounded: a worker's
         #: next one is read off the socket once there is room (network.max_held_gradient_mb)
         net = cfg.network
@@ -1135,7 +1143,7 @@ class Coordinator:
         for name in grads:
             # the model's dtype, or float32 (a float16 model's gradients leave the worker
             # unscaled in float32); decoding gives float32 either way
-            sent = msg.codecs[name].get("dtype")
+            sent = entry_spec(msg.codecs, name).get("dtype")
             model = str(self.state.trainable[name].dtype).removeprefix("torch.")
             if sent not in (model, "float32"):
                 return f"{name!r} arrived as {sent}, the model's parameter is {model}"
@@ -1318,7 +1326,20 @@ class Coordinator:
     def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
         w = self._snapshot_for(rec)
         rec.resyncs += 1
-        return Update(msg_id=msg_id, version=w.version, status=status, full=True, tensors=w.tensors)
+        return Update(msg_id=msg_id, version=w.version, status=status, full=True,
+                      tensors=self._fused_weights(w.tensors))
+
+    def _fused_weights(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """A small float32 model's published parameters as one :data:`FUSED` tensor (made once
+        per snapshot), the rest as they are; ``tensors`` unchanged for any other model."""
+        if not self._fuse_full:
+            return tensors
+        first = tensors[next(iter(self.params))]
+        if self._fused_snapshot is None or self._fused_snapshot[0] is not first:
+            flat = torch.cat([tensors[n].reshape(-1) for n in self.params])
+            self._fused_snapshot = (first, flat)
+        rest = {k: v for k, v in tensors.items() if k not in self.params}
+        return {FUSED: self._fused_snapshot[1], **rest}
 
     # -- control, evaluation, status -------------------------------------------------------
 
@@ -1494,10 +1515,6 @@ class Coordinator:
         return out
 
 
-FUSE_MAX_NUMEL = 1 << 20
-"""Models up to this many parameters get their weight deltas as one :data:`FUSED` entry."""
-
-
 def _master_weights(
     trainable: Mapping[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[tuple[int, int, torch.dtype]]]:
@@ -1561,9 +1578,12 @@ def _gradient_norm(msg: Gradients, grads: Mapping[str, LazyGradient]) -> float:
     measured = getattr(msg.tensors, "sumsq", None)
     total = 0.0
     sources = []
+    fused = msg.codecs.get(FUSED)
+    if fused is not None and fused.get("codec") in _VALUES_ARE_THE_GRADIENT:
+        grads = {FUSED: msg.tensors[f"{FUSED}/values"]}  # (every parameter, one tensor)
     for name, g in grads.items():
         values = None
-        if msg.codecs[name].get("codec") in _VALUES_ARE_THE_GRADIENT:
+        if entry_spec(msg.codecs, name).get("codec") in _VALUES_ARE_THE_GRADIENT:
             key = f"{name}/values"
             if measured is not None and key in measured:
                 total += measured[key]

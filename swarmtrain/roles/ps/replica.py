@@ -16,7 +16,7 @@ import torch
 
 from swarmtrain.core.modelstate import ModelState
 from swarmtrain.errors import ProtocolError
-from swarmtrain.roles.ps.common import split_buffers, unpack_compressed
+from swarmtrain.roles.ps.common import FUSED, fused_views, split_buffers, unpack_compressed
 from swarmtrain.roles.ps.downlink import entry_tensors
 from swarmtrain.wire import Update
 
@@ -87,6 +87,9 @@ class Replica:
     def load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Load full weights: every trainable parameter, and whatever frozen parameters and
         buffers the message carries (all of them at registration)."""
+        if FUSED in tensors:  # (a small model's trainable parameters in one tensor)
+            tensors = {**fused_views(tensors[FUSED], self.params),
+                       **{k: v for k, v in tensors.items() if k != FUSED}}
         missing = set(self.params) - set(tensors)
         if missing:
             raise ProtocolError("shape_mismatch", f"weights lack {sorted(missing)[:3]}")

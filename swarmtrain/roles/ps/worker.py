@@ -54,6 +54,7 @@ from swarmtrain.errors import (
 from swarmtrain.roles.ps.cluster import split_address
 from swarmtrain.roles.ps.common import (
     codec_for_step,
+    fuse_plain,
     pack_buffers,
     pack_compressed,
     payload_bytes,
@@ -65,6 +66,7 @@ from swarmtrain.roles.ps.serverlinks import ServerLink, ServerLost, total_norm
 from swarmtrain.tasks import Dataset, Shard
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.auth import cluster_secret
+from swarmtrain.transport.direct import DirectLink
 from swarmtrain.transport.identity import Identity, node_identity
 from swarmtrain.wire import (
     Assign,
@@ -93,6 +95,17 @@ OVERLAP_MIN_FRACTION = 0.1
 #: blocking the loop that long delays no heartbeat. Longer ones keep the thread, so the loop
 #: reads answers and keeps the connection alive while a big model computes.
 INLINE_COMPUTE_SEC = 0.002
+#: steps shorter than this, of gradients no larger than :data:`DIRECT_MAX_BYTES`, run on the
+#: compute thread with the socket lent to it (``[network] direct_io``): per message, one system
+#: call each way and no hand-over between threads, which is a real fraction of such a step.
+#: Longer steps keep the event loop, which takes answers in while a step computes (with the
+#: socket lent, an answer waits in the kernel's buffers until the step is done) and sends
+#: heartbeats during a step that outlasts their interval
+DIRECT_ENTER_SEC = 0.010
+#: ... until a step's moving average passes this
+DIRECT_LEAVE_SEC = 2 * DIRECT_ENTER_SEC
+#: the largest gradient (uncompressed bytes) trained on a lent socket
+DIRECT_MAX_BYTES = 4 << 20
 
 log = logging.getLogger("swarmtrain.worker")
 
@@ -300,6 +313,7 @@ class Worker:
         self.round_trip_time = MovingAverage(TIMING_KEEP)  # gradient sent -> its answer arrived
         self.compute_time = MovingAverage(TIMING_KEEP)  # one message's compute, throttle included
         self.inline_computes = 0  # computations run on the event loop (quick steps)
+        self.direct_bursts = 0  # times the socket was lent to the compute thread
         self._own_loop = False  # set by run(): the event loop is ours alone to block
         self.coordinator_aggregates = False  # training.aggregate_samples > 0 there: never overlap
         self.throttle = hardware.Throttle(self.config.training.speed)
@@ -747,8 +761,17 @@ class Worker:
         # When overlapping, the next computation starts before this gradient is packed and
         # sent, so encoding and writing it cost the compute thread nothing: (future, version).
         ahead: tuple[asyncio.Future[_Computed], int] | None = None
+        lendable = self.config.network.direct_io
         try:
             while True:
+                if ahead is None and lendable and self._direct_pays():
+                    if not await self._wait_active():
+                        return
+                    lendable, left = await self._train_direct(conn)
+                    if left is not None:  # a gradient computed and not sent when the thread stopped
+                        done: asyncio.Future[_Computed] = loop.create_future()
+                        done.set_result(left[0])
+                        ahead = (done, left[1])
                 if ahead is not None:
                     future, base_version = ahead
                     ahead = None
@@ -759,9 +782,10 @@ class Worker:
                     # now, before updates arriving during the computation are applied.
                     base_version = self.version
                     future = self._start_compute(loop, inline=self._compute_is_quick())
-                compressed, loss, samples, seconds, residual, changes = await future
-                self._record_speed(samples, seconds)
-                self.compute_time.update(seconds)
+                computed = await future
+                compressed, samples = computed[0], computed[2]
+                self._record_speed(samples, computed[3])
+                self.compute_time.update(computed[3])
                 await self._apply_ready()
                 if not compressed:  # float16 overflow: the loss scale was halved, compute again
                     continue
@@ -776,19 +800,7 @@ class Worker:
                     # the replica is now exactly what the next gradient is computed on; it
                     # changes again only once that computation is back
                     ahead = (self._start_compute(loop, inline=False), self.version)
-                codecs, tensors = pack_compressed(compressed)
-                buffer_names, buffer_tensors = pack_buffers(changes)
-                tensors.update(buffer_tensors)
-                self.msg_id += 1
-                self.bytes_up += payload_bytes(tensors)
-                self._sent_at[self.msg_id] = time.monotonic()
-                await conn.send(Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
-                                          loss=_wire_float(loss), codecs=codecs,
-                                          residual_norm=_wire_float(residual),
-                                          buffers=buffer_names, tensors=tensors))
-                self._inflight += 1
-                self.steps += 1
-                self.samples += samples
+                await conn.send(self._gradient_message(computed, base_version))
                 if overlap and inline and self.lifecycle is WorkerState.TRAINING:
                     # a quick step computes on the loop: let the writer put this gradient on
                     # the wire first (a turn or two of the loop), then compute the next while
@@ -802,6 +814,131 @@ class Worker:
         finally:
             if ahead is not None:  # never leave the compute thread running into a reset
                 await _wait_out(ahead[0])
+
+    def _gradient_message(self, computed: _Computed, base_version: int) -> Gradients:
+        """The GRADIENTS message of a computation on weights ``base_version``, counted as sent
+        (its answer is awaited from now on)."""
+        compressed, loss, samples, _, residual, changes = computed
+        codecs, tensors = pack_compressed(fuse_plain(compressed, self.params))
+        buffer_names, buffer_tensors = pack_buffers(changes)
+        tensors.update(buffer_tensors)
+        self.msg_id += 1
+        self.bytes_up += payload_bytes(tensors)
+        self._sent_at[self.msg_id] = time.monotonic()
+        self._inflight += 1
+        self.steps += 1
+        self.samples += samples
+        return Gradients(msg_id=self.msg_id, version=base_version, samples=samples,
+                         loss=_wire_float(loss), codecs=codecs, residual_norm=_wire_float(residual),
+                         buffers=buffer_names, tensors=tensors)
+
+    # -- quick steps on the lent socket (transport/direct.py) ------------------------------
+
+    def _direct_pays(self) -> bool:
+        """Quick steps of a small model: the compute thread then trains on the socket itself
+        (:meth:`_burst`; :data:`DIRECT_ENTER_SEC`)."""
+        compute = self.compute_time.value
+        return (compute is not None and compute < DIRECT_ENTER_SEC and not self.servers
+                and self.raw_bytes_per_step <= DIRECT_MAX_BYTES)
+
+    async def _train_direct(self, conn: Connection) -> tuple[bool, tuple[_Computed, int] | None]:
+        """Lend the socket to the compute thread and train there (:meth:`_burst`) until it
+        stops. Returns (whether the connection could be lent: not with TLS, what the burst left:
+        a gradient computed and not sent yet, with its version)."""
+        # one turn of the loop first: the reader takes the messages already received (those
+        # still in the inbox would move to the link, and a control message there ends a burst
+        # at once, every time)
+        await asyncio.sleep(0)
+        link = await conn.start_direct()
+        if link is None:
+            log.debug("the connection cannot be lent to the compute thread: steps go through the loop")
+            return False, None
+        try:
+            await self._apply_ready()  # what the reader took before the socket was lent
+            self.direct_bursts += 1
+            left = await asyncio.get_running_loop().run_in_executor(self._pool, self._burst, link)
+        finally:
+            conn.end_direct(link)
+        return True, left
+
+    def _burst(self, link: DirectLink) -> tuple[_Computed, int] | None:
+        """Train on ``link`` (on the compute thread): compute, send, take the answers, with
+        :meth:`_train`'s rules for ``max_inflight`` and for overlapping. Stops when the
+        worker is no longer training, a message other than an answer arrives (the connection's
+        reader takes it; :meth:`Connection.end_direct`) or the steps stop being quick;
+        returns the gradient computed and not sent then, with its version, if any."""
+        limit = self.config.training.max_inflight
+        ahead: tuple[_Computed, int] | None = None
+        while True:
+            if ahead is not None:
+                computed, base_version = ahead
+                ahead = None
+            else:
+                if not self._burst_goes_on():
+                    return None
+                base_version = self.version
+                computed = self._compute()
+            compressed, samples = computed[0], computed[2]
+            self._record_speed(samples, computed[3])
+            self.compute_time.update(computed[3])
+            if not self._take_arrived(link):
+                return computed, base_version
+            if not compressed:  # float16 overflow: the loss scale was halved, compute again
+                continue
+            self._check_claim(samples)
+            while self._inflight >= max(1, limit):
+                if not self._await_answer(link):
+                    return computed, base_version
+            if self.lifecycle is not WorkerState.TRAINING:
+                return computed, base_version
+            overlap = limit > 0 and self.overlaps()
+            link.send(self._gradient_message(computed, base_version))
+            while not overlap and self._inflight:
+                if not self._await_answer(link):
+                    return None
+            if overlap and self._burst_goes_on():
+                ahead = (self._compute(), self.version)
+
+    def _burst_goes_on(self) -> bool:
+        compute = self.compute_time.value
+        return (self.lifecycle is WorkerState.TRAINING and compute is not None
+                and compute < DIRECT_LEAVE_SEC)
+
+    def _take_arrived(self, link: DirectLink) -> bool:
+        """Apply the answers that have arrived; False at a message that is not one (it stays
+        first on the link for the connection's reader)."""
+        while (msg := link.recv(0.0)) is not None:
+            if not self._take_direct(link, msg):
+                return False
+        return True
+
+    def _await_answer(self, link: DirectLink) -> bool:
+        """Wait for one answer and apply it (False: a message that is not one came first).
+
+        Raises:
+            SwarmTimeout: no answer within three heartbeat timeouts (as :meth:`_apply_next`).
+        """
+        limit = self.config.network.heartbeat_timeout_sec * 3
+        deadline = time.monotonic() + limit
+        while True:
+            msg = link.recv(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                raise SwarmTimeout("update", limit, "no answer to our gradient")
+            if not self._take_direct(link, msg):
+                return False
+            if isinstance(msg, Update):
+                return True
+
+    def _take_direct(self, link: DirectLink, msg: Message) -> bool:
+        """Apply an UPDATE; anything else stays first on the link for the reader, and ends the
+        burst: full WEIGHTS come with the end of the run (before SHUTDOWN), and no step may be
+        computed after them (it would move the BatchNorm statistics they set)."""
+        if not isinstance(msg, Update):
+            link.pending.appendleft(msg)
+            return False
+        self._note_round_trip(msg.msg_id)
+        self._take_answer(msg)
+        return True
 
     def _compute_is_quick(self) -> bool:
         compute = self.compute_time.value
@@ -854,6 +991,10 @@ class Worker:
             raise SwarmTimeout("update", limit, "no answer to our gradient") from None
         if isinstance(item, BaseException):
             raise item
+        self._take_answer(item)
+
+    def _take_answer(self, item: Message) -> None:
+        """Bring the replica to what an UPDATE or a full WEIGHTS message carries."""
         self.bytes_down += payload_bytes(item.tensor_map())
         if isinstance(item, Weights):
             self._load_full(item.tensors, item.version)
@@ -983,6 +1124,7 @@ class Worker:
         return {
             "worker_id": self.worker_id, "state": self.lifecycle.name.lower(),
             "version": self.version, "steps": self.steps, "inline_computes": self.inline_computes,
+            "direct_bursts": self.direct_bursts,
             "samples": self.samples, "samples_per_sec": self.samples_per_sec,
             "shards": list(self.shards), "statuses": dict(self.statuses),
             "residual_norm": self.feedback.residual_norm() if self.feedback else 0.0,
