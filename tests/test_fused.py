@@ -1,5 +1,5 @@
 """A small model's messages carry their tensors fused (swarmtrain/roles/ps/common.py,
-``fuse_plain``): an uncompressed gradient as one entry, full weights as one tensor. The fused
+``fuse_gradients``): an uncompressed gradient as one entry, full weights as one tensor. The fused
 forms must change nothing but the framing: the coordinator applies a fused gradient exactly
 as the per-tensor one, screens it the same (NaN, wrong size), the worker's replica loads
 fused weights exactly, and what is not eligible stays per tensor."""
@@ -14,7 +14,7 @@ import torch
 from swarmtrain.compression import make_codec
 from swarmtrain.core.modelstate import ModelState
 from swarmtrain.errors import ProtocolError, RemoteProtocolError
-from swarmtrain.roles.ps.common import FUSE_MAX_NUMEL, FUSED, fuse_plain, fused_views, pack_compressed
+from swarmtrain.roles.ps.common import FUSE_MAX_NUMEL, FUSED, fuse_gradients, fused_views, pack_compressed
 from swarmtrain.roles.ps.replica import Replica
 from swarmtrain.wire import Decoder, Gradients, Message, Update, encode_bytes
 from tests.test_coordinator_state import make_coordinator, record
@@ -40,30 +40,27 @@ def grads_of(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
 def message(c_params: dict[str, torch.Tensor], g: dict[str, torch.Tensor], *, fuse: bool, msg_id: int,
             version: int) -> Gradients:
     codec = make_codec("none")
-    items = {n: codec.compress(t) for n, t in g.items()}
-    codecs, tensors = pack_compressed(fuse_plain(items, c_params) if fuse else items)
+    items = fuse_gradients(g, c_params) if fuse else {n: codec.compress(t) for n, t in g.items()}
+    assert items is not None
+    codecs, tensors = pack_compressed(items)
     msg = through_the_wire(Gradients(msg_id=msg_id, version=version, samples=32, loss=1.0,
                                      codecs=codecs, tensors=tensors))
     assert isinstance(msg, Gradients)
     return msg
 
 
-def test_only_a_whole_small_uncompressed_float32_gradient_is_fused() -> None:
+def test_only_a_whole_small_float32_gradient_is_fused() -> None:
     params = {"a": torch.zeros(3, 4), "b": torch.zeros(5)}
-    none, fp16 = make_codec("none"), make_codec("fp16")
-    whole = {n: none.compress(torch.ones_like(p)) for n, p in params.items()}
-    fused = fuse_plain(whole, params)
-    assert list(fused) == [FUSED] and fused[FUSED].shape == (17,)
-    assert torch.equal(fused[FUSED].parts["values"], torch.ones(17))
-    # a parameter without a gradient, another order, another codec or dtype: per tensor
-    assert list(fuse_plain({"a": whole["a"]}, params)) == ["a"]
-    assert list(fuse_plain({"b": whole["b"], "a": whole["a"]}, params)) == ["b", "a"]
-    mixed = {"a": whole["a"], "b": fp16.compress(torch.ones(5))}
-    assert list(fuse_plain(mixed, params)) == ["a", "b"]
-    half = {n: none.compress(torch.ones_like(p, dtype=torch.bfloat16)) for n, p in params.items()}
-    assert list(fuse_plain(half, params)) == ["a", "b"]
+    whole = {n: torch.ones_like(p) for n, p in params.items()}
+    fused = fuse_gradients(whole, params)
+    assert fused is not None and list(fused) == [FUSED] and fused[FUSED].shape == (17,)
+    assert fused[FUSED].codec == "none" and torch.equal(fused[FUSED].parts["values"], torch.ones(17))
+    # a parameter without a gradient, another order, another dtype, too many elements: not fused
+    assert fuse_gradients({"a": whole["a"]}, params) is None
+    assert fuse_gradients({"b": whole["b"], "a": whole["a"]}, params) is None
+    assert fuse_gradients({n: g.to(torch.bfloat16) for n, g in whole.items()}, params) is None
     big = {"a": torch.zeros(FUSE_MAX_NUMEL), "b": torch.zeros(1)}
-    assert list(fuse_plain({n: none.compress(t) for n, t in big.items()}, big)) == ["a", "b"]
+    assert fuse_gradients(big, big) is None
 
 
 def test_a_fused_entry_of_the_wrong_size_is_refused_by_name() -> None:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from swarmtrain.compression import Codec, Compressed, decompress_any, make_codec, topk_warmup_ratio
 from swarmtrain.compression.base import FLOAT_DTYPES, check_header, check_meta_keys, check_parts
@@ -23,7 +24,7 @@ __all__ = [
     "check_fingerprint",
     "FUSED",
     "FUSE_MAX_NUMEL",
-    "fuse_plain",
+    "fuse_gradients",
     "fused_views",
     "entry_spec",
     "pack_compressed",
@@ -118,7 +119,7 @@ FUSED = "*"
 """The ``codecs`` name of one entry that carries every parameter, flattened and concatenated
 in the model's parameter order (the fingerprint guarantees both ends share it): weight
 deltas travel this way, one codec call per message instead of one per tensor, and so do the
-uncompressed gradients and full weights of a small model (:func:`fuse_plain`)."""
+uncompressed gradients and full weights of a small model (:func:`fuse_gradients`)."""
 
 FUSE_MAX_NUMEL = 1 << 20
 """Models up to this many parameters send their tensors as one :data:`FUSED` entry: weight
@@ -127,25 +128,23 @@ costs its descriptor, codec entry and checks on both ends, which for a small mod
 millisecond step is more than copying its tensors into one."""
 
 
-def fuse_plain(items: Mapping[str, Compressed],
-               params: Mapping[str, torch.Tensor]) -> Mapping[str, Compressed]:
-    """``items`` (compressed gradients by name) as one :data:`FUSED` ``none`` entry when every
-    one of ``params`` is there, in their order, each ``none`` in float32, and they hold at most
-    :data:`FUSE_MAX_NUMEL` elements; ``items`` unchanged otherwise."""
-    if len(items) < 2 or len(items) != len(params) or list(items) != list(params):
-        return items
-    values = []
-    for c in items.values():
-        v = c.parts.get("values")
-        if (c.codec != "none" or c.dtype != "float32" or c.meta or len(c.parts) != 1 or v is None
-                or v.dtype != torch.float32):
-            return items
-        values.append(v.reshape(-1))
-    total = sum(v.numel() for v in values)
+def fuse_gradients(grads: Mapping[str, torch.Tensor],
+                   params: Mapping[str, torch.Tensor]) -> dict[str, Compressed] | None:
+    """Uncompressed gradients as one :data:`FUSED` ``none`` entry, in one copy: when there is
+    one for every one of ``params`` (more than one), in their order, each a float32 CPU
+    tensor, and they hold at most :data:`FUSE_MAX_NUMEL` elements; None otherwise (they then
+    travel one entry each)."""
+    if len(grads) < 2 or len(grads) != len(params) or list(grads) != list(params):
+        return None
+    values = list(grads.values())
+    if not all(g.dtype == torch.float32 and g.device.type == "cpu" for g in values):
+        return None
+    total = sum(g.numel() for g in values)
     if total > FUSE_MAX_NUMEL:
-        return items
-    return {FUSED: Compressed(codec="none", shape=(total,), dtype="float32",
-                              parts={"values": torch.cat(values)}, meta={})}
+        return None
+    flat = _flatten_dense_tensors(values)  # (a new tensor: gradients need no graph)
+    return {FUSED: Compressed(codec="none", shape=(total,), dtype="float32", parts={"values": flat},
+                              meta={})}
 
 
 def fused_views(flat: torch.Tensor, expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,11 +153,11 @@ def fused_views(flat: torch.Tensor, expected: Mapping[str, torch.Tensor]) -> dic
     Raises:
         RemoteProtocolError: ``flat`` is not a 1-D tensor of their total element count.
     """
-    sizes = [t.numel() for t in expected.values()]
-    if flat.dim() != 1 or flat.numel() != sum(sizes):
+    total = sum(t.numel() for t in expected.values())
+    if flat.dim() != 1 or flat.numel() != total:
         raise RemoteProtocolError("shape_mismatch", f"a fused entry of shape {list(flat.shape)} does not "
-                                  f"hold the model's {sum(sizes)} elements")
-    return {name: piece.view(t.shape) for (name, t), piece in zip(expected.items(), flat.split(sizes))}
+                                  f"hold the model's {total} elements")
+    return dict(zip(expected, _unflatten_dense_tensors(flat, list(expected.values()))))
 
 
 def entry_spec(codecs: Mapping[str, Any], name: str) -> Any:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from swarmtrain.compression.kernels import kernels
 from swarmtrain.config import CoordinatorConfig, apply_kwargs, resolve_secret, resolve_tls
@@ -1114,7 +1115,11 @@ class Coordinator:
             if not fine.lossless:
                 target = fine.fused_target(fa.flat.numel())
             elif _wanted_track(version - answer.holds_version) == 0:
-                snapshot = [torch.empty(p.shape, dtype=torch.float32) for p in self.params.values()]
+                # one buffer, a view per parameter: the fused answer is that buffer as it is
+                flat = torch.empty(fa.flat.numel(), dtype=torch.float32)
+                snapshot = list(_unflatten_dense_tensors(flat, list(self.params.values())))
+                if self._fuse_full:
+                    self._fused_snapshot = (snapshot[0], flat)
         status, resid, norm = fa.step(grads, lr, held=held, publication=target[0] if target else None,
                                       snapshot=snapshot)
         if not held and not sparse:
@@ -1336,7 +1341,7 @@ class Coordinator:
             return tensors
         first = tensors[next(iter(self.params))]
         if self._fused_snapshot is None or self._fused_snapshot[0] is not first:
-            flat = torch.cat([tensors[n].reshape(-1) for n in self.params])
+            flat = _flatten_dense_tensors([tensors[n] for n in self.params])
             self._fused_snapshot = (first, flat)
         rest = {k: v for k, v in tensors.items() if k not in self.params}
         return {FUSED: self._fused_snapshot[1], **rest}

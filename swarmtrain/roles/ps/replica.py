@@ -32,6 +32,13 @@ class Replica:
         self.buffers = state.synced_buffers
         self.device = device
         self.version = 0
+        #: each parameter flattened (a view), to load a :data:`FUSED` tensor in one call; None
+        #: when one is not a contiguous float32 CPU tensor (the general path loads those)
+        self._flat: list[torch.Tensor] | None = (
+            [p.detach().view(-1) for p in self.params.values()]
+            if all(p.is_contiguous() and p.dtype == torch.float32 and p.device.type == "cpu"
+                   for p in self.params.values()) else None)
+        self._sizes = [p.numel() for p in self.params.values()]
 
     def apply_update(self, item: Update) -> None:
         """Apply an UPDATE: full weights, or the log's chain and the changed buffers."""
@@ -84,12 +91,31 @@ class Replica:
             if same:
                 torch._foreach_add_(same, same_deltas)
 
+    def _load_fused(self, flat: torch.Tensor, buffers: Mapping[str, torch.Tensor], version: int) -> None:
+        """:meth:`load_full` of a :data:`FUSED` tensor of every parameter, in one copy."""
+        assert self._flat is not None
+        if flat.dim() != 1 or flat.numel() != sum(self._sizes):
+            raise ProtocolError("shape_mismatch", f"a fused entry of shape {list(flat.shape)} does not "
+                                f"hold the model's {sum(self._sizes)} elements")
+        if buffers:
+            try:
+                self.state.load(buffers)  # (checked first: nothing is loaded if a buffer is wrong)
+            except ValueError as exc:
+                raise ProtocolError("shape_mismatch", str(exc)) from None
+        with torch.no_grad():
+            torch._foreach_copy_(self._flat, list(flat.split(self._sizes)))
+        self.version = version
+
     def load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Load full weights: every trainable parameter, and whatever frozen parameters and
         buffers the message carries (all of them at registration)."""
         if FUSED in tensors:  # (a small model's trainable parameters in one tensor)
-            tensors = {**fused_views(tensors[FUSED], self.params),
-                       **{k: v for k, v in tensors.items() if k != FUSED}}
+            flat = tensors[FUSED]
+            rest = {k: v for k, v in tensors.items() if k != FUSED}
+            if self._flat is not None and flat.dtype == torch.float32 and rest.keys() <= self.buffers.keys():
+                self._load_fused(flat, rest, version)
+                return
+            tensors = {**fused_views(flat, self.params), **rest}
         missing = set(self.params) - set(tensors)
         if missing:
             raise ProtocolError("shape_mismatch", f"weights lack {sorted(missing)[:3]}")

@@ -54,7 +54,7 @@ from swarmtrain.errors import (
 from swarmtrain.roles.ps.cluster import split_address
 from swarmtrain.roles.ps.common import (
     codec_for_step,
-    fuse_plain,
+    fuse_gradients,
     pack_buffers,
     pack_compressed,
     payload_bytes,
@@ -255,6 +255,7 @@ class Worker:
         if self.device.type != "cpu":
             model.to(self.device)  # in place: the caller's model computes on the device
         self.state = ModelState(model)
+        self._modules = list(model.modules())
         #: the trainable parameters (the model's own tensors; gradients travel for these)
         self.params: dict[str, torch.Tensor] = self.state.trainable
         self.buffers = self.state.synced_buffers
@@ -819,7 +820,7 @@ class Worker:
         """The GRADIENTS message of a computation on weights ``base_version``, counted as sent
         (its answer is awaited from now on)."""
         compressed, loss, samples, _, residual, changes = computed
-        codecs, tensors = pack_compressed(fuse_plain(compressed, self.params))
+        codecs, tensors = pack_compressed(compressed)
         buffer_names, buffer_tensors = pack_buffers(changes)
         tensors.update(buffer_tensors)
         self.msg_id += 1
@@ -1073,7 +1074,8 @@ class Worker:
 
     def _compute(self) -> _Computed:
         start, cpu = time.perf_counter(), self.throttle.start()
-        self.model.train()
+        if not all(m.training for m in self._modules):  # (train() walks the tree: only when needed)
+            self.model.train()
         self.model.zero_grad(set_to_none=True)
         before = snapshot_buffers(self.buffers)
         accum = self.plan.accumulation_steps
@@ -1082,7 +1084,8 @@ class Worker:
             with self.randomness:
                 batch = self._next_batch()
             loss = self.loss_fn(self.model, batch_to(batch, self.device))
-            (loss * (self.scaler.scale / accum)).backward()
+            factor = self.scaler.scale / accum
+            (loss * factor if factor != 1.0 else loss).backward()
             total_loss += float(loss.detach())
             n = _batch_len(batch)
             samples += n
@@ -1099,6 +1102,11 @@ class Worker:
             self.throttle.pause(cpu)
             return {}, total_loss / accum, 0, time.perf_counter() - start, 0.0, {}
         c = self.config.compression
+        fused = (fuse_gradients(dict(zip(names, grads)), self.params)
+                 if c.type == "none" and not self.servers else None)
+        if fused is not None:  # (a small model: one tensor, one copy; common.FUSE_MAX_NUMEL)
+            self.throttle.pause(cpu)
+            return fused, total_loss / accum, samples, time.perf_counter() - start, 0.0, changes
         codec = codec_for_step(c, self.steps) if self.steps < c.warmup_steps else self.codec
         if self.feedback is not None:
             self.feedback.codec = codec
