@@ -24,7 +24,7 @@ from swarmtrain.transport import Connection, connect
 from swarmtrain.transport.direct import DirectLink
 from swarmtrain.transport.payload_gate import PayloadGate
 from swarmtrain.transport.tls import ClusterKeys, generate_cluster_keys
-from swarmtrain.wire import Decoder, Error, Heartbeat, Message, Start, Weights
+from swarmtrain.wire import Decoder, Error, Heartbeat, Message, Start, Weights, encode_bytes
 from swarmtrain.wire.frame import PROTOCOL_VERSION
 from tests.test_ps_inprocess import coordinator, worker
 from tests.test_tls import node
@@ -178,6 +178,35 @@ def test_garbage_from_the_peer_is_refused_with_an_error_frame() -> None:
             finally:
                 await conn.close()
         assert [(m.code, m.fatal) for m in told if isinstance(m, Error)] == [("unknown_type", True)]
+
+    run(scenario())
+
+
+def test_a_message_out_of_range_is_counted_and_answered_while_lent() -> None:
+    told: list[Message] = []
+
+    async def out_of_range(peer: RawPeer) -> None:
+        await peer.server_handshake(None)
+        await asyncio.sleep(0.3)  # (the client lends its socket meanwhile)
+        peer.send(encode_bytes(Start(version=-1)))  # a sound frame, a field out of range
+        peer.send(Start(version=3))
+        with contextlib.suppress(TimeoutError):
+            told.append(await peer.recv(timeout=10))
+
+    async def scenario() -> None:
+        async with raw_server(out_of_range) as port:
+            conn = await connect(HOST, port, secret=None, role="worker", timeouts=timeouts())
+            try:
+                link = await lent(conn)
+                got = await in_thread(lambda: link.recv(20))
+                assert got == Start(version=3)  # the stream went on past the refused message
+                assert sum(conn._proto.refused_messages.values()) == 1
+                await eventually(lambda: bool(told), what="the peer told of its refused message")
+                conn.end_direct(link)
+                assert not conn.is_closed
+            finally:
+                await conn.close()
+        assert isinstance(told[0], Error) and not told[0].fatal and "out of range" in told[0].message
 
     run(scenario())
 

@@ -21,10 +21,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from swarmtrain.errors import ConnectionLost, ProtocolError, RemoteProtocolError, SwarmTimeout
-from swarmtrain.transport.direct import DirectLink
+from swarmtrain.transport.direct import DirectLink, refusal_reply
 from swarmtrain.transport.payload_gate import PayloadGate, Ticket
 from swarmtrain.wire import Decoder, Error, Heartbeat, Limits, Message, encode
 from swarmtrain.wire.frame import DecoderState
@@ -217,19 +217,24 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.last_received = time.monotonic()  # silence while we did not read is ours
             self.transport.resume_reading()
 
-    def _refuse_message(self, exc: RemoteProtocolError) -> None:
-        """A sound frame whose message the decoder dropped (a field out of range): count it,
-        tell the peer (non-fatal: the stream goes on) while its replies do not pile up."""
+    def note_refusal(self, exc: RemoteProtocolError) -> None:
+        """Count (and log the first few of) the sound frames whose message the decoder
+        dropped for a field out of range."""
         self.refused_messages[exc.code] += 1
         if self.on_refused is not None:
             self.on_refused(exc.code)
         self._refusals += 1
         if self._refusals <= 3:  # a flood of them is counted, not logged line by line
             log.warning("refused a message from %s: %s", self._peer(), exc)
+
+    def _refuse_message(self, exc: RemoteProtocolError) -> None:
+        """:meth:`note_refusal`, and tell the peer (non-fatal: the stream goes on) while its
+        replies do not pile up."""
+        self.note_refusal(exc)
         if (self.transport is not None and not self.transport.is_closing() and self.can_write
                 and not self.writing_frame and self.transport.get_write_buffer_size() < _GATHER_BYTES):
             with contextlib.suppress(Exception):
-                self.transport.write(b"".join(encode(Error(code=exc.code, message=str(exc), fatal=False))))
+                self.transport.write(b"".join(encode(refusal_reply(exc))))
 
     def _peer(self) -> str:
         return peer_name(self.transport) if self.transport is not None else "?"
@@ -455,8 +460,7 @@ class Connection:
 
     # -- lending the socket to a thread (transport/direct.py) -------------------------------
 
-    async def start_direct(self, step_fn: Callable[[], int] | None = None,
-                           timeout: float = 5.0) -> DirectLink | None:
+    async def start_direct(self, timeout: float = 5.0) -> DirectLink | None:
         """Lend the socket to one thread: a :class:`~swarmtrain.transport.direct.DirectLink`
         to send and receive on with blocking calls, until :meth:`end_direct`. The messages
         already received and not yet taken by :meth:`recv` move to the link first, in order.
@@ -480,24 +484,17 @@ class Connection:
             await asyncio.sleep(0.001)
         if self.is_closed or self.transport.is_closing():
             return None
-        pending: deque[Message] = deque()
-        while not proto.inbox.empty():
-            item = proto.inbox.get_nowait()
-            if isinstance(item, _Closed):  # (closed meanwhile: not lent)
-                for msg in pending:
-                    proto.inbox.put_nowait(msg)
-                proto.inbox.put_nowait(item)
-                return None
-            pending.append(item)
         try:
             sock = socket.socket(raw.family, raw.type, raw.proto, fileno=os.dup(raw.fileno()))
         except OSError:
-            for msg in pending:
-                proto.inbox.put_nowait(msg)
             return None
+        # (open, so the inbox holds messages only: the close marker comes with closing)
+        pending: deque[Message] = deque(cast(Message, proto.inbox.get_nowait())
+                                        for _ in range(proto.inbox.qsize()))
         self._undirected.clear()
         proto._pause("direct")
-        self._direct = DirectLink(sock, proto, self.timeouts, self.peer, pending=pending, step_fn=step_fn)
+        self._direct = DirectLink(sock, proto, self.timeouts, self.peer, pending=pending,
+                                  count_sent=self._count_sent)
         return self._direct
 
     def end_direct(self, link: DirectLink) -> None:
@@ -509,13 +506,9 @@ class Connection:
         self._direct = None
         link.close()
         proto = self._proto
-        for kind, size in link.sent:
-            self._count_sent(kind, size)
         for msg in link.pending:
             proto.inbox.put_nowait(msg)
         link.pending.clear()
-        for refused in link.refused:
-            proto._refuse_message(refused)
         error = link.error
         if isinstance(error, RemoteProtocolError):
             proto.protocol_error = error

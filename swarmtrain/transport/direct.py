@@ -28,13 +28,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from swarmtrain.errors import ConnectionLost, RemoteProtocolError, SwarmTimeout
-from swarmtrain.wire import Heartbeat, Message, encode
-from swarmtrain.wire.messages import OutOfRange
+from swarmtrain.wire import Error, Heartbeat, Message, encode
 
 if TYPE_CHECKING:
     from swarmtrain.transport.connection import FrameProtocol, Timeouts
 
-__all__ = ["DirectLink", "SCRATCH_BYTES"]
+__all__ = ["DirectLink", "SCRATCH_BYTES", "refusal_reply"]
 
 #: bytes read per ``recv`` into the link's own buffer (then fed to the decoder): a small frame
 #: arrives in one system call instead of one each for its preamble, header and payload; a
@@ -42,6 +41,11 @@ __all__ = ["DirectLink", "SCRATCH_BYTES"]
 SCRATCH_BYTES = 256 * 1024
 #: the longest one wait for the socket lasts, so that a heartbeat is sent on time
 _SLICE_SEC = 0.5
+
+
+def refusal_reply(exc: RemoteProtocolError) -> Error:
+    """What the peer is told of its message dropped for a field out of range (the stream goes on)."""
+    return Error(code=exc.code, message=str(exc), fatal=False)
 
 
 class DirectLink:
@@ -52,7 +56,7 @@ class DirectLink:
     """
 
     def __init__(self, sock: socket.socket, proto: FrameProtocol, timeouts: Timeouts, peer: str,
-                 *, pending: deque[Message], step_fn: Callable[[], int] | None = None) -> None:
+                 *, pending: deque[Message], count_sent: Callable[[str, int], None]) -> None:
         self._sock = sock
         self._proto = proto
         self._decoder = proto.decoder
@@ -60,13 +64,9 @@ class DirectLink:
         self.peer = peer
         #: decoded messages the caller has not taken yet, oldest first (end_direct queues them)
         self.pending = pending
-        #: messages dropped for a field out of range (end_direct counts and answers them)
-        self.refused: list[OutOfRange] = []
         #: why the link failed, if it did (end_direct closes the connection with it)
         self.error: BaseException | None = None
-        self.bytes_sent = 0
-        self.sent: list[tuple[str, int]] = []  # (type, bytes) of each frame sent, for the counters
-        self._step_fn = step_fn
+        self._count_sent = count_sent  # the connection's counters, as its writer keeps them
         self._scratch = bytearray(SCRATCH_BYTES)
         self._last_sent = time.monotonic()
         self._interrupted = False
@@ -82,9 +82,7 @@ class DirectLink:
             LocalProtocolError: ``msg`` cannot be encoded.
         """
         self._check()
-        size = self._send_all([memoryview(s).cast("B") for s in encode(msg)])
-        self.bytes_sent += size
-        self.sent.append((msg.TYPE.name, size))
+        self._count_sent(msg.TYPE.name, self._send_all([memoryview(s).cast("B") for s in encode(msg)]))
         self._last_sent = time.monotonic()
 
     def _send_all(self, views: list[memoryview]) -> int:
@@ -132,7 +130,7 @@ class DirectLink:
             self._check()
             now = time.monotonic()
             if now - self._last_sent >= self.timeouts.heartbeat_interval:
-                self.send(Heartbeat(time=time.time(), step=self._step_fn() if self._step_fn else 0))
+                self.send(Heartbeat(time=time.time(), step=0))
             silent = now - self._proto.last_received
             if silent > self.timeouts.heartbeat_timeout:
                 raise self._fail(SwarmTimeout("heartbeat", self.timeouts.heartbeat_timeout,
@@ -186,7 +184,9 @@ class DirectLink:
                 continue
             self.pending.append(msg)
         while (refused := decoder.next_refusal()) is not None:
-            self.refused.append(refused)
+            # counted as the loop counts them, and answered here (the loop does not write now)
+            proto.note_refusal(refused)
+            self.send(refusal_reply(refused))
 
     # -- ending ----------------------------------------------------------------------------
 
