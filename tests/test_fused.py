@@ -113,6 +113,10 @@ def test_a_fused_gradient_holding_nan_or_of_the_wrong_size_is_rejected_and_nothi
 def test_full_weights_go_fused_and_the_replica_loads_them_exactly() -> None:
     c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0})
     rec = record(c)
+    # the snapshot a registration made (not the kernel's): its buffer is the answer, no copy
+    first = c._full_update(rec, 0, "applied")  # type: ignore[arg-type]
+    assert first.tensors[FUSED] is c._full_update(rec, 0, "applied").tensors[FUSED]  # type: ignore[arg-type]
+    assert torch.equal(first.tensors[FUSED], torch.cat([p.reshape(-1) for p in c.params.values()]))
     c._apply_gradient(rec, message(c.params, grads_of(c.params, 3), fuse=True, msg_id=1, version=0))
     reply = c._full_update(rec, 1, "applied")  # type: ignore[arg-type]
     assert list(reply.tensors) == [FUSED]

@@ -26,6 +26,7 @@ __all__ = [
     "FUSE_MAX_NUMEL",
     "fuse_gradients",
     "fused_views",
+    "check_fused",
     "entry_spec",
     "pack_compressed",
     "pack_buffers",
@@ -134,7 +135,7 @@ def fuse_gradients(grads: Mapping[str, torch.Tensor],
     one for every one of ``params`` (more than one), in their order, each a float32 CPU
     tensor, and they hold at most :data:`FUSE_MAX_NUMEL` elements; None otherwise (they then
     travel one entry each)."""
-    if len(grads) < 2 or len(grads) != len(params) or list(grads) != list(params):
+    if len(grads) < 2 or list(grads) != list(params):
         return None
     values = list(grads.values())
     if not all(g.dtype == torch.float32 and g.device.type == "cpu" for g in values):
@@ -153,11 +154,15 @@ def fused_views(flat: torch.Tensor, expected: Mapping[str, torch.Tensor]) -> dic
     Raises:
         RemoteProtocolError: ``flat`` is not a 1-D tensor of their total element count.
     """
-    total = sum(t.numel() for t in expected.values())
+    check_fused(flat, sum(t.numel() for t in expected.values()))
+    return dict(zip(expected, _unflatten_dense_tensors(flat, list(expected.values()))))
+
+
+def check_fused(flat: torch.Tensor, total: int) -> None:
+    """Raise RemoteProtocolError (``shape_mismatch``) unless ``flat`` is 1-D of ``total`` elements."""
     if flat.dim() != 1 or flat.numel() != total:
         raise RemoteProtocolError("shape_mismatch", f"a fused entry of shape {list(flat.shape)} does not "
                                   f"hold the model's {total} elements")
-    return dict(zip(expected, _unflatten_dense_tensors(flat, list(expected.values()))))
 
 
 def entry_spec(codecs: Mapping[str, Any], name: str) -> Any:
@@ -265,7 +270,7 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
     if fused:  # one view per parameter, in the model's order (its shape: every parameter)
-        return dict(fused_views(dense_gradient(out[FUSED]), expected))
+        return dict(fused_views(dense_gradient(out[FUSED]), expected))  # (typed wider)
     return out
 
 

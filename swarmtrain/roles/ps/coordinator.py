@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import itertools
 import logging
 import math
 import re
@@ -354,11 +355,10 @@ class Coordinator:
             fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
             reset_interval=t.resync_interval)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
-        #: full weights go to workers as one FUSED tensor (a small float32 model), the last made
-        #: with the snapshot it was made from: (its first tensor, the fused tensor)
+        #: full weights go to workers as one FUSED tensor (a small float32 model): the one
+        #: buffer every published snapshot of such a model is made in (:meth:`_as_replica`)
         self._fuse_full = (len(self.params) > 1 and sum(self._sizes) <= FUSE_MAX_NUMEL
                            and all(p.dtype == torch.float32 for p in self.state.trainable.values()))
-        self._fused_snapshot: tuple[torch.Tensor, torch.Tensor] | None = None
         #: gradients received and not yet applied, all workers together, are bounded: a worker's
         #: next one is read off the socket once there is room (network.max_held_gradient_mb)
         net = cfg.network
@@ -930,8 +930,11 @@ class Coordinator:
         return Weights(version=version, tensors={**trainable, **rest})
 
     def _as_replica(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Flat-vector views shaped like the parameters -> new tensors in the model's dtypes."""
+        """Flat-vector views shaped like the parameters -> new tensors in the model's dtypes
+        (a float32 model's: views of one new buffer, which a fused answer sends as it is)."""
         dtypes = [p.dtype for p in self.state.trainable.values()]
+        if all(d == torch.float32 for d in dtypes):
+            return dict(zip(self.params, _unflatten_dense_tensors(_flatten_dense_tensors(views), views)))
         return {n: (v.to(d) if v.dtype != d else v.clone()) for n, v, d in zip(self.params, views, dtypes)}
 
     def _round_replica(self, flat: torch.Tensor) -> None:
@@ -1115,11 +1118,9 @@ class Coordinator:
             if not fine.lossless:
                 target = fine.fused_target(fa.flat.numel())
             elif _wanted_track(version - answer.holds_version) == 0:
-                # one buffer, a view per parameter: the fused answer is that buffer as it is
-                flat = torch.empty(fa.flat.numel(), dtype=torch.float32)
-                snapshot = list(_unflatten_dense_tensors(flat, list(self.params.values())))
-                if self._fuse_full:
-                    self._fused_snapshot = (snapshot[0], flat)
+                # one buffer, a view per parameter, as _as_replica makes them
+                snapshot = list(_unflatten_dense_tensors(torch.empty(fa.flat.numel(), dtype=torch.float32),
+                                                         list(self.params.values())))
         status, resid, norm = fa.step(grads, lr, held=held, publication=target[0] if target else None,
                                       snapshot=snapshot)
         if not held and not sparse:
@@ -1335,16 +1336,18 @@ class Coordinator:
                       tensors=self._fused_weights(w.tensors))
 
     def _fused_weights(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """A small float32 model's published parameters as one :data:`FUSED` tensor (made once
-        per snapshot), the rest as they are; ``tensors`` unchanged for any other model."""
+        """A small float32 model's published parameters as one :data:`FUSED` tensor (the buffer
+        their snapshot is made in), the rest as they are; ``tensors`` unchanged for any other model."""
         if not self._fuse_full:
             return tensors
-        first = tensors[next(iter(self.params))]
-        if self._fused_snapshot is None or self._fused_snapshot[0] is not first:
-            flat = _flatten_dense_tensors([tensors[n] for n in self.params])
-            self._fused_snapshot = (first, flat)
+        trainable = [tensors[n] for n in self.params]
+        flat = trainable[0]._base  # (the buffer the snapshot was made in)
+        if (flat is None or flat.dim() != 1 or flat.numel() != sum(self._sizes)
+                or [t.storage_offset() for t in trainable] != [0, *itertools.accumulate(self._sizes[:-1])]
+                or any(t._base is not flat for t in trainable)):
+            flat = _flatten_dense_tensors(trainable)
         rest = {k: v for k, v in tensors.items() if k not in self.params}
-        return {FUSED: self._fused_snapshot[1], **rest}
+        return {FUSED: flat, **rest}
 
     # -- control, evaluation, status -------------------------------------------------------
 

@@ -16,7 +16,7 @@ import torch
 
 from swarmtrain.core.modelstate import ModelState
 from swarmtrain.errors import ProtocolError
-from swarmtrain.roles.ps.common import FUSED, fused_views, split_buffers, unpack_compressed
+from swarmtrain.roles.ps.common import FUSED, check_fused, fused_views, split_buffers, unpack_compressed
 from swarmtrain.roles.ps.downlink import entry_tensors
 from swarmtrain.wire import Update
 
@@ -94,9 +94,7 @@ class Replica:
     def _load_fused(self, flat: torch.Tensor, buffers: Mapping[str, torch.Tensor], version: int) -> None:
         """:meth:`load_full` of a :data:`FUSED` tensor of every parameter, in one copy."""
         assert self._flat is not None
-        if flat.dim() != 1 or flat.numel() != sum(self._sizes):
-            raise ProtocolError("shape_mismatch", f"a fused entry of shape {list(flat.shape)} does not "
-                                f"hold the model's {sum(self._sizes)} elements")
+        check_fused(flat, sum(self._sizes))
         if buffers:
             try:
                 self.state.load(buffers)  # (checked first: nothing is loaded if a buffer is wrong)
