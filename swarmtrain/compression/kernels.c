@@ -6,7 +6,8 @@
  * computes, bit for bit, what the torch code it replaces computes: -ffp-contract=off keeps
  * a*b+c two roundings (as torch's separate ops are), and nothing is reassociated (no
  * -ffast-math). Sums of squares are accumulated in double, so they neither overflow nor
- * lose small terms.
+ * lose small terms. The one exception: the Adam step flushes subnormal floats to zero (see
+ * st_adam_apply), where torch's step would keep them and take far longer.
  */
 #include <math.h>
 #include <stdint.h>
@@ -445,9 +446,9 @@ static void stream_copy(float *dst, const float *src, int64_t n) {
  * bucket). Returns 0, 1 when a top-k index is out of range (nothing after it is stepped:
  * the caller refuses such a gradient before, this is a guard), 2 when the publication met
  * NaN/inf. sums as the publication kernels give them. */
-int st_adam_apply(const int64_t *seg, const double *segf, int64_t nseg, float *p, float *m,
-                  float *v, int64_t lo, int64_t hi, const double *hyper, int rule, int pubmode,
-                  float *pub, void *out, float *scales, int64_t bucket, int bits, double *sums) {
+static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, float *p, float *m,
+                      float *v, int64_t lo, int64_t hi, const double *hyper, int rule, int pubmode,
+                      float *pub, void *out, float *scales, int64_t bucket, int bits, double *sums) {
     hyper_t h;
     h.decay = hyper[0] != 0.0;
     h.wd_scale = (float)hyper[1];
@@ -514,6 +515,48 @@ int st_adam_apply(const int64_t *seg, const double *segf, int64_t nseg, float *p
 #endif
     sums[0] = resid;
     sums[1] = norm;
+    return bad;
+}
+
+/* Subnormal floats (below 2^-126, about 1.2e-38) are flushed to zero while Adam steps: a
+ * moment of a parameter whose gradient stopped (a dead unit, an input that is always zero)
+ * decays by beta each step through the subnormal range, and x86 processors take on the order
+ * of a hundred cycles for each operation on one. Measured on the digits model after a few
+ * thousand updates: a fifth of one layer's moments subnormal, the step 4x slower (115 us
+ * against 30). Flushing changes only values that small (to 0); the caller's floating-point
+ * mode is restored on return. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int fpmode_t;
+static inline fpmode_t flush_subnormals(void) {
+    const fpmode_t old = _mm_getcsr();
+    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15): results to zero; DAZ (bit 6): inputs as zero */
+    return old;
+}
+static inline void restore_fpmode(fpmode_t old) { _mm_setcsr(old); }
+#elif defined(__aarch64__)
+typedef uint64_t fpmode_t;
+static inline fpmode_t flush_subnormals(void) {
+    fpmode_t old;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(old));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(old | (1ull << 24))); /* FZ */
+    return old;
+}
+static inline void restore_fpmode(fpmode_t old) { __asm__ __volatile__("msr fpcr, %0" : : "r"(old)); }
+#else
+typedef int fpmode_t;
+static inline fpmode_t flush_subnormals(void) { return 0; }
+static inline void restore_fpmode(fpmode_t old) { (void)old; }
+#endif
+
+/* One thread's part [lo, hi) of the Adam step (adam_apply above), subnormals flushed. */
+int st_adam_apply(const int64_t *seg, const double *segf, int64_t nseg, float *p, float *m,
+                  float *v, int64_t lo, int64_t hi, const double *hyper, int rule, int pubmode,
+                  float *pub, void *out, float *scales, int64_t bucket, int bits, double *sums) {
+    const fpmode_t mode = flush_subnormals();
+    const int bad = adam_apply(seg, segf, nseg, p, m, v, lo, hi, hyper, rule, pubmode, pub, out,
+                               scales, bucket, bits, sums);
+    restore_fpmode(mode);
     return bad;
 }
 
