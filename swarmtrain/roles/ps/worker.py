@@ -887,13 +887,22 @@ class Worker:
             if not compressed:  # float16 overflow: the loss scale was halved, compute again
                 continue
             self._check_claim(samples)
-            while self._inflight >= max(1, limit):
-                if not self._await_answer(link):
+            # an answer that frees the window is applied after this gradient is sent, not
+            # before: the gradient was computed on the older weights either way, and the
+            # coordinator starts on it while this thread brings the replica up to date
+            held: list[Update] = []
+            while self._inflight - len(held) >= max(1, limit):
+                if not self._await_answer(link, hold=held):
+                    self._take_held(held)
                     return computed, base_version
             if self.lifecycle is not WorkerState.TRAINING:
+                self._take_held(held)
                 return computed, base_version
             overlap = limit > 0 and self.overlaps()
-            link.send(self._gradient_message(computed, base_version))
+            try:
+                link.send(self._gradient_message(computed, base_version))
+            finally:
+                self._take_held(held)
             while not overlap and self._inflight:
                 if not self._await_answer(link):
                     return None
@@ -913,33 +922,38 @@ class Worker:
                 return False
         return True
 
-    def _await_answer(self, link: DirectLink) -> bool:
-        """Wait for one answer and apply it (False: a message that is not one came first).
+    def _await_answer(self, link: DirectLink, *, hold: list[Update] | None = None) -> bool:
+        """Wait for one answer and apply it, or with ``hold`` add it there to apply later
+        (:meth:`_take_held`). False: a message that is not one came first.
 
         Raises:
             SwarmTimeout: no answer within three heartbeat timeouts (as :meth:`_apply_next`).
         """
         limit = self.config.network.heartbeat_timeout_sec * 3
-        deadline = time.monotonic() + limit
-        while True:
-            msg = link.recv(max(0.0, deadline - time.monotonic()))
-            if msg is None:
-                raise SwarmTimeout("update", limit, "no answer to our gradient")
-            if not self._take_direct(link, msg):
-                return False
-            if isinstance(msg, Update):
-                return True
+        msg = link.recv(limit)
+        if msg is None:
+            raise SwarmTimeout("update", limit, "no answer to our gradient")
+        return self._take_direct(link, msg, hold=hold)
 
-    def _take_direct(self, link: DirectLink, msg: Message) -> bool:
-        """Apply an UPDATE; anything else stays first on the link for the reader, and ends the
-        burst: full WEIGHTS come with the end of the run (before SHUTDOWN), and no step may be
-        computed after them (it would move the BatchNorm statistics they set)."""
+    def _take_direct(self, link: DirectLink, msg: Message, *, hold: list[Update] | None = None) -> bool:
+        """Apply an UPDATE (or add it to ``hold``); anything else stays first on the link for
+        the reader, and ends the burst: full WEIGHTS come with the end of the run (before
+        SHUTDOWN), and no step may be computed after them (it would move the BatchNorm
+        statistics they set)."""
         if not isinstance(msg, Update):
             link.pending.appendleft(msg)
             return False
         self._note_round_trip(msg.msg_id)
-        self._take_answer(msg)
+        if hold is None:
+            self._take_answer(msg)
+        else:
+            hold.append(msg)
         return True
+
+    def _take_held(self, held: list[Update]) -> None:
+        for msg in held:
+            self._take_answer(msg)
+        held.clear()
 
     def _compute_is_quick(self) -> bool:
         compute = self.compute_time.value
