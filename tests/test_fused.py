@@ -135,3 +135,34 @@ def test_full_weights_go_fused_and_the_replica_loads_them_exactly() -> None:
     with pytest.raises(ProtocolError, match="fused entry"):
         replica.apply_update(through_the_wire(bad))  # type: ignore[arg-type]
     assert replica.version == c.version  # nothing loaded
+
+
+def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update() -> None:
+    """Only a small model's snapshot is one buffer. A model above glibc's mmap threshold (32 MB
+    once swarmtrain tunes the allocator) would get fresh pages for it on every update: ~9,800
+    page faults, and the 10M-parameter apply (bench_apply.py) took 37 ms instead of 15. Its
+    snapshot stays a tensor per parameter, which the allocator reuses."""
+    import resource
+
+    from swarmtrain.config import load_coordinator_config
+    from swarmtrain.core import hardware
+    from swarmtrain.roles.ps.coordinator import Coordinator
+
+    hardware.tune_allocator()
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(34)])  # (1 MB tensors)
+    assert sum(p.numel() for p in model.parameters()) * 4 > 32 * 2**20
+    cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
+                                             "checkpointing.interval": 0, "training.learning_rate": 1e-3})
+    c = Coordinator(model, cfg, task_name="big")
+    rec = record(c)
+    grads = grads_of(c.params, 1)
+    msgs = [message(c.params, grads, fuse=False, msg_id=i + 1, version=i) for i in range(12)]
+    faults = []
+    for m in msgs:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c._apply_gradient(rec, m)
+        c._full_update(rec, c.version, "applied")  # type: ignore[arg-type]
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    pages = sum(p.numel() for p in c.params.values()) * 4 // 4096
+    later = sorted(faults[2:])  # (the first snapshots take new memory either way)
+    assert later[len(later) // 2] < pages // 10, (faults, pages)
