@@ -326,6 +326,38 @@ def test_messages_arrive_in_order() -> None:
     run(scenario())
 
 
+def test_a_small_message_is_written_by_send_itself_and_mixed_sizes_keep_their_order() -> None:
+    """send() hands a small message to the transport itself when nothing is ahead of it (no
+    turn of the event loop for the writer task: a quick worker's every answer), and queues it
+    behind anything that is: mixed with large messages, which go through the writer in
+    slices, every message arrives in the order sent."""
+    async def scenario() -> None:
+        async with serving(echo) as srv:
+            conn = await connect(HOST, srv.port, secret=None, role="worker", timeouts=SLOW)
+            try:
+                await eventually(lambda: conn._outbox.empty() and not conn.transport.get_write_buffer_size())
+                before = conn.bytes_sent
+                await conn.send(Start(version=1000))
+                assert conn.bytes_sent > before  # on its way before send returned
+                big = torch.arange(200_000, dtype=torch.float32)  # 800 KB: through the writer
+                sent: list[Message] = []
+                for i in range(24):
+                    msg: Message = (Weights(version=i, tensors={"w": big + i}) if i % 3 == 0
+                                    else Start(version=i))
+                    await conn.send(msg)
+                    sent.append(msg)
+                got = [await conn.recv(timeout=10) for _ in range(25)]
+            finally:
+                await conn.close()
+        assert got[0] == Start(version=1000)
+        for a, b in zip(got[1:], sent, strict=True):
+            assert type(a) is type(b) and a.version == b.version  # type: ignore[attr-defined]
+            if isinstance(b, Weights):
+                assert isinstance(a, Weights) and torch.equal(a.tensors["w"], b.tensors["w"])
+
+    run(scenario())
+
+
 # --- cluster secrets ---------------------------------------------------------------------
 
 

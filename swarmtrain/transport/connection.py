@@ -57,6 +57,10 @@ _GATHER_BYTES = 64 * 1024
 #: ever copied into the transport's buffer per connection (asyncio copies what the kernel does
 #: not take at once), instead of the whole answer (40 MB for a 10M-parameter model in fp32)
 _WRITE_SLICE_BYTES = 256 * 1024
+#: a message with at most this many bytes of tensors is written at once by ``send`` when
+#: nothing is ahead of it (:meth:`Connection._write_now`); larger ones go through the writer,
+#: which writes them in slices as the socket drains
+_WRITE_NOW_BYTES = _WRITE_SLICE_BYTES
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -356,12 +360,49 @@ class Connection:
             SwarmTimeout: the queue stayed full for ``timeout`` (default ``timeouts.send``).
         """
         self._check_open()
+        if self._write_now(msg):
+            return
         limit = self.timeouts.send if timeout is None else timeout
         try:
             async with asyncio.timeout(limit):
                 await self._outbox.put(msg)
         except TimeoutError:
             raise SwarmTimeout("send", limit, f"send queue to {self.peer} stayed full") from None
+
+    def _write_now(self, msg: Message) -> bool:
+        """Hand a small ``msg`` (up to :data:`_WRITE_NOW_BYTES` of tensors) to the transport
+        here and now when nothing is ahead of it: nothing queued, nothing being written or
+        buffered, no thread holding the socket, the transport under its high-water mark. That
+        is one write where the writer task costs a turn of the event loop per message (an
+        answer to each of a quick worker's gradients). True if it was written (or could not
+        be encoded: the connection is then aborted, as the writer does)."""
+        if (not self._outbox.empty() or self._writing or not self._undirected.is_set()
+                or not self._proto.can_write or self.transport.is_closing()
+                or self.transport.get_write_buffer_size()
+                or sum(t.nbytes for t in msg.tensor_map().values()) > _WRITE_NOW_BYTES):
+            return False
+        try:
+            segments = encode(msg, self.limits)
+        except ProtocolError as exc:
+            log.error("cannot send to %s: %s", self.peer, exc)
+            self.abort(exc)
+            return True
+        size = 0
+        pending = bytearray()
+        for seg in segments:  # (gathered as _write_frame does; what the socket does not take
+            n = len(seg) if isinstance(seg, bytes) else seg.nbytes  # the transport copies)
+            size += n
+            if n >= _GATHER_BYTES:
+                if pending:
+                    self.transport.write(pending)
+                    pending = bytearray()
+                self.transport.write(memoryview(seg).cast("B"))
+            else:
+                pending += seg
+        if pending:
+            self.transport.write(pending)
+        self._count_sent(msg.TYPE.name, size)
+        return True
 
     async def _writer(self) -> None:
         try:
