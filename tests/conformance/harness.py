@@ -153,21 +153,32 @@ def _finish(case: Case, data: TaskData, mode: str, state: Mapping[str, torch.Ten
 # --- (a) one plain PyTorch process ----------------------------------------------------------
 
 
-def train_one_process(case: Case, data: TaskData | None = None) -> Outcome:
-    """The reference: ``torch.optim.Adam``, ``case.steps`` updates of ``case.batch_size``."""
+def train_one_process(case: Case, data: TaskData | None = None, *, chunks: int = 1) -> Outcome:
+    """The reference: ``torch.optim.Adam``, ``case.steps`` updates of ``case.batch_size``. With
+    ``chunks``, each update accumulates the mean of ``chunks`` micro-batches' gradients, drawn
+    one after the other (what the synchronous pipeline schedule computes: BatchNorm then
+    normalises each micro-batch on its own)."""
     data = data or case.data()
     model = case.build(SEED)
     model.train()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=case.lr)
     shard = Shard(data.train, 0, 1, seed=SEED)
     torch.manual_seed(SEED)  # dropout and LayerDrop draw from the global generator
+    micro = case.batch_size // chunks
+    if micro * chunks != case.batch_size:
+        raise ValueError(f"{case.name}: batch {case.batch_size} does not split into {chunks} micro-batches")
     started = time.monotonic()
     for _ in range(case.steps):
         opt.zero_grad(set_to_none=True)
-        case.loss(model, shard.next_batch(case.batch_size)).backward()
+        if chunks == 1:
+            case.loss(model, shard.next_batch(case.batch_size)).backward()
+        else:
+            for _ in range(chunks):
+                (case.loss(model, shard.next_batch(micro)) / chunks).backward()
         opt.step()
     seconds = time.monotonic() - started
-    return _finish(case, data, "one-process", model.state_dict(), case.samples, seconds)
+    mode = "one-process" if chunks == 1 else f"one-process, {chunks} micro-batches"
+    return _finish(case, data, mode, model.state_dict(), case.samples, seconds)
 
 
 # --- (b) parameter server -------------------------------------------------------------------

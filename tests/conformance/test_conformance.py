@@ -104,6 +104,20 @@ def test_pipeline_two_stages(name: str) -> None:
     check(CASES[name], lambda case: train_pipeline(case, stages=2))
 
 
+@pytest.mark.parametrize("name", ["resnet", "frozen", "lstm"])
+def test_the_pipeline_is_one_process_at_the_same_micro_batches_bit_for_bit(name: str) -> None:
+    """The synchronous schedule steps once per batch of ``chunks`` micro-batches: what one
+    process computes accumulating the same micro-batches, to the bit (held-out loss and
+    accuracy). Against one process at the whole batch the ResNet loses 0.028 accuracy (0.955 vs
+    0.983): BatchNorm normalises each micro-batch of 16 on its own, in one process as in the
+    pipeline. (LayerDrop draws its layers in another order; bf16 sums in another order.)"""
+    case = CASES[name]
+    ref = train_one_process(case, chunks=2)
+    out = train_pipeline(case, stages=2, chunks=2)
+    assert out.metrics == ref.metrics, (out.metrics, ref.metrics)
+    assert not state_problems(case, out)
+
+
 @pytest.mark.parametrize("name,downlink", [("gpt2", "uniform"), ("resnet", "fp16"), ("bf16", "uniform"),
                                            ("bf16", "fp16")])
 def test_parameter_server_with_a_lossy_downlink(name: str, downlink: str) -> None:
