@@ -373,3 +373,30 @@ def test_a_worker_on_its_own_loop_computes_quick_steps_on_it(
         assert own[0].inline_computes >= own[0].steps - 2, (own[0].inline_computes, own[0].steps)
     else:
         assert own[0].inline_computes == 0
+
+
+def test_each_step_starts_from_no_gradient_and_a_models_own_zero_grad_is_called() -> None:
+    """A step's gradient is its batch's alone (the worker clears the parameters' gradients
+    without walking the module tree), and a model that defines its own ``zero_grad`` gets it
+    called every step."""
+
+    class Counting(nn.Sequential):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            type(self).calls += 1
+            super().zero_grad(set_to_none)
+
+    stale, fresh = worker(1, **{"training.worker_id": "same"}), worker(1, **{"training.worker_id": "same"})
+    for w in (stale, fresh):
+        w._use_shards([0], 1)
+    for p in stale.params.values():
+        p.grad = torch.full_like(p, 1e6)  # left over from somewhere: must not be added to
+    # the same weights, the same seed, the same first batch
+    got, want = (w._compute()[0]["*"].parts["values"] for w in (stale, fresh))
+    assert torch.equal(got, want) and float(got.abs().max()) < 1e3
+    own = worker(1, model=Counting(*TASK.build_model()))
+    own._use_shards([0], 1)
+    own._compute()
+    own._compute()
+    assert Counting.calls == 2

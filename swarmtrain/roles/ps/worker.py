@@ -256,6 +256,10 @@ class Worker:
             model.to(self.device)  # in place: the caller's model computes on the device
         self.state = ModelState(model)
         self._modules = list(model.modules())
+        #: Module.zero_grad(set_to_none=True) without walking the module tree every step (the
+        #: model's own, if it has one)
+        self._param_list = list(model.parameters())
+        self._own_zero_grad = type(model).zero_grad is not torch.nn.Module.zero_grad
         #: the trainable parameters (the model's own tensors; gradients travel for these)
         self.params: dict[str, torch.Tensor] = self.state.trainable
         self.buffers = self.state.synced_buffers
@@ -1090,7 +1094,11 @@ class Worker:
         start, cpu = time.perf_counter(), self.throttle.start()
         if not all(m.training for m in self._modules):  # (train() walks the tree: only when needed)
             self.model.train()
-        self.model.zero_grad(set_to_none=True)
+        if self._own_zero_grad:
+            self.model.zero_grad(set_to_none=True)
+        else:
+            for p in self._param_list:
+                p.grad = None
         before = snapshot_buffers(self.buffers)
         accum = self.plan.accumulation_steps
         total_loss, samples = 0.0, 0
