@@ -101,7 +101,7 @@ class Replica:
             except ValueError as exc:
                 raise ProtocolError("shape_mismatch", str(exc)) from None
         with torch.no_grad():
-            torch._foreach_copy_(self._flat, list(flat.split(self._sizes)))
+            torch._foreach_copy_(self._flat, torch.split_with_sizes(flat, self._sizes))
         self.version = version
 
     def load_full(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
