@@ -245,7 +245,7 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("frozen", _seeded(frozen_backbone_mlp), digits_data, _plain_logits, kind="classify", lr=3e-3,
          batch_size=32, steps=400),
     Case("layerdrop", _seeded(layerdrop_mlp), digits_data, _plain_logits, kind="classify", lr=3e-3,
-         batch_size=32, steps=600, repeats=3),
+         batch_size=32, steps=600, repeats=5),
     Case("lstm", _seeded(lstm_classifier), majority_token_data, _plain_logits, kind="classify", lr=1e-2,
          batch_size=32, steps=500),
     Case("bf16", _seeded(bf16_mlp), lambda: digits_data(dtype=torch.bfloat16), _plain_logits,
