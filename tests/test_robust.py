@@ -248,14 +248,23 @@ def test_honest_members_are_never_left_out_over_100000_combinations_as_the_signa
 
 def test_a_ps_sign_flipper_is_left_out_and_the_model_learns_as_without_it(
         caplog: pytest.LogCaptureFixture) -> None:
-    clean, _ = run_ps("trimmed_mean", None)
-    with caplog.at_level(logging.WARNING, logger="swarmtrain"):
-        attacked, coord = run_ps("trimmed_mean", "sign_flip")
-    assert coord.status()["robust"]["excluded"] == [f"w{HONEST}"], coord.status()["robust"]
-    assert coord.status()["refusals"].get("member_excluded") == 1
-    assert any("is left out of the robust combination" in r.getMessage() for r in caplog.records)
-    assert attacked["accuracy"] >= 0.9, attacked
-    assert attacked["loss"] <= 1.25 * clean["loss"], (clean, attacked)  # the bench's 2 %: several runs
+    # Two runs of each: one pair's loss ratio spreads with sd 0.065 around 1.01 (12 pairs here,
+    # two CPU hogs beside them), and the loaded clean-clone CI box once drew 1.32 (0.202 vs
+    # 0.153); the bar is on the pairs' mean losses (the bench's 2 %: several runs)
+    cleans = [run_ps("trimmed_mean", None)[0] for _ in range(2)]
+    attacks = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="swarmtrain"):
+            attacked, coord = run_ps("trimmed_mean", "sign_flip")
+        attacks.append(attacked)
+        assert coord.status()["robust"]["excluded"] == [f"w{HONEST}"], coord.status()["robust"]
+        assert coord.status()["refusals"].get("member_excluded") == 1
+        assert any("is left out of the robust combination" in r.getMessage() for r in caplog.records)
+        assert attacked["accuracy"] >= 0.9, attacked
+    mean_clean = sum(m["loss"] for m in cleans) / 2
+    mean_attacked = sum(m["loss"] for m in attacks) / 2
+    assert mean_attacked <= 1.25 * mean_clean, (cleans, attacks)
 
 
 # -- live: five peers on a real ring, one attacker ---------------------------------------
