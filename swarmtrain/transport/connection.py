@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -61,6 +61,23 @@ _WRITE_SLICE_BYTES = 256 * 1024
 #: nothing is ahead of it (:meth:`Connection._write_now`); larger ones go through the writer,
 #: which writes them in slices as the socket drains
 _WRITE_NOW_BYTES = _WRITE_SLICE_BYTES
+
+
+def _gathered(segments: list[bytes | memoryview]) -> Iterator[tuple[Any, bool]]:
+    """A frame's segments as the writes to make, each with whether it is a large tensor (a
+    byte view of its own memory): smaller segments are gathered into one bytes object, since
+    a frame of a small model has a dozen of them and each write is a system call."""
+    pending = bytearray()
+    for seg in segments:
+        if (len(seg) if isinstance(seg, bytes) else seg.nbytes) >= _GATHER_BYTES:
+            if pending:
+                yield pending, False
+                pending = bytearray()
+            yield memoryview(seg).cast("B"), True
+        else:
+            pending += seg
+    if pending:
+        yield pending, False
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -388,19 +405,9 @@ class Connection:
             self.abort(exc)
             return True
         size = 0
-        pending = bytearray()
-        for seg in segments:  # (gathered as _write_frame does; what the socket does not take
-            n = len(seg) if isinstance(seg, bytes) else seg.nbytes  # the transport copies)
-            size += n
-            if n >= _GATHER_BYTES:
-                if pending:
-                    self.transport.write(pending)
-                    pending = bytearray()
-                self.transport.write(memoryview(seg).cast("B"))
-            else:
-                pending += seg
-        if pending:
-            self.transport.write(pending)
+        for chunk, _ in _gathered(segments):  # (what the socket does not take, the transport copies)
+            self.transport.write(chunk)
+            size += chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
         self._count_sent(msg.TYPE.name, size)
         return True
 
@@ -431,27 +438,17 @@ class Connection:
 
     async def _write_frame(self, segments: list[bytes | memoryview]) -> int:
         """Hand a frame's segments to the transport; returns its size. Small segments (the
-        preamble, the header, small tensors) are gathered into one write: a frame of a small
-        model has a dozen of them, and each write is a system call. Large tensors are
-        written from their own memory in slices of :data:`_WRITE_SLICE_BYTES`, each once the
-        transport has room (so what asyncio copies into its buffer stays that small)."""
+        preamble, the header, small tensors) are gathered into one write (:func:`_gathered`).
+        Large tensors are written from their own memory in slices of :data:`_WRITE_SLICE_BYTES`,
+        each once the transport has room (so what asyncio copies into its buffer stays that small)."""
         size = 0
-        pending = bytearray()
-        for seg in segments:
-            n = len(seg) if isinstance(seg, bytes) else seg.nbytes
-            size += n
-            if n >= _GATHER_BYTES:
-                if pending:
-                    self.transport.write(pending)
-                    pending = bytearray()
-                await self._write_sliced(memoryview(seg).cast("B"))
+        for chunk, large in _gathered(segments):
+            if large:
+                await self._write_sliced(chunk)
+                size += chunk.nbytes
             else:
-                pending += seg
-                if len(pending) >= _GATHER_BYTES:
-                    self.transport.write(pending)
-                    pending = bytearray()
-        if pending:
-            self.transport.write(pending)
+                self.transport.write(chunk)
+                size += len(chunk)
         return size
 
     async def _write_sliced(self, view: memoryview) -> None:
