@@ -396,12 +396,20 @@ def test_a_window_waits_for_the_workers_due_on_its_weights_so_none_lands_stale()
     """Five workers of 16 and windows of 64: four gradients fill a window, and the fifth,
     computed on the same weights and due a moment later, used to land stale in the next
     window (and its worker stayed out of phase: 44 % of the gradients were stale on a tiny
-    GPT-2, 1.1x the held-out loss of four workers). Waiting for it keeps every window whole."""
-    coord, _ = _staleness_by_worker(0.5, [1.0] * 5, 64)
-    st = coord.status()
-    fresh = st["staleness_counts"].get("0", 0) / st["stats"]["applied"]
-    assert fresh >= 0.9, st["staleness_counts"]
-    assert st["stats"]["applied"] >= 4.5 * coord.version  # mostly windows of all five
+    GPT-2, 1.1x the held-out loss of four workers). Waiting for it keeps every window whole.
+    Whether the fifth is due is a race of step times a millisecond long: fresh fractions were
+    0.97-0.99 on a quiet box and 0.89-0.96 (20 runs) with two busy loops beside it, and the
+    clean-clone CI drew 0.894 against a bar of 0.9 on one run. The bar is on three runs' mean,
+    halfway between the bug's 0.56 and the loaded box's worst."""
+    fresh, applied, versions = 0, 0, 0
+    for _ in range(3):
+        coord, _ = _staleness_by_worker(0.5, [1.0] * 5, 64)
+        st = coord.status()
+        fresh += st["staleness_counts"].get("0", 0)
+        applied += st["stats"]["applied"]
+        versions += coord.version
+    assert fresh / applied >= 0.8, (fresh, applied)
+    assert applied >= 4.5 * versions  # mostly windows of all five
 
 
 @pytest.mark.timeout(120)
