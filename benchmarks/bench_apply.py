@@ -272,6 +272,9 @@ class ApplyBench:
 
 
 def run(threads: list[int], rounds: int, warmup: int) -> dict[str, Any]:
+    from swarmtrain.core.hardware import tune_allocator
+
+    tune_allocator()  # as every `swarmtrain` command does at start-up
     model = build_model()
     nparams = sum(p.numel() for p in model.parameters())
     ntensors = len(list(model.parameters()))

@@ -7,6 +7,7 @@ fused weights exactly, and what is not eligible stays per tensor."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -137,11 +138,14 @@ def test_full_weights_go_fused_and_the_replica_loads_them_exactly() -> None:
     assert replica.version == c.version  # nothing loaded
 
 
-def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update() -> None:
-    """Only a small model's snapshot is one buffer. A model above glibc's mmap threshold (32 MB
-    once swarmtrain tunes the allocator) would get fresh pages for it on every update: ~9,800
-    page faults, and the 10M-parameter apply (bench_apply.py) took 37 ms instead of 15. Its
-    snapshot stays a tensor per parameter, which the allocator reuses."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update(threads: int) -> None:
+    """A larger model's snapshot is written into a buffer of the coordinator's own pool, used
+    again once no answer refers to it. New memory for it on every update is fresh pages: above
+    glibc's mmap threshold (32 MB once swarmtrain tunes the allocator) ~9,800 page faults, and
+    the 10M-parameter apply (bench_apply.py) took 37 ms instead of 15 (and a tensor per
+    parameter, the snapshot until now, faulted 2,000-2,400 times per update in bench_apply on
+    two threads before it tuned the allocator as every swarmtrain command does)."""
     import resource
 
     from swarmtrain.config import load_coordinator_config
@@ -149,6 +153,8 @@ def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update() -> Non
     from swarmtrain.roles.ps.coordinator import Coordinator
 
     hardware.tune_allocator()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(34)])  # (1 MB tensors)
     assert sum(p.numel() for p in model.parameters()) * 4 > 32 * 2**20
     cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
@@ -158,11 +164,109 @@ def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update() -> Non
     grads = grads_of(c.params, 1)
     msgs = [message(c.params, grads, fuse=False, msg_id=i + 1, version=i) for i in range(12)]
     faults = []
-    for m in msgs:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        c._apply_gradient(rec, m)
-        c._full_update(rec, c.version, "applied")  # type: ignore[arg-type]
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    try:
+        for m in msgs:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            c._apply_gradient(rec, m)
+            c._full_update(rec, c.version, "applied")  # type: ignore[arg-type]
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    finally:
+        torch.set_num_threads(old_threads)
     pages = sum(p.numel() for p in c.params.values()) * 4 // 4096
     later = sorted(faults[2:])  # (the first snapshots take new memory either way)
     assert later[len(later) // 2] < pages // 10, (faults, pages)
+
+
+def _big_coordinator() -> tuple[Any, Any]:
+    from swarmtrain.config import load_coordinator_config
+    from swarmtrain.roles.ps.coordinator import Coordinator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])  # not fused
+    assert sum(p.numel() for p in model.parameters()) > FUSE_MAX_NUMEL
+    cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
+                                             "checkpointing.interval": 0, "training.learning_rate": 1e-3})
+    c = Coordinator(model, cfg, task_name="big")
+    assert c._flat_adam is not None and not c._fuse_full
+    return c, record(c)
+
+
+def test_a_snapshot_an_answer_still_holds_is_never_written_again() -> None:
+    """A larger model's snapshots come from the coordinator's pool: the buffer of a version
+    an answer still refers to (a send in progress) keeps that version's weights while later
+    updates are made, and once nothing refers to it the next snapshot uses it again."""
+    c, rec = _big_coordinator()
+    msgs = [message(c.params, grads_of(c.params, i), fuse=False, msg_id=i + 1, version=i) for i in range(8)]
+    status, held = c._apply_gradient(rec, msgs[0])
+    assert status == "applied" and held is not None and held.full
+    kept = {n: t.clone() for n, t in held.tensors.items()}
+    assert all(torch.equal(kept[n], c.params[n]) for n in c.params)
+    for m in msgs[1:6]:
+        status, reply = c._apply_gradient(rec, m)
+        assert status == "applied" and reply is not None
+        for n in c.params:  # each answer: its own version's weights
+            assert torch.equal(reply.tensors[n], c.params[n]), n
+        del reply
+    for n, t in held.tensors.items():  # the weights moved; what the held answer sends did not
+        assert torch.equal(t, kept[n]) and not torch.equal(t, c.params[n]), n
+    pool = c._snapshot_pool
+    made = pool.allocated
+    del held, t
+    for m in msgs[6:]:
+        c._apply_gradient(rec, m)
+    assert pool.allocated == made and pool.reused >= 5  # (buffers nobody holds, used again)
+
+
+def test_the_arrays_the_fused_step_streams_through_start_at_different_page_offsets() -> None:
+    """The weights, both moments and the snapshot (or published copy) each start at their own
+    offset in a 4 KiB page: element i of each then differs in its low 12 address bits, which
+    is what keeps the CPU from holding a load back behind an unrelated store (4K aliasing:
+    1.2 ms of a 7.9 ms step for 10M parameters). And they are whole cache lines apart."""
+    from swarmtrain.wire.pool import PAGE, phased_floats, pooled_floats
+
+    c, rec = _big_coordinator()
+    fa = c._flat_adam
+    snap = c._snapshot_buffers(fa.flat.numel())
+    phases = [t.data_ptr() % PAGE for t in (fa.flat, fa.exp_avg, fa.exp_avg_sq, snap[0])]
+    assert len(set(phases)) == 4 and all(abs(a - b) >= 512 for a in phases for b in phases if a != b)
+    assert all((t.data_ptr() - fa.flat.data_ptr()) % 64 == 0 for t in (fa.exp_avg, fa.exp_avg_sq, snap[0]))
+    assert torch.equal(fa.exp_avg, torch.zeros_like(fa.exp_avg))
+    for phase in (0, 64, 1088, 4032):
+        assert phased_floats(1000, phase).data_ptr() % PAGE == phase
+        assert pooled_floats(300_000, phase=phase).data_ptr() % PAGE == phase
+    assert pooled_floats(300_000).data_ptr() % 64 == 0
+    c._apply_gradient(rec, message(c.params, grads_of(c.params, 1), fuse=False, msg_id=1, version=0))
+    assert all(torch.equal(c.params[n], t) for n, t in c.downlink.fine._snapshot[1].items())
+
+
+def test_a_remembered_gradient_header_is_unpacked_as_the_full_checks_unpack_it() -> None:
+    """The coordinator remembers the last header of plain entries and unpacks the next one
+    with the same header without checking each entry again: the result is the full path's,
+    and anything that differs (a header, a tensor's dtype or size under the same header, the
+    subset rule) takes the full path, which refuses it as before."""
+    from swarmtrain.roles.ps.common import PlainLayout, unpack_compressed, unpack_lazy
+
+    params = {"a": torch.zeros(3, 4), "b": torch.zeros(5)}
+    codec = make_codec("fp16")
+    g = {n: torch.randn(p.shape) for n, p in params.items()}
+    codecs, tensors = pack_compressed({n: codec.compress(t) for n, t in g.items()})
+    layout = PlainLayout()
+    first = unpack_lazy(codecs, tensors, params, layout=layout)
+    assert layout.plan and layout.codecs is codecs
+    again = unpack_lazy(dict(codecs), dict(tensors), params, layout=layout)  # (from the memo)
+    for n in params:
+        assert again[n].dtype == torch.float16 and again[n].shape == params[n].shape
+        assert torch.equal(again[n], first[n]) and torch.equal(again[n].float(), g[n].half().float())
+    # eager unpacking is a different question: fp16 decodes to float32 through the full path
+    eager = unpack_compressed(codecs, tensors, params, layout=layout)
+    assert all(t.dtype == torch.float32 for t in eager.values())
+    # the same header over a tensor of another size or dtype: refused by the full path
+    for bad in (torch.zeros(11, dtype=torch.float16), torch.zeros(12, dtype=torch.float32)):
+        unpack_lazy(codecs, tensors, params, layout=layout)
+        with pytest.raises(RemoteProtocolError):
+            unpack_lazy(codecs, {**tensors, "a/values": bad}, params, layout=layout)
+    # a header naming one tensor: fine as a subset, refused as the whole model
+    part = {"a": codecs["a"]}
+    unpack_lazy(part, {"a/values": tensors["a/values"]}, params, subset=True, layout=layout)
+    with pytest.raises(RemoteProtocolError, match="missing"):
+        unpack_lazy(part, {"a/values": tensors["a/values"]}, params, layout=layout)

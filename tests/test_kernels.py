@@ -17,6 +17,7 @@ from swarmtrain.compression.kernels import PUB_FP16, PUB_UNIFORM, Kernels, Publi
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
 from swarmtrain.roles.ps.adam import adam_step, held_variance_step, make_adam
+from swarmtrain.roles.ps.common import LazyGradient
 from swarmtrain.roles.ps.flat_adam import FlatAdam
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -341,41 +342,85 @@ def test_the_held_variance_step_is_adams_held_variance_step() -> None:
     assert [float(opt_a.state[p]["step"]) for p in params_a.values()] == [23.0] * len(ADAM_SIZES)
 
 
-@pytest.mark.parametrize("codec", ["fp16", "uniform"])
+def _mixed_grads(step: int, kinds: str, names: list[str]) -> dict[str, LazyGradient]:
+    """Gradients of every kind the kernel reads: float32, float16 values, top-k parts (all of
+    one kind, or mixed), and none at all for p1 (not stepped, but published all the same)."""
+    from swarmtrain.compression.topk import TopKCodec, check_topk
+
+    out: dict[str, LazyGradient] = {}
+    for i, (n, g) in enumerate(zip(names, _grads(step))):
+        kind = kinds if kinds != "mixed" else ("f32", "f16", "topk")[i % 3]
+        if n == "p1":
+            continue
+        if kind == "f16":
+            out[n] = g.half()
+        elif kind == "topk":
+            out[n] = check_topk(TopKCodec(0.05).compress(g))
+        else:
+            out[n] = g
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("grads", ["f32", "f16", "topk", "mixed"])
+@pytest.mark.parametrize("codec", ["fp16", "uniform", "snapshot"])
 def test_a_publication_fused_into_the_step_is_the_publication_after_it(
-        fast: Kernels, codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Publishing each block while the step writes it gives, bit for bit, the entry and the
-    published copy the publication kernels give on the stepped weights."""
+        fast: Kernels, codec: str, grads: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing each new weight while the step writes it (the fp16 coding and the snapshot
+    copy in the step's own loop, the uniform coding block by block after it) gives, bit for
+    bit, the entry, the published copy and the snapshot the publication kernels give on the
+    stepped weights: for every kind of gradient, a parameter without one, plain and
+    held-variance steps, slices cut across tensors."""
     monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 1024)
-    flat_a, params_a = _flat_params()
-    flat_b, params_b = _flat_params()
-    fa, _ = _flat_adam(flat_a, params_a)
-    fb, _ = _flat_adam(flat_b, params_b)
-    n = flat_a.numel()
-    pub_a = flat_a + torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-3
-    pub_b = pub_a.clone()
-    gs = dict(zip(params_a, _grads(1)))
-    if codec == "fp16":
-        out_a, out_b = torch.empty(n, dtype=torch.float16), torch.empty(n, dtype=torch.float16)
-        target = Publication(PUB_FP16, pub_a.data_ptr(), out_a.data_ptr())
-        _, resid, norm = fa.step(gs, LR, held=False, publication=target)
-        fb.step(gs, LR, held=False)
-        expected = fast.publish_fp16(flat_b, pub_b, out_b)
-        assert torch.equal(out_a, out_b)
-    else:
-        bucket, bits = 512, 4
-        codes_a, codes_b = (torch.empty((n * bits + 7) // 8, dtype=torch.uint8) for _ in range(2))
-        scales_a, scales_b = (torch.empty(-(-n // bucket)) for _ in range(2))
-        target = Publication(PUB_UNIFORM, pub_a.data_ptr(), codes_a.data_ptr(), scales_a.data_ptr(),
-                             bucket, bits)
-        _, resid, norm = fa.step(gs, LR, held=False, publication=target)
-        fb.step(gs, LR, held=False)
-        sums = fast.publish_uniform(flat_b, pub_b, codes_b, scales_b, bucket, bits)
-        assert sums is not None
-        expected = sums
-        assert torch.equal(codes_a, codes_b) and torch.equal(scales_a, scales_b)
-    assert torch.equal(flat_a, flat_b) and torch.equal(pub_a, pub_b)
-    assert resid == pytest.approx(expected[0], rel=1e-5) and norm == pytest.approx(expected[1], rel=1e-5)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flat_a, params_a = _flat_params()
+        flat_b, params_b = _flat_params()
+        fa, _ = _flat_adam(flat_a, params_a)
+        fb, _ = _flat_adam(flat_b, params_b)
+        n = flat_a.numel()
+        pub_a = flat_a + torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-3
+        pub_b = pub_a.clone()
+        for step in (1, 2):
+            dense = {k: g for k, g in zip(params_a, _grads(step))}
+            for f in (fa, fb):  # dense steps first, so that a held step has a variance to hold
+                f.step(dense, LR, held=False)
+                f.count_variance_update(dense)
+        for step, held in ((3, False), (4, True)):
+            gs = _mixed_grads(step, grads, list(params_a))
+            held = held and fa.can_hold(gs)
+            if codec == "fp16":
+                out_a, out_b = torch.empty(n, dtype=torch.float16), torch.empty(n, dtype=torch.float16)
+                target = Publication(PUB_FP16, pub_a.data_ptr(), out_a.data_ptr())
+                _, resid, norm = fa.step(gs, LR, held=held, publication=target)
+                fb.step(gs, LR, held=held)
+                expected = fast.publish_fp16(flat_b, pub_b, out_b)
+                assert torch.equal(out_a, out_b)
+            elif codec == "uniform":
+                bucket, bits = 512, 4
+                codes_a, codes_b = (torch.empty((n * bits + 7) // 8, dtype=torch.uint8) for _ in range(2))
+                scales_a, scales_b = (torch.empty(-(-n // bucket)) for _ in range(2))
+                target = Publication(PUB_UNIFORM, pub_a.data_ptr(), codes_a.data_ptr(), scales_a.data_ptr(),
+                                     bucket, bits)
+                _, resid, norm = fa.step(gs, LR, held=held, publication=target)
+                fb.step(gs, LR, held=held)
+                sums = fast.publish_uniform(flat_b, pub_b, codes_b, scales_b, bucket, bits)
+                assert sums is not None
+                expected = sums
+                assert torch.equal(codes_a, codes_b) and torch.equal(scales_a, scales_b)
+            else:
+                snap = [torch.full(p.shape, float("nan")) for p in params_a.values()]
+                fa.step(gs, LR, held=held, snapshot=snap)
+                fb.step(gs, LR, held=held)
+                assert torch.equal(torch.cat(snap), flat_b)
+            assert torch.equal(flat_a, flat_b) and torch.equal(pub_a, pub_b)
+            assert torch.equal(fa.exp_avg, fb.exp_avg) and torch.equal(fa.exp_avg_sq, fb.exp_avg_sq)
+            if codec != "snapshot":
+                assert resid == pytest.approx(expected[0], rel=1e-5)
+                assert norm == pytest.approx(expected[1], rel=1e-5)
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_a_state_loaded_into_the_optimizer_is_stepped_from(tmp_path: Path) -> None:

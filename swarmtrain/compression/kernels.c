@@ -292,9 +292,12 @@ int st_topk_decode(const _Float16 *values, const uint16_t *index_low, const int3
  *   v = fma((1 - beta2) * g, g, v * beta2);  p += (-step_size * m) / (sqrt(v) / bc2 + eps)
  * (torch's build contracts its v * beta2 + c * g * g into that fma).
  *
- * After each block of the flat range is stepped (while it is in cache) the publication runs
- * on it: fp16 or uniform coding of p - pub, as st_publish_fp16 / st_publish_uniform do, or
- * (lossless downlink) a copy of the new weights into the snapshot tensors.
+ * The publication is made as the weights are written: the fp16 coding of p - pub (as
+ * st_publish_fp16 does) and the lossless downlink's copy into the snapshot tensors in the
+ * step's own loop, from the new weights in registers (sink_t: their arithmetic overlaps the
+ * step's divisions, and no second pass reads the weights); the uniform coding, which needs a
+ * bucket's largest change first, after each block of the flat range is stepped, while it is
+ * in cache. Parameters without a gradient are not stepped but published all the same.
  * ------------------------------------------------------------------------------------- */
 #define SEG_FIELDS 7
 enum { G_NONE = 0, G_F32 = 1, G_F16 = 2, G_TOPK = 3 };
@@ -335,9 +338,88 @@ static inline void adam_start8(const float *p, const float *m, const void *g, in
 }
 #endif
 
+/* What the step does with each new weight while it is still in a register: the fp16
+ * publication of st_publish_fp16 (pub, out; the sums added to resid and norm) or a copy into
+ * the snapshot (snap). Pointers are for the piece's first element; NULL sink: nothing. Done
+ * in the step's own loop, the publication's arithmetic overlaps the step's divisions and its
+ * stores need no second pass over the weights. */
+typedef struct {
+    int mode; /* PUB_FP16 or PUB_SNAPSHOT */
+    float *pub;
+    _Float16 *out;
+    float *snap;
+    double resid, norm;
+} sink_t;
+
+static inline void sink1(sink_t *s, int64_t i, float pv) {
+    if (s->mode == PUB_SNAPSHOT) {
+        s->snap[i] = pv;
+        return;
+    }
+    float d = pv - s->pub[i];
+    float c = d > FP16_MAX ? FP16_MAX : (d < -FP16_MAX ? -FP16_MAX : d);
+    _Float16 h = (_Float16)c;
+    float e = (float)h;
+    s->pub[i] = s->pub[i] + e;
+    s->out[i] = h;
+    double r = (double)(d - e);
+    s->resid += r * r;
+    s->norm += (double)pv * (double)pv;
+}
+
+#ifdef HAVE_AVX2
+/* sink1 for the 8 new weights at i; the fp16 sums go into the float accumulators r and q,
+ * which the caller adds into resid and norm every SINK_FLUSH elements */
+#define SINK_FLUSH 1024
+static inline void sink8(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q) {
+    if (s->mode == PUB_SNAPSHOT) {
+        /* the snapshot is not read here again: streamed past the cache where aligned */
+        if (((uintptr_t)(s->snap + i) & 31) == 0)
+            _mm256_stream_ps(s->snap + i, pv);
+        else
+            _mm256_storeu_ps(s->snap + i, pv);
+        return;
+    }
+    const __m256 hi = _mm256_set1_ps(FP16_MAX), lo = _mm256_set1_ps(-FP16_MAX);
+    __m256 pa = _mm256_loadu_ps(s->pub + i);
+    __m256 da = _mm256_sub_ps(pv, pa);
+    __m256 ca = _mm256_max_ps(_mm256_min_ps(da, hi), lo);
+    ca = _mm256_blendv_ps(ca, da, _mm256_cmp_ps(da, da, _CMP_UNORD_Q));
+    __m128i ha = _mm256_cvtps_ph(ca, _MM_FROUND_TO_NEAREST_INT);
+    __m256 ea = _mm256_cvtph_ps(ha);
+    _mm256_storeu_ps(s->pub + i, _mm256_add_ps(pa, ea));
+    if (((uintptr_t)(s->out + i) & 15) == 0)
+        _mm_stream_si128((__m128i *)(s->out + i), ha);
+    else
+        _mm_storeu_si128((__m128i *)(s->out + i), ha);
+    __m256 ra = _mm256_sub_ps(da, ea);
+    *r = _mm256_add_ps(*r, _mm256_mul_ps(ra, ra));
+    *q = _mm256_add_ps(*q, _mm256_mul_ps(pv, pv));
+}
+
+/* after each vector step: the sink's part, and its float sums into the doubles every
+ * SINK_FLUSH elements (and once more after the loop: sink_flush) */
+static inline void sink_step(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q, int *count) {
+    sink8(s, i, pv, r, q);
+    if (s->mode == PUB_FP16 && (*count += 8) >= SINK_FLUSH) {
+        s->resid += hsum(*r);
+        s->norm += hsum(*q);
+        *r = *q = _mm256_setzero_ps();
+        *count = 0;
+    }
+}
+
+static inline void sink_flush(sink_t *s, __m256 r, __m256 q) {
+    if (s->mode == PUB_FP16) {
+        s->resid += hsum(r);
+        s->norm += hsum(q);
+    }
+}
+#endif
+
 /* plain Adam over n elements; g is float32 or float16 (kind) */
 static void adam_piece(float *p, float *m, float *v, const void *g, int kind, int64_t n,
-                       const hyper_t *h, float step_size, float bc2) {
+                       const hyper_t *h, float step_size, float bc2, sink_t *sk) {
     const float nss = -step_size;
     int64_t i = 0;
 #ifdef HAVE_AVX2
@@ -345,6 +427,8 @@ static void adam_piece(float *p, float *m, float *v, const void *g, int kind, in
     const __m256 b2 = _mm256_set1_ps(h->beta2), c2 = _mm256_set1_ps(h->one_minus_beta2);
     const __m256 vbc2 = _mm256_set1_ps(bc2), veps = _mm256_set1_ps(h->eps);
     const __m256 vnss = _mm256_set1_ps(nss);
+    __m256 sr = _mm256_setzero_ps(), sq = sr;
+    int sc = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 gv, pv, mv;
         adam_start8(p, m, g, kind, i, h, wd, w, &gv, &pv, &mv);
@@ -354,7 +438,9 @@ static void adam_piece(float *p, float *m, float *v, const void *g, int kind, in
         _mm256_storeu_ps(p + i, pv);
         _mm256_storeu_ps(m + i, mv);
         _mm256_storeu_ps(v + i, vv);
+        if (sk) sink_step(sk, i, pv, &sr, &sq, &sc);
     }
+    if (sk) sink_flush(sk, sr, sq);
 #endif
     for (; i < n; i++) {
         float gv, pv, mv;
@@ -364,6 +450,7 @@ static void adam_piece(float *p, float *m, float *v, const void *g, int kind, in
         p[i] = pv + (nss * mv) / den;
         m[i] = mv;
         v[i] = vv;
+        if (sk) sink1(sk, i, p[i]);
     }
 }
 
@@ -372,13 +459,15 @@ static void adam_piece(float *p, float *m, float *v, const void *g, int kind, in
  * p = fma(r, -lr, p) (torch's add with alpha). a = rbc1 = 1 / (1 - beta1^step), b = vb =
  * 1 - beta2^variance_steps, c = rsvb = 1 / sqrt(vb), each rounded from double as torch does. */
 static void held_piece(float *p, float *m, float *v, const void *g, int kind, int64_t n,
-                       const hyper_t *h, float rbc1, float vb, float rsvb) {
+                       const hyper_t *h, float rbc1, float vb, float rsvb, sink_t *sk) {
     int64_t i = 0;
 #ifdef HAVE_AVX2
     const __m256 wd = _mm256_set1_ps(h->wd_scale), w = _mm256_set1_ps(h->w);
     const __m256 vvb = _mm256_set1_ps(vb), vrs = _mm256_set1_ps(rsvb), veps = _mm256_set1_ps(h->eps);
     const __m256 vr = _mm256_set1_ps(rbc1), hi = _mm256_set1_ps(h->clamp), lo = _mm256_set1_ps(-h->clamp);
     const __m256 nlr = _mm256_set1_ps(h->neg_lr), zero = _mm256_setzero_ps();
+    __m256 sr = zero, sq = zero;
+    int sc = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 gv, pv, mv;
         adam_start8(p, m, g, kind, i, h, wd, w, &gv, &pv, &mv);
@@ -388,10 +477,13 @@ static void held_piece(float *p, float *m, float *v, const void *g, int kind, in
         __m256 r = _mm256_mul_ps(_mm256_div_ps(mv, den), vr);
         /* r second: max/min return it when it is NaN, which torch's clamp keeps too */
         r = _mm256_min_ps(hi, _mm256_max_ps(lo, r));
-        _mm256_storeu_ps(p + i, _mm256_fmadd_ps(r, nlr, pv));
+        pv = _mm256_fmadd_ps(r, nlr, pv);
+        _mm256_storeu_ps(p + i, pv);
         _mm256_storeu_ps(m + i, mv);
         _mm256_storeu_ps(v + i, vv);
+        if (sk) sink_step(sk, i, pv, &sr, &sq, &sc);
     }
+    if (sk) sink_flush(sk, sr, sq);
 #endif
     for (; i < n; i++) {
         float gv, pv, mv;
@@ -403,15 +495,31 @@ static void held_piece(float *p, float *m, float *v, const void *g, int kind, in
         p[i] = fmaf(r, h->neg_lr, pv);
         m[i] = mv;
         v[i] = vv;
+        if (sk) sink1(sk, i, p[i]);
     }
 }
 
 static void step_piece(int rule, float *p, float *m, float *v, const void *g, int kind, int64_t n,
-                       const hyper_t *h, float a, float b, float c) {
+                       const hyper_t *h, float a, float b, float c, sink_t *sk) {
     if (rule == RULE_HELD)
-        held_piece(p, m, v, g, kind, n, h, a, b, c);
+        held_piece(p, m, v, g, kind, n, h, a, b, c, sk);
     else
-        adam_piece(p, m, v, g, kind, n, h, a, b);
+        adam_piece(p, m, v, g, kind, n, h, a, b, sk);
+}
+
+/* the sink for the piece of the flat vector at x (segment sg at offset off), or NULL */
+static sink_t *piece_sink(sink_t *s, int pubmode, float *pub, void *out, const int64_t *sg,
+                          int64_t off, int64_t x) {
+    if (pubmode == PUB_FP16) {
+        s->pub = pub + x;
+        s->out = (_Float16 *)out + x;
+        return s;
+    }
+    if (pubmode == PUB_SNAPSHOT && sg[6]) {
+        s->snap = (float *)sg[6] + (x - off);
+        return s;
+    }
+    return NULL;
 }
 
 /* Decode top-k block `blk` of a segment into scratch (TOPK_BLOCK floats); 1 if an index
@@ -464,6 +572,7 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
     int64_t scratch_seg = -1, scratch_blk = -1;
     int bad = 0;
     double resid = 0.0, norm = 0.0;
+    sink_t sink = {pubmode, NULL, NULL, NULL, 0.0, 0.0};
     int64_t s = 0;
     while (s < nseg && seg[SEG_FIELDS * s] + seg[SEG_FIELDS * s + 1] <= lo) s++;
     for (int64_t b0 = lo; b0 < hi && !bad; b0 += block) {
@@ -478,7 +587,8 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
             const float sa = (float)segf[3 * t], sb = (float)segf[3 * t + 1], sc = (float)segf[3 * t + 2];
             if (kind == G_F32 || kind == G_F16) {
                 const char *g = (const char *)sg[3] + (a - off) * (kind == G_F16 ? 2 : 4);
-                step_piece(rule, p + a, m + a, v + a, g, kind, z - a, &h, sa, sb, sc);
+                step_piece(rule, p + a, m + a, v + a, g, kind, z - a, &h, sa, sb, sc,
+                           piece_sink(&sink, pubmode, pub, out, sg, off, a));
             } else if (kind == G_TOPK) {
                 if (!scratch && !(scratch = (float *)malloc(TOPK_BLOCK * sizeof(float)))) return 1;
                 for (int64_t x = a; x < z;) {
@@ -489,19 +599,23 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
                         scratch_blk = blk;
                     }
                     const int64_t y = base + TOPK_BLOCK < z ? base + TOPK_BLOCK : z;
-                    step_piece(rule, p + x, m + x, v + x, scratch + (x - base), G_F32, y - x, &h, sa, sb, sc);
+                    step_piece(rule, p + x, m + x, v + x, scratch + (x - base), G_F32, y - x, &h, sa, sb, sc,
+                               piece_sink(&sink, pubmode, pub, out, sg, off, x));
                     x = y;
                 }
                 if (bad) break;
-            }
-            if (pubmode == PUB_SNAPSHOT && sg[6])
+            } else if (pubmode == PUB_SNAPSHOT && sg[6]) {  /* not stepped: copied as it is */
                 stream_copy((float *)sg[6] + (a - off), p + a, z - a);
+            } else if (pubmode == PUB_FP16) {  /* not stepped, published all the same */
+                double part[2] = {0.0, 0.0};
+                st_publish_fp16(p + a, pub + a, (_Float16 *)out + a, z - a, part);
+                sink.resid += part[0];
+                sink.norm += part[1];
+            }
         }
         if (bad) break;
         double part[2] = {0.0, 0.0};
-        if (pubmode == PUB_FP16) {
-            st_publish_fp16(p + b0, pub + b0, (_Float16 *)out + b0, b1 - b0, part);
-        } else if (pubmode == PUB_UNIFORM) {
+        if (pubmode == PUB_UNIFORM) {
             if (st_publish_uniform(p + b0, pub + b0, (uint8_t *)out + b0 * bits / 8, scales + b0 / bucket,
                                    b1 - b0, bucket, bits, part))
                 bad = 2;
@@ -513,8 +627,8 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
 #ifdef HAVE_AVX2
     _mm_sfence(); /* the streamed snapshot is complete before another thread reads it */
 #endif
-    sums[0] = resid;
-    sums[1] = norm;
+    sums[0] = resid + sink.resid;
+    sums[1] = norm + sink.norm;
     return bad;
 }
 

@@ -35,6 +35,8 @@ from swarmtrain.compression.kernels import PUB_FP16, PUB_UNIFORM, Kernels, Publi
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
 from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
+from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
+from swarmtrain.wire.pool import phased_floats
 
 __all__ = ["TRACK_INTERVALS", "Downlink", "LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
 
@@ -217,6 +219,10 @@ class UpdateLog:
         hold them); no entry reaches across, so every worker behind gets the full weights."""
         if self.published is not None and self.published.shape == master.shape:
             self.published.copy_(master)  # reuse: a fresh big buffer costs page faults
+        elif master.dtype == torch.float32 and master.dim() == 1:
+            # the fused step streams through it beside the master: at a page offset of its own
+            self.published = phased_floats(master.numel(), phase_after(master, COPY_PHASE))
+            self.published.copy_(master.detach())
         else:
             self.published = master.detach().clone()
         self._round(self.published)

@@ -42,8 +42,19 @@ from swarmtrain.compression.kernels import (
 from swarmtrain.compression.topk import TopKParts
 from swarmtrain.roles.ps.adam import HELD_MAX_RATIO, VARIANCE_STEPS
 from swarmtrain.roles.ps.common import LazyGradient
+from swarmtrain.wire.pool import PAGE, phased_floats
 
-__all__ = ["FlatAdam"]
+__all__ = ["COPY_PHASE", "FlatAdam", "phase_after"]
+
+#: where the arrays the kernel streams through beside the weights start, in bytes past the
+#: weights' own offset in a page (:func:`~swarmtrain.wire.pool.phased_floats`): the two
+#: moments, and the copy a publication writes (the lossless snapshot or the published weights)
+MOMENT1_PHASE, MOMENT2_PHASE, COPY_PHASE = 1024, 2048, 3072
+
+
+def phase_after(t: torch.Tensor, delta: int) -> int:
+    """The page phase ``delta`` bytes past ``t``'s (for an array streamed beside it)."""
+    return (t.data_ptr() + delta) % PAGE
 
 log = logging.getLogger("swarmtrain.coordinator")
 
@@ -63,8 +74,8 @@ class FlatAdam:
         self.offsets = [0]
         for n in self.sizes:
             self.offsets.append(self.offsets[-1] + n)
-        self.exp_avg = torch.zeros_like(flat)
-        self.exp_avg_sq = torch.zeros_like(flat)
+        self.exp_avg = phased_floats(flat.numel(), phase_after(flat, MOMENT1_PHASE))
+        self.exp_avg_sq = phased_floats(flat.numel(), phase_after(flat, MOMENT2_PHASE))
         self._m_views = [t.view(p.shape) for t, p in zip(self.exp_avg.split(self.sizes), self.params)]
         self._v_views = [t.view(p.shape) for t, p in zip(self.exp_avg_sq.split(self.sizes), self.params)]
         #: every parameter's step count (its state's "step" is a 0-dim view of it): one add
