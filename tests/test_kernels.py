@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -270,6 +271,39 @@ def test_the_fused_adam_is_torchs_fused_adam_over_many_steps(threads: int, as_fp
         assert steps == [200.0] * len(ADAM_SIZES)
     finally:
         torch.set_num_threads(old)
+
+
+def test_the_steps_slices_run_on_torchs_openmp_threads_and_on_the_pool_alike(
+        fast: Kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built with OpenMP, the library shares torch's libgomp (one runtime in the process: the
+    same threads run torch's ops and the step's slices, instead of two sets that keep each
+    other off the cores); the slices give, bit for bit, what the thread pool it falls back
+    to gives, sums included."""
+    if sys.platform == "linux" and shutil.which("gcc"):
+        assert fast.openmp  # (gcc builds it with OpenMP on this kind of machine)
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        assert len({line.split()[-1] for line in maps if "libgomp" in line}) <= 1
+    monkeypatch.setattr("swarmtrain.compression.kernels.MIN_SLICE", 1024)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    results = []
+    try:
+        for openmp in (fast.openmp, False):
+            monkeypatch.setattr(fast, "openmp", openmp)
+            flat, params = _flat_params()
+            fa, _ = _flat_adam(flat, params)
+            pub = flat + 1e-3
+            out = torch.empty(flat.numel(), dtype=torch.float16)
+            sums = []
+            for step in range(1, 4):
+                gs = dict(zip(params, _grads(step)))
+                sums.append(fa.step(gs, LR, held=False,
+                                    publication=Publication(PUB_FP16, pub.data_ptr(), out.data_ptr())))
+            results.append((flat, fa.exp_avg, fa.exp_avg_sq, pub, out, sums))
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(*results):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 def test_a_moment_decaying_below_float32s_normal_range_is_flushed_and_the_callers_mode_kept() -> None:
