@@ -253,7 +253,8 @@ def test_a_remembered_gradient_header_is_unpacked_as_the_full_checks_unpack_it()
     layout = PlainLayout()
     first = unpack_lazy(codecs, tensors, params, layout=layout)
     assert layout.plan and layout.codecs is codecs
-    again = unpack_lazy(dict(codecs), dict(tensors), params, layout=layout)  # (from the memo)
+    assert layout.unpack(codecs, tensors, params, False, True) is not None  # (the short path)
+    again = unpack_lazy(dict(codecs), dict(tensors), params, layout=layout)
     for n in params:
         assert again[n].dtype == torch.float16 and again[n].shape == params[n].shape
         assert torch.equal(again[n], first[n]) and torch.equal(again[n].float(), g[n].half().float())
@@ -270,3 +271,34 @@ def test_a_remembered_gradient_header_is_unpacked_as_the_full_checks_unpack_it()
     unpack_lazy(part, {"a/values": tensors["a/values"]}, params, subset=True, layout=layout)
     with pytest.raises(RemoteProtocolError, match="missing"):
         unpack_lazy(part, {"a/values": tensors["a/values"]}, params, layout=layout)
+
+
+def test_a_remembered_top_k_header_checks_each_payloads_counts_and_indices() -> None:
+    """Top-k entries read lazily are remembered too: the next gradient with the same header
+    gives the same parts as the full path, and a payload whose counts do not add up or whose
+    index is out of range under that header is refused as before, naming why."""
+    from swarmtrain.compression.topk import TopKParts
+    from swarmtrain.roles.ps.common import PlainLayout, unpack_lazy
+
+    params = {"a": torch.zeros(300, 7), "b": torch.zeros(70_000), "c": torch.zeros(5)}
+    codecs, tensors = pack_compressed({n: make_codec("topk", topk_ratio=0.1).compress(torch.randn(p.shape))
+                                       for n, p in params.items()})
+    layout = PlainLayout()
+    first = unpack_lazy(codecs, tensors, params, layout=layout)
+    assert layout.plan and all(isinstance(g, TopKParts) for g in first.values())
+    assert layout.unpack(codecs, tensors, params, False, True) is not None  # (the short path)
+    again = unpack_lazy(dict(codecs), dict(tensors), params, layout=layout)
+    for n in params:
+        assert torch.equal(again[n].decode(), first[n].decode()) and again[n].shape == tuple(params[n].shape)
+    counts = tensors["b/block_counts"].clone()
+    counts[0] += 1
+    counts[1] -= 1
+    assert int(counts.sum()) == int(tensors["b/block_counts"].sum())  # (sums to k: not caught that way)
+    counts[1] = -1
+    with pytest.raises(RemoteProtocolError, match="block counts"):
+        unpack_lazy(codecs, {**tensors, "b/block_counts": counts}, params, layout=layout)
+    low = tensors["b/index_low"].clone()
+    low[-1] = 70_000 - 65_536  # the last block holds 70,000 - 65,536 elements: one past its end
+    with pytest.raises(RemoteProtocolError, match="index out of range"):
+        unpack_lazy(codecs, {**tensors, "b/index_low": low}, params, layout=layout)
+    assert unpack_lazy(codecs, tensors, params, layout=layout).keys() == params.keys()  # (still fine)

@@ -11,6 +11,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from swarmtrain.compression import Codec, Compressed, decompress_any, make_codec, topk_warmup_ratio
 from swarmtrain.compression.base import FLOAT_DTYPES, check_header, check_meta_keys, check_parts
+from swarmtrain.compression.kernels import kernels
+from swarmtrain.compression.topk import INDEX_BLOCK as TOPK_INDEX_BLOCK
 from swarmtrain.compression.topk import TopKParts, check_topk
 from swarmtrain.config import CompressionConfig
 from swarmtrain.errors import ConfigError, ModelMismatch, RemoteProtocolError
@@ -199,13 +201,15 @@ def dense_gradient(g: LazyGradient) -> torch.Tensor:
 
 class PlainLayout:
     """The last message layout :func:`_unpack` found to be all plain entries (``none``, or
-    ``fp16`` read lazily: see :func:`_plain_values`), so that a message with the same header
-    is unpacked without checking each entry's header again.
+    ``fp16`` read lazily: see :func:`_plain_values`) or, read lazily, ``topk`` ones, so that
+    a message with the same header is unpacked without checking each entry's header again.
 
     A worker sends every gradient with the same header but for the tensors' bytes, so a
-    coordinator keeps one of these: of the checks per entry only those on the tensor the
-    payload holds remain (~1 ms less per apply for a hundred tensors). A header that differs
-    in anything takes the full path, which checks and explains it.
+    coordinator keeps one of these: of the checks per entry only those on what the payload
+    holds remain (each tensor's dtype, size and layout, and a top-k entry's counts and
+    indices, in the kernel): ~1 ms less per apply for a hundred tensors. A header that
+    differs in anything, or a payload that fails a check, takes the full path, which checks
+    and explains it.
     """
 
     __slots__ = ("codecs", "expected", "how", "plan")
@@ -214,31 +218,57 @@ class PlainLayout:
         self.codecs: Mapping[str, Any] | None = None
         self.expected: Mapping[str, torch.Tensor] | None = None
         self.how = (False, False)  # (subset, lazy) it was checked for
-        #: (name, payload key, shape, numel, dtype) per entry, in the header's order
-        self.plan: list[tuple[str, str, torch.Size, int, torch.dtype]] = []
+        #: per entry, in the header's order: (name, payload keys, shape, numel, dtype) for a
+        #: plain one (one key), (name, keys of values / index_low / block_counts, shape,
+        #: numel, k) for a top-k one
+        self.plan: list[tuple[str, tuple[str, ...], torch.Size, int, Any]] = []
 
     def unpack(self, codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                expected: Mapping[str, torch.Tensor], subset: bool,
                lazy: bool) -> dict[str, LazyGradient] | None:
         """The entries, when ``codecs`` equals the remembered header (None: take the full path)."""
-        if (self.expected is not expected or self.how != (subset, lazy) or len(tensors) != len(self.plan)
-                or codecs != self.codecs):
+        if (self.expected is not expected or self.how != (subset, lazy)
+                or len(tensors) != sum(len(e[1]) for e in self.plan) or codecs != self.codecs):
             return None
         out: dict[str, LazyGradient] = {}
-        for name, key, shape, numel, want in self.plan:
-            t = tensors.get(key)
-            if (type(t) is not torch.Tensor or t.dtype != want or t.dim() != 1 or t.numel() != numel
-                    or not t.is_contiguous() or t.device.type != "cpu"):
+        fast = None
+        for name, keys, shape, numel, extra in self.plan:
+            if len(keys) == 1:
+                t = tensors.get(keys[0])
+                if not _whole(t, extra, numel):
+                    return None
+                out[name] = t.view(shape)  # type: ignore[union-attr]
+                continue
+            values, low, counts = (tensors.get(k) for k in keys)
+            blocks = -(-numel // TOPK_INDEX_BLOCK)
+            if not (_whole(values, torch.float16, extra) and _whole(low, torch.uint16, extra)
+                    and _whole(counts, torch.int32, blocks)):
                 return None
-            out[name] = t.view(shape)
+            fast = fast or kernels()
+            if fast is None or fast.topk_check(low, counts, numel) != 0:  # type: ignore[arg-type]
+                return None
+            out[name] = TopKParts(tuple(shape), numel, values, low, counts)  # type: ignore[arg-type]
         return out
 
     def remember(self, codecs: Mapping[str, Any], expected: Mapping[str, torch.Tensor], subset: bool,
                  lazy: bool, out: Mapping[str, LazyGradient]) -> None:
-        """Remember a header whose every entry :func:`_plain_values` took (``out``: what it gave)."""
-        self.codecs, self.expected, self.how = codecs, expected, (subset, lazy)
-        self.plan = [(name, f"{name}/values", expected[name].shape, expected[name].numel(), t.dtype)
-                     for name, t in out.items() if isinstance(t, torch.Tensor)]
+        """Remember a header whose every entry was plain or (read lazily) top-k (``out``: what
+        the full path gave for it)."""
+        plan: list[tuple[str, tuple[str, ...], torch.Size, int, Any]] = []
+        for name, g in out.items():
+            shape, numel = expected[name].shape, expected[name].numel()
+            if isinstance(g, TopKParts):
+                plan.append((name, (f"{name}/values", f"{name}/index_low", f"{name}/block_counts"),
+                             shape, numel, g.values.numel()))
+            else:
+                plan.append((name, (f"{name}/values",), shape, numel, g.dtype))
+        self.codecs, self.expected, self.how, self.plan = codecs, expected, (subset, lazy), plan
+
+
+def _whole(t: Any, dtype: torch.dtype, numel: int) -> bool:
+    """``t`` is a contiguous 1-D CPU tensor of ``dtype`` and ``numel`` elements."""
+    return (type(t) is torch.Tensor and t.dtype == dtype and t.dim() == 1 and t.numel() == numel
+            and t.is_contiguous() and t.device.type == "cpu")
 
 
 def unpack_lazy(
@@ -317,6 +347,7 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             out[name] = _fp16_values(c)
         elif lazy and c.codec == "topk" and name != FUSED:
             out[name] = check_topk(c)
+            plain_count += kernels() is not None  # (a layout of them is remembered too)
         else:
             out[name] = decompress_any(c)
     if used != len(tensors):
