@@ -272,9 +272,6 @@ class ApplyBench:
 
 
 def run(threads: list[int], rounds: int, warmup: int) -> dict[str, Any]:
-    from swarmtrain.core.hardware import tune_allocator
-
-    tune_allocator()  # as every `swarmtrain` command does at start-up
     model = build_model()
     nparams = sum(p.numel() for p in model.parameters())
     ntensors = len(list(model.parameters()))
@@ -428,8 +425,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         "With swarmtrain's fused Adam kernel (the coordinator's optimizer line above) the apply "
         "does not run the pieces one after the other: \"decompress\" only checks fp16 and top-k "
         "gradients (the kernel reads float16 values and top-k parts as they came), and the "
-        "publication (fp16 or uniform coding of the new weights, or with no compression the "
-        "copy the answers share) is made in Adam's pass, block by block while in cache; "
+        "publication is made in Adam's pass: the fp16 coding of the new weights, or with no "
+        "compression the copy the answers share, in the step's own loop from the weights in "
+        "registers; the uniform coding (top-k's downlink) block by block while in cache; "
         "\"Adam\" and \"publish + answer\" are timed apart, so \"rest\" is negative by what the "
         "fusion saves. The swarmtrain rows of the first table are the apply **plus** the sums of "
         "squares taken as the gradient arrived (on the receiving thread, while the pieces are in "

@@ -144,8 +144,8 @@ def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update(threads:
     again once no answer refers to it. New memory for it on every update is fresh pages: above
     glibc's mmap threshold (32 MB once swarmtrain tunes the allocator) ~9,800 page faults, and
     the 10M-parameter apply (bench_apply.py) took 37 ms instead of 15 (and a tensor per
-    parameter, the snapshot until now, faulted 2,000-2,400 times per update in bench_apply on
-    two threads before it tuned the allocator as every swarmtrain command does)."""
+    parameter, the snapshot until now, faulted 2,000-2,400 times per update on two threads in
+    a process without swarmtrain's allocator tuning)."""
     import resource
 
     from swarmtrain.config import load_coordinator_config

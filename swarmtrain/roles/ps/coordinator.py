@@ -947,12 +947,12 @@ class Coordinator:
     def _snapshot_buffers(self, total: int) -> list[torch.Tensor]:
         """Float32 tensors shaped like the parameters, for a snapshot the kernel writes: views
         of one buffer. A small model's is new memory (:meth:`_as_replica`); a larger one's comes
-        from a pool of its own (:func:`pooled_floats`): new memory of that size is fresh pages
-        every update, above glibc's mmap threshold or whenever freed memory was given back (a
-        page fault per 4 KiB: measured 37 ms instead of 15 for a 10M-parameter apply, and
-        2,000-2,400 faults per update with the kernel on two threads), and a hundred small
-        tensors cost a hundred allocations. It starts at its own offset in a page
-        (:data:`~swarmtrain.roles.ps.flat_adam.COPY_PHASE`), as the moments do."""
+        from a pool of its own (:func:`pooled_floats`), at its own offset in a page
+        (:data:`~swarmtrain.roles.ps.flat_adam.COPY_PHASE`, as the moments have theirs): new
+        memory of that size can be fresh pages on every update (above glibc's mmap threshold,
+        or whenever freed memory went back to the system: a page fault per 4 KiB, 37 ms
+        instead of 15 for a 10M-parameter apply), and a hundred tensors are a hundred
+        allocations."""
         views = list(self.params.values())
         phase = phase_after(self._flat, COPY_PHASE) if self._flat is not None else None
         flat = (torch.empty(total, dtype=torch.float32) if self._fuse_full
