@@ -427,7 +427,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         "gradients (the kernel reads float16 values and top-k parts as they came), and the "
         "publication is made in Adam's pass: the fp16 coding of the new weights, or with no "
         "compression the copy the answers share, in the step's own loop from the weights in "
-        "registers; the uniform coding (top-k's downlink) block by block while in cache; "
+        "registers; the uniform coding (top-k's downlink) in a pass of its own after the step; "
         "\"Adam\" and \"publish + answer\" are timed apart, so \"rest\" is negative by what the "
         "fusion saves. The swarmtrain rows of the first table are the apply **plus** the sums of "
         "squares taken as the gradient arrived (on the receiving thread, while the pieces are in "

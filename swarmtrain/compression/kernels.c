@@ -296,8 +296,10 @@ int st_topk_decode(const _Float16 *values, const uint16_t *index_low, const int3
  * st_publish_fp16 does) and the lossless downlink's copy into the snapshot tensors in the
  * step's own loop, from the new weights in registers (sink_t: their arithmetic overlaps the
  * step's divisions, and no second pass reads the weights); the uniform coding, which needs a
- * bucket's largest change first, after each block of the flat range is stepped, while it is
- * in cache. Parameters without a gradient are not stepped but published all the same.
+ * bucket's largest change first, in one pass over the thread's slice after its step (coding
+ * each block while it was still in cache measured 1.6 ms slower for 10M parameters than the
+ * two passes apart, and 2.3-2.8 ms slower than this). Parameters without a gradient are not
+ * stepped but published all the same.
  * ------------------------------------------------------------------------------------- */
 #define SEG_FIELDS 7
 enum { G_NONE = 0, G_F32 = 1, G_F16 = 2, G_TOPK = 3 };
@@ -566,8 +568,7 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
     h.eps = (float)hyper[5];
     h.neg_lr = (float)hyper[6];
     h.clamp = (float)hyper[7];
-    int64_t block = APPLY_BLOCK;
-    if (pubmode == PUB_UNIFORM && block % bucket) block = (block / bucket + 1) * bucket;
+    const int64_t block = APPLY_BLOCK;
     float *scratch = NULL;
     int64_t scratch_seg = -1, scratch_blk = -1;
     int bad = 0;
@@ -614,16 +615,16 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
             }
         }
         if (bad) break;
+    }
+    free(scratch);
+    if (!bad && pubmode == PUB_UNIFORM) {
         double part[2] = {0.0, 0.0};
-        if (pubmode == PUB_UNIFORM) {
-            if (st_publish_uniform(p + b0, pub + b0, (uint8_t *)out + b0 * bits / 8, scales + b0 / bucket,
-                                   b1 - b0, bucket, bits, part))
-                bad = 2;
-        }
+        if (st_publish_uniform(p + lo, pub + lo, (uint8_t *)out + lo * bits / 8, scales + lo / bucket,
+                               hi - lo, bucket, bits, part))
+            bad = 2;
         resid += part[0];
         norm += part[1];
     }
-    free(scratch);
 #ifdef HAVE_AVX2
     _mm_sfence(); /* the streamed snapshot is complete before another thread reads it */
 #endif
