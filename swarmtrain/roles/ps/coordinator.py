@@ -100,7 +100,7 @@ from swarmtrain.wire import (
     UpdateStatus,
     Weights,
 )
-from swarmtrain.wire.pool import PayloadPool, pooled_floats
+from swarmtrain.wire.pool import PAGE, PayloadPool, pooled_floats
 
 __all__ = ["Coordinator", "CoordinatorState", "TRANSITIONS", "WorkerRecord"]
 
@@ -362,8 +362,10 @@ class Coordinator:
         self._fuse_full = (len(self.params) > 1 and sum(self._sizes) <= FUSE_MAX_NUMEL
                            and all(p.dtype == torch.float32 for p in self.state.trainable.values()))
         #: the buffers a larger model's snapshots are written into, each used again once no
-        #: answer refers to it (apart from the payloads': the two come and go at other times)
-        self._snapshot_pool = PayloadPool()
+        #: answer refers to it (apart from the payloads': the two come and go at other times);
+        #: one idle at most (the next snapshot's), so what it keeps beyond the snapshots
+        #: answers still hold is one copy of the weights
+        self._snapshot_pool = PayloadPool(max_idle_bytes=4 * sum(self._sizes) + PAGE)
         #: the last gradient header of all plain entries (unpacked again without its checks)
         self._layout = PlainLayout()
         #: gradients received and not yet applied, all workers together, are bounded: a worker's
