@@ -297,7 +297,9 @@ class Run:
                                        if w["connected"]]),
                 "connected": st["workers_connected"], "admission": st["admission"],
                 "downlink": {"tracks": len(st["downlink"]["tracks"]),
-                             "log_bytes": st["downlink"]["log_bytes"]}}
+                             "log_bytes": st["downlink"]["log_bytes"]},
+                # a lossless downlink's snapshots held by answers and the downlink (MB)
+                "snapshots_held_mb": st.get("snapshots", {}).get("held_mb", math.nan)}
 
     def finish(self, timeout: float = 180.0) -> list[dict[str, Any]]:
         """ctl SHUTDOWN, wait for every process, read the light workers' files."""
@@ -461,6 +463,7 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
         # of at most the model's size, a snapshot) at the window's end: a worker that lags far
         # is answered from a coarser track, so more workers (more lag) use more of them
         "downlink_tracks": b["downlink"]["tracks"], "downlink_log_mb": b["downlink"]["log_bytes"] / 2**20,
+        "snapshots_held_mb": b.get("snapshots_held_mb", math.nan),
     }
 
 
@@ -581,6 +584,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{r['admission']['peak_held_bytes'] / 2**20:.0f} / {r['admission']['limit_bytes'] / 2**20:.0f}",
             f"{r['admission_waited_in_window']} of {r['admission_admitted_in_window']}",
             f"{r['downlink_tracks']} / {r['downlink_log_mb']:.0f}",
+            f"{r.get('snapshots_held_mb', math.nan):.0f}",
         ])
     verdict = []
     for codec, d in res["derived"].items():
@@ -635,13 +639,17 @@ def to_markdown(res: dict[str, Any]) -> str:
         "one), each O(model): its published weights, a log of at most the model's size and a "
         "snapshot (a lossless codec: the snapshot alone); at most four whatever N, and a coarse "
         "one no connected worker is on is dropped, so more workers (more lag) move the tracks in "
-        "use to coarser ones rather than adding to them. MB = 2^20 bytes.",
+        "use to coarser ones rather than adding to them. Snapshots held = the MB of the finest "
+        "track's lossless snapshots (a version's weights every answer of it shares) that answers "
+        "still being sent and the downlink hold at the window's end (none with a lossy codec). "
+        "MB = 2^20 bytes.",
         "",
         md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
                   "vs N=4", "capacity /s (loop / apply ms)", "vs N=4", "latency ms", "staleness",
                   "RSS MB idle / warm / window median / end", "HWM MB", "RSS per worker MB",
                   "coordinator cores (loop / apply)", "workers cores", "machine cores",
-                  "admission peak / bound MB", "waited for room", "downlink tracks / log MB"], rows),
+                  "admission peak / bound MB", "waited for room", "downlink tracks / log MB",
+                  "snapshots held MB"], rows),
         "",
         f"Targets (#20, must-have 3): apply rate within {RATE_TOLERANCE:.0%} of N=4 from 4 to the "
         f"largest N; RSS growth per added worker (slope of the window-median RSS from N=4 to the "

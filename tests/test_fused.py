@@ -209,12 +209,16 @@ def test_a_snapshot_an_answer_still_holds_is_never_written_again() -> None:
         del reply
     for n, t in held.tensors.items():  # the weights moved; what the held answer sends did not
         assert torch.equal(t, kept[n]) and not torch.equal(t, c.params[n]), n
+    size_mb = 4 * sum(p.numel() for p in c.params.values()) / 2**20
+    held_mb = c.status()["snapshots"]["held_mb"]  # the held answer's and the downlink's own
+    assert 2 * size_mb <= held_mb < 2 * size_mb + 1, (held_mb, size_mb)
     pool = c._snapshot_pool
     made = pool.allocated
     del held, t
     for m in msgs[6:]:
         c._apply_gradient(rec, m)
     assert pool.allocated == made and pool.reused >= 5  # (buffers nobody holds, used again)
+    assert c.status()["snapshots"]["held_mb"] < size_mb + 1  # (the downlink's own only)
 
 
 def test_the_arrays_the_fused_step_streams_through_start_at_different_page_offsets() -> None:

@@ -946,6 +946,12 @@ class Coordinator:
         dtypes = [p.dtype for p in self.state.trainable.values()]
         return {n: (v.to(d) if v.dtype != d else v.clone()) for n, v, d in zip(self.params, views, dtypes)}
 
+    def _snapshot_summary(self) -> dict[str, float]:
+        pool = self._snapshot_pool
+        kept, idle = pool.kept_bytes(), pool.idle_bytes()
+        return {"held_mb": (kept - idle) / 2**20, "idle_mb": idle / 2**20,
+                "made": pool.allocated, "reused": pool.reused}
+
     def _snapshot_buffers(self, total: int) -> list[torch.Tensor]:
         """Float32 tensors shaped like the parameters, for a snapshot the kernel writes: views
         of one buffer. A small model's is new memory (:meth:`_as_replica`); a larger one's comes
@@ -1520,6 +1526,9 @@ class Coordinator:
             "staleness_counts": {str(k): n for k, n in sorted(dict(self.staleness_counts).items())},
             # the shared downlink: published version, the log, answers by kind (chain / full)
             "downlink": self.downlink.summary(),
+            # a larger model's lossless snapshots (its own pool): MB that answers and the
+            # downlink still hold (one per version they carry), MB kept idle for the next
+            "snapshots": self._snapshot_summary(),
             # where gradients were applied: on the event loop (quick ones) or the apply thread
             "apply": {"inline": self.applies_inline, "threaded": self.applies_threaded,
                       "mean_ms": 1e3 * (self.apply_time.value or 0.0)},
