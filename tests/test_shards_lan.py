@@ -18,6 +18,7 @@ import pytest
 from swarmtrain.testing import SimulatedLAN
 from swarmtrain.testing.cluster import COORDINATOR_TOML, SECRET, WORKER_TOML
 from swarmtrain.testing.procs import swarm_cmd, tail
+from tests.test_param_shards import _read_version
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -25,15 +26,6 @@ PORT = 7100  # each LAN is its own set of namespaces: a fixed port cannot collid
 #: long enough that the cut and the kill both land mid-run (digits on two servers runs at
 #: 100-300 updates/s here; the cut comes after update 150, the kill about 10 s later)
 MAX_STEPS = 4000
-
-
-def _version(path: Path) -> int:
-    for _ in range(50):
-        try:
-            return int(json.loads(path.read_text())["version"])
-        except (OSError, ValueError, KeyError):
-            time.sleep(0.1)
-    raise AssertionError(f"no status in {path}")
 
 
 def _wait(pred: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str]) -> None:
@@ -80,27 +72,28 @@ def test_a_server_cut_off_then_killed_pauses_training_until_it_is_back(
             "worker", "--config", str(tmp_path / "worker.toml"), "--host", leader_host.address,
             "--port", str(PORT), "--worker-id", "w0", "--threads", "1", "--batch-size", "32",
             "--reconnect-delay", "0.2"))
-        _wait(lambda: status.exists() and _version(status) >= 150, 120, "150 updates", logs)
+        _wait(lambda: status.exists() and _read_version(status) >= 150, 120, "150 updates", logs)
 
         # 1. server 1's host is cut off: no error reaches anyone, the connections go silent
         server_host.cut()
-        cut_at = _version(status)
+        cut_at = _read_version(status)
         time.sleep(4.0)  # (the worker's heartbeat timeout is 3 s)
-        stalled = _version(status)
+        stalled = _read_version(status)
         time.sleep(3.0)
-        assert _version(status) - stalled <= 1, "training went on while server 1 was cut off"
+        assert _read_version(status) - stalled <= 1, "training went on while server 1 was cut off"
         assert stalled - cut_at < 200, (cut_at, stalled)  # (what was in flight, at most)
         server_host.restore()
-        _wait(lambda: _version(status) > stalled + 100, 90, "training to go on after the link is back", logs)
+        _wait(lambda: _read_version(status) > stalled + 100, 90, "training to go on after the link is back",
+              logs)
         assert procs["s0"].poll() is None, "the run ended before the kill: raise MAX_STEPS"
 
         # 2. server 1's process is killed and resumes from its own checkpoints
         procs["s1"].send_signal(signal.SIGKILL)
         procs["s1"].wait(timeout=10)
         time.sleep(2.0)
-        killed = _version(status)
+        killed = _read_version(status)
         time.sleep(3.0)
-        assert _version(status) - killed <= 1, "training went on without server 1"
+        assert _read_version(status) - killed <= 1, "training went on without server 1"
         assert killed < MAX_STEPS
         server_one("s1b", "--resume")
         assert procs["s0"].wait(timeout=180) == 0, logs()
