@@ -33,60 +33,101 @@ static inline double hsum(__m256 v) {
 }
 #endif
 
+/* where a publication goes (the fused Adam step's, below) */
+enum { PUB_NONE = 0, PUB_FP16 = 1, PUB_UNIFORM = 2, PUB_SNAPSHOT = 3 };
+
+/* Where a new weight goes once it is known: the fp16 publication above (pub, out; the sums
+ * added to resid and norm) or a copy into the snapshot (snap). Pointers are for the piece's
+ * first element. st_publish_fp16 runs it over weights it reads; the fused Adam step over the
+ * weights it has just computed, still in registers, so the publication's arithmetic overlaps
+ * the step's divisions and no second pass reads the weights. */
+typedef struct {
+    int mode; /* PUB_FP16 or PUB_SNAPSHOT */
+    float *pub;
+    _Float16 *out;
+    float *snap;
+    double resid, norm;
+} sink_t;
+
+static inline void sink1(sink_t *s, int64_t i, float pv) {
+    if (s->mode == PUB_SNAPSHOT) {
+        s->snap[i] = pv;
+        return;
+    }
+    float d = pv - s->pub[i];
+    float c = d > FP16_MAX ? FP16_MAX : (d < -FP16_MAX ? -FP16_MAX : d);
+    _Float16 h = (_Float16)c;
+    float e = (float)h;
+    s->pub[i] = s->pub[i] + e;
+    s->out[i] = h;
+    double r = (double)(d - e);
+    s->resid += r * r;
+    s->norm += (double)pv * (double)pv;
+}
+
+#ifdef HAVE_AVX2
+/* sink1 for the 8 new weights at i; the fp16 sums go into the float accumulators r and q,
+ * which the caller adds into resid and norm every SINK_FLUSH elements */
+#define SINK_FLUSH 1024
+static inline void sink8(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q) {
+    if (s->mode == PUB_SNAPSHOT) {
+        /* the snapshot is not read here again: streamed past the cache where aligned */
+        if (((uintptr_t)(s->snap + i) & 31) == 0)
+            _mm256_stream_ps(s->snap + i, pv);
+        else
+            _mm256_storeu_ps(s->snap + i, pv);
+        return;
+    }
+    const __m256 hi = _mm256_set1_ps(FP16_MAX), lo = _mm256_set1_ps(-FP16_MAX);
+    __m256 pa = _mm256_loadu_ps(s->pub + i);
+    __m256 da = _mm256_sub_ps(pv, pa);
+    __m256 ca = _mm256_max_ps(_mm256_min_ps(da, hi), lo);
+    ca = _mm256_blendv_ps(ca, da, _mm256_cmp_ps(da, da, _CMP_UNORD_Q));
+    __m128i ha = _mm256_cvtps_ph(ca, _MM_FROUND_TO_NEAREST_INT);
+    __m256 ea = _mm256_cvtph_ps(ha);
+    _mm256_storeu_ps(s->pub + i, _mm256_add_ps(pa, ea));
+    if (((uintptr_t)(s->out + i) & 15) == 0)
+        _mm_stream_si128((__m128i *)(s->out + i), ha);
+    else
+        _mm_storeu_si128((__m128i *)(s->out + i), ha);
+    __m256 ra = _mm256_sub_ps(da, ea);
+    *r = _mm256_add_ps(*r, _mm256_mul_ps(ra, ra));
+    *q = _mm256_add_ps(*q, _mm256_mul_ps(pv, pv));
+}
+
+/* after each vector step: the sink's part, and its float sums into the doubles every
+ * SINK_FLUSH elements (and once more after the loop: sink_flush) */
+static inline void sink_step(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q, int *count) {
+    sink8(s, i, pv, r, q);
+    if (s->mode == PUB_FP16 && (*count += 8) >= SINK_FLUSH) {
+        s->resid += hsum(*r);
+        s->norm += hsum(*q);
+        *r = *q = _mm256_setzero_ps();
+        *count = 0;
+    }
+}
+
+static inline void sink_flush(sink_t *s, __m256 r, __m256 q) {
+    if (s->mode == PUB_FP16) {
+        s->resid += hsum(r);
+        s->norm += hsum(q);
+    }
+}
+#endif
+
 void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, double *sums) {
-    double resid = 0.0, norm = 0.0;
+    sink_t s = {PUB_FP16, pub, out, NULL, 0.0, 0.0};
     int64_t i = 0;
 #ifdef HAVE_AVX2
-    const __m256 hi = _mm256_set1_ps(FP16_MAX), lo = _mm256_set1_ps(-FP16_MAX);
-    /* float partial sums per block of BLOCK, added into the double totals */
-    for (; i + BLOCK <= n; i += BLOCK) {
-        __m256 r0 = _mm256_setzero_ps(), r1 = r0, n0 = r0, n1 = r0;
-        for (int64_t k = i; k < i + BLOCK; k += 16) {
-            __m256 ma = _mm256_loadu_ps(m + k), mb = _mm256_loadu_ps(m + k + 8);
-            __m256 pa = _mm256_loadu_ps(pub + k), pb = _mm256_loadu_ps(pub + k + 8);
-            __m256 da = _mm256_sub_ps(ma, pa), db = _mm256_sub_ps(mb, pb);
-            /* min/max keep NaN where the scalar clamp does (the second operand wins) */
-            __m256 ca = _mm256_max_ps(_mm256_min_ps(da, hi), lo);
-            __m256 cb = _mm256_max_ps(_mm256_min_ps(db, hi), lo);
-            ca = _mm256_blendv_ps(ca, da, _mm256_cmp_ps(da, da, _CMP_UNORD_Q));
-            cb = _mm256_blendv_ps(cb, db, _mm256_cmp_ps(db, db, _CMP_UNORD_Q));
-            __m128i ha = _mm256_cvtps_ph(ca, _MM_FROUND_TO_NEAREST_INT);
-            __m128i hb = _mm256_cvtps_ph(cb, _MM_FROUND_TO_NEAREST_INT);
-            __m256 ea = _mm256_cvtph_ps(ha), eb = _mm256_cvtph_ps(hb);
-            _mm256_storeu_ps(pub + k, _mm256_add_ps(pa, ea));
-            _mm256_storeu_ps(pub + k + 8, _mm256_add_ps(pb, eb));
-            if (((uintptr_t)(out + k) & 15) == 0) {
-                /* out is not read again here: stream it past the cache (no read for ownership) */
-                _mm_stream_si128((__m128i *)(out + k), ha);
-                _mm_stream_si128((__m128i *)(out + k + 8), hb);
-            } else {
-                _mm_storeu_si128((__m128i *)(out + k), ha);
-                _mm_storeu_si128((__m128i *)(out + k + 8), hb);
-            }
-            __m256 ra = _mm256_sub_ps(da, ea), rb = _mm256_sub_ps(db, eb);
-            r0 = _mm256_add_ps(r0, _mm256_mul_ps(ra, ra));
-            r1 = _mm256_add_ps(r1, _mm256_mul_ps(rb, rb));
-            n0 = _mm256_add_ps(n0, _mm256_mul_ps(ma, ma));
-            n1 = _mm256_add_ps(n1, _mm256_mul_ps(mb, mb));
-        }
-        resid += hsum(r0) + hsum(r1);
-        norm += hsum(n0) + hsum(n1);
-    }
+    __m256 r = _mm256_setzero_ps(), q = r;
+    int count = 0;
+    for (; i + 8 <= n; i += 8) sink_step(&s, i, _mm256_loadu_ps(m + i), &r, &q, &count);
+    sink_flush(&s, r, q);
     _mm_sfence();
 #endif
-    for (; i < n; i++) {
-        float d = m[i] - pub[i];
-        float c = d > FP16_MAX ? FP16_MAX : (d < -FP16_MAX ? -FP16_MAX : d);
-        _Float16 h = (_Float16)c;
-        float e = (float)h;
-        pub[i] = pub[i] + e;
-        out[i] = h;
-        double r = (double)(d - e);
-        resid += r * r;
-        norm += (double)m[i] * (double)m[i];
-    }
-    sums[0] = resid;
-    sums[1] = norm;
+    for (; i < n; i++) sink1(&s, i, m[i]);
+    sums[0] = s.resid;
+    sums[1] = s.norm;
 }
 
 /* The uniform codec (swarmtrain/compression/uniform.py) on d = m - pub, bucket by bucket:
@@ -303,7 +344,6 @@ int st_topk_decode(const _Float16 *values, const uint16_t *index_low, const int3
  * ------------------------------------------------------------------------------------- */
 #define SEG_FIELDS 7
 enum { G_NONE = 0, G_F32 = 1, G_F16 = 2, G_TOPK = 3 };
-enum { PUB_NONE = 0, PUB_FP16 = 1, PUB_UNIFORM = 2, PUB_SNAPSHOT = 3 };
 enum { RULE_ADAM = 0, RULE_HELD = 1 };
 #define TOPK_BLOCK 65536
 #define APPLY_BLOCK 16384
@@ -337,85 +377,6 @@ static inline void adam_start8(const float *p, const float *m, const void *g, in
     if (h->decay) *pv = _mm256_mul_ps(*pv, wd);
     __m256 m0 = _mm256_loadu_ps(m + i);
     *mv = _mm256_fmadd_ps(w, _mm256_sub_ps(*gv, m0), m0);
-}
-#endif
-
-/* What the step does with each new weight while it is still in a register: the fp16
- * publication of st_publish_fp16 (pub, out; the sums added to resid and norm) or a copy into
- * the snapshot (snap). Pointers are for the piece's first element; NULL sink: nothing. Done
- * in the step's own loop, the publication's arithmetic overlaps the step's divisions and its
- * stores need no second pass over the weights. */
-typedef struct {
-    int mode; /* PUB_FP16 or PUB_SNAPSHOT */
-    float *pub;
-    _Float16 *out;
-    float *snap;
-    double resid, norm;
-} sink_t;
-
-static inline void sink1(sink_t *s, int64_t i, float pv) {
-    if (s->mode == PUB_SNAPSHOT) {
-        s->snap[i] = pv;
-        return;
-    }
-    float d = pv - s->pub[i];
-    float c = d > FP16_MAX ? FP16_MAX : (d < -FP16_MAX ? -FP16_MAX : d);
-    _Float16 h = (_Float16)c;
-    float e = (float)h;
-    s->pub[i] = s->pub[i] + e;
-    s->out[i] = h;
-    double r = (double)(d - e);
-    s->resid += r * r;
-    s->norm += (double)pv * (double)pv;
-}
-
-#ifdef HAVE_AVX2
-/* sink1 for the 8 new weights at i; the fp16 sums go into the float accumulators r and q,
- * which the caller adds into resid and norm every SINK_FLUSH elements */
-#define SINK_FLUSH 1024
-static inline void sink8(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q) {
-    if (s->mode == PUB_SNAPSHOT) {
-        /* the snapshot is not read here again: streamed past the cache where aligned */
-        if (((uintptr_t)(s->snap + i) & 31) == 0)
-            _mm256_stream_ps(s->snap + i, pv);
-        else
-            _mm256_storeu_ps(s->snap + i, pv);
-        return;
-    }
-    const __m256 hi = _mm256_set1_ps(FP16_MAX), lo = _mm256_set1_ps(-FP16_MAX);
-    __m256 pa = _mm256_loadu_ps(s->pub + i);
-    __m256 da = _mm256_sub_ps(pv, pa);
-    __m256 ca = _mm256_max_ps(_mm256_min_ps(da, hi), lo);
-    ca = _mm256_blendv_ps(ca, da, _mm256_cmp_ps(da, da, _CMP_UNORD_Q));
-    __m128i ha = _mm256_cvtps_ph(ca, _MM_FROUND_TO_NEAREST_INT);
-    __m256 ea = _mm256_cvtph_ps(ha);
-    _mm256_storeu_ps(s->pub + i, _mm256_add_ps(pa, ea));
-    if (((uintptr_t)(s->out + i) & 15) == 0)
-        _mm_stream_si128((__m128i *)(s->out + i), ha);
-    else
-        _mm_storeu_si128((__m128i *)(s->out + i), ha);
-    __m256 ra = _mm256_sub_ps(da, ea);
-    *r = _mm256_add_ps(*r, _mm256_mul_ps(ra, ra));
-    *q = _mm256_add_ps(*q, _mm256_mul_ps(pv, pv));
-}
-
-/* after each vector step: the sink's part, and its float sums into the doubles every
- * SINK_FLUSH elements (and once more after the loop: sink_flush) */
-static inline void sink_step(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q, int *count) {
-    sink8(s, i, pv, r, q);
-    if (s->mode == PUB_FP16 && (*count += 8) >= SINK_FLUSH) {
-        s->resid += hsum(*r);
-        s->norm += hsum(*q);
-        *r = *q = _mm256_setzero_ps();
-        *count = 0;
-    }
-}
-
-static inline void sink_flush(sink_t *s, __m256 r, __m256 q) {
-    if (s->mode == PUB_FP16) {
-        s->resid += hsum(r);
-        s->norm += hsum(q);
-    }
 }
 #endif
 
@@ -568,16 +529,14 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
     h.eps = (float)hyper[5];
     h.neg_lr = (float)hyper[6];
     h.clamp = (float)hyper[7];
-    const int64_t block = APPLY_BLOCK;
     float *scratch = NULL;
     int64_t scratch_seg = -1, scratch_blk = -1;
     int bad = 0;
-    double resid = 0.0, norm = 0.0;
-    sink_t sink = {pubmode, NULL, NULL, NULL, 0.0, 0.0};
+    sink_t sink = {pubmode, NULL, NULL, NULL, 0.0, 0.0};  /* (its sums: every publication's) */
     int64_t s = 0;
     while (s < nseg && seg[SEG_FIELDS * s] + seg[SEG_FIELDS * s + 1] <= lo) s++;
-    for (int64_t b0 = lo; b0 < hi && !bad; b0 += block) {
-        const int64_t b1 = b0 + block < hi ? b0 + block : hi;
+    for (int64_t b0 = lo; b0 < hi && !bad; b0 += APPLY_BLOCK) {
+        const int64_t b1 = b0 + APPLY_BLOCK < hi ? b0 + APPLY_BLOCK : hi;
         for (int64_t t = s; t < nseg; t++) {
             const int64_t *sg = seg + SEG_FIELDS * t;
             const int64_t off = sg[0], end = off + sg[1];
@@ -622,14 +581,14 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
         if (st_publish_uniform(p + lo, pub + lo, (uint8_t *)out + lo * bits / 8, scales + lo / bucket,
                                hi - lo, bucket, bits, part))
             bad = 2;
-        resid += part[0];
-        norm += part[1];
+        sink.resid += part[0];
+        sink.norm += part[1];
     }
 #ifdef HAVE_AVX2
     _mm_sfence(); /* the streamed snapshot is complete before another thread reads it */
 #endif
-    sums[0] = resid + sink.resid;
-    sums[1] = norm + sink.norm;
+    sums[0] = sink.resid;
+    sums[1] = sink.norm;
     return bad;
 }
 
