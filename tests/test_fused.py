@@ -248,33 +248,33 @@ def test_a_remembered_gradient_header_is_unpacked_as_the_full_checks_unpack_it()
     with the same header without checking each entry again: the result is the full path's,
     and anything that differs (a header, a tensor's dtype or size under the same header, the
     subset rule) takes the full path, which refuses it as before."""
-    from swarmtrain.roles.ps.common import PlainLayout, unpack_compressed, unpack_lazy
+    from swarmtrain.roles.ps.common import KnownHeader, unpack_compressed, unpack_lazy
 
     params = {"a": torch.zeros(3, 4), "b": torch.zeros(5)}
     codec = make_codec("fp16")
     g = {n: torch.randn(p.shape) for n, p in params.items()}
     codecs, tensors = pack_compressed({n: codec.compress(t) for n, t in g.items()})
-    layout = PlainLayout()
-    first = unpack_lazy(codecs, tensors, params, layout=layout)
-    assert layout.plan and layout.codecs is codecs
-    assert layout.unpack(codecs, tensors, params, False, True) is not None  # (the short path)
-    again = unpack_lazy(dict(codecs), dict(tensors), params, layout=layout)
+    known = KnownHeader()
+    first = unpack_lazy(codecs, tensors, params, known=known)
+    assert known.plan and known.codecs is codecs
+    assert known.unpack(codecs, tensors, params, False, True) is not None  # (the short path)
+    again = unpack_lazy(dict(codecs), dict(tensors), params, known=known)
     for n in params:
         assert again[n].dtype == torch.float16 and again[n].shape == params[n].shape
         assert torch.equal(again[n], first[n]) and torch.equal(again[n].float(), g[n].half().float())
     # eager unpacking is a different question: fp16 decodes to float32 through the full path
-    eager = unpack_compressed(codecs, tensors, params, layout=layout)
+    eager = unpack_compressed(codecs, tensors, params, known=known)
     assert all(t.dtype == torch.float32 for t in eager.values())
     # the same header over a tensor of another size or dtype: refused by the full path
     for bad in (torch.zeros(11, dtype=torch.float16), torch.zeros(12, dtype=torch.float32)):
-        unpack_lazy(codecs, tensors, params, layout=layout)
+        unpack_lazy(codecs, tensors, params, known=known)
         with pytest.raises(RemoteProtocolError):
-            unpack_lazy(codecs, {**tensors, "a/values": bad}, params, layout=layout)
+            unpack_lazy(codecs, {**tensors, "a/values": bad}, params, known=known)
     # a header naming one tensor: fine as a subset, refused as the whole model
     part = {"a": codecs["a"]}
-    unpack_lazy(part, {"a/values": tensors["a/values"]}, params, subset=True, layout=layout)
+    unpack_lazy(part, {"a/values": tensors["a/values"]}, params, subset=True, known=known)
     with pytest.raises(RemoteProtocolError, match="missing"):
-        unpack_lazy(part, {"a/values": tensors["a/values"]}, params, layout=layout)
+        unpack_lazy(part, {"a/values": tensors["a/values"]}, params, known=known)
 
 
 def test_a_remembered_top_k_header_checks_each_payloads_counts_and_indices() -> None:
@@ -282,16 +282,16 @@ def test_a_remembered_top_k_header_checks_each_payloads_counts_and_indices() -> 
     gives the same parts as the full path, and a payload whose counts do not add up or whose
     index is out of range under that header is refused as before, naming why."""
     from swarmtrain.compression.topk import TopKParts
-    from swarmtrain.roles.ps.common import PlainLayout, unpack_lazy
+    from swarmtrain.roles.ps.common import KnownHeader, unpack_lazy
 
     params = {"a": torch.zeros(300, 7), "b": torch.zeros(70_000), "c": torch.zeros(5)}
     codecs, tensors = pack_compressed({n: make_codec("topk", topk_ratio=0.1).compress(torch.randn(p.shape))
                                        for n, p in params.items()})
-    layout = PlainLayout()
-    first = unpack_lazy(codecs, tensors, params, layout=layout)
-    assert layout.plan and all(isinstance(g, TopKParts) for g in first.values())
-    assert layout.unpack(codecs, tensors, params, False, True) is not None  # (the short path)
-    again = unpack_lazy(dict(codecs), dict(tensors), params, layout=layout)
+    known = KnownHeader()
+    first = unpack_lazy(codecs, tensors, params, known=known)
+    assert known.plan and all(isinstance(g, TopKParts) for g in first.values())
+    assert known.unpack(codecs, tensors, params, False, True) is not None  # (the short path)
+    again = unpack_lazy(dict(codecs), dict(tensors), params, known=known)
     for n in params:
         assert torch.equal(again[n].decode(), first[n].decode()) and again[n].shape == tuple(params[n].shape)
     counts = tensors["b/block_counts"].clone()
@@ -300,9 +300,9 @@ def test_a_remembered_top_k_header_checks_each_payloads_counts_and_indices() -> 
     assert int(counts.sum()) == int(tensors["b/block_counts"].sum())  # (sums to k: not caught that way)
     counts[1] = -1
     with pytest.raises(RemoteProtocolError, match="block counts"):
-        unpack_lazy(codecs, {**tensors, "b/block_counts": counts}, params, layout=layout)
+        unpack_lazy(codecs, {**tensors, "b/block_counts": counts}, params, known=known)
     low = tensors["b/index_low"].clone()
     low[-1] = 70_000 - 65_536  # the last block holds 70,000 - 65,536 elements: one past its end
     with pytest.raises(RemoteProtocolError, match="index out of range"):
-        unpack_lazy(codecs, {**tensors, "b/index_low": low}, params, layout=layout)
-    assert unpack_lazy(codecs, tensors, params, layout=layout).keys() == params.keys()  # (still fine)
+        unpack_lazy(codecs, {**tensors, "b/index_low": low}, params, known=known)
+    assert unpack_lazy(codecs, tensors, params, known=known).keys() == params.keys()  # (still fine)

@@ -199,8 +199,8 @@ def dense_gradient(g: LazyGradient) -> torch.Tensor:
     return g if g.dtype == torch.float32 else g.to(torch.float32)
 
 
-class PlainLayout:
-    """The last message layout :func:`_unpack` found to be all plain entries (``none``, or
+class KnownHeader:
+    """The last message header :func:`_unpack` found to be all plain entries (``none``, or
     ``fp16`` read lazily: see :func:`_plain_values`) or, read lazily, ``topk`` ones, so that
     a message with the same header is unpacked without checking each entry's header again.
 
@@ -212,7 +212,7 @@ class PlainLayout:
     and explains it.
     """
 
-    __slots__ = ("codecs", "expected", "how", "plan")
+    __slots__ = ("codecs", "expected", "how", "plan", "tensor_count")
 
     def __init__(self) -> None:
         self.codecs: Mapping[str, Any] | None = None
@@ -222,13 +222,14 @@ class PlainLayout:
         #: plain one (one key), (name, keys of values / index_low / block_counts, shape,
         #: numel, k) for a top-k one
         self.plan: list[tuple[str, tuple[str, ...], torch.Size, int, Any]] = []
+        self.tensor_count = 0  # payload tensors the plan names
 
     def unpack(self, codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                expected: Mapping[str, torch.Tensor], subset: bool,
                lazy: bool) -> dict[str, LazyGradient] | None:
         """The entries, when ``codecs`` equals the remembered header (None: take the full path)."""
         if (self.expected is not expected or self.how != (subset, lazy)
-                or len(tensors) != sum(len(e[1]) for e in self.plan) or codecs != self.codecs):
+                or len(tensors) != self.tensor_count or codecs != self.codecs):
             return None
         out: dict[str, LazyGradient] = {}
         fast = None
@@ -263,6 +264,7 @@ class PlainLayout:
             else:
                 plan.append((name, (f"{name}/values",), shape, numel, g.dtype))
         self.codecs, self.expected, self.how, self.plan = codecs, expected, (subset, lazy), plan
+        self.tensor_count = sum(len(keys) for _, keys, _, _, _ in plan)
 
 
 def _whole(t: Any, dtype: torch.dtype, numel: int) -> bool:
@@ -273,18 +275,18 @@ def _whole(t: Any, dtype: torch.dtype, numel: int) -> bool:
 
 def unpack_lazy(
     codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-    *, subset: bool = False, layout: PlainLayout | None = None,
+    *, subset: bool = False, known: KnownHeader | None = None,
 ) -> dict[str, LazyGradient]:
     """:func:`unpack_compressed`, checked the same, but fp16 tensors stay their float16 values
     (shaped) and top-k ones their parts: the coordinator's fused Adam reads them as they came,
-    instead of after a full-size float32 decoding pass. ``layout``: where the last all-plain
-    header is remembered (:class:`PlainLayout`)."""
-    return _unpack(codecs, tensors, expected, subset=subset, lazy=True, layout=layout)
+    instead of after a full-size float32 decoding pass. ``known``: where the last header of entries
+    it can check again is remembered (:class:`KnownHeader`)."""
+    return _unpack(codecs, tensors, expected, subset=subset, lazy=True, known=known)
 
 
 def unpack_compressed(
     codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-    *, subset: bool = False, layout: PlainLayout | None = None,
+    *, subset: bool = False, known: KnownHeader | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decompress every tensor of a message and check it against ``expected`` (name → tensor).
 
@@ -297,16 +299,16 @@ def unpack_compressed(
     """
     # (not lazy: every value is a decoded tensor)
     return cast(dict[str, torch.Tensor], _unpack(codecs, tensors, expected, subset=subset, lazy=False,
-                                                 layout=layout))
+                                                 known=known))
 
 
 def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             expected: Mapping[str, torch.Tensor], *, subset: bool, lazy: bool,
-            layout: PlainLayout | None = None) -> dict[str, LazyGradient]:
-    if layout is not None:  # (a remembered header is one the checks below passed)
-        known = layout.unpack(codecs, tensors, expected, subset, lazy)
-        if known is not None:
-            return known
+            known: KnownHeader | None = None) -> dict[str, LazyGradient]:
+    if known is not None:  # (a remembered header is one the checks below passed)
+        again = known.unpack(codecs, tensors, expected, subset, lazy)
+        if again is not None:
+            return again
     fused = set(codecs) == {FUSED} and FUSED not in expected
     shapes = ({FUSED: (sum(t.numel() for t in expected.values()),)} if fused
               else {n: tuple(t.shape) for n, t in expected.items()})
@@ -317,14 +319,14 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             "shape_mismatch", "tensor names differ from the model's (missing "
             f"{missing if not subset else []}, unknown {extra})"
         )
-    used = plain_count = 0
+    used = rememberable = 0  # (entries a KnownHeader can check again: plain ones, lazy top-k)
     out: dict[str, LazyGradient] = {}
     for name, spec in codecs.items():
         plain = _plain_values(name, spec, tensors, expected, lazy) if not fused else None
         if plain is not None:
             out[name] = plain
             used += 1
-            plain_count += 1
+            rememberable += 1
             continue
         if not (isinstance(spec, dict) and isinstance(spec.get("parts"), list)
                 and isinstance(spec.get("shape"), list) and isinstance(spec.get("meta"), dict)
@@ -347,13 +349,13 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             out[name] = _fp16_values(c)
         elif lazy and c.codec == "topk" and name != FUSED:
             out[name] = check_topk(c)
-            plain_count += kernels() is not None  # (a layout of them is remembered too)
+            rememberable += kernels() is not None  # (KnownHeader checks them in the kernel)
         else:
             out[name] = decompress_any(c)
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
-    if layout is not None and plain_count == len(codecs) and out:
-        layout.remember(codecs, expected, subset, lazy, out)
+    if known is not None and rememberable == len(codecs) and out:
+        known.remember(codecs, expected, subset, lazy, out)
     if fused:  # one view per parameter, in the model's order (its shape: every parameter)
         return dict(fused_views(dense_gradient(out[FUSED]), expected))  # (typed wider)
     return out

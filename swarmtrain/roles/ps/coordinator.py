@@ -57,8 +57,8 @@ from swarmtrain.roles.ps.cluster import ClusterPeers, ClusterPlace
 from swarmtrain.roles.ps.common import (
     FUSE_MAX_NUMEL,
     FUSED,
+    KnownHeader,
     LazyGradient,
-    PlainLayout,
     check_compression_match,
     check_fingerprint,
     dense_gradient,
@@ -366,8 +366,9 @@ class Coordinator:
         #: one idle at most (the next snapshot's), so what it keeps beyond the snapshots
         #: answers still hold is one copy of the weights
         self._snapshot_pool = PayloadPool(max_idle_bytes=4 * sum(self._sizes) + PAGE)
-        #: the last gradient header of all plain entries (unpacked again without its checks)
-        self._layout = PlainLayout()
+        #: the last gradient header of entries it can check again (plain, lazy top-k): the next
+        #: equal one is unpacked without its checks
+        self._known_header = KnownHeader()
         #: gradients received and not yet applied, all workers together, are bounded: a worker's
         #: next one is read off the socket once there is room (network.max_held_gradient_mb)
         net = cfg.network
@@ -1067,9 +1068,9 @@ class Coordinator:
         try:
             buffer_changes, rest = split_buffers(msg.buffers, msg.tensors, self.buffers)
             grads: dict[str, LazyGradient] = (
-                unpack_lazy(msg.codecs, rest, self.params, subset=True, layout=self._layout) if lazy
+                unpack_lazy(msg.codecs, rest, self.params, subset=True, known=self._known_header) if lazy
                 else dict(unpack_compressed(msg.codecs, rest, self.params, subset=True,
-                                            layout=self._layout)))
+                                            known=self._known_header)))
         except RemoteProtocolError as exc:
             return self._reject(rec, msg, str(exc))
         refusal = self._refusal(rec, msg, grads, buffer_changes)
