@@ -481,13 +481,14 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
             r["cpu_per_update_vs_4"] = (r["cpu_ms_per_update"] / ref["cpu_ms_per_update"]
                                         if ref else math.nan)
             r["capacity_vs_4"] = r["capacity_per_s"] / ref["capacity_per_s"] if ref else math.nan
-            r["rss_growth_per_worker_mb"] = (_steady_rss(r) - r["rss_mb"]["idle"]) / r["workers"]
+            rss = r["rss_mb"]
+            r["rss_growth_per_worker_mb"] = (rss["window_median"] - rss["idle"]) / r["workers"]
         big = max(mine)
         d: dict[str, Any] = {"largest": big}
         if ref is not None and big > 4:
             # the steady state: the median of the window's samples, which one allocator move at
             # the window's end (glibc keeps up to 128 MB freed) does not swing
-            slope = (_steady_rss(mine[big]) - _steady_rss(ref)) / (big - 4)
+            slope = (mine[big]["rss_mb"]["window_median"] - ref["rss_mb"]["window_median"]) / (big - 4)
             end_slope = (mine[big]["rss_mb"]["end"] - ref["rss_mb"]["end"]) / (big - 4)
             hwm_slope = (mine[big]["hwm_mb"]["end"] - ref["hwm_mb"]["end"]) / (big - 4)
             model = mine[big]["model_mb"]
@@ -510,12 +511,6 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
             })
         out[codec] = d
     return out
-
-
-def _steady_rss(row: dict[str, Any]) -> float:
-    """The coordinator's RSS through the window (median of its samples; the end-of-window
-    figure for a row measured before the samples were taken)."""
-    return float(row["rss_mb"].get("window_median", row["rss_mb"]["end"]))
 
 
 def run(codecs: list[str], counts: list[int], rate: float, per_process: int, quick: bool,
@@ -575,8 +570,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{r['capacity_per_s']:.1f} ({r['loop_ms_per_update']:.0f} / {r['apply_ms_per_update']:.0f})",
             f"{r['capacity_vs_4']:.2f}" if math.isfinite(r["capacity_vs_4"]) else "-",
             r["latency_ms"], f"{r['mean_staleness']:.1f} (max {r['max_staleness']})",
-            f"{r['rss_mb']['idle']:.0f} / {r['rss_mb']['after_warmup']:.0f} / {_steady_rss(r):.0f} / "
-            f"{r['rss_mb']['end']:.0f}",
+            " / ".join(f"{r['rss_mb'][k]:.0f}" for k in ("idle", "after_warmup", "window_median", "end")),
             f"{r['hwm_mb']['end']:.0f}", r["rss_growth_per_worker_mb"],
             f"{r['coordinator_cpu_cores']:.2f} ({r['event_loop_cores']:.2f} / "
             f"{r['busiest_other_thread_cores']:.2f})",
@@ -596,7 +590,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             _yes(d["rate_within_tolerance"]),
             f"{d['capacity_min_vs_4']:.2f} .. {d['capacity_max_vs_4']:.2f}",
             _yes(d["capacity_within_tolerance"]), f"{d['cpu_per_update_max_vs_4']:.2f}",
-            f"{d['rss_slope_mb_per_worker']:.1f} ({d.get('rss_end_slope_mb_per_worker', math.nan):.1f})",
+            f"{d['rss_slope_mb_per_worker']:.1f} ({d['rss_end_slope_mb_per_worker']:.1f})",
             f"{d['rss_slope_fraction_of_model']:.1%}",
             _yes(d["rss_within_target"]), f"{d['gradient_answer_mb']:.1f}",
         ])
