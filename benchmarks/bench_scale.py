@@ -633,9 +633,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         "one), each O(model): its published weights, a log of at most the model's size and a "
         "snapshot (a lossless codec: the snapshot alone); at most four whatever N, and a coarse "
         "one no connected worker is on is dropped, so more workers (more lag) move the tracks in "
-        "use to coarser ones rather than adding to them. Snapshots held = the MB of the finest "
-        "track's lossless snapshots (a version's weights every answer of it shares) that answers "
-        "still being sent and the downlink hold at the window's end (none with a lossy codec). "
+        "use to coarser ones rather than adding to them. Snapshots held = the MB of copies of the "
+        "weights (a lossless track's snapshots, every track's full answers) that answers still "
+        "being sent and the downlink hold at the window's end, at most 4 copies whatever N "
+        "(`MAX_HELD_SNAPSHOTS`). "
         "MB = 2^20 bytes.",
         "",
         md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",

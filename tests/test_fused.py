@@ -177,7 +177,7 @@ def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update(threads:
     assert later[len(later) // 2] < pages // 10, (faults, pages)
 
 
-def _big_coordinator() -> tuple[Any, Any]:
+def _big_coordinator(**overrides: Any) -> tuple[Any, Any]:
     from swarmtrain.config import load_coordinator_config
     from swarmtrain.roles.ps.coordinator import Coordinator
 
@@ -185,7 +185,8 @@ def _big_coordinator() -> tuple[Any, Any]:
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])  # not fused
     assert sum(p.numel() for p in model.parameters()) > FUSE_MAX_NUMEL
     cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
-                                             "checkpointing.interval": 0, "training.learning_rate": 1e-3})
+                                             "checkpointing.interval": 0, "training.learning_rate": 1e-3,
+                                             **overrides})
     c = Coordinator(model, cfg, task_name="big")
     assert c._flat_adam is not None and not c._fuse_full
     return c, record(c)
@@ -306,3 +307,62 @@ def test_a_remembered_top_k_header_checks_each_payloads_counts_and_indices() -> 
     with pytest.raises(RemoteProtocolError, match="index out of range"):
         unpack_lazy(codecs, {**tensors, "b/index_low": low}, params, known=known)
     assert unpack_lazy(codecs, tensors, params, known=known).keys() == params.keys()  # (still fine)
+
+
+def test_copies_of_the_weights_held_by_unsent_answers_are_bounded_whatever_the_workers() -> None:
+    """Eight workers each with an answer not yet sent (slow links): a lossless downlink's
+    answers are copies of the weights, one per version, so until now the coordinator held one
+    per worker. At most MAX_HELD_SNAPSHOTS are held now: past it an answer shares the newest
+    copy, or says "no change" (its own version, nothing else) to a worker that holds that one;
+    each answer is exactly its version's weights, and a replica takes either kind. Once the
+    answers go out, copies are made again."""
+    from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS
+
+    c, first = _big_coordinator(**{"training.max_staleness": 1000})
+    recs = [first] + [record(c, f"w{i}") for i in range(1, 8)]
+    assert MAX_HELD_SNAPSHOTS < len(recs)  # (the answers held outnumber it)
+    weights = {c.version: {n: p.clone() for n, p in c.params.items()}}
+    held: list[Update] = []
+    kinds = {"new": 0, "shared": 0, "no change": 0}
+    pool = c._snapshot_pool
+    for i in range(24):
+        rec = recs[i % len(recs)]
+        before = rec.holds_version
+        status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, i), fuse=False,
+                                                       msg_id=i + 1, version=before))
+        assert status == "applied" and reply is not None
+        weights[c.version] = {n: p.clone() for n, p in c.params.items()}
+        assert pool.in_use() <= MAX_HELD_SNAPSHOTS, i
+        if reply.full:
+            assert before < reply.version == rec.holds_version
+            assert all(torch.equal(reply.tensors[n], weights[reply.version][n]) for n in c.params)
+            kinds["new" if reply.version == c.version else "shared"] += 1
+        else:
+            assert reply.version == before == rec.holds_version and not reply.deltas
+            assert not set(reply.tensors) & set(c.params)
+            kinds["no change"] += 1
+        held.append(reply)
+    assert kinds["new"] >= MAX_HELD_SNAPSHOTS - 1 and kinds["shared"] and kinds["no change"], kinds
+    snap = c.status()["snapshots"]
+    size_mb = 4 * sum(p.numel() for p in c.params.values()) / 2**20
+    assert snap["held"] == MAX_HELD_SNAPSHOTS and snap["held_mb"] < MAX_HELD_SNAPSHOTS * size_mb + 1
+    assert snap["withheld"] == kinds["no change"]
+    replica = Replica(ModelState(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])),
+                      torch.device("cpu"))
+    for reply in (r for r in held if r.full):  # a shared copy loads as any other
+        got = through_the_wire(reply)
+        assert isinstance(got, Update)
+        replica.apply_update(got)
+    unchanged = through_the_wire(next(r for r in held if not r.full))
+    assert isinstance(unchanged, Update)
+    at = replica.version
+    replica.version = unchanged.version
+    replica.apply_update(unchanged)  # "no change": accepted, nothing moves
+    assert replica.version == unchanged.version
+    replica.version = at
+    held.clear()
+    del reply, got, unchanged
+    rec = recs[0]
+    status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 99), fuse=False,
+                                                   msg_id=99, version=rec.holds_version))
+    assert reply is not None and reply.full and reply.version == c.version  # a new copy again

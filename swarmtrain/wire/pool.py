@@ -88,6 +88,11 @@ class PayloadPool:
         with self._lock:
             return sum(len(self._bufs[i]) for i in _idle_indexes(self._bufs))
 
+    def in_use(self) -> int:
+        """How many of the buffers kept are referred to from outside the pool now."""
+        with self._lock:
+            return len(self._bufs) - len(_idle_indexes(self._bufs))
+
     def kept_bytes(self) -> int:
         """Bytes of every buffer the pool keeps, in use or not."""
         with self._lock:

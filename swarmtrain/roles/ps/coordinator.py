@@ -110,6 +110,11 @@ log = logging.getLogger("swarmtrain.coordinator")
 MAX_WORKER_RECORDS = 1024
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
+#: copies of the weights (a larger model's snapshots: a lossless downlink's answers, a full
+#: resync's) that answers not yet sent may hold at once, whatever the number of workers: past
+#: it an answer shares the newest copy, or says "no change" to a worker that holds that one
+MAX_HELD_SNAPSHOTS = 4
+
 # How much of the old average each smoothed quantity keeps (swarmtrain.core.ema):
 #: a worker's step time bounds how long an aggregation window waits for it: it follows a
 #: change of speed (throttling, another job on the machine) within a few gradients
@@ -366,6 +371,8 @@ class Coordinator:
         #: one idle at most (the next snapshot's), so what it keeps beyond the snapshots
         #: answers still hold is one copy of the weights
         self._snapshot_pool = PayloadPool(max_idle_bytes=4 * sum(self._sizes) + PAGE)
+        #: answers that said "no change" while MAX_HELD_SNAPSHOTS copies were held
+        self.snapshots_withheld = 0
         #: the last gradient header of entries it can check again (plain, lazy top-k): the next
         #: equal one is unpacked without its checks
         self._known_header = KnownHeader()
@@ -927,9 +934,21 @@ class Coordinator:
         parameters (published now, copied once per version whoever asks) and the synced
         buffers' masters, plus frozen parameters and constant buffers with ``everything`` (at
         registration: a worker's frozen backbone becomes the coordinator's)."""
+        weights = self._snapshot_or_none(rec, make=True, everything=everything)
+        if weights is None:  # (made whenever asked to)
+            raise RuntimeError("no snapshot was made")
+        return weights
+
+    def _snapshot_or_none(self, rec: WorkerRecord, *, make: bool, everything: bool = False) -> Weights | None:
+        """:meth:`_snapshot_for`, but with ``make`` False no new copy of the weights: the
+        track's last one if it is newer than what ``rec`` holds, else None."""
         master = self._flat_master()
         self.downlink.publish(master, self.version, rec.track)
-        version, trainable = self.downlink.snapshot(master, self._as_replica, self.version, rec.track)
+        found = self.downlink.snapshot(master, self._as_replica, self.version, rec.track,
+                                       make=make, newer_than=rec.holds_version)
+        if found is None:
+            return None
+        version, trainable = found
         if everything:
             frozen = {n: p.detach() for n, p in self.state.frozen.items()}  # never change
             rest = {**frozen, **self._model_buffers()}
@@ -945,12 +964,24 @@ class Coordinator:
         if self._fuse_full:
             return dict(zip(self.params, _unflatten_dense_tensors(_flatten_dense_tensors(views), views)))
         dtypes = [p.dtype for p in self.state.trainable.values()]
+        if all(v.dtype == d == torch.float32 for v, d in zip(views, dtypes)):
+            # one pooled buffer, as the step's own snapshots (a hundred clones would be a
+            # hundred allocations below the mmap threshold, whose freed memory the heap keeps)
+            copies = self._snapshot_buffers(sum(self._sizes))
+            torch._foreach_copy_(copies, views)
+            return dict(zip(self.params, copies))
         return {n: (v.to(d) if v.dtype != d else v.clone()) for n, v, d in zip(self.params, views, dtypes)}
+
+    def _snapshot_room(self) -> bool:
+        """Whether a new copy of the weights may be made for answers: fewer than
+        :data:`MAX_HELD_SNAPSHOTS` are held (a small model's copies are not pooled, nor bounded)."""
+        return self._fuse_full or self._snapshot_pool.in_use() < MAX_HELD_SNAPSHOTS
 
     def _snapshot_summary(self) -> dict[str, float]:
         pool = self._snapshot_pool
         kept, idle = pool.kept_bytes(), pool.idle_bytes()
-        return {"held_mb": (kept - idle) / 2**20, "idle_mb": idle / 2**20,
+        return {"held_mb": (kept - idle) / 2**20, "idle_mb": idle / 2**20, "held": pool.in_use(),
+                "bound": MAX_HELD_SNAPSHOTS, "withheld": self.snapshots_withheld,
                 "made": pool.allocated, "reused": pool.reused}
 
     def _snapshot_buffers(self, total: int) -> list[torch.Tensor]:
@@ -1149,7 +1180,7 @@ class Coordinator:
         if answer is not None and answer.track == 0 and not self._lowp:
             if not fine.lossless:
                 target = fine.fused_target(fa.flat.numel())
-            elif _wanted_track(version - answer.holds_version) == 0:
+            elif _wanted_track(version - answer.holds_version) == 0 and self._snapshot_room():
                 snapshot = self._snapshot_buffers(fa.flat.numel())
         status, resid, norm = fa.step(grads, lr, held=held, publication=target[0] if target else None,
                                       snapshot=snapshot)
@@ -1360,7 +1391,15 @@ class Coordinator:
                       tensors={**tensors, **buffer_tensors})
 
     def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
-        w = self._snapshot_for(rec)
+        """The published weights for ``rec``; while :data:`MAX_HELD_SNAPSHOTS` copies are held
+        (answers not yet sent refer to them), the newest one it does not hold, or, if it holds
+        that, no change this time (its next gradient is one version staler)."""
+        w = self._snapshot_or_none(rec, make=self._snapshot_room())
+        if w is None:
+            self.snapshots_withheld += 1
+            buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
+            return Update(msg_id=msg_id, version=rec.holds_version, status=status,
+                          buffers=buffer_names, tensors=buffer_tensors)
         rec.resyncs += 1
         return Update(msg_id=msg_id, version=w.version, status=status, full=True,
                       tensors=self._fused_weights(w.tensors))

@@ -252,13 +252,20 @@ class UpdateLog:
         while self.entries and self._log_bytes >= self.replica_bytes:
             self._log_bytes -= self.entries.popleft().nbytes
 
-    def snapshot(self, master: torch.Tensor, to_replica: ToReplica,
-                 version: int) -> tuple[int, dict[str, torch.Tensor]]:
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica, version: int, *,
+                 make: bool = True, newer_than: int = -1) -> tuple[int, dict[str, torch.Tensor]] | None:
         """(the published version, the published weights as a worker holds them), copied once
         per version and shared by every answer that sends them; publish first. ``master`` is
         the master of ``version``: a lossless track whose head has no copy yet copies the
-        master now, which makes this version its head (the copy is of it)."""
-        if self._snapshot is None or self._snapshot[0] != self.head:
+        master now, which makes this version its head (the copy is of it).
+
+        ``make`` False (the caller holds as many copies as it may): no new copy; the last one
+        made answers instead if it is of a version after ``newer_than`` (what the worker
+        holds), else None."""
+        cached = self._snapshot
+        if not make and not (cached is not None and cached[0] == self.head):
+            return cached if cached is not None and cached[0] > newer_than else None
+        if cached is None or cached[0] != self.head:
             if self.lossless or self.published is None:
                 self.head = version
                 source = master
@@ -438,10 +445,10 @@ class Downlink:
         self.publish(master, version, wanted).count(None)
         return wanted, None
 
-    def snapshot(self, master: torch.Tensor, to_replica: ToReplica, version: int, track: int = 0,
-                 ) -> tuple[int, dict[str, torch.Tensor]]:
+    def snapshot(self, master: torch.Tensor, to_replica: ToReplica, version: int, track: int = 0, *,
+                 make: bool = True, newer_than: int = -1) -> tuple[int, dict[str, torch.Tensor]] | None:
         """:meth:`UpdateLog.snapshot` of ``track``."""
-        return self.tracks[track].snapshot(master, to_replica, version)
+        return self.tracks[track].snapshot(master, to_replica, version, make=make, newer_than=newer_than)
 
     def forget_unused(self, in_use: set[int]) -> int:
         """Drop the state of every track not in ``in_use`` (the tracks the connected workers
