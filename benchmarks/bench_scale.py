@@ -298,8 +298,10 @@ class Run:
                 "connected": st["workers_connected"], "admission": st["admission"],
                 "downlink": {"tracks": len(st["downlink"]["tracks"]),
                              "log_bytes": st["downlink"]["log_bytes"]},
-                # a lossless downlink's snapshots held by answers and the downlink (MB)
-                "snapshots_held_mb": st.get("snapshots", {}).get("held_mb", math.nan)}
+                # copies of the weights held by answers and the downlink (MB), and the answers
+                # that said "no change" while the most allowed were held
+                "snapshots_held_mb": st.get("snapshots", {}).get("held_mb", math.nan),
+                "snapshots_withheld": st.get("snapshots", {}).get("withheld", 0)}
 
     def finish(self, timeout: float = 180.0) -> list[dict[str, Any]]:
         """ctl SHUTDOWN, wait for every process, read the light workers' files."""
@@ -464,6 +466,7 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
         # is answered from a coarser track, so more workers (more lag) use more of them
         "downlink_tracks": b["downlink"]["tracks"], "downlink_log_mb": b["downlink"]["log_bytes"] / 2**20,
         "snapshots_held_mb": b.get("snapshots_held_mb", math.nan),
+        "snapshots_withheld_in_window": b.get("snapshots_withheld", 0) - a.get("snapshots_withheld", 0),
     }
 
 
@@ -578,7 +581,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{r['admission']['peak_held_bytes'] / 2**20:.0f} / {r['admission']['limit_bytes'] / 2**20:.0f}",
             f"{r['admission_waited_in_window']} of {r['admission_admitted_in_window']}",
             f"{r['downlink_tracks']} / {r['downlink_log_mb']:.0f}",
-            f"{r.get('snapshots_held_mb', math.nan):.0f}",
+            f"{r.get('snapshots_held_mb', math.nan):.0f} ({r.get('snapshots_withheld_in_window', '-')})",
         ])
     verdict = []
     for codec, d in res["derived"].items():
@@ -636,7 +639,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         "use to coarser ones rather than adding to them. Snapshots held = the MB of copies of the "
         "weights (a lossless track's snapshots, every track's full answers) that answers still "
         "being sent and the downlink hold at the window's end, at most 4 copies whatever N "
-        "(`MAX_HELD_SNAPSHOTS`). "
+        "(`MAX_HELD_SNAPSHOTS`); in brackets the answers in the window that said \"no change\" "
+        "because that many were held. "
         "MB = 2^20 bytes.",
         "",
         md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
@@ -644,7 +648,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                   "RSS MB idle / warm / window median / end", "HWM MB", "RSS per worker MB",
                   "coordinator cores (loop / apply)", "workers cores", "machine cores",
                   "admission peak / bound MB", "waited for room", "downlink tracks / log MB",
-                  "snapshots held MB"], rows),
+                  "snapshots held MB (withheld)"], rows),
         "",
         f"Targets (#20, must-have 3): apply rate within {RATE_TOLERANCE:.0%} of N=4 from 4 to the "
         f"largest N; RSS growth per added worker (slope of the window-median RSS from N=4 to the "

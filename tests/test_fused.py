@@ -366,3 +366,35 @@ def test_copies_of_the_weights_held_by_unsent_answers_are_bounded_whatever_the_w
     status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 99), fuse=False,
                                                    msg_id=99, version=rec.holds_version))
     assert reply is not None and reply.full and reply.version == c.version  # a new copy again
+
+
+def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> None:
+    """A worker far behind is moved to a coarser track with that track's full weights (its
+    published copy differs from the finest track's by what each coded). When no copy may be
+    made (MAX_HELD_SNAPSHOTS held) it is told "no change" instead, and it must stay on the
+    track its replica is from: a chain of the other track's entries would be added to weights
+    they were not coded against. Once copies may be made again it moves, with the weights."""
+    from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS
+
+    c, rec = _big_coordinator(**{"training.max_staleness": 1000, "compression.downlink": "fp16"})
+    other = record(c, "other")
+    for i in range(40):  # rec now lags 40 versions: its answer comes from the 16-version track
+        c._apply_gradient(other, message(c.params, grads_of(c.params, i), fuse=False, msg_id=i + 1,
+                                         version=other.holds_version))
+    pool = c._snapshot_pool
+    held = [pool.take(4 * sum(c._sizes)) for _ in range(MAX_HELD_SNAPSHOTS - pool.in_use())]
+    assert pool.in_use() == MAX_HELD_SNAPSHOTS
+    status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 50), fuse=False,
+                                                   msg_id=1, version=rec.holds_version))
+    assert status == "applied" and reply is not None
+    assert not reply.full and not reply.deltas and reply.version == rec.holds_version == 0
+    assert rec.track == 0  # still where its replica is from
+    coarse = c.downlink.tracks[2]  # (published for the answer that was not sent)
+    assert coarse.head == c.version and coarse.published is not None
+    head, at_head = coarse.head, coarse.published.clone()
+    held.clear()
+    status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 51), fuse=False,
+                                                   msg_id=2, version=rec.holds_version))
+    assert reply is not None and reply.full and rec.track == 2  # moved, with that track's weights
+    assert reply.version == head < c.version  # (its next publication is 16 versions on)
+    assert torch.equal(torch.cat([reply.tensors[n].reshape(-1) for n in c.params]), at_head)

@@ -1376,19 +1376,24 @@ class Coordinator:
         master = self._flat_master()
         before = rec.track
         rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
+        if chain is None:
+            reply = self._full_update(rec, msg_id, status)
+            if not reply.full:
+                # "no change": none of the new track's weights went, and a worker joins a track
+                # only with them (its replica is its old track's: the two differ by what each coded)
+                rec.track = before
+        else:
+            tensors: dict[str, torch.Tensor] = {}
+            for entry in chain:
+                tensors.update(entry.tensors)
+            buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
+            reply = Update(msg_id=msg_id, version=self.downlink.tracks[rec.track].head, status=status,
+                           deltas=[entry.header() for entry in chain], buffers=buffer_names,
+                           tensors={**tensors, **buffer_tensors})
         if rec.track != before:  # a track may have lost its last worker: its memory goes
             self.downlink.forget_unused({r.track for r in self._connected()})
-        track = self.downlink.tracks[rec.track]
-        rec.drift = track.drift
-        if chain is None:
-            return self._full_update(rec, msg_id, status)
-        tensors: dict[str, torch.Tensor] = {}
-        for entry in chain:
-            tensors.update(entry.tensors)
-        buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
-        return Update(msg_id=msg_id, version=track.head, status=status,
-                      deltas=[entry.header() for entry in chain], buffers=buffer_names,
-                      tensors={**tensors, **buffer_tensors})
+        rec.drift = self.downlink.tracks[rec.track].drift
+        return reply
 
     def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
         """The published weights for ``rec``; while :data:`MAX_HELD_SNAPSHOTS` copies are held
