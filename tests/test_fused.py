@@ -398,3 +398,35 @@ def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> Non
     assert reply is not None and reply.full and rec.track == 2  # moved, with that track's weights
     assert reply.version == head < c.version  # (its next publication is 16 versions on)
     assert torch.equal(torch.cat([reply.tensors[n].reshape(-1) for n in c.params]), at_head)
+
+
+def test_a_half_precision_models_copies_come_from_the_pool_and_are_bounded_too() -> None:
+    """A bfloat16 model's copies of the weights (its masters are float32; a worker holds them
+    rounded to bfloat16) are made in the snapshot pool like a float32 model's, rounded as
+    ``.to()`` rounds, so the bound on held copies covers them: until now each was a clone per
+    tensor, outside the pool and outside the bound."""
+    from swarmtrain.config import load_coordinator_config
+    from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS, Coordinator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).to(torch.bfloat16)
+    cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
+                                             "checkpointing.interval": 0, "training.learning_rate": 1e-3,
+                                             "training.max_staleness": 1000})
+    c = Coordinator(model, cfg, task_name="big-bf16")
+    recs = [record(c, f"w{i}") for i in range(8)]
+    pool = c._snapshot_pool
+    assert pool.in_use() == 1  # the registrations' copy, shared
+    held = []
+    for i in range(16):
+        rec = recs[i % len(recs)]
+        status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, i), fuse=False,
+                                                       msg_id=i + 1, version=rec.holds_version))
+        assert status == "applied" and reply is not None
+        assert pool.in_use() <= MAX_HELD_SNAPSHOTS, i
+        if reply.full and reply.version == c.version:  # a copy made now: this version's, rounded
+            for name, p in c.params.items():
+                t = reply.tensors[name]
+                assert t.dtype == torch.bfloat16 and torch.equal(t, p.to(torch.bfloat16)), name
+        held.append(reply)
+    assert c.status()["snapshots"]["held"] == MAX_HELD_SNAPSHOTS

@@ -100,7 +100,7 @@ from swarmtrain.wire import (
     UpdateStatus,
     Weights,
 )
-from swarmtrain.wire.pool import PAGE, PayloadPool, pooled_floats
+from swarmtrain.wire.pool import PAGE, PayloadPool, phase_pad, pooled_floats
 
 __all__ = ["Coordinator", "CoordinatorState", "TRANSITIONS", "WorkerRecord"]
 
@@ -964,13 +964,30 @@ class Coordinator:
         if self._fuse_full:
             return dict(zip(self.params, _unflatten_dense_tensors(_flatten_dense_tensors(views), views)))
         dtypes = [p.dtype for p in self.state.trainable.values()]
+        # one pooled buffer, as the step's own snapshots (a hundred clones would be a hundred
+        # allocations below the mmap threshold, whose freed memory the heap keeps)
         if all(v.dtype == d == torch.float32 for v, d in zip(views, dtypes)):
-            # one pooled buffer, as the step's own snapshots (a hundred clones would be a
-            # hundred allocations below the mmap threshold, whose freed memory the heap keeps)
             copies = self._snapshot_buffers(sum(self._sizes))
             torch._foreach_copy_(copies, views)
-            return dict(zip(self.params, copies))
-        return {n: (v.to(d) if v.dtype != d else v.clone()) for n, v, d in zip(self.params, views, dtypes)}
+        else:  # (half-precision parameters: each in its dtype, rounded as .to() rounds)
+            copies = self._mixed_snapshot_buffers(dtypes)
+            for c, v in zip(copies, views):
+                c.copy_(v)
+        return dict(zip(self.params, copies))
+
+    def _mixed_snapshot_buffers(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Tensors shaped like the parameters in ``dtypes``, each on a 64-byte boundary of one
+        buffer of the snapshot pool (a small model's: new memory, the pool's minimum size)."""
+        starts, end = [], 0
+        for n, d in zip(self._sizes, dtypes):
+            end += -end % 64
+            starts.append(end)
+            end += n * d.itemsize
+        buf = self._snapshot_pool.take(end + 64)
+        pad = phase_pad(torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr(), None)
+        return [torch.frombuffer(buf, dtype=d, count=n, offset=pad + at).view(p.shape) if n
+                else torch.empty(p.shape, dtype=d)
+                for at, n, d, p in zip(starts, self._sizes, dtypes, self.params.values())]
 
     def _snapshot_room(self) -> bool:
         """Whether a new copy of the weights may be made for answers: fewer than
