@@ -347,6 +347,9 @@ def test_copies_of_the_weights_held_by_unsent_answers_are_bounded_whatever_the_w
     size_mb = 4 * sum(p.numel() for p in c.params.values()) / 2**20
     assert snap["held"] == MAX_HELD_SNAPSHOTS and snap["held_mb"] < MAX_HELD_SNAPSHOTS * size_mb + 1
     assert snap["withheld"] == kinds["no change"]
+    answers = c.status()["downlink"]["answers"]  # (counted as what went, not as what was due)
+    assert answers["withheld"] == kinds["no change"]
+    assert answers["full"] == kinds["new"] + kinds["shared"]
     replica = Replica(ModelState(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])),
                       torch.device("cpu"))
     for reply in (r for r in held if r.full):  # a shared copy loads as any other
@@ -389,6 +392,7 @@ def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> Non
     assert status == "applied" and reply is not None
     assert not reply.full and not reply.deltas and reply.version == rec.holds_version == 0
     assert rec.track == 0  # still where its replica is from
+    assert c.downlink.switches == 0 and c.status()["downlink"]["answers"]["withheld"] == 1
     coarse = c.downlink.tracks[2]  # (published for the answer that was not sent)
     assert coarse.head == c.version and coarse.published is not None
     head, at_head = coarse.head, coarse.published.clone()

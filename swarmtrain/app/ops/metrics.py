@@ -128,7 +128,8 @@ def _downlink(d: Mapping[str, Any]) -> Iterator[Metric]:
     yield _counter("downlink_resets", "restarts of the published track (every worker then gets the "
                    "full weights)", d.get("resets", 0))
     yield _by_label(CounterMetricFamily, "downlink_answers", "answers to gradients, by what they "
-                    "carried (chain of log entries, full weights, nothing new)", "kind", d.get("answers"))
+                    "carried (chain of log entries, full weights, nothing new; withheld: the weights "
+                    "were due, but as many copies as answers may hold were held)", "kind", d.get("answers"))
 
 
 def _admission(d: Mapping[str, Any]) -> Iterator[Metric]:

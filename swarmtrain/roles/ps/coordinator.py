@@ -1398,6 +1398,7 @@ class Coordinator:
             if not reply.full:
                 # "no change": none of the new track's weights went, and a worker joins a track
                 # only with them (its replica is its old track's: the two differ by what each coded)
+                self.downlink.withheld(rec.track, before)
                 rec.track = before
         else:
             tensors: dict[str, torch.Tensor] = {}

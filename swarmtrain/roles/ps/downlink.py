@@ -107,8 +107,9 @@ class UpdateLog:
         self.publications = 0
         self._since_reset = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        #: answers by kind: "current" (nothing to send), "chain" (entries), "full" (weights)
-        self.answers = {"current": 0, "chain": 0, "full": 0}
+        #: answers by kind: "current" (nothing to send), "chain" (entries), "full" (weights),
+        #: "withheld" (the weights were due, but no copy of them could be made: "no change")
+        self.answers = {"current": 0, "chain": 0, "full": 0, "withheld": 0}
         self.entries_sent = 0  # entries in all the chains answered
 
     # -- the apply thread -------------------------------------------------------------------
@@ -288,6 +289,11 @@ class UpdateLog:
         self.answers[kind] += 1
         self.entries_sent += len(chain or ())
 
+    def withheld(self) -> None:
+        """An answer counted as "full" went without the weights after all: count it as withheld."""
+        self.answers["full"] -= 1
+        self.answers["withheld"] += 1
+
     def chain_from(self, holds: int) -> list[LogEntry] | None:
         """The entries that take a replica at version ``holds`` to the head, oldest first:
         ``[]`` when it is there, None when the full weights are the answer (no chain from
@@ -444,6 +450,13 @@ class Downlink:
             self.switches += 1
         self.publish(master, version, wanted).count(None)
         return wanted, None
+
+    def withheld(self, track: int, moved_from: int) -> None:
+        """The full answer :meth:`choose` gave from ``track`` went without the weights (no copy
+        could be made), so the worker stays on ``moved_from``: recount both."""
+        self.tracks[track].withheld()
+        if track != moved_from:
+            self.switches -= 1
 
     def snapshot(self, master: torch.Tensor, to_replica: ToReplica, version: int, track: int = 0, *,
                  make: bool = True, newer_than: int = -1) -> tuple[int, dict[str, torch.Tensor]] | None:
