@@ -300,8 +300,8 @@ class Run:
                              "log_bytes": st["downlink"]["log_bytes"]},
                 # copies of the weights held by answers and the downlink (MB), and the answers
                 # that said "no change" while the most allowed were held
-                "snapshots_held_mb": st.get("snapshots", {}).get("held_mb", math.nan),
-                "snapshots_withheld": st.get("snapshots", {}).get("withheld", 0)}
+                "snapshots_held_mb": st["snapshots"]["held_mb"],
+                "snapshots_withheld": st["snapshots"]["withheld"]}
 
     def finish(self, timeout: float = 180.0) -> list[dict[str, Any]]:
         """ctl SHUTDOWN, wait for every process, read the light workers' files."""
@@ -465,8 +465,8 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
         # of at most the model's size, a snapshot) at the window's end: a worker that lags far
         # is answered from a coarser track, so more workers (more lag) use more of them
         "downlink_tracks": b["downlink"]["tracks"], "downlink_log_mb": b["downlink"]["log_bytes"] / 2**20,
-        "snapshots_held_mb": b.get("snapshots_held_mb", math.nan),
-        "snapshots_withheld_in_window": b.get("snapshots_withheld", 0) - a.get("snapshots_withheld", 0),
+        "snapshots_held_mb": b["snapshots_held_mb"],
+        "snapshots_withheld_in_window": b["snapshots_withheld"] - a["snapshots_withheld"],
     }
 
 
@@ -581,7 +581,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{r['admission']['peak_held_bytes'] / 2**20:.0f} / {r['admission']['limit_bytes'] / 2**20:.0f}",
             f"{r['admission_waited_in_window']} of {r['admission_admitted_in_window']}",
             f"{r['downlink_tracks']} / {r['downlink_log_mb']:.0f}",
-            f"{r.get('snapshots_held_mb', math.nan):.0f} ({r.get('snapshots_withheld_in_window', '-')})",
+            f"{r['snapshots_held_mb']:.0f} ({r['snapshots_withheld_in_window']})",
         ])
     verdict = []
     for codec, d in res["derived"].items():

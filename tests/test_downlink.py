@@ -264,10 +264,14 @@ class TrackedReplica:
         self.bytes = 0
 
     def ask(self, dl: Downlink, master: torch.Tensor, version: int) -> list:  # type: ignore[type-arg]
+        before = self.track
         self.track, chain = dl.choose(master, version, self.track, self.version)
         if chain is None:
-            self.version, weights = dl.snapshot(master, lambda views: {
+            found = dl.snapshot(master, lambda views: {
                 f"p{i}": v.clone() for i, v in enumerate(views)}, version, self.track)
+            assert found is not None
+            self.version, weights = found
+            dl.full_answered(self.track, before, sent=True)
             self.flat = torch.cat([weights[f"p{i}"] for i in range(len(SIZES))])
             self.bytes += sum(SIZES) * 4
             return []

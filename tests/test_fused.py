@@ -400,6 +400,7 @@ def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> Non
     status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 51), fuse=False,
                                                    msg_id=2, version=rec.holds_version))
     assert reply is not None and reply.full and rec.track == 2  # moved, with that track's weights
+    assert c.downlink.switches == 1 and c.status()["downlink"]["answers"]["full"] == 1
     assert reply.version == head < c.version  # (its next publication is 16 versions on)
     assert torch.equal(torch.cat([reply.tensors[n].reshape(-1) for n in c.params]), at_head)
 

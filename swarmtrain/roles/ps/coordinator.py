@@ -71,7 +71,7 @@ from swarmtrain.roles.ps.common import (
     unpack_compressed,
     unpack_lazy,
 )
-from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink
+from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink, LogEntry
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, FlatAdam, phase_after
 from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
@@ -371,8 +371,6 @@ class Coordinator:
         #: one idle at most (the next snapshot's), so what it keeps beyond the snapshots
         #: answers still hold is one copy of the weights
         self._snapshot_pool = PayloadPool(max_idle_bytes=4 * sum(self._sizes) + PAGE)
-        #: answers that said "no change" while MAX_HELD_SNAPSHOTS copies were held
-        self.snapshots_withheld = 0
         #: the last gradient header of entries it can check again (plain, lazy top-k): the next
         #: equal one is unpacked without its checks
         self._known_header = KnownHeader()
@@ -997,8 +995,9 @@ class Coordinator:
     def _snapshot_summary(self) -> dict[str, float]:
         pool = self._snapshot_pool
         kept, idle = pool.kept_bytes(), pool.idle_bytes()
+        withheld = sum(t.answers["withheld"] for t in self.downlink.tracks)
         return {"held_mb": (kept - idle) / 2**20, "idle_mb": idle / 2**20, "held": pool.in_use(),
-                "bound": MAX_HELD_SNAPSHOTS, "withheld": self.snapshots_withheld,
+                "bound": MAX_HELD_SNAPSHOTS, "withheld": withheld,
                 "made": pool.allocated, "reused": pool.reused}
 
     def _snapshot_buffers(self, total: int) -> list[torch.Tensor]:
@@ -1395,34 +1394,37 @@ class Coordinator:
         rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version)
         if chain is None:
             reply = self._full_update(rec, msg_id, status)
+            self.downlink.full_answered(rec.track, before, sent=reply.full)
             if not reply.full:
                 # "no change": none of the new track's weights went, and a worker joins a track
                 # only with them (its replica is its old track's: the two differ by what each coded)
-                self.downlink.withheld(rec.track, before)
                 rec.track = before
         else:
-            tensors: dict[str, torch.Tensor] = {}
-            for entry in chain:
-                tensors.update(entry.tensors)
-            buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
-            reply = Update(msg_id=msg_id, version=self.downlink.tracks[rec.track].head, status=status,
-                           deltas=[entry.header() for entry in chain], buffers=buffer_names,
-                           tensors={**tensors, **buffer_tensors})
+            reply = self._chain_update(rec, msg_id, status, chain, self.downlink.tracks[rec.track].head)
         if rec.track != before:  # a track may have lost its last worker: its memory goes
             self.downlink.forget_unused({r.track for r in self._connected()})
         rec.drift = self.downlink.tracks[rec.track].drift
         return reply
+
+    def _chain_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus,
+                      chain: list[LogEntry], version: int) -> Update:
+        """The log's ``chain`` as it was encoded once for everyone (ending at ``version``), and
+        the buffers ``rec`` is owed."""
+        tensors: dict[str, torch.Tensor] = {}
+        for entry in chain:
+            tensors.update(entry.tensors)
+        buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
+        return Update(msg_id=msg_id, version=version, status=status,
+                      deltas=[entry.header() for entry in chain], buffers=buffer_names,
+                      tensors={**tensors, **buffer_tensors})
 
     def _full_update(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus) -> Update:
         """The published weights for ``rec``; while :data:`MAX_HELD_SNAPSHOTS` copies are held
         (answers not yet sent refer to them), the newest one it does not hold, or, if it holds
         that, no change this time (its next gradient is one version staler)."""
         w = self._snapshot_or_none(rec, make=self._snapshot_room())
-        if w is None:
-            self.snapshots_withheld += 1
-            buffer_names, buffer_tensors = pack_buffers(self._owed_buffers(rec))
-            return Update(msg_id=msg_id, version=rec.holds_version, status=status,
-                          buffers=buffer_names, tensors=buffer_tensors)
+        if w is None:  # (an empty chain: where it is)
+            return self._chain_update(rec, msg_id, status, [], rec.holds_version)
         rec.resyncs += 1
         return Update(msg_id=msg_id, version=w.version, status=status, full=True,
                       tensors=self._fused_weights(w.tensors))

@@ -264,15 +264,16 @@ class UpdateLog:
         made answers instead if it is of a version after ``newer_than`` (what the worker
         holds), else None."""
         cached = self._snapshot
-        if not make and not (cached is not None and cached[0] == self.head):
+        if cached is not None and cached[0] == self.head:
+            return cached
+        if not make:
             return cached if cached is not None and cached[0] > newer_than else None
-        if cached is None or cached[0] != self.head:
-            if self.lossless or self.published is None:
-                self.head = version
-                source = master
-            else:
-                source = self.published
-            self._snapshot = (self.head, to_replica(self._split(source)))
+        if self.lossless or self.published is None:
+            self.head = version
+            source = master
+        else:
+            source = self.published
+        self._snapshot = (self.head, to_replica(self._split(source)))
         return self._snapshot
 
     # -- any thread --------------------------------------------------------------------------
@@ -288,11 +289,6 @@ class UpdateLog:
         kind = "full" if chain is None else "chain" if chain else "current"
         self.answers[kind] += 1
         self.entries_sent += len(chain or ())
-
-    def withheld(self) -> None:
-        """An answer counted as "full" went without the weights after all: count it as withheld."""
-        self.answers["full"] -= 1
-        self.answers["withheld"] += 1
 
     def chain_from(self, holds: int) -> list[LogEntry] | None:
         """The entries that take a replica at version ``holds`` to the head, oldest first:
@@ -429,7 +425,8 @@ class Downlink:
     def choose(self, master: torch.Tensor, version: int, track: int, holds: int,
                ) -> tuple[int, list[LogEntry] | None]:
         """(the track that answers a worker on ``track`` holding its version ``holds``, the
-        entries that bring it to that track's head — None: that track's full weights).
+        entries that bring it to that track's head — None: that track's full weights, whose
+        answer the caller counts with :meth:`full_answered` once it knows whether they went).
         Publishes only the track that answers (no track is published for nobody).
 
         The track a worker should be on is the coarsest whose interval is at most half its
@@ -446,17 +443,16 @@ class Downlink:
             if chain is not None and small:
                 current.count(chain)
                 return track, chain
-        if wanted != track:
-            self.switches += 1
-        self.publish(master, version, wanted).count(None)
-        return wanted, None
+        self.publish(master, version, wanted)
+        return wanted, None  # (counted once answered: full_answered)
 
-    def withheld(self, track: int, moved_from: int) -> None:
-        """The full answer :meth:`choose` gave from ``track`` went without the weights (no copy
-        could be made), so the worker stays on ``moved_from``: recount both."""
-        self.tracks[track].withheld()
-        if track != moved_from:
-            self.switches -= 1
+    def full_answered(self, track: int, moved_from: int, *, sent: bool) -> None:
+        """Count the answer with ``track``'s weights that :meth:`choose` called for, to a
+        worker that was on ``moved_from``: ``sent``, or withheld (no copy of the weights could
+        be made: the worker stays where it was)."""
+        self.tracks[track].answers["full" if sent else "withheld"] += 1
+        if sent and track != moved_from:
+            self.switches += 1
 
     def snapshot(self, master: torch.Tensor, to_replica: ToReplica, version: int, track: int = 0, *,
                  make: bool = True, newer_than: int = -1) -> tuple[int, dict[str, torch.Tensor]] | None:
