@@ -177,12 +177,12 @@ def test_a_large_models_snapshot_is_not_one_fresh_allocation_per_update(threads:
     assert later[len(later) // 2] < pages // 10, (faults, pages)
 
 
-def _big_coordinator(**overrides: Any) -> tuple[Any, Any]:
+def _big_coordinator(dtype: torch.dtype = torch.float32, **overrides: Any) -> tuple[Any, Any]:
     from swarmtrain.config import load_coordinator_config
     from swarmtrain.roles.ps.coordinator import Coordinator
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])  # not fused
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).to(dtype)  # not fused
     assert sum(p.numel() for p in model.parameters()) > FUSE_MAX_NUMEL
     cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
                                              "checkpointing.interval": 0, "training.learning_rate": 1e-3,
@@ -410,16 +410,10 @@ def test_a_half_precision_models_copies_come_from_the_pool_and_are_bounded_too()
     rounded to bfloat16) are made in the snapshot pool like a float32 model's, rounded as
     ``.to()`` rounds, so the bound on held copies covers them: until now each was a clone per
     tensor, outside the pool and outside the bound."""
-    from swarmtrain.config import load_coordinator_config
-    from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS, Coordinator
+    from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).to(torch.bfloat16)
-    cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
-                                             "checkpointing.interval": 0, "training.learning_rate": 1e-3,
-                                             "training.max_staleness": 1000})
-    c = Coordinator(model, cfg, task_name="big-bf16")
-    recs = [record(c, f"w{i}") for i in range(8)]
+    c, first = _big_coordinator(torch.bfloat16, **{"training.max_staleness": 1000})
+    recs = [first] + [record(c, f"w{i}") for i in range(1, 8)]
     pool = c._snapshot_pool
     assert pool.in_use() == 1  # the registrations' copy, shared
     held = []
