@@ -281,8 +281,7 @@ class StageCompute:
                            "and its answer is no longer cached; it cannot be redone")
         inp = self._prepare_input(x)
         if self.loss_fn is None:
-            rng = RngState.capture(self.device)
-            with torch.no_grad():
+            with RngState.drawing(self.device) as rng, torch.no_grad():
                 y = to_cpu(self._run_layers(inp))
             self._publish_buffers()
             self.forwards += 1
@@ -295,8 +294,9 @@ class StageCompute:
             raise BadInput("targets hold NaN or infinite values")  # the loss would poison the weights
         targets = batch_to(targets, self.device)
         leaf = self._leaf(inp)
-        replay = RngState.capture(self.device) if self.weights.scaler.enabled else None
-        with self.weights.buffers_kept(only_on_error=True), torch.enable_grad():
+        with (RngState.drawing(self.device) as drawn, self.weights.buffers_kept(only_on_error=True),
+              torch.enable_grad()):
+            replay = drawn if self.weights.scaler.enabled else None
             self.forwards += 1
             loss = self._loss(self._run_layers(leaf), targets)
             if not bool(torch.isfinite(loss.detach()).all()):

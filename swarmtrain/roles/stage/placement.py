@@ -12,6 +12,7 @@ machines this project is tested on); the CUDA and MPS calls are PyTorch's docume
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,17 +35,34 @@ class RngState:
         """The random state now, of the CPU and of ``device``."""
         return cls(torch.get_rng_state(), device, _device_rng(device))
 
+    @classmethod
+    @contextlib.contextmanager
+    def drawing(cls, device: torch.device) -> Iterator[RngState]:
+        """The random state now, with the process's generators held until the block (the
+        forward that draws from them) is done, so that a replay of it draws the same."""
+        with _DRAWS:
+            yield cls.capture(device)
+
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
         """Run a block with this random state, then put the generators back as they were."""
-        cpu_now, device_now = torch.get_rng_state(), _device_rng(self.device)
-        torch.set_rng_state(self.cpu)
-        _set_device_rng(self.device, self.on_device)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(cpu_now)
-            _set_device_rng(self.device, device_now)
+        with _DRAWS:
+            cpu_now, device_now = torch.get_rng_state(), _device_rng(self.device)
+            torch.set_rng_state(self.cpu)
+            _set_device_rng(self.device, self.on_device)
+            try:
+                yield
+            finally:
+                torch.set_rng_state(cpu_now)
+                _set_device_rng(self.device, device_now)
+
+
+#: the generators are the process's, not a stage's: stages that share a process (threads)
+#: would otherwise draw between another's capture and its forward, or during its replay (set
+#: and put back around the recompute), and a recomputed forward would drop other layers or
+#: dropout masks than the forward whose output went on. Held by a training forward from its
+#: capture to its end, and by a replay.
+_DRAWS = threading.RLock()
 
 
 def _device_rng(device: torch.device) -> torch.Tensor | None:
