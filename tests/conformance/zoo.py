@@ -239,7 +239,7 @@ def _seeded(factory: Callable[[], nn.Module]) -> Callable[[int], nn.Module]:
 CASES: dict[str, Case] = {c.name: c for c in [
     Case("gpt2", _seeded(gpt2), stdlib_bytes_data, _hf_logits, kind="lm", lr=3e-3, batch_size=16, steps=320),
     Case("bert", _seeded(bert), token_count_data, _hf_logits, kind="classify", lr=2e-3, batch_size=32,
-         steps=250),
+         steps=250, timing_repeats=3),
     Case("resnet", _seeded(resnet), lambda: digits_data(image=True), _plain_logits, kind="classify", lr=3e-3,
          batch_size=32, steps=360, buffers=True),
     Case("frozen", _seeded(frozen_backbone_mlp), digits_data, _plain_logits, kind="classify", lr=3e-3,
