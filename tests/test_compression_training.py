@@ -16,7 +16,7 @@ from swarmtrain.errors import RefusedError
 from swarmtrain.roles.ps.common import codec_for_step, pack_compressed
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.wire import ALIGN, PREAMBLE, Gradients, encode, encode_bytes
-from tests.test_ps_inprocess import TASK, coordinator, worker
+from tests.test_ps_inprocess import TASK, coordinator, pause_and_settle, worker
 
 
 def _train(codec: dict[str, Any], steps: int, workers: int = 2,
@@ -68,8 +68,7 @@ def test_worker_weights_stay_within_the_drift_bound() -> None:
                 if c.version > 150:
                     break
                 await asyncio.sleep(0.05)
-            await c.set_paused(True)
-            await asyncio.sleep(1.0)  # the gradient in flight is answered and applied
+            await pause_and_settle(c, [w])
             rec = c.workers["d"]
             assert c.downlink.fine.resets >= 2  # the bound restarted the track (after the first)
             assert rec.resyncs >= 1  # and the worker got the full weights
@@ -191,8 +190,7 @@ def test_with_a_lossless_downlink_the_worker_holds_the_master_weights_exactly(
                 if c.version >= 30:
                     break
                 await asyncio.sleep(0.05)
-            await c.set_paused(True)
-            await asyncio.sleep(0.5)  # the last answer reaches the worker
+            await pause_and_settle(c, [w])
             # a float32 delta is as large as the weights: every answer is the master itself, and
             # no published copy is kept
             assert c.version >= 30 and c.downlink.fine.published is None and not c.downlink.fine.entries

@@ -15,7 +15,7 @@ from swarmtrain.compression.base import Codec
 from swarmtrain.errors import ProtocolError
 from swarmtrain.roles.ps.common import FUSED, unpack_compressed
 from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink, UpdateLog, entry_tensors
-from tests.test_ps_inprocess import coordinator, worker
+from tests.test_ps_inprocess import coordinator, pause_and_settle, worker
 
 SIZES = [600, 400, 24]
 
@@ -213,10 +213,7 @@ def test_workers_share_the_log_and_hold_the_published_weights_exactly() -> None:
             async with asyncio.timeout(60):
                 while c.version < 120:
                     await asyncio.sleep(0.05)
-            await c.set_paused(True)
-            async with asyncio.timeout(30):  # every answer sent is applied by its worker
-                while any(sum(w.statuses.values()) != c.workers[w.worker_id].updates for w in ws):
-                    await asyncio.sleep(0.05)
+            await pause_and_settle(c, ws)
             for w in ws:
                 track = c.downlink.tracks[c.workers[w.worker_id].track]
                 published = track.published

@@ -17,7 +17,7 @@ from torch import nn
 from swarmtrain.config import load_coordinator_config, load_worker_config
 from swarmtrain.errors import ConfigError, RefusedError
 from swarmtrain.roles.ps.coordinator import Coordinator
-from swarmtrain.roles.ps.worker import Worker
+from swarmtrain.roles.ps.worker import Worker, WorkerState
 from swarmtrain.tasks import DigitsTask
 from swarmtrain.testing.turns import ComputeTurns
 from swarmtrain.transport import auth
@@ -54,6 +54,29 @@ def worker(port: int, model: nn.Module | None = None, loss_fn: Callable[[nn.Modu
         "training.accumulation_steps": 1, **over})
     return Worker(model or TASK.build_model(), loss_fn or TASK.loss, DATA.train, cfg, task_name="digits",
                   secret=SECRET)
+
+
+async def pause_and_settle(coord: Coordinator, workers: list[Worker], timeout: float = 30.0) -> None:
+    """Pause the cluster and return once nothing moves: every worker paused, every gradient
+    it sent answered (the coordinator's apply, publication included, is done), every answer
+    applied by its worker, and the version the same at two looks 0.2 s apart. Pausing alone
+    is not enough: a gradient in flight, or one whose computation started before the pause,
+    is still applied afterwards, and its publication rewrites the published weights in place.
+    """
+    await coord.set_paused(True)
+
+    def quiet() -> bool:
+        return all(w.lifecycle is WorkerState.PAUSED and not w._sent_at
+                   and sum(w.statuses.values()) == coord.workers[w.worker_id].updates for w in workers)
+
+    async with asyncio.timeout(timeout):
+        while True:
+            version = coord.version
+            if quiet():
+                await asyncio.sleep(0.2)
+                if quiet() and coord.version == version:
+                    return
+            await asyncio.sleep(0.05)
 
 
 async def _run(coord: Coordinator, workers: list[Worker], timeout: float) -> None:
