@@ -28,13 +28,15 @@ def peers(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: ig
 
 
 def _check(r: Recovery, bound: float) -> None:
+    print(r)  # the figures, shown with a failure
     assert len(r.digests) == 1, r  # every member loaded the same bytes
     assert r.majority_state_won, r  # and they were the training side's
     assert r.minority_rounds_alone == 0, r  # the cut-off side did not train a copy of its own
     assert r.to_first_round < bound, r  # one group again, training, within the stated bound
 
 
-@pytest.mark.serial  # asserts recovery bounds
+# Runs beside other tests (not `serial`): with the conformance file and two busy loops beside it,
+# the worst time to one group training again was 4.9 s against the bound of 15 s (quiet: 4.5 s).
 @pytest.mark.timeout(420)
 def test_every_partition_heals_into_one_group_with_the_training_sides_state(peers: PeerProcesses) -> None:
     hosts = [0, 1, 2, 3]
