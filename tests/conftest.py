@@ -62,10 +62,9 @@ def _runs_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 # --- running side by side (pytest-xdist) -------------------------------------------------
 #
-# The suite runs on two xdist workers. A test whose assertion depends on having the machine's
-# cores to itself (a ratio of speeds, a recovery bound) is marked ``serial``: it waits until
-# the other worker's current test ends, and the other worker starts nothing new until it is
-# done. Two locks: a gate (a serial test holds it exclusively, so no new test slips in while
+# The suite runs on three xdist workers (pyproject.toml). A test whose assertion depends on
+# having the machine's cores to itself (a ratio of speeds) is marked ``serial``: it waits until
+# the other workers' current tests end, and they start nothing new until it is done. Two locks: a gate (a serial test holds it exclusively, so no new test slips in while
 # it waits) and the run lock (shared by ordinary tests, exclusive for a serial one). Taken
 # outside pytest-timeout's timer, so waiting for a long serial test does not count against a
 # test's own timeout.
