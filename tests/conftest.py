@@ -64,10 +64,11 @@ def _runs_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 #
 # The suite runs on three xdist workers (pyproject.toml). A test whose assertion depends on
 # having the machine's cores to itself (a ratio of speeds) is marked ``serial``: it waits until
-# the other workers' current tests end, and they start nothing new until it is done. Two locks: a gate (a serial test holds it exclusively, so no new test slips in while
-# it waits) and the run lock (shared by ordinary tests, exclusive for a serial one). Taken
-# outside pytest-timeout's timer, so waiting for a long serial test does not count against a
-# test's own timeout.
+# the other workers' current tests end, and they start nothing new until it is done. Two
+# locks: a gate (a serial test holds it exclusively, so no new test slips in while it waits)
+# and the run lock (shared by ordinary tests, exclusive for a serial one). Taken outside
+# pytest-timeout's timer, so waiting for a long serial test does not count against a test's
+# own timeout.
 
 
 def _lock_dir() -> str | None:
