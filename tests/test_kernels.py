@@ -184,6 +184,26 @@ def test_a_top_k_index_out_of_range_is_refused_by_the_kernel_too(fast: Kernels) 
         decode_topk(c)
 
 
+
+def test_many_top_k_entries_are_checked_in_one_call_as_one_by_one(fast: Kernels) -> None:
+    """``topk_check_many`` passes what ``topk_check`` passes entry by entry, and names the
+    first entry that fails (bad counts or an index past the last block's end)."""
+    from swarmtrain.compression.topk import TopKCodec
+    entries = []
+    for n in (5, 70_000, 300_001, 65_536):
+        c = TopKCodec(0.05).compress(torch.randn(n, generator=torch.Generator().manual_seed(n)))
+        entries.append((c.parts["index_low"], c.parts["block_counts"], n))
+    assert all(fast.topk_check(*e) == 0 for e in entries) and fast.topk_check_many(entries) == -1
+    low = entries[1][0].clone()
+    low[-1] = 70_000 - 65_536  # one past the end of the last block
+    counts = entries[2][1].clone()
+    counts[0] -= 1  # the counts no longer add up to k
+    bad_index, bad_counts = (low, entries[1][1], 70_000), (entries[2][0], counts, 300_001)
+    for bad, first in (([entries[0], bad_index, entries[2]], 1),
+                       ([entries[0], entries[1], bad_counts, bad_index], 2)):
+        assert [fast.topk_check(*e) != 0 for e in bad].index(True) == first
+        assert fast.topk_check_many(bad) == first
+
 # -- the fused Adam (roles/ps/flat_adam.py over st_adam_apply) ----------------------------
 
 ADAM_SIZES = [1, 7, 1000, 65_536 + 3, 200_001]

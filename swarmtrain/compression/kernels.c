@@ -680,6 +680,17 @@ int st_topk_check(const uint16_t *index_low, const int32_t *counts, int64_t bloc
     return 0;
 }
 
+/* st_topk_check over `count` entries in one call (a gradient's top-k tensors): entry i's
+ * index_low at lows[i] and block counts at counts[i], blocks[i] blocks, ks[i] indices, over
+ * ns[i] elements. Returns -1 when every entry passes, else the first failing entry's index. */
+int64_t st_topk_check_many(const int64_t *lows, const int64_t *counts, const int64_t *blocks,
+                           const int64_t *ks, const int64_t *ns, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        if (st_topk_check((const uint16_t *)lows[i], (const int32_t *)counts[i], blocks[i], ks[i], ns[i]))
+            return i;
+    return -1;
+}
+
 /* Sum of squares of many float32 / float16 ranges in one call (the screen's norm over every
  * tensor of a gradient): ptrs[i], lens[i] elements, half[i] nonzero for float16. */
 double st_sumsq_many(const int64_t *ptrs, const int64_t *lens, const int32_t *half, int64_t count) {

@@ -123,6 +123,8 @@ class Kernels:
         lib.st_sumsq_ranges.restype = None
         lib.st_topk_check.argtypes = [p, p, i64, i64, i64]
         lib.st_topk_check.restype = ctypes.c_int
+        lib.st_topk_check_many.argtypes = [p, p, p, p, p, i64]
+        lib.st_topk_check_many.restype = i64
         lib.st_adam_apply.argtypes = [p, p, i64, p, p, p, i64, i64, p, ctypes.c_int, ctypes.c_int,
                                       p, p, p, i64, ctypes.c_int, f64p]
         lib.st_adam_apply.restype = ctypes.c_int
@@ -268,6 +270,18 @@ class Kernels:
         _check(counts, torch.int32)
         return int(self._lib.st_topk_check(index_low.data_ptr(), counts.data_ptr(), counts.numel(),
                                            index_low.numel(), numel))
+
+    def topk_check_many(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> int:
+        """:meth:`topk_check` over many entries (index_low, block counts, numel) in one call:
+        -1 when all pass, else the index of the first that fails. The caller checked that
+        every index_low is a contiguous CPU uint16 tensor and every counts one int32 (as
+        :class:`~swarmtrain.roles.ps.common.KnownHeader` does before it asks)."""
+        count = len(parts)
+        row = ctypes.c_int64 * count
+        return int(self._lib.st_topk_check_many(
+            row(*(low.data_ptr() for low, _, _ in parts)), row(*(c.data_ptr() for _, c, _ in parts)),
+            row(*(c.numel() for _, c, _ in parts)), row(*(low.numel() for low, _, _ in parts)),
+            row(*(n for _, _, n in parts)), count))
 
     def sumsq(self, x: torch.Tensor) -> float:
         """Σ x² of a float32 or float16 tensor (NaN or inf when it holds them)."""

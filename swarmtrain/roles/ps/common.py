@@ -232,7 +232,7 @@ class KnownHeader:
                 or len(tensors) != self.tensor_count or codecs != self.codecs):
             return None
         out: dict[str, LazyGradient] = {}
-        fast = None
+        topk: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for name, keys, shape, numel, extra in self.plan:
             if len(keys) == 1:
                 t = tensors.get(keys[0])
@@ -245,10 +245,12 @@ class KnownHeader:
             if not (_whole(values, torch.float16, extra) and _whole(low, torch.uint16, extra)
                     and _whole(counts, torch.int32, blocks)):
                 return None
-            fast = fast or kernels()
-            if fast is None or fast.topk_check(low, counts, numel) != 0:  # type: ignore[arg-type]
-                return None
+            topk.append((low, counts, numel))  # type: ignore[arg-type]
             out[name] = TopKParts(tuple(shape), numel, values, low, counts)  # type: ignore[arg-type]
+        if topk:  # every entry's counts and indices in one call (checked as the full path does)
+            fast = kernels()
+            if fast is None or fast.topk_check_many(topk) != -1:
+                return None
         return out
 
     def remember(self, codecs: Mapping[str, Any], expected: Mapping[str, torch.Tensor], subset: bool,
