@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MIN_BYTES", "PAGE", "PAYLOADS", "PayloadPool", "phase_pad", "phased_floats", "pooled_floats"]
+__all__ = ["MIN_BYTES", "PAGE", "PAYLOADS", "PayloadPool", "phase_pad", "phased_floats", "pooled_bytes",
+           "pooled_floats"]
 
 #: payloads smaller than this are not pooled
 MIN_BYTES = 1 << 20
@@ -129,17 +130,24 @@ def phase_pad(address: int, phase: int | None, align: int = 64) -> int:
     return (phase - address) % PAGE
 
 
-def pooled_floats(count: int, *, phase: int | None = None, pool: PayloadPool | None = None) -> torch.Tensor:
-    """A float32 tensor of ``count`` elements (old contents: the caller writes every one)
-    over a buffer of ``pool`` (default :data:`PAYLOADS`): memory used before, once nothing
-    refers to it, instead of fresh pages. It starts on a 64-byte boundary, or at ``phase``
-    modulo :data:`PAGE` (see :func:`phased_floats`). The tensor and every view of it keep
-    the buffer taken."""
+def pooled_bytes(nbytes: int, *, phase: int | None = None, pool: PayloadPool | None = None) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` (old contents: the caller writes every one) over a buffer
+    of ``pool`` (default :data:`PAYLOADS`): memory used before, once nothing refers to it,
+    instead of fresh pages. It starts on a 64-byte boundary, or at ``phase`` modulo
+    :data:`PAGE` (see :func:`phased_floats`), so slices of it at multiples of 64 bytes can
+    be viewed as any dtype. The tensor and every view of it keep the buffer taken."""
     import torch  # (the wire layer does not import torch at import time)
 
-    buf = (pool or PAYLOADS).take(4 * count + PAGE)
+    buf = (pool or PAYLOADS).take(nbytes + PAGE)
     pad = phase_pad(torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr(), phase)
-    return torch.frombuffer(buf, dtype=torch.float32, count=count, offset=pad)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=pad)
+
+
+def pooled_floats(count: int, *, phase: int | None = None, pool: PayloadPool | None = None) -> torch.Tensor:
+    """:func:`pooled_bytes` as a float32 tensor of ``count`` elements."""
+    import torch
+
+    return pooled_bytes(4 * count, phase=phase, pool=pool).view(torch.float32)
 
 
 def phased_floats(count: int, phase: int) -> torch.Tensor:

@@ -89,6 +89,11 @@ class Case:
     timing_repeats: int = 1
 
     @property
+    def ps_repeats(self) -> int:
+        """Parameter-server runs the bar averages: ``timing_repeats``, at least ``repeats``."""
+        return max(self.repeats, self.timing_repeats)
+
+    @property
     def metric(self) -> str:
         return "accuracy" if self.kind == "classify" else "loss"
 

@@ -47,12 +47,7 @@ def _timed(names: list[str]) -> list[Any]:
     """``names`` as parameters, each with a timeout for its repeats: LayerDrop's five pipeline
     runs took 25 s on the clean-clone CI and over 120 s with two busy loops beside the suite
     (each run 5 s quiet, 23-28 s so loaded: every micro-batch crosses threads and sockets)."""
-    return [pytest.param(n, marks=pytest.mark.timeout(max(120, 60 * _ps_repeats(n)))) for n in names]
-
-
-def _ps_repeats(name: str) -> int:
-    """Parameter-server runs for ``name``'s bar (the most runs any mode makes of it)."""
-    return max(CASES[name].repeats, CASES[name].timing_repeats)
+    return [pytest.param(n, marks=pytest.mark.timeout(max(120, 60 * CASES[n].ps_repeats))) for n in names]
 
 
 @functools.cache
@@ -99,7 +94,7 @@ def test_one_process_references_learn() -> None:
 
 @pytest.mark.parametrize("name", _timed(list(CASES)))
 def test_parameter_server_two_workers(name: str) -> None:
-    out = check(CASES[name], train_ps, _ps_repeats(name))
+    out = check(CASES[name], train_ps, CASES[name].ps_repeats)
     if name == "gpt2":  # the tie survives on every worker: one tensor, not two copies
         for model in out.models:
             head, wte = model.get_submodule("lm_head").weight, model.get_submodule("transformer.wte").weight
@@ -147,7 +142,8 @@ def test_parameter_server_with_a_lossy_downlink(name: str, downlink: str) -> Non
     fp16) on models nobody here wrote, BatchNorm and a bf16 model included: the same bound
     against one process, and every worker ends on the master (the final weights)."""
     lossy = {"compression.downlink": downlink}
-    out = check(CASES[name], lambda case: train_ps(case, coordinator_overrides=lossy), _ps_repeats(name))
+    out = check(CASES[name], lambda case: train_ps(case, coordinator_overrides=lossy),
+                CASES[name].ps_repeats)
     sent = out.extra["downlink"]
     assert sent["drift"] <= 0.01, sent
     if not (name == "bf16" and downlink == "fp16"):

@@ -100,7 +100,7 @@ from swarmtrain.wire import (
     UpdateStatus,
     Weights,
 )
-from swarmtrain.wire.pool import PAGE, PayloadPool, phase_pad, pooled_floats
+from swarmtrain.wire.pool import PAGE, PayloadPool, pooled_bytes, pooled_floats
 
 __all__ = ["Coordinator", "CoordinatorState", "TRANSITIONS", "WorkerRecord"]
 
@@ -981,10 +981,8 @@ class Coordinator:
             end += -end % 64
             starts.append(end)
             end += n * d.itemsize
-        buf = self._snapshot_pool.take(end + 64)
-        pad = phase_pad(torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr(), None)
-        return [torch.frombuffer(buf, dtype=d, count=n, offset=pad + at).view(p.shape) if n
-                else torch.empty(p.shape, dtype=d)
+        flat = pooled_bytes(end, pool=self._snapshot_pool)
+        return [flat[at:at + n * d.itemsize].view(d).view(p.shape)
                 for at, n, d, p in zip(starts, self._sizes, dtypes, self.params.values())]
 
     def _snapshot_room(self) -> bool:
