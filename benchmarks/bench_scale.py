@@ -297,7 +297,11 @@ class Run:
                                        if w["connected"]]),
                 "connected": st["workers_connected"], "admission": st["admission"],
                 "downlink": {"tracks": len(st["downlink"]["tracks"]),
-                             "log_bytes": st["downlink"]["log_bytes"]},
+                             "log_bytes": st["downlink"]["log_bytes"],
+                             "answers": st["downlink"]["answers"],
+                             "switches": st["downlink"]["switches"],
+                             "per_track": [{k: t.get(k) for k in ("interval", "answers", "head")}
+                                           for t in st["downlink"]["tracks"]]},
                 # copies of the weights held by answers and the downlink (MB), and the answers
                 # that said "no change" while the most allowed were held
                 "snapshots_held_mb": st["snapshots"]["held_mb"],
@@ -465,6 +469,10 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
         # of at most the model's size, a snapshot) at the window's end: a worker that lags far
         # is answered from a coarser track, so more workers (more lag) use more of them
         "downlink_tracks": b["downlink"]["tracks"], "downlink_log_mb": b["downlink"]["log_bytes"] / 2**20,
+        "downlink_answers_in_window": {k: v - a["downlink"]["answers"].get(k, 0)
+                                       for k, v in b["downlink"]["answers"].items()},
+        "downlink_switches_in_window": b["downlink"]["switches"] - a["downlink"]["switches"],
+        "downlink_per_track": b["downlink"]["per_track"],
         "snapshots_held_mb": b["snapshots_held_mb"],
         "snapshots_withheld_in_window": b["snapshots_withheld"] - a["snapshots_withheld"],
     }
@@ -560,6 +568,15 @@ def _yes(ok: bool | None) -> str:
     return "-" if ok is None else ("**yes**" if ok else "**no**")
 
 
+def _answers(row: dict[str, Any]) -> str:
+    """Mean answer MB (chains / full weights / moves between tracks in the window)."""
+    a = row.get("downlink_answers_in_window")
+    if a is None:  # (results written before these were recorded)
+        return f"{row['answer_bytes_mean'] / 2**20:.1f}"
+    return (f"{row['answer_bytes_mean'] / 2**20:.1f} ({a['chain']} / {a['full']} / "
+            f"{row['downlink_switches_in_window']})")
+
+
 def to_markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     first = res["rows"][0]
@@ -581,6 +598,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{r['admission']['peak_held_bytes'] / 2**20:.0f} / {r['admission']['limit_bytes'] / 2**20:.0f}",
             f"{r['admission_waited_in_window']} of {r['admission_admitted_in_window']}",
             f"{r['downlink_tracks']} / {r['downlink_log_mb']:.0f}",
+            _answers(r),
             f"{r['snapshots_held_mb']:.0f} ({r['snapshots_withheld_in_window']})",
         ])
     verdict = []
@@ -640,7 +658,13 @@ def to_markdown(res: dict[str, Any]) -> str:
         "weights (a lossless track's snapshots, every track's full answers) that answers still "
         "being sent and the downlink hold at the window's end, at most 4 copies whatever N "
         "(`MAX_HELD_SNAPSHOTS`); in brackets the answers in the window that said \"no change\" "
-        "because that many were held. "
+        "because that many were held. Answer MB = the mean bytes of an answer (the workers' "
+        "`bytes_down_per_step`), and the window's answers that were chains of log entries / the "
+        "full weights / moves to another track (each a full answer). The answers' size, and with "
+        "it the event loop's cost, follows each worker's lag against the tracks' intervals, not N "
+        "itself: an fp16 entry is half the weights, so a worker 4-7 versions behind (N=4) gets "
+        "the full weights every time, while one 16-31 behind on the interval-16 track gets one "
+        "entry; a top-k entry is a tenth, so chains are cheap at any lag. "
         "MB = 2^20 bytes.",
         "",
         md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
@@ -648,7 +672,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                   "RSS MB idle / warm / window median / end", "HWM MB", "RSS per worker MB",
                   "coordinator cores (loop / apply)", "workers cores", "machine cores",
                   "admission peak / bound MB", "waited for room", "downlink tracks / log MB",
-                  "snapshots held MB (withheld)"], rows),
+                  "answer MB (chains / full / moves)", "snapshots held MB (withheld)"], rows),
         "",
         f"Targets (#20, must-have 3): apply rate within {RATE_TOLERANCE:.0%} of N=4 from 4 to the "
         f"largest N; RSS growth per added worker (slope of the window-median RSS from N=4 to the "

@@ -12,8 +12,10 @@ import torch
 
 from swarmtrain.compression import make_codec
 from swarmtrain.compression.base import Codec
+from swarmtrain.core.ema import MovingAverage
 from swarmtrain.errors import ProtocolError
 from swarmtrain.roles.ps.common import FUSED, unpack_compressed
+from swarmtrain.roles.ps.coordinator import LAG_KEEP
 from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink, UpdateLog, entry_tensors
 from tests.test_ps_inprocess import coordinator, pause_and_settle, worker
 
@@ -259,10 +261,12 @@ class TrackedReplica:
     def __init__(self) -> None:
         self.track, self.version, self.flat = 0, -1, torch.empty(0)
         self.bytes = 0
+        self.lag = MovingAverage(LAG_KEEP)  # (as the coordinator's WorkerRecord keeps it)
 
     def ask(self, dl: Downlink, master: torch.Tensor, version: int) -> list:  # type: ignore[type-arg]
         before = self.track
-        self.track, chain = dl.choose(master, version, self.track, self.version)
+        mean_lag = self.lag.update(max(1, version - self.version))
+        self.track, chain = dl.choose(master, version, self.track, self.version, mean_lag)
         if chain is None:
             found = dl.snapshot(master, lambda views: {
                 f"p{i}": v.clone() for i, v in enumerate(views)}, version, self.track)
@@ -285,6 +289,26 @@ def _downlink() -> Downlink:
     return Downlink(make_codec("uniform", qsgd_bits=4, bucket_size=64), split=_split,
                     names=[f"p{i}" for i in range(len(SIZES))], round_replica=lambda flat: None,
                     replica_bytes=sum(SIZES) * 4, fused=True, max_drift=0.05, reset_interval=10**9)
+
+
+def _advance(dl: Downlink, master: torch.Tensor, gen: torch.Generator, version: int, n: int) -> int:
+    """``n`` optimizer steps, each published on the finest track; returns the new version."""
+    for _ in range(n):
+        version += 1
+        _walk(master, gen)
+        dl.publish(master, version)
+    return version
+
+
+def _one_worker(seed: int) -> tuple[Downlink, torch.Generator, torch.Tensor, TrackedReplica]:
+    """A downlink published at version 0 and one worker that joined there."""
+    dl = _downlink()
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    w = TrackedReplica()
+    w.ask(dl, master, 0)
+    return dl, gen, master, w
 
 
 def test_far_behind_workers_move_to_a_coarser_track_and_get_chains_not_the_weights() -> None:
@@ -323,47 +347,60 @@ def test_far_behind_workers_move_to_a_coarser_track_and_get_chains_not_the_weigh
 
 
 def test_a_worker_whose_lag_shrinks_comes_back_to_the_finest_track() -> None:
-    dl = _downlink()
-    gen = torch.Generator().manual_seed(6)
-    master = torch.randn(sum(SIZES), generator=gen)
-    dl.publish(master, 0)
-    w = TrackedReplica()
-    w.ask(dl, master, 0)
+    dl, gen, master, w = _one_worker(6)
     version = 0
     for _ in range(5):  # it asks every 40 versions: moved to a coarse track
-        for _ in range(40):
-            version += 1
-            _walk(master, gen)
-            dl.publish(master, version)
+        version = _advance(dl, master, gen, version, 40)
         w.ask(dl, master, version)
     assert w.track > 0
     for _ in range(5):  # now every version (the others left): back to one entry per version
-        version += 1
-        _walk(master, gen)
-        dl.publish(master, version)
+        version = _advance(dl, master, gen, version, 1)
         w.ask(dl, master, version)
     assert w.track == 0 and w.version == version
     assert torch.equal(w.flat, dl.fine.published)
+
+
+@pytest.mark.parametrize("lags", [(9, 7), (13, 2)], ids=["hovering", "two-in-flight"])
+def test_a_worker_whose_lag_hovers_about_a_tracks_threshold_does_not_move_back_and_forth(
+        lags: tuple[int, int]) -> None:
+    # lags in turn: 9 (or 13) call for the interval-4 track (at most half the lag), 7 (or 2)
+    # for the finest; 13 and 2 are a worker with two gradients in flight, answered soon and
+    # late in turn. Every move is the full weights; without hysteresis the worker moved at
+    # every answer (bench_scale's four workers did so at one answer in four)
+    dl, gen, master, w = _one_worker(8)
+    version = 0
+    late_bytes, settled = 0, 0
+    for turn in range(20):
+        if turn == 4:
+            settled = dl.switches
+        version = _advance(dl, master, gen, version, lags[turn % 2])
+        before = w.bytes
+        w.ask(dl, master, version)
+        track = dl.tracks[w.track]
+        assert track.published is not None and torch.equal(w.flat, track.published)
+        assert version - w.version < TRACK_INTERVALS[w.track] <= 4  # one interval at most
+        if turn >= 4:
+            late_bytes += w.bytes - before
+    summary = dl.summary()
+    # it moved up (and, while its average lag settled, perhaps once back), then stayed
+    assert w.track == 1 and summary["switches"] <= 3 and summary["switches"] == settled, summary
+    assert late_bytes / 16 < 0.4 * sum(SIZES) * 4  # chains of 1-3 entries, not the weights
+    for _ in range(10):  # lagging less than the interval from now on: back to the finest track
+        version = _advance(dl, master, gen, version, 1)
+        w.ask(dl, master, version)
+    assert w.track == 0 and w.version == version
 
 
 def test_a_track_no_worker_is_on_is_forgotten_and_starts_afresh_when_needed() -> None:
     # a worker lagging 40 versions moves to a coarse track; once its lag shrinks it comes back
     # to the finest, and the coarse track (three copies of the weights at most) is dropped;
     # lagging again, the finest is dropped in turn
-    dl = _downlink()
-    gen = torch.Generator().manual_seed(7)
-    master = torch.randn(sum(SIZES), generator=gen)
-    dl.publish(master, 0)
-    w = TrackedReplica()
-    w.ask(dl, master, 0)
+    dl, gen, master, w = _one_worker(7)
     version = 0
 
     def lag(n: int) -> None:
         nonlocal version
-        for _ in range(n):
-            version += 1
-            _walk(master, gen)
-            dl.publish(master, version)
+        version = _advance(dl, master, gen, version, n)
         w.ask(dl, master, version)
 
     for _ in range(5):

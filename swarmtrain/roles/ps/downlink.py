@@ -388,7 +388,9 @@ class Downlink:
     would need a chain larger than the weights there; it is moved once, with the full
     weights, to the track whose interval is at most half its lag, where every entry covers
     that many versions in the bytes of one. Its replica is then up to one interval older
-    than the finest track's, no more than half of what it lags anyway. Each track is an
+    than the finest track's: no more than half of what it lags anyway when it moves there,
+    and less than what it lags while it stays (it moves back down once it lags less than the
+    interval, see :meth:`choose`). Each track is an
     :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker costs
     one small int (its track). A track no connected worker is on is dropped
     (:meth:`forget_unused`): as more workers lag more they move to coarser tracks, and the
@@ -423,18 +425,27 @@ class Downlink:
         return t
 
     def choose(self, master: torch.Tensor, version: int, track: int, holds: int,
-               ) -> tuple[int, list[LogEntry] | None]:
+               mean_lag: float | None = None) -> tuple[int, list[LogEntry] | None]:
         """(the track that answers a worker on ``track`` holding its version ``holds``, the
         entries that bring it to that track's head — None: that track's full weights, whose
         answer the caller counts with :meth:`full_answered` once it knows whether they went).
         Publishes only the track that answers (no track is published for nobody).
 
         The track a worker should be on is the coarsest whose interval is at most half its
-        lag. On it, it gets a chain (or the weights, when no chain is smaller). On a coarser
-        one it moves down (that track adds staleness it need not have). On a finer one it
-        stays while the chain there is at most half the weights, and moves up otherwise."""
+        lag. On it, it gets a chain (or the weights, when no chain is smaller). On a finer one
+        it stays while the chain there is at most half the weights, and moves up otherwise. On
+        a coarser one it stays while it lags at least that track's interval, this time or on
+        average (``mean_lag``: the caller's moving average of this worker's lags), and moves
+        down only below both. A move costs the full weights, and a worker whose lag hovers
+        about twice an interval, or whose gradients in flight are answered alternately soon
+        and late, would otherwise move up and down again and again (four workers with two
+        gradients in flight each did, at one answer in four, measured by
+        ``benchmarks/bench_scale.py``); staying adds at most ``interval - 1`` versions, fewer
+        than it lags."""
         lag = max(1, version - holds)
         wanted = max(i for i, g in enumerate(self.intervals) if g <= max(1, lag // 2))
+        if track > wanted and self.intervals[track] <= max(lag, mean_lag or 0.0):
+            wanted = track  # (hysteresis: see above)
         if track <= wanted:
             current = self.publish(master, version, track)
             chain = current.chain_from(holds)
