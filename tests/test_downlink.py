@@ -12,11 +12,9 @@ import torch
 
 from swarmtrain.compression import make_codec
 from swarmtrain.compression.base import Codec
-from swarmtrain.core.ema import MovingAverage
 from swarmtrain.errors import ProtocolError
 from swarmtrain.roles.ps.common import FUSED, unpack_compressed
-from swarmtrain.roles.ps.coordinator import LAG_KEEP
-from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink, UpdateLog, entry_tensors
+from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, AnswerGaps, Downlink, UpdateLog, entry_tensors
 from tests.test_ps_inprocess import coordinator, pause_and_settle, worker
 
 SIZES = [600, 400, 24]
@@ -261,12 +259,13 @@ class TrackedReplica:
     def __init__(self) -> None:
         self.track, self.version, self.flat = 0, -1, torch.empty(0)
         self.bytes = 0
-        self.lag = MovingAverage(LAG_KEEP)  # (as the coordinator's WorkerRecord keeps it)
+        self.gaps = AnswerGaps()  # (as the coordinator's WorkerRecord keeps them)
 
     def ask(self, dl: Downlink, master: torch.Tensor, version: int) -> list:  # type: ignore[type-arg]
         before = self.track
-        mean_lag = self.lag.update(max(1, version - self.version))
-        self.track, chain = dl.choose(master, version, self.track, self.version, mean_lag)
+        # (joining is not an answer: the coordinator's welcome does not go through choose)
+        recent = self.gaps.add(version) if self.version >= 0 else None
+        self.track, chain = dl.choose(master, version, self.track, self.version, recent)
         if chain is None:
             found = dl.snapshot(master, lambda views: {
                 f"p{i}": v.clone() for i, v in enumerate(views)}, version, self.track)
@@ -284,25 +283,40 @@ class TrackedReplica:
             self.bytes += entry.nbytes
         return chain
 
+    def ask_and_check(self, dl: Downlink, master: torch.Tensor, version: int) -> int:
+        """:meth:`ask`, then check it holds its track's published weights, bit for bit, at
+        most one interval older than ``version``; returns the bytes the answer took."""
+        before = self.bytes
+        self.ask(dl, master, version)
+        track = dl.tracks[self.track]
+        assert track.published is not None and torch.equal(self.flat, track.published)
+        assert version - self.version < TRACK_INTERVALS[self.track]
+        return self.bytes - before
 
-def _downlink() -> Downlink:
-    return Downlink(make_codec("uniform", qsgd_bits=4, bucket_size=64), split=_split,
+
+def _downlink(codec: Codec | None = None) -> Downlink:
+    return Downlink(codec or make_codec("uniform", qsgd_bits=4, bucket_size=64), split=_split,
                     names=[f"p{i}" for i in range(len(SIZES))], round_replica=lambda flat: None,
                     replica_bytes=sum(SIZES) * 4, fused=True, max_drift=0.05, reset_interval=10**9)
 
 
-def _advance(dl: Downlink, master: torch.Tensor, gen: torch.Generator, version: int, n: int) -> int:
-    """``n`` optimizer steps, each published on the finest track; returns the new version."""
+def _advance(dl: Downlink, master: torch.Tensor, gen: torch.Generator, version: int, n: int,
+             every_track: bool = False) -> int:
+    """``n`` optimizer steps, each published on the finest track (``every_track``: on every
+    track in use, as other workers on them would have it); returns the new version."""
     for _ in range(n):
         version += 1
         _walk(master, gen)
-        dl.publish(master, version)
+        for track in range(len(dl.tracks) if every_track else 1):
+            if track == 0 or dl.tracks[track].head >= 0:
+                dl.publish(master, version, track)
     return version
 
 
-def _one_worker(seed: int) -> tuple[Downlink, torch.Generator, torch.Tensor, TrackedReplica]:
+def _one_worker(seed: int, codec: Codec | None = None,
+                ) -> tuple[Downlink, torch.Generator, torch.Tensor, TrackedReplica]:
     """A downlink published at version 0 and one worker that joined there."""
-    dl = _downlink()
+    dl = _downlink(codec)
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(sum(SIZES), generator=gen)
     dl.publish(master, 0)
@@ -374,21 +388,40 @@ def test_a_worker_whose_lag_hovers_about_a_tracks_threshold_does_not_move_back_a
         if turn == 4:
             settled = dl.switches
         version = _advance(dl, master, gen, version, lags[turn % 2])
-        before = w.bytes
-        w.ask(dl, master, version)
-        track = dl.tracks[w.track]
-        assert track.published is not None and torch.equal(w.flat, track.published)
-        assert version - w.version < TRACK_INTERVALS[w.track] <= 4  # one interval at most
+        got = w.ask_and_check(dl, master, version)
+        assert TRACK_INTERVALS[w.track] <= 4
         if turn >= 4:
-            late_bytes += w.bytes - before
+            late_bytes += got
     summary = dl.summary()
-    # it moved up (and, while its average lag settled, perhaps once back), then stayed
+    # it moved up (and, while its gaps settled, perhaps once back), then stayed
     assert w.track == 1 and summary["switches"] <= 3 and summary["switches"] == settled, summary
     assert late_bytes / 16 < 0.4 * sum(SIZES) * 4  # chains of 1-3 entries, not the weights
     for _ in range(10):  # lagging less than the interval from now on: back to the finest track
         version = _advance(dl, master, gen, version, 1)
         w.ask(dl, master, version)
     assert w.track == 0 and w.version == version
+
+
+def test_a_worker_sent_the_weights_anyway_goes_where_one_entry_covers_its_lag() -> None:
+    # an fp16 entry is half the weights: a worker 20 versions behind would get 5 entries on
+    # the interval-4 track (at most half its lag; published every 4 versions, as with other
+    # workers on it), more than the weights, so the full weights at every answer; on the
+    # interval-16 track one entry covers its lag, or two (as large as the weights: then the
+    # weights) when two of its publications fell within it
+    dl, gen, master, w = _one_worker(9, make_codec("fp16"))
+    weights = sum(SIZES) * 4
+    version, late_bytes, late_full = 0, 0, 0
+    for turn in range(12):
+        version = _advance(dl, master, gen, version, 20, every_track=True)
+        full_before = dl.summary()["answers"]["full"]
+        got = w.ask_and_check(dl, master, version)
+        assert TRACK_INTERVALS[w.track] <= 20  # (so it is less than 20 versions older)
+        if turn >= 3:
+            late_bytes += got
+            late_full += dl.summary()["answers"]["full"] - full_before
+    assert w.track == 2, dl.summary()
+    # (before: the weights at all 9 answers; here one entry at 5 of them)
+    assert late_full <= 5 and late_bytes <= 9 * weights * 0.8, (late_full, late_bytes, dl.summary())
 
 
 def test_a_track_no_worker_is_on_is_forgotten_and_starts_afresh_when_needed() -> None:

@@ -71,7 +71,7 @@ from swarmtrain.roles.ps.common import (
     unpack_compressed,
     unpack_lazy,
 )
-from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, Downlink, LogEntry
+from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, AnswerGaps, Downlink, LogEntry
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, FlatAdam, phase_after
 from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
@@ -119,9 +119,6 @@ MAX_HELD_SNAPSHOTS = 4
 #: a worker's step time bounds how long an aggregation window waits for it: it follows a
 #: change of speed (throttling, another job on the machine) within a few gradients
 STEP_TIME_KEEP = 0.8
-#: a worker's lag when answered, over its last few answers: which downlink track answers it
-#: must not follow the alternation of its gradients in flight (Downlink.choose)
-LAG_KEEP = 0.75
 #: the loss in the status and the run log, over about twenty gradients: the workers' shards
 #: give different losses, and which one arrived last must not make the curve jump
 LOSS_KEEP = 0.95
@@ -223,9 +220,8 @@ class WorkerRecord:
     holds_version: int = -1
     #: the downlink track its replica is on (roles/ps/downlink.py; 0: the finest)
     track: int = 0
-    #: versions between the one its replica holds and the one it is answered at, smoothed:
-    #: with several gradients in flight they alternate short and long (Downlink.choose)
-    lag: MovingAverage = field(default_factory=lambda: MovingAverage(LAG_KEEP))
+    #: the versions between its last few answers (Downlink.choose)
+    gaps: AnswerGaps = field(default_factory=AnswerGaps)
     #: the worker holds the master buffers as of this version (changes after it are sent)
     buffers_version: int = -1
     #: its shard set changed while it (or another) was registering: an ASSIGN is owed
@@ -745,7 +741,7 @@ class Coordinator:
         shard = rec.shard_index
         rec.first_applied_pending = True
         rec.track = 0  # its weights come from the finest track (the next answer may move it)
-        rec.lag = MovingAverage(LAG_KEEP)
+        rec.gaps = AnswerGaps()
         rec.joined_at = time.monotonic()
         rec.samples_since_join = 0
         rec.buffers_version = -1
@@ -1396,9 +1392,8 @@ class Coordinator:
         """
         master = self._flat_master()
         before = rec.track
-        mean_lag = rec.lag.update(max(1, self.version - rec.holds_version))
-        rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version,
-                                                mean_lag)
+        recent = rec.gaps.add(self.version)
+        rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version, recent)
         if chain is None:
             reply = self._full_update(rec, msg_id, status)
             self.downlink.full_answered(rec.track, before, sent=reply.full)

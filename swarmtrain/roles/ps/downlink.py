@@ -38,7 +38,8 @@ from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
 from swarmtrain.wire.pool import phased_floats
 
-__all__ = ["TRACK_INTERVALS", "Downlink", "LogEntry", "UpdateLog", "entry_prefix", "entry_tensors"]
+__all__ = ["LAG_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog", "entry_prefix",
+           "entry_tensors"]
 
 #: flat-vector views shaped like the parameters -> new tensors as a worker holds them
 ToReplica = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
@@ -375,6 +376,34 @@ def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, 
     return {k[n:]: t for k, t in tensors.items() if k.startswith(prefix)}
 
 
+#: answers over which the spacing of a worker's answers is remembered (:class:`AnswerGaps`)
+LAG_WINDOW = 4
+
+
+class AnswerGaps:
+    """How many versions passed between a worker's answers, over its last
+    :data:`LAG_WINDOW`, for :meth:`Downlink.choose`. This is how often it asks, which its lag
+    (versions behind what it holds) is not on a coarse track: there the track's own age adds
+    to the lag, and a worker kept there by its lag would keep itself there. With several
+    gradients in flight the gaps alternate short and long, and which track answers it must
+    not follow that alternation; once it really asks more often (the others left), the long
+    gaps are forgotten within :data:`LAG_WINDOW` answers."""
+
+    __slots__ = ("_gaps", "_last")
+
+    def __init__(self) -> None:
+        self._gaps: deque[int] = deque(maxlen=LAG_WINDOW)
+        self._last = -1
+
+    def add(self, version: int) -> int | None:
+        """An answer at ``version``; returns the longest remembered gap (None: no gap yet,
+        this is its first answer)."""
+        if self._last >= 0:
+            self._gaps.append(max(1, version - self._last))
+        self._last = version
+        return max(self._gaps) if self._gaps else None
+
+
 #: the published tracks: publication every 1, 4, 16 and 64 versions (a coarse one is made
 #: only once a worker lags enough to need it)
 TRACK_INTERVALS = (1, 4, 16, 64)
@@ -389,10 +418,11 @@ class Downlink:
     weights, to the track whose interval is at most half its lag, where every entry covers
     that many versions in the bytes of one. Its replica is then up to one interval older
     than the finest track's: no more than half of what it lags anyway when it moves there,
-    and less than what it lags while it stays (it moves back down once it lags less than the
-    interval, see :meth:`choose`). Each track is an
-    :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker costs
-    one small int (its track). A track no connected worker is on is dropped
+    and less than the versions that passed between two of its last few answers while it
+    stays (it moves back down once they are all shorter than the interval, see
+    :meth:`choose`). Each track is an :class:`UpdateLog`; each is O(parameters), none grows
+    with the workers; a worker costs one small int (its track) and its last few answers'
+    spacing (:class:`AnswerGaps`). A track no connected worker is on is dropped
     (:meth:`forget_unused`): as more workers lag more they move to coarser tracks, and the
     finer ones they left would otherwise keep their copies of the weights for nobody.
 
@@ -425,7 +455,7 @@ class Downlink:
         return t
 
     def choose(self, master: torch.Tensor, version: int, track: int, holds: int,
-               mean_lag: float | None = None) -> tuple[int, list[LogEntry] | None]:
+               recent_gap: int | None = None) -> tuple[int, list[LogEntry] | None]:
         """(the track that answers a worker on ``track`` holding its version ``holds``, the
         entries that bring it to that track's head — None: that track's full weights, whose
         answer the caller counts with :meth:`full_answered` once it knows whether they went).
@@ -434,17 +464,24 @@ class Downlink:
         The track a worker should be on is the coarsest whose interval is at most half its
         lag. On it, it gets a chain (or the weights, when no chain is smaller). On a finer one
         it stays while the chain there is at most half the weights, and moves up otherwise. On
-        a coarser one it stays while it lags at least that track's interval, this time or on
-        average (``mean_lag``: the caller's moving average of this worker's lags), and moves
-        down only below both. A move costs the full weights, and a worker whose lag hovers
-        about twice an interval, or whose gradients in flight are answered alternately soon
-        and late, would otherwise move up and down again and again (four workers with two
-        gradients in flight each did, at one answer in four, measured by
-        ``benchmarks/bench_scale.py``); staying adds at most ``interval - 1`` versions, fewer
-        than it lags."""
+        a coarser one it stays while at least that track's interval passed between two of its
+        last few answers (``recent_gap``: the longest such gap, :class:`AnswerGaps`; without
+        one, its lag), and moves down only once all were shorter. A move costs the full weights, and a
+        worker whose lag hovers about twice an interval, or whose gradients in flight are
+        answered alternately soon and late, would otherwise move up and down again and again
+        (four workers with two gradients in flight each did, at one answer in four, measured
+        by ``benchmarks/bench_scale.py``); staying adds at most ``interval - 1`` versions,
+        fewer than it lately waited between answers.
+
+        A worker that gets the full weights anyway goes where its next answers will be small
+        (:meth:`_full_destination`): when a chain on the track its lag calls for would be about
+        the weights' size (an fp16 entry is half of them, so two entries are as large), it goes
+        to the coarsest track whose interval is at most its lag, where one or two entries
+        cover it, under the same bound as staying."""
         lag = max(1, version - holds)
         wanted = max(i for i, g in enumerate(self.intervals) if g <= max(1, lag // 2))
-        if track > wanted and self.intervals[track] <= max(lag, mean_lag or 0.0):
+        spacing = lag if recent_gap is None else recent_gap
+        if track > wanted and self.intervals[track] <= spacing:
             wanted = track  # (hysteresis: see above)
         if track <= wanted:
             current = self.publish(master, version, track)
@@ -454,8 +491,23 @@ class Downlink:
             if chain is not None and small:
                 current.count(chain)
                 return track, chain
-        self.publish(master, version, wanted)
-        return wanted, None  # (counted once answered: full_answered)
+        dest = self._full_destination(wanted, min(lag, spacing))
+        self.publish(master, version, dest)
+        return dest, None  # (counted once answered: full_answered)
+
+    def _full_destination(self, wanted: int, typical: int) -> int:
+        """The track whose weights answer a worker that :meth:`choose` sends the full weights,
+        ``typical`` versions behind (its lag, or the spacing of its answers if less):
+        ``wanted``, unless the chains it would get there (about ``typical / interval`` entries
+        of the size the tracks' entries have) would be over half the weights, as
+        :meth:`choose` counts a chain small; then the coarsest whose interval is at most
+        ``typical``. (A lossless track has no entries: its answers are the weights whatever
+        the track.)"""
+        entry = max((t.entries[-1].nbytes for t in self.tracks if t.entries), default=0)
+        half = self.tracks[wanted].replica_bytes // 2
+        if not entry or math.ceil(typical / self.intervals[wanted]) * entry <= half:
+            return wanted
+        return max(wanted, max(i for i, g in enumerate(self.intervals) if g <= max(1, typical)))
 
     def full_answered(self, track: int, moved_from: int, *, sent: bool) -> None:
         """Count the answer with ``track``'s weights that :meth:`choose` called for, to a
