@@ -661,10 +661,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         "because that many were held. Answer MB = the mean bytes of an answer (the workers' "
         "`bytes_down_per_step`), and the window's answers that were chains of log entries / the "
         "full weights / moves to another track (each a full answer). The answers' size, and with "
-        "it the event loop's cost, follows each worker's lag against the tracks' intervals, not N "
-        "itself: an fp16 entry is half the weights, so a worker 4-7 versions behind (N=4) gets "
-        "the full weights every time, while one 16-31 behind on the interval-16 track gets one "
-        "entry; a top-k entry is a tenth, so chains are cheap at any lag. "
+        "it the event loop's cost, follows each worker's lag against the tracks' intervals: an "
+        "fp16 entry is half the weights, so a chain of two is as large as the weights; a worker "
+        "the weights go to anyway is put on the coarsest track whose interval is at most its lag, "
+        "where one entry covers it (at the cost of up to that interval's staleness). "
         "MB = 2^20 bytes.",
         "",
         md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
