@@ -14,7 +14,14 @@ from swarmtrain.compression import make_codec
 from swarmtrain.compression.base import Codec
 from swarmtrain.errors import ProtocolError
 from swarmtrain.roles.ps.common import FUSED, unpack_compressed
-from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, AnswerGaps, Downlink, UpdateLog, entry_tensors
+from swarmtrain.roles.ps.downlink import (
+    GAP_WINDOW,
+    TRACK_INTERVALS,
+    AnswerGaps,
+    Downlink,
+    UpdateLog,
+    entry_tensors,
+)
 from tests.test_ps_inprocess import coordinator, pause_and_settle, worker
 
 SIZES = [600, 400, 24]
@@ -292,6 +299,16 @@ class TrackedReplica:
         assert track.published is not None and torch.equal(self.flat, track.published)
         assert version - self.version < TRACK_INTERVALS[self.track]
         return self.bytes - before
+
+
+def test_answer_gaps_remember_the_longest_of_the_last_few_and_forget_it() -> None:
+    gaps = AnswerGaps()
+    assert gaps.add(10) is None  # the first answer has no gap
+    assert gaps.add(10) == 1  # (two answers at one version: a gap of one)
+    assert gaps.add(40) == 30
+    for version in range(41, 41 + GAP_WINDOW - 1):
+        assert gaps.add(version) == 30  # the long gap is still among the last few
+    assert gaps.add(41 + GAP_WINDOW - 1) == 1  # and then forgotten
 
 
 def _downlink(codec: Codec | None = None) -> Downlink:

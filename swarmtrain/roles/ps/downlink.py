@@ -38,7 +38,7 @@ from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
 from swarmtrain.wire.pool import phased_floats
 
-__all__ = ["LAG_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog", "entry_prefix",
+__all__ = ["GAP_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog", "entry_prefix",
            "entry_tensors"]
 
 #: flat-vector views shaped like the parameters -> new tensors as a worker holds them
@@ -377,22 +377,22 @@ def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, 
 
 
 #: answers over which the spacing of a worker's answers is remembered (:class:`AnswerGaps`)
-LAG_WINDOW = 4
+GAP_WINDOW = 4
 
 
 class AnswerGaps:
     """How many versions passed between a worker's answers, over its last
-    :data:`LAG_WINDOW`, for :meth:`Downlink.choose`. This is how often it asks, which its lag
-    (versions behind what it holds) is not on a coarse track: there the track's own age adds
-    to the lag, and a worker kept there by its lag would keep itself there. With several
+    :data:`GAP_WINDOW`, for :meth:`Downlink.choose`: how often it is answered. Its lag
+    (versions behind what it holds) does not say that on a coarse track, where the track's
+    own age adds to it: a worker kept there by its lag would keep itself there. With several
     gradients in flight the gaps alternate short and long, and which track answers it must
-    not follow that alternation; once it really asks more often (the others left), the long
-    gaps are forgotten within :data:`LAG_WINDOW` answers."""
+    not follow that alternation; once it really is answered more often (the others left),
+    the long gaps are forgotten within :data:`GAP_WINDOW` answers."""
 
     __slots__ = ("_gaps", "_last")
 
     def __init__(self) -> None:
-        self._gaps: deque[int] = deque(maxlen=LAG_WINDOW)
+        self._gaps: deque[int] = deque(maxlen=GAP_WINDOW)
         self._last = -1
 
     def add(self, version: int) -> int | None:
@@ -466,12 +466,12 @@ class Downlink:
         it stays while the chain there is at most half the weights, and moves up otherwise. On
         a coarser one it stays while at least that track's interval passed between two of its
         last few answers (``recent_gap``: the longest such gap, :class:`AnswerGaps`; without
-        one, its lag), and moves down only once all were shorter. A move costs the full weights, and a
-        worker whose lag hovers about twice an interval, or whose gradients in flight are
-        answered alternately soon and late, would otherwise move up and down again and again
-        (four workers with two gradients in flight each did, at one answer in four, measured
-        by ``benchmarks/bench_scale.py``); staying adds at most ``interval - 1`` versions,
-        fewer than it lately waited between answers.
+        one, its lag), and moves down only once all were shorter. A move costs the full
+        weights, and a worker whose lag hovers about twice an interval, or whose gradients in
+        flight are answered alternately soon and late, would otherwise move up and down again
+        and again (four workers with two gradients in flight each did, at one answer in four,
+        measured by ``benchmarks/bench_scale.py``); staying adds at most ``interval - 1``
+        versions, fewer than it lately waited between answers.
 
         A worker that gets the full weights anyway goes where its next answers will be small
         (:meth:`_full_destination`): when a chain on the track its lag calls for would be about
