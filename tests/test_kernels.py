@@ -184,7 +184,6 @@ def test_a_top_k_index_out_of_range_is_refused_by_the_kernel_too(fast: Kernels) 
         decode_topk(c)
 
 
-
 def test_many_top_k_entries_are_checked_in_one_call_as_one_by_one(fast: Kernels) -> None:
     """``topk_check_many`` passes what ``topk_check`` passes entry by entry, and names the
     first entry that fails (bad counts or an index past the last block's end)."""
@@ -203,6 +202,7 @@ def test_many_top_k_entries_are_checked_in_one_call_as_one_by_one(fast: Kernels)
                        ([entries[0], entries[1], bad_counts, bad_index], 2)):
         assert [fast.topk_check(*e) != 0 for e in bad].index(True) == first
         assert fast.topk_check_many(bad) == first
+
 
 # -- the fused Adam (roles/ps/flat_adam.py over st_adam_apply) ----------------------------
 

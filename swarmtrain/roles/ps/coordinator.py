@@ -71,7 +71,7 @@ from swarmtrain.roles.ps.common import (
     unpack_compressed,
     unpack_lazy,
 )
-from swarmtrain.roles.ps.downlink import TRACK_INTERVALS, AnswerGaps, Downlink, LogEntry
+from swarmtrain.roles.ps.downlink import AnswerGaps, Downlink, LogEntry, coarsest_track
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, FlatAdam, phase_after
 from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
@@ -1197,7 +1197,8 @@ class Coordinator:
         if answer is not None and answer.track == 0 and not self._lowp:
             if not fine.lossless:
                 target = fine.fused_target(fa.flat.numel())
-            elif _wanted_track(version - answer.holds_version) == 0 and self._snapshot_room():
+            # (a worker on the finest track stays there while its lag calls for no coarser one)
+            elif coarsest_track((version - answer.holds_version) // 2) == 0 and self._snapshot_room():
                 snapshot = self._snapshot_buffers(fa.flat.numel())
         status, resid, norm = fa.step(grads, lr, held=held, publication=target[0] if target else None,
                                       snapshot=snapshot)
@@ -1669,11 +1670,6 @@ _VALUES_ARE_THE_GRADIENT = frozenset({"none", "fp16", "topk"})
 def _dense(grads: Mapping[str, LazyGradient]) -> dict[str, torch.Tensor]:
     """The gradients decoded to float32 (the ones already are, as they are)."""
     return {n: dense_gradient(g) for n, g in grads.items()}
-
-
-def _wanted_track(lag: int) -> int:
-    """The track :meth:`Downlink.choose` answers a worker ``lag`` versions behind from."""
-    return max(i for i, g in enumerate(TRACK_INTERVALS) if g <= max(1, lag // 2))
 
 
 def _gradient_norm(msg: Gradients, grads: Mapping[str, LazyGradient]) -> float:

@@ -38,8 +38,8 @@ from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
 from swarmtrain.wire.pool import phased_floats
 
-__all__ = ["GAP_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog", "entry_prefix",
-           "entry_tensors"]
+__all__ = ["GAP_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog",
+           "coarsest_track", "entry_prefix", "entry_tensors"]
 
 #: flat-vector views shaped like the parameters -> new tensors as a worker holds them
 ToReplica = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
@@ -409,6 +409,11 @@ class AnswerGaps:
 TRACK_INTERVALS = (1, 4, 16, 64)
 
 
+def coarsest_track(versions: int) -> int:
+    """The coarsest track whose interval is at most ``versions`` (the finest when none is)."""
+    return max(i for i, g in enumerate(TRACK_INTERVALS) if g <= max(1, versions))
+
+
 class Downlink:
     """Published tracks at several intervals, and which one answers a worker.
 
@@ -479,7 +484,7 @@ class Downlink:
         to the coarsest track whose interval is at most its lag, where one or two entries
         cover it, under the same bound as staying."""
         lag = max(1, version - holds)
-        wanted = max(i for i, g in enumerate(self.intervals) if g <= max(1, lag // 2))
+        wanted = coarsest_track(lag // 2)
         spacing = lag if recent_gap is None else recent_gap
         if track > wanted and self.intervals[track] <= spacing:
             wanted = track  # (hysteresis: see above)
@@ -507,7 +512,7 @@ class Downlink:
         half = self.tracks[wanted].replica_bytes // 2
         if not entry or math.ceil(typical / self.intervals[wanted]) * entry <= half:
             return wanted
-        return max(wanted, max(i for i, g in enumerate(self.intervals) if g <= max(1, typical)))
+        return max(wanted, coarsest_track(typical))
 
     def full_answered(self, track: int, moved_from: int, *, sent: bool) -> None:
         """Count the answer with ``track``'s weights that :meth:`choose` called for, to a
