@@ -371,6 +371,33 @@ def test_copies_of_the_weights_held_by_unsent_answers_are_bounded_whatever_the_w
     assert reply is not None and reply.full and reply.version == c.version  # a new copy again
 
 
+def test_welcomes_to_a_burst_of_joining_workers_hold_no_more_copies_than_answers_may() -> None:
+    """Workers joining while training runs each get the full weights (the welcome); a welcome
+    not yet sent (a slow link) holds its copy. They took a new copy each, outside the bound on
+    copies that answers keep to (bench_scale: RSS after 64 joins 974 MB against 737 at 4, HWM
+    1,088 MB); past MAX_HELD_SNAPSHOTS a welcome now shares the newest copy. A joining worker
+    holds nothing, so any version's weights will do: each welcome is exactly its version's."""
+    from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS, WorkerRecord
+
+    c, trainer = _big_coordinator(**{"training.max_staleness": 1000})
+    weights = {c.version: {n: p.clone() for n, p in c.params.items()}}
+    welcomes = []
+    pool = c._snapshot_pool
+    for i in range(3 * MAX_HELD_SNAPSHOTS):
+        status, _ = c._apply_gradient(trainer, message(c.params, grads_of(c.params, i), fuse=False,
+                                                       msg_id=i + 1, version=trainer.holds_version))
+        assert status == "applied"
+        weights[c.version] = {n: p.clone() for n, p in c.params.items()}
+        joiner = WorkerRecord(f"join{i}", "test", {}, 32, 0.0, [0])  # (as record() makes one)
+        c.workers[joiner.worker_id] = joiner
+        welcomes.append(c._snapshot_for(joiner, everything=True))  # (as _welcome takes them)
+        assert pool.in_use() <= MAX_HELD_SNAPSHOTS, i
+    assert len({w.version for w in welcomes}) >= MAX_HELD_SNAPSHOTS - 1  # (new copies while room)
+    for w in welcomes:
+        assert all(torch.equal(w.tensors[n], weights[w.version][n]) for n in c.params)
+        assert c.workers[f"join{welcomes.index(w)}"].holds_version == w.version
+
+
 def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> None:
     """A worker far behind is moved to a coarser track with that track's full weights (its
     published copy differs from the finest track's by what each coded). When no copy may be

@@ -741,6 +741,7 @@ class Coordinator:
         shard = rec.shard_index
         rec.first_applied_pending = True
         rec.track = 0  # its weights come from the finest track (the next answer may move it)
+        rec.holds_version = -1  # (a joining worker holds nothing yet: its welcome says what)
         rec.gaps = AnswerGaps()
         rec.joined_at = time.monotonic()
         rec.samples_since_join = 0
@@ -934,8 +935,15 @@ class Coordinator:
         """The published weights for ``rec`` (its replica becomes them): the trainable
         parameters (published now, copied once per version whoever asks) and the synced
         buffers' masters, plus frozen parameters and constant buffers with ``everything`` (at
-        registration: a worker's frozen backbone becomes the coordinator's)."""
-        weights = self._snapshot_or_none(rec, make=True, everything=everything)
+        registration: a worker's frozen backbone becomes the coordinator's).
+
+        While :data:`MAX_HELD_SNAPSHOTS` copies are held, the newest copy after what ``rec``
+        holds answers instead of a new one (a joining worker holds nothing: any will do), so
+        that a burst of welcomes not yet sent holds no more copies than answers may; a new
+        copy is made only when there is none it could take."""
+        weights = self._snapshot_or_none(rec, make=self._snapshot_room(), everything=everything)
+        if weights is None:
+            weights = self._snapshot_or_none(rec, make=True, everything=everything)
         if weights is None:  # (made whenever asked to)
             raise RuntimeError("no snapshot was made")
         return weights
