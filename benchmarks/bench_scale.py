@@ -305,7 +305,9 @@ class Run:
                 # copies of the weights held by answers and the downlink (MB), and the answers
                 # that said "no change" while the most allowed were held
                 "snapshots_held_mb": st["snapshots"]["held_mb"],
-                "snapshots_withheld": st["snapshots"]["withheld"]}
+                "snapshots_withheld": st["snapshots"]["withheld"],
+                # freed memory the coordinator gave back to the system after bursts (MB, times)
+                "allocator": st.get("memory", {})}
 
     def finish(self, timeout: float = 180.0) -> list[dict[str, Any]]:
         """ctl SHUTDOWN, wait for every process, read the light workers' files."""
@@ -475,6 +477,7 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
         "downlink_per_track": b["downlink"]["per_track"],
         "snapshots_held_mb": b["snapshots_held_mb"],
         "snapshots_withheld_in_window": b["snapshots_withheld"] - a["snapshots_withheld"],
+        "memory_released": b["allocator"],
     }
 
 
@@ -577,6 +580,14 @@ def _answers(row: dict[str, Any]) -> str:
             f"{row['downlink_switches_in_window']})")
 
 
+def _released(row: dict[str, Any]) -> str:
+    """Freed memory given back by the window's end, MB (releases)."""
+    m = row.get("memory_released") or {}
+    if "released_mb" not in m:  # (results written before it was recorded)
+        return "-"
+    return f"{m['released_mb']:.0f} ({m['releases']})"
+
+
 def to_markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     first = res["rows"][0]
@@ -600,6 +611,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{r['downlink_tracks']} / {r['downlink_log_mb']:.0f}",
             _answers(r),
             f"{r['snapshots_held_mb']:.0f} ({r['snapshots_withheld_in_window']})",
+            _released(r),
         ])
     verdict = []
     for codec, d in res["derived"].items():
@@ -665,14 +677,18 @@ def to_markdown(res: dict[str, Any]) -> str:
         "fp16 entry is half the weights, so a chain of two is as large as the weights; a worker "
         "the weights go to anyway is put on the coarsest track whose interval is at most its lag, "
         "where one entry covers it (at the cost of up to that interval's staleness). "
-        "MB = 2^20 bytes.",
+        "Freed MB given back = memory malloc held free and resident that the coordinator returned "
+        "to the system by the window's end (`FreedMemory`: checked every 5 s, released once the "
+        "resident set outgrew malloc's use by twice the model's size since the last release; "
+        "the joins of many workers at once leave such memory). MB = 2^20 bytes.",
         "",
         md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
                   "vs N=4", "capacity /s (loop / apply ms)", "vs N=4", "latency ms", "staleness",
                   "RSS MB idle / warm / window median / end", "HWM MB", "RSS per worker MB",
                   "coordinator cores (loop / apply)", "workers cores", "machine cores",
                   "admission peak / bound MB", "waited for room", "downlink tracks / log MB",
-                  "answer MB (chains / full / moves)", "snapshots held MB (withheld)"], rows),
+                  "answer MB (chains / full / moves)", "snapshots held MB (withheld)",
+                  "freed MB given back (times)"], rows),
         "",
         f"Targets (#20, must-have 3): apply rate within {RATE_TOLERANCE:.0%} of N=4 from 4 to the "
         f"largest N; RSS growth per added worker (slope of the window-median RSS from N=4 to the "

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from swarmtrain.config import load_coordinator_config, load_worker_config
+from swarmtrain.core import hardware
 from swarmtrain.errors import ConfigError, RefusedError
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.worker import Worker, WorkerState
@@ -423,3 +426,32 @@ def test_each_step_starts_from_no_gradient_and_a_models_own_zero_grad_is_called(
     own._compute()
     own._compute()
     assert Counting.calls == 2
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_the_coordinator_gives_memory_freed_by_a_burst_back_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the wiring of FreedMemory (tests/test_hardware.py): a running coordinator releases what
+    # a burst left resident within its check interval, and its status counts it
+    monkeypatch.setattr(Coordinator, "MEMORY_CHECK_INTERVAL_SEC", 0.2)
+    hardware.tune_allocator()  # (as every swarmtrain command does: 8 MB buffers in malloc's heap)
+
+    async def main() -> dict[str, Any]:
+        c = coordinator()
+        await c.start()
+        try:
+            await asyncio.sleep(0.5)
+            assert c.status()["memory"]["releases"] == 0  # (nothing to give back yet)
+            burst = [torch.ones(2 << 20) for _ in range(60)]  # 60 buffers of 8 MB
+            del burst[::2]  # 240 MB freed between buffers still in use
+            deadline = time.monotonic() + 20
+            while c.status()["memory"]["releases"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            del burst
+            return c.status()["memory"]
+        finally:
+            await c.close()
+
+    memory = asyncio.run(main())
+    assert memory["releases"] >= 1 and memory["released_mb"] > 200, memory
+    assert memory["allocator_free_mb"] is not None

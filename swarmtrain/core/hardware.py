@@ -470,3 +470,85 @@ def tune_allocator(mmap_threshold_mb: int = 32, trim_threshold_mb: int = 128) ->
             libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold_mb << 20))
     except (OSError, AttributeError):  # not glibc (musl, ...)
         return False
+
+
+
+class FreedMemory:
+    """Gives memory the allocator holds free back to the system after a burst.
+
+    glibc's malloc returns freed memory at the top of its heap (past ``trim_threshold_mb``, see
+    :func:`tune_allocator`) but keeps free chunks between live ones resident, and tensor-sized
+    buffers below the mmap threshold live in those heaps. A burst that frees more than it keeps
+    (measured: 64 workers joining a coordinator at once) leaves that memory resident for the
+    rest of the run: 180 MB for a 38 MB model.
+
+    :meth:`check` estimates the resident free memory as the growth, since the last release, of
+    the resident set less what malloc has in use (``mallinfo2``: in its heaps and mmapped).
+    Past ``keep_bytes`` it releases every free page (``malloc_trim(0)``, which also unmaps
+    whole free pages inside the heaps). Free memory a steady workload reuses at every step
+    stays under the bound, so it is not given back only to fault in again.
+
+    Linux with glibc 2.33 or later; elsewhere :attr:`available` is False and :meth:`check`
+    does nothing. Thread-safe as malloc is (each heap is locked while it is trimmed); one
+    caller at a time.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._libc = _glibc_malloc_info()
+        self._proc = psutil.Process()
+        #: resident bytes that are not malloc's in-use memory, just after the last release
+        self._baseline = self._not_in_use() if self._libc is not None else 0
+        self.releases = 0
+        #: resident bytes given back, summed over the releases (RSS before - after)
+        self.released_bytes = 0
+
+    @property
+    def available(self) -> bool:
+        return self._libc is not None
+
+    def _not_in_use(self) -> int:
+        info = self._libc.mallinfo2()
+        return int(self._proc.memory_info().rss - info.uordblks - info.hblkhd)
+
+    def check(self) -> int:
+        """Release free memory if the resident set outgrew malloc's use by more than the
+        bound since the last release; returns the resident bytes given back (0: nothing)."""
+        if self._libc is None:
+            return 0
+        if self._not_in_use() - self._baseline <= self.keep_bytes:
+            return 0
+        before = self._proc.memory_info().rss
+        self._libc.malloc_trim(0)
+        released = max(0, before - self._proc.memory_info().rss)
+        self._baseline = self._not_in_use()
+        self.releases += 1
+        self.released_bytes += released
+        return released
+
+    def summary(self) -> dict[str, Any]:
+        free = int(self._libc.mallinfo2().fordblks) if self._libc is not None else None
+        return {"allocator_free_mb": None if free is None else free / 2**20,
+                "releases": self.releases, "released_mb": self.released_bytes / 2**20}
+
+
+def _glibc_malloc_info() -> Any:
+    """libc with ``mallinfo2`` and ``malloc_trim`` typed, or None (not Linux/glibc 2.33+)."""
+    if platform.system() != "Linux":
+        return None
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        libc.mallinfo2.argtypes = []
+        libc.malloc_trim.restype = ctypes.c_int
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return None
+    return libc
