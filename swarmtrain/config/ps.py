@@ -109,8 +109,9 @@ class CoordinatorTrainingConfig(LRScheduleConfig):
                                     gt=0.0)
     num_shards: int = _opt(0, "data shards (0 = max(min_workers, 1))", ge=0)
     resync_interval: int = _opt(
-        50, "publications of the shared downlink between restarts of its published track from the "
-        "master (each worker then gets the full weights once)", ge=1)
+        50, "a worker's answers between restarts of its downlink track from the master (each "
+        "worker then gets the full weights once): publications, times the entries of the track's "
+        "typical chain, so as rare per answer however many workers share the track", ge=1)
     seed: int = _opt(0, "seed of the model initialisation", ge=0)
     max_grad_norm: float = _opt(
         0.0, "gradients with a larger L2 norm are clipped or rejected (grad_norm_action); 0 = no "

@@ -15,9 +15,13 @@ of the weights plus one cached snapshot, whatever the number of workers.
 
 Drift bound: after every publication ``‖master − P‖ / ‖master‖ ≤ max_drift``; a publication
 that would leave ``P`` further away restarts the published track from the master (every
-worker then gets the full weights once), and so does every ``reset_interval``-th one. A
-lossless downlink keeps no ``P`` at all: the published weights are the master's, and every
-answer that changes anything is a snapshot of them (a float32 delta is as large).
+worker then gets the full weights once), and so does one every ``reset_interval`` answers
+of a worker on the track: every ``reset_interval`` publications times the entries in a
+typical chain (a worker answered once in four publications is restarted after four times as
+many, so that each worker gets the full weights once in ``reset_interval`` of its answers
+however many share the track). A lossless downlink keeps no ``P`` at all: the published
+weights are the master's, and every answer that changes anything is a snapshot of them (a
+float32 delta is as large).
 """
 
 from __future__ import annotations
@@ -34,12 +38,17 @@ from swarmtrain.compression import LOSSLESS_CODECS, Codec, Compressed, SizeAdapt
 from swarmtrain.compression.kernels import PUB_FP16, PUB_UNIFORM, Kernels, Publication, kernels
 from swarmtrain.compression.simple import FP16Codec
 from swarmtrain.compression.uniform import UniformCodec
+from swarmtrain.core.ema import MovingAverage
 from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
 from swarmtrain.wire.pool import phased_floats
 
 __all__ = ["GAP_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog",
            "coarsest_track", "entry_prefix", "entry_tensors"]
+
+#: how much of the average of a track's chain lengths is kept at each chain answered (about
+#: the last twenty answers count)
+CHAIN_KEEP = 0.95
 
 #: flat-vector views shaped like the parameters -> new tensors as a worker holds them
 ToReplica = Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
@@ -80,7 +89,8 @@ class UpdateLog:
         fused: one :data:`FUSED` entry for the whole flat vector (small models) instead of one
             per parameter.
         max_drift: the drift bound (relative L2).
-        reset_interval: publications after which the track restarts from the master.
+        reset_interval: a worker's answers after which the track restarts from the master
+            (publications, times the mean entries of the chains it answers with).
 
     All methods but :meth:`answer` and :meth:`snapshot`'s reads run on the apply thread.
     """
@@ -107,6 +117,9 @@ class UpdateLog:
         self.resets = 0  # track restarts (drift bound, interval, first publication)
         self.publications = 0
         self._since_reset = 0
+        #: the entries in the chains it answered with, averaged: how many publications pass
+        #: between two answers of one worker (restarts come that many times more rarely)
+        self.chain_entries = MovingAverage(CHAIN_KEEP)
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         #: answers by kind: "current" (nothing to send), "chain" (entries), "full" (weights),
         #: "withheld" (the weights were due, but no copy of them could be made: "no change")
@@ -123,7 +136,7 @@ class UpdateLog:
         if self.lossless:
             self.head = version
             return
-        if self.published is None or self._since_reset + 1 >= self.reset_interval:
+        if self.published is None or self._restart_due():
             self._reset(master, version)
             return
         published = self.published
@@ -165,7 +178,7 @@ class UpdateLog:
         fills; None when it cannot be fused (lossless: see :meth:`set_snapshot`; a restart
         is due; a codec without a kernel). Finish with :meth:`finish_fused`."""
         published = self.published
-        if (self.lossless or published is None or self._since_reset + 1 >= self.reset_interval
+        if (self.lossless or published is None or self._restart_due()
                 or published.numel() != numel or not _kernel_ready(published, published)):
             return None
         chosen = self.codec.codec_for(numel) if isinstance(self.codec, SizeAdaptive) else self.codec
@@ -216,6 +229,12 @@ class UpdateLog:
         self.publications += 1
         self._since_reset += 1
 
+    def _restart_due(self) -> bool:
+        """Is the next publication a restart (``reset_interval`` answers of a worker since the
+        last, counted in publications: see the module docstring)?"""
+        per_answer = max(1.0, self.chain_entries.value or 1.0)
+        return self._since_reset + 1 >= self.reset_interval * per_answer
+
     def _reset(self, master: torch.Tensor, version: int) -> None:
         """Restart the track: the published weights become the master's (rounded as workers
         hold them); no entry reaches across, so every worker behind gets the full weights."""
@@ -247,6 +266,7 @@ class UpdateLog:
         self.head = -1
         self.drift = 0.0
         self._since_reset = 0
+        self.chain_entries = MovingAverage(CHAIN_KEEP)
 
     def _trim(self) -> None:
         """Forget the oldest entries no answer would use: a chain through the oldest carries
@@ -290,6 +310,8 @@ class UpdateLog:
         kind = "full" if chain is None else "chain" if chain else "current"
         self.answers[kind] += 1
         self.entries_sent += len(chain or ())
+        if chain:
+            self.chain_entries.update(len(chain))
 
     def chain_from(self, holds: int) -> list[LogEntry] | None:
         """The entries that take a replica at version ``holds`` to the head, oldest first:
