@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import platform
 import socket
 import time
 import urllib.error
@@ -135,6 +136,10 @@ def test_coordinator_metrics_expose_the_named_series_during_a_real_run() -> None
     peak = value(second, "swarmtrain_gradient_bytes_held_peak")
     assert 0 <= held <= peak and value(second, "swarmtrain_gradients_waited_for_room_total") >= 0
     assert value(final, "swarmtrain_gradient_bytes_held") == 0
+    # freed memory: what malloc holds (glibc), and what was given back (nothing in so short a run)
+    assert value(second, "swarmtrain_memory_released_bytes_total") >= 0
+    if platform.libc_ver()[0] == "glibc":
+        assert value(second, "swarmtrain_allocator_free_bytes") > 0
     loss = value(second, "swarmtrain_loss")
     assert math.isfinite(loss) and 0 < loss < 5
     assert 0 <= value(second, "swarmtrain_heldout_metric", metric="accuracy") <= 1

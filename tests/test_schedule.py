@@ -108,7 +108,7 @@ def test_the_coordinator_follows_one_process_with_torchs_scheduler_through_a_res
         sched.step()
         for name, p in ref.named_parameters():
             assert torch.allclose(coord.params[name], p, atol=1e-6), (step, name)
-    gap = max(float((flat.params[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
+    gap = max(float((flat.params[n].detach() - p.detach()).abs().max()) for n, p in ref.named_parameters())
     assert gap > 1e-3, gap
     assert coord.status()["learning_rate"] == pytest.approx(0.1 * LR)
 

@@ -116,6 +116,7 @@ class CoordinatorCollector(StatusCollector):
         yield _staleness(dict(st.get("staleness_counts") or {}))
         yield from _downlink(dict(st.get("downlink") or {}))
         yield from _admission(dict(st.get("admission") or {}))
+        yield from _memory(dict(st.get("memory") or {}))
         yield from _traffic(dict(st.get("traffic") or {}))
         yield _refusals(st)
 
@@ -130,6 +131,15 @@ def _downlink(d: Mapping[str, Any]) -> Iterator[Metric]:
     yield _by_label(CounterMetricFamily, "downlink_answers", "answers to gradients, by what they "
                     "carried (chain of log entries, full weights, nothing new; withheld: the weights "
                     "were due, but as many copies as answers may hold were held)", "kind", d.get("answers"))
+
+
+def _memory(d: Mapping[str, Any]) -> Iterator[Metric]:
+    """Freed memory malloc holds, and what the coordinator gave back (hardware.FreedMemory)."""
+    if d.get("allocator_free_mb") is not None:
+        yield _gauge("allocator_free_bytes", "bytes malloc holds free (resident or given back)",
+                     d["allocator_free_mb"] * 2**20)
+    yield _counter("memory_released_bytes", "resident bytes of freed memory given back to the "
+                   "system after bursts (many workers joining at once)", d.get("released_mb", 0) * 2**20)
 
 
 def _admission(d: Mapping[str, Any]) -> Iterator[Metric]:
