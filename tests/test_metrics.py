@@ -150,9 +150,13 @@ def test_coordinator_metrics_expose_the_named_series_during_a_real_run() -> None
     steps = by_label(second, "swarmtrain_worker_steps_total", "worker")
     assert all(s > 0 for s in steps.values())
     # no compression: a float32 delta is as large as the weights, so answers that change
-    # anything carry the full published weights, and the log holds nothing
+    # anything carry the full published weights, and the log holds nothing. Every applied
+    # gradient is answered (but the two whose answers may be on their way): with the weights,
+    # or with "current" when an answer sent after it already brought its worker there (two of
+    # a worker's gradients applied before the first answer went: seen on a loaded CI box)
     answers = by_label(second, "swarmtrain_downlink_answers_total", "kind")
-    assert answers["full"] >= v2 - 2 and answers["chain"] == 0
+    assert answers["full"] + answers["current"] >= v2 - 2 and answers["full"] > v2 / 2
+    assert answers["chain"] == 0
     assert value(second, "swarmtrain_downlink_log_bytes") == 0
     assert set(by_label(second, "swarmtrain_worker_avg_staleness", "worker")) == {"w0", "w1"}
     assert set(by_label(second, "swarmtrain_worker_rejected_total", "worker")) == {"w0", "w1"}
