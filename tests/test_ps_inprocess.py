@@ -436,6 +436,12 @@ def test_the_coordinator_gives_memory_freed_by_a_burst_back_and_says_so(
     monkeypatch.setattr(Coordinator, "MEMORY_CHECK_INTERVAL_SEC", 0.2)
     hardware.tune_allocator()  # (as every swarmtrain command does: 8 MB buffers in malloc's heap)
 
+    # memory freed before the coordinator exists (as earlier tests leave it in this process,
+    # which made this test fail on the clean-clone CI: malloc held 626 MB free, resident)
+    earlier = [torch.ones(2 << 20) for _ in range(70)]
+    pin = torch.ones(2 << 20)  # (the 560 MB below it stay in malloc's heap, one free chunk)
+    del earlier
+
     async def main() -> dict[str, Any]:
         c = coordinator()
         await c.start()
@@ -453,5 +459,6 @@ def test_the_coordinator_gives_memory_freed_by_a_burst_back_and_says_so(
             await c.close()
 
     memory = asyncio.run(main())
+    del pin
     assert memory["releases"] >= 1 and memory["released_mb"] > 200, memory
     assert memory["allocator_free_mb"] is not None

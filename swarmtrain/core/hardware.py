@@ -488,6 +488,10 @@ class FreedMemory:
     whole free pages inside the heaps). Free memory a steady workload reuses at every step
     stays under the bound, so it is not given back only to fault in again.
 
+    It starts by giving back what is free already (what the process freed while it set up:
+    building the model, loading data, or earlier work in the same process), so that the bound
+    counts from memory that is really in use.
+
     Linux with glibc 2.33 or later; elsewhere :attr:`available` is False and :meth:`check`
     does nothing. Thread-safe as malloc is (each heap is locked while it is trimmed); one
     caller at a time.
@@ -497,6 +501,8 @@ class FreedMemory:
         self.keep_bytes = keep_bytes
         self._libc = _glibc_malloc_info()
         self._proc = psutil.Process()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
         #: resident bytes that are not malloc's in-use memory, just after the last release
         self._baseline = self._not_in_use() if self._libc is not None else 0
         self.releases = 0
