@@ -18,6 +18,7 @@ gets ~15, next to LAPTOP's 16.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -450,6 +451,34 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
+@functools.cache
+def _glibc() -> Any:
+    """The process's glibc with ``mallopt``, ``mallinfo2`` and ``malloc_trim`` typed, or None
+    (not Linux, or no such C library: musl). ``mallinfo2`` is None before glibc 2.33."""
+    if platform.system() != "Linux":
+        return None
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        libc: Any = ctypes.CDLL("libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.restype = ctypes.c_int
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        return None
+    try:
+        libc.mallinfo2.restype = MallInfo2
+        libc.mallinfo2.argtypes = []
+    except AttributeError:  # glibc older than 2.33
+        libc.mallinfo2 = None
+    return libc
+
+
 def tune_allocator(mmap_threshold_mb: int = 32, trim_threshold_mb: int = 128) -> bool:
     """Let glibc's malloc reuse freed buffers of up to ``mmap_threshold_mb`` instead of mapping
     fresh pages for each: a training process allocates and frees the same tensor-sized
@@ -460,17 +489,11 @@ def tune_allocator(mmap_threshold_mb: int = 32, trim_threshold_mb: int = 128) ->
     Process-wide; called by every `swarmtrain` command at start-up. Returns False where there is no glibc
     (nothing changes then). ``SWARMTRAIN_MALLOC_TUNING=0`` turns it off.
     """
-    if os.environ.get("SWARMTRAIN_MALLOC_TUNING", "1") == "0" or platform.system() != "Linux":
+    libc = _glibc()
+    if os.environ.get("SWARMTRAIN_MALLOC_TUNING", "1") == "0" or libc is None:
         return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_mb << 20)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold_mb << 20))
-    except (OSError, AttributeError):  # not glibc (musl, ...)
-        return False
-
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_mb << 20)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold_mb << 20))
 
 
 class FreedMemory:
@@ -484,9 +507,10 @@ class FreedMemory:
 
     :meth:`check` estimates the resident free memory as the growth, since the last release, of
     the resident set less what malloc has in use (``mallinfo2``: in its heaps and mmapped).
-    Past ``keep_bytes`` it releases every free page (``malloc_trim(0)``, which also unmaps
-    whole free pages inside the heaps). Free memory a steady workload reuses at every step
-    stays under the bound, so it is not given back only to fault in again.
+    Past ``keep_bytes`` (at least :data:`MIN_KEEP_BYTES`) it releases every free page
+    (``malloc_trim(0)``, which also unmaps whole free pages inside the heaps). Free memory a
+    steady workload reuses at every step stays under the bound, so it is not given back only
+    to fault in again.
 
     It starts by giving back what is free already (what the process freed while it set up:
     building the model, loading data, or earlier work in the same process), so that the bound
@@ -494,67 +518,59 @@ class FreedMemory:
 
     Linux with glibc 2.33 or later; elsewhere :attr:`available` is False and :meth:`check`
     does nothing. Thread-safe as malloc is (each heap is locked while it is trimmed); one
-    caller at a time.
+    caller at a time. ``mallinfo2`` walks every free chunk under the heaps' locks (1.4 ms
+    measured with a fragmented heap), so only :meth:`check` asks it; :meth:`summary` reports
+    what the last check saw.
     """
 
+    #: freed memory below this is never given back on purpose: a small model's process reuses
+    #: it, and a release would only make it fault in again
+    MIN_KEEP_BYTES = 64 << 20
+
     def __init__(self, keep_bytes: int) -> None:
-        self.keep_bytes = keep_bytes
-        self._libc = _glibc_malloc_info()
+        self.keep_bytes = max(keep_bytes, self.MIN_KEEP_BYTES)
+        libc = _glibc()
+        self._libc = libc if libc is not None and libc.mallinfo2 is not None else None
         self._proc = psutil.Process()
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
-        #: resident bytes that are not malloc's in-use memory, just after the last release
-        self._baseline = self._not_in_use() if self._libc is not None else 0
         self.releases = 0
         #: resident bytes given back, summed over the releases (RSS before - after)
         self.released_bytes = 0
+        #: bytes malloc held free at the last check (None: it cannot be asked)
+        self.free_bytes: int | None = None
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        #: resident bytes that are not malloc's in-use memory, just after the last release
+        self._baseline = self._not_in_use()[0]
 
     @property
     def available(self) -> bool:
         return self._libc is not None
 
-    def _not_in_use(self) -> int:
+    def _not_in_use(self) -> tuple[int, int]:
+        """(resident bytes not in malloc's use, the resident set), noting malloc's free bytes."""
+        if self._libc is None:
+            return 0, 0
         info = self._libc.mallinfo2()
-        return int(self._proc.memory_info().rss - info.uordblks - info.hblkhd)
+        rss = self._proc.memory_info().rss
+        self.free_bytes = int(info.fordblks)
+        return int(rss - info.uordblks - info.hblkhd), rss
 
     def check(self) -> int:
         """Release free memory if the resident set outgrew malloc's use by more than the
         bound since the last release; returns the resident bytes given back (0: nothing)."""
         if self._libc is None:
             return 0
-        if self._not_in_use() - self._baseline <= self.keep_bytes:
+        not_in_use, before = self._not_in_use()
+        if not_in_use - self._baseline <= self.keep_bytes:
             return 0
-        before = self._proc.memory_info().rss
         self._libc.malloc_trim(0)
-        released = max(0, before - self._proc.memory_info().rss)
-        self._baseline = self._not_in_use()
+        self._baseline, after = self._not_in_use()
+        released = max(0, before - after)
         self.releases += 1
         self.released_bytes += released
         return released
 
     def summary(self) -> dict[str, Any]:
-        free = int(self._libc.mallinfo2().fordblks) if self._libc is not None else None
+        free = self.free_bytes
         return {"allocator_free_mb": None if free is None else free / 2**20,
                 "releases": self.releases, "released_mb": self.released_bytes / 2**20}
-
-
-def _glibc_malloc_info() -> Any:
-    """libc with ``mallinfo2`` and ``malloc_trim`` typed, or None (not Linux/glibc 2.33+)."""
-    if platform.system() != "Linux":
-        return None
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-            "fordblks", "keepcost")]
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-        libc.mallinfo2.argtypes = []
-        libc.malloc_trim.restype = ctypes.c_int
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    except (OSError, AttributeError):  # not glibc, or older than 2.33
-        return None
-    return libc

@@ -72,7 +72,7 @@ from swarmtrain.roles.ps.common import (
     unpack_compressed,
     unpack_lazy,
 )
-from swarmtrain.roles.ps.downlink import AnswerGaps, Downlink, LogEntry, coarsest_track
+from swarmtrain.roles.ps.downlink import AnswerGaps, Downlink, LogEntry, track_for_lag
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, FlatAdam, phase_after
 from swarmtrain.roles.ps.hooks import CheckpointHook
 from swarmtrain.roles.ps.screen import NormScreen
@@ -110,10 +110,6 @@ log = logging.getLogger("swarmtrain.coordinator")
 #: worker records kept at most (connected ones are never forgotten)
 MAX_WORKER_RECORDS = 1024
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
-
-#: freed memory below this is never given back on purpose (a small model's process reuses it,
-#: and a release would only make it fault in again)
-FREED_KEEP_MIN = 64 << 20
 
 #: copies of the weights (a larger model's snapshots: a lossless downlink's answers, a full
 #: resync's) that answers not yet sent may hold at once, whatever the number of workers: past
@@ -380,8 +376,8 @@ class Coordinator:
         self._snapshot_pool = PayloadPool(max_idle_bytes=4 * sum(self._sizes) + PAGE)
         #: freed memory malloc keeps resident after a burst (many workers joining at once, a
         #: coarse downlink track dropped) goes back to the system once it exceeds twice the
-        #: model's size, or 64 MB for a small model (checked every MEMORY_CHECK_INTERVAL_SEC)
-        self.freed_memory = FreedMemory(keep_bytes=max(2 * self.raw_bytes_per_step, FREED_KEEP_MIN))
+        #: model's size (checked every MEMORY_CHECK_INTERVAL_SEC)
+        self.freed_memory = FreedMemory(keep_bytes=2 * self.raw_bytes_per_step)
         #: the last gradient header of entries it can check again (plain, lazy top-k): the next
         #: equal one is unpacked without its checks
         self._known_header = KnownHeader()
@@ -564,7 +560,7 @@ class Coordinator:
         while True:
             await asyncio.sleep(self.MEMORY_CHECK_INTERVAL_SEC)
             released = await asyncio.to_thread(self.freed_memory.check)
-            if released >= self.raw_bytes_per_step:
+            if released:
                 log.debug("gave %.0f MB of freed memory back to the system", released / 2**20)
 
     def _say_waiting(self) -> None:
@@ -1229,7 +1225,7 @@ class Coordinator:
             if not fine.lossless:
                 target = fine.fused_target(fa.flat.numel())
             # (a worker on the finest track stays there while its lag calls for no coarser one)
-            elif coarsest_track((version - answer.holds_version) // 2) == 0 and self._snapshot_room():
+            elif track_for_lag(version - answer.holds_version) == 0 and self._snapshot_room():
                 snapshot = self._snapshot_buffers(fa.flat.numel())
         status, resid, norm = fa.step(grads, lr, held=held, publication=target[0] if target else None,
                                       snapshot=snapshot)

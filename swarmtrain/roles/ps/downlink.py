@@ -44,7 +44,7 @@ from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
 from swarmtrain.wire.pool import phased_floats
 
 __all__ = ["GAP_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog",
-           "coarsest_track", "entry_prefix", "entry_tensors"]
+           "coarsest_track", "entry_prefix", "entry_tensors", "track_for_lag"]
 
 #: how much of the average of a track's chain lengths is kept at each chain answered (about
 #: the last twenty answers count)
@@ -436,6 +436,12 @@ def coarsest_track(versions: int) -> int:
     return max(i for i, g in enumerate(TRACK_INTERVALS) if g <= max(1, versions))
 
 
+def track_for_lag(lag: int) -> int:
+    """The track a worker ``lag`` versions behind should be on: the coarsest whose interval
+    is at most half its lag (:meth:`Downlink.choose`, before its hysteresis)."""
+    return coarsest_track(max(1, lag) // 2)
+
+
 class Downlink:
     """Published tracks at several intervals, and which one answers a worker.
 
@@ -506,7 +512,7 @@ class Downlink:
         to the coarsest track whose interval is at most its lag, where one or two entries
         cover it, under the same bound as staying."""
         lag = max(1, version - holds)
-        wanted = coarsest_track(lag // 2)
+        wanted = track_for_lag(lag)
         spacing = lag if recent_gap is None else recent_gap
         if track > wanted and self.intervals[track] <= spacing:
             wanted = track  # (hysteresis: see above)
