@@ -90,9 +90,11 @@ def test_a_stage_replica_killed_mid_training_the_trainer_fails_over_and_finishes
                           str(MICROBATCHES), "--batch-size", str(BATCH), "--chunks", str(CHUNKS),
                           "--eval-every", "100", "--seed", "1", "--request-timeout", "20")
     procs.wait("trainer", lambda s: s["done"] >= KILL_AFTER, 120, f"{KILL_AFTER} micro-batches")
-    # s1a asks s1b to average every 2 of its own steps, and the router may give s1a few groups:
-    # the kill waits for the first averaging, which the end of the test checks happened
-    procs.wait("s1b", lambda s: s["sync_served"] >= 1, 120, "s1a and s1b to average once")
+    # s1a asks s1b to average every 2 of its own steps: the kill waits for the first averaging,
+    # which the end of the test checks happened (the router measures an idle replica again, so
+    # s1a is not left without groups after one slow answer; failing fast if the trainer ends)
+    procs.wait_all(["s1b", "trainer"], lambda sts: sts["s1b"]["sync_served"] >= 1, 120,
+                   "s1a and s1b to average once")
     gone = kill_the_replica_in_use(procs, ("s1a", "s1b"))
     kept = "s1b" if gone == "s1a" else "s1a"
     try:

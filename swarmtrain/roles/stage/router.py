@@ -3,7 +3,13 @@
 A :class:`Router` knows the replicas of every stage by address and keeps one multiplexed
 connection to each (requests carry ``req`` ids, answers come back in any order). It picks
 the replica with the smallest expected answer time (an EWMA of its measured answer times,
-times the requests it already has in flight; unmeasured replicas are tried first). A
+from the request sent to its answer, times the requests it already has in flight;
+unmeasured replicas are tried first). A replica left idle while another of its stage is
+used is sent the next request once it has been idle for ``remeasure_after`` seconds and 20
+of its own answer times, and that answer replaces the old estimate: so an estimate that one
+slow answer set (a warm-up, a passing load) is measured again instead of leaving the replica
+unused for the rest of the run, and one that is still slow takes about a twentieth of the
+time at most. A
 replica that times out, drops its connection or says it is overloaded is banned for a time
 that doubles with each consecutive failure (``ban_base``, ``2 × ban_base``, … up to
 ``ban_cap``), and the request is resent to another replica of the same stage.
@@ -67,6 +73,9 @@ _M = TypeVar("_M", bound=Message)
 
 #: seconds between "still waiting for stage I" lines
 _WAIT_REPORT_EVERY = 30.0
+#: an idle replica is measured again after this many of its answer times (at least), so one
+#: that is still slow takes about 1/20 of the time
+_REMEASURE_SHARE = 20.0
 
 
 class ReplicaFailed(SwarmError):
@@ -103,6 +112,10 @@ class RouterConfig:
             come back when none answers (then :class:`StageUnavailable`).
         probe_interval: seconds between status probes of a banned replica (its ban is
             lifted as soon as one is answered).
+        remeasure_after: seconds a live replica may stay idle, while another replica of its
+            stage is sent requests, before it is sent the next one to measure its answer
+            time again (and at least 20 of its answer times, so a slow replica's share of
+            the time stays small).
         timeouts: transport timeouts of the connections to replicas.
     """
 
@@ -113,12 +126,14 @@ class RouterConfig:
     max_attempts: int = 8
     wait_for_replica: float = 300.0
     probe_interval: float = 1.0
+    remeasure_after: float = 1.0
     timeouts: Timeouts = Timeouts()
 
     def __post_init__(self) -> None:
-        if self.wait_for_replica < 0 or not self.probe_interval > 0 or self.max_attempts < 1:
-            raise ValueError("RouterConfig: wait_for_replica must be >= 0, probe_interval > 0 and "
-                             "max_attempts >= 1")
+        if (self.wait_for_replica < 0 or not self.probe_interval > 0 or self.max_attempts < 1
+                or not self.remeasure_after > 0):
+            raise ValueError("RouterConfig: wait_for_replica must be >= 0, probe_interval > 0, "
+                             "remeasure_after > 0 and max_attempts >= 1")
 
 
 @dataclass(frozen=True)
@@ -139,6 +154,8 @@ class Replica:
     #: its answer time, smoothed (the router sets the keep from ``RouterConfig.ewma_alpha``)
     answer_time: MovingAverage = field(default_factory=lambda: MovingAverage(0.7))
     inflight: int = 0
+    #: when it was last sent a request (the router's clock; -inf: never)
+    last_sent: float = -math.inf
     consecutive_failures: int = 0
     banned_until: float = 0.0
     answered: int = 0
@@ -349,7 +366,22 @@ class Router:
         fresh = [r for r in live if r not in tried] or live
         if not fresh:
             return None
+        idle = [r for r in fresh if self._due_for_measuring(r, now)]
+        if idle and len(idle) < len(fresh):
+            return min(idle, key=lambda r: r.last_sent)
         return min(fresh, key=lambda r: ((r.ewma_seconds or 0.0) * (r.inflight + 1), r.inflight))
+
+    def _due_for_measuring(self, replica: Replica, now: float, last_sent: float | None = None,
+                           inflight: int = 0) -> bool:
+        """Whether ``replica``'s answer time is stale at ``now``: measured, no request in flight
+        but ``inflight`` (the one being sent), and none sent since ``last_sent`` (default: its
+        last request) for ``remeasure_after`` seconds and 20 of its answer times. The router
+        sends a stale replica the next request only while another replica of its stage is in
+        use, and its answer then replaces the estimate."""
+        est = replica.ewma_seconds
+        since = replica.last_sent if last_sent is None else last_sent
+        return (est is not None and replica.inflight == inflight
+                and now - since >= max(self.config.remeasure_after, _REMEASURE_SHARE * est))
 
     async def _call_stage(self, stage: int, expect: type[_M], build: Callable[[int], Message],
                           prefer: Replica | None = None) -> tuple[Replica, _M]:
@@ -424,12 +456,18 @@ class Router:
     async def _request(self, replica: Replica, build: Callable[[int], Message]) -> Message:
         req = next(self._ids)
         loop = asyncio.get_running_loop()
-        started = self._clock()
         replica.inflight += 1
+        sent, replica.last_sent = replica.last_sent, self._clock()
+        # an estimate this old is measured again, not blended: the answer replaces it
+        stale = self._due_for_measuring(replica, replica.last_sent, sent, inflight=1)
         try:
             conn = await self._connection(replica)
             fut: asyncio.Future[Message] = loop.create_future()
             replica.pending[req] = fut
+            # the answer time starts here: a new connection's handshake and status request
+            # are not the replica's answer time (counted, they made its first answer an
+            # outlier that kept a replica as fast as the others idle for the whole run)
+            started = self._clock()
             await conn.send(build(req), timeout=self.config.request_timeout)
             async with asyncio.timeout(self.config.request_timeout):
                 answer = await fut
@@ -451,6 +489,8 @@ class Router:
         if isinstance(answer, StageResult | StageGrad | StageStep) and answer.incarnation:
             self._seen(replica, answer.incarnation, answer.steps, answer.at_risk, "")
         elapsed = self._clock() - started
+        if stale:
+            replica.answer_time.reset()
         replica.answer_time.update(elapsed)
         replica.consecutive_failures = 0
         replica.answered += 1
