@@ -388,6 +388,38 @@ def test_tensors_are_built_over_the_received_buffer_without_copies() -> None:
     assert all(p - base < len(payload) for p in ptrs)
 
 
+def test_the_quick_descriptor_checks_build_what_the_full_ones_build() -> None:
+    """``rebuild_tensors`` checks descriptors the cheap way and falls back to the full checks
+    (which name the fault) on anything they do not pass; on valid frames of every rank, dtype
+    and size both give the same views of the same bytes (the malformed frames below go
+    through the fallback and are refused with their codes)."""
+    from swarmtrain.wire.tensors import _rebuild_checked, layout_tensors, rebuild_tensors
+
+    tensors = {"vec": torch.randn(100), "mat": torch.arange(30, dtype=torch.int64).reshape(5, 6),
+               "bf": torch.randn(7).to(torch.bfloat16), "scalar": torch.tensor(True),
+               "empty": torch.empty(0, 3), "half": torch.randn(2, 3, 4).half(),
+               "idx": torch.arange(9, dtype=torch.int32)}
+    descs, segments, size = layout_tensors(tensors)
+    payload = bytearray(size)
+    offset = 0
+    for seg in segments:
+        n = len(seg) if isinstance(seg, bytes) else seg.nbytes
+        payload[offset:offset + n] = bytes(seg)
+        offset += n
+    raw = [[d.name, d.dtype, list(d.shape), d.offset, d.nbytes] for d in descs]
+    quick, full = rebuild_tensors(raw, payload, 100), _rebuild_checked(raw, payload)
+    assert list(quick) == list(full) == list(tensors)
+    for name, t in quick.items():
+        assert t.dtype == full[name].dtype and t.shape == full[name].shape, name
+        assert t.numel() == 0 or t.data_ptr() == full[name].data_ptr(), name
+        assert torch.equal(t, tensors[name]), name
+    # a descriptor the quick checks refuse is judged by the full ones: the same error
+    bad = [*raw[:2], [raw[2][0], raw[2][1], raw[2][2], raw[1][3], raw[2][4]]]  # overlaps "mat"
+    with pytest.raises(RemoteProtocolError, match="inside or before the previous") as exc:
+        rebuild_tensors(bad, payload, 100)
+    assert exc.value.code == "overlapping_tensors"
+
+
 # --- malformed frames --------------------------------------------------------------------
 
 
