@@ -389,11 +389,22 @@ def test_tensors_are_built_over_the_received_buffer_without_copies() -> None:
 
 
 def test_the_quick_descriptor_checks_build_what_the_full_ones_build() -> None:
-    """``rebuild_tensors`` checks descriptors the cheap way and falls back to the full checks
-    (which name the fault) on anything they do not pass; on valid frames of every rank, dtype
-    and size both give the same views of the same bytes (the malformed frames below go
-    through the fallback and are refused with their codes)."""
-    from swarmtrain.wire.tensors import _rebuild_checked, layout_tensors, rebuild_tensors
+    """``rebuild_tensors`` checks each descriptor the cheap way (``_quick_desc``) and gives any
+    it does not pass to the full checks (``_parse_desc``), which name the fault or accept it.
+    On valid frames of every rank, dtype and size both read a descriptor alike, and a frame
+    whose numbers are an int subclass (refused by the cheap checks, accepted by the full
+    ones) is rebuilt as the same views of the same bytes (the malformed frames below go
+    through the full checks and are refused with their codes)."""
+    from swarmtrain.wire.tensors import (
+        _dtype_maps,
+        _parse_desc,
+        _quick_desc,
+        layout_tensors,
+        rebuild_tensors,
+    )
+
+    class Count(int):
+        pass
 
     tensors = {"vec": torch.randn(100), "mat": torch.arange(30, dtype=torch.int64).reshape(5, 6),
                "bf": torch.randn(7).to(torch.bfloat16), "scalar": torch.tensor(True),
@@ -407,13 +418,21 @@ def test_the_quick_descriptor_checks_build_what_the_full_ones_build() -> None:
         payload[offset:offset + n] = bytes(seg)
         offset += n
     raw = [[d.name, d.dtype, list(d.shape), d.offset, d.nbytes] for d in descs]
-    quick, full = rebuild_tensors(raw, payload, 100), _rebuild_checked(raw, payload)
-    assert list(quick) == list(full) == list(tensors)
-    for name, t in quick.items():
-        assert t.dtype == full[name].dtype and t.shape == full[name].shape, name
-        assert t.numel() == 0 or t.data_ptr() == full[name].data_ptr(), name
-        assert torch.equal(t, tensors[name]), name
-    # a descriptor the quick checks refuse is judged by the full ones: the same error
+    by_name = _dtype_maps()[0]
+    for i, r in enumerate(raw):
+        d = _parse_desc(r, i)
+        quick = _quick_desc(r, by_name)
+        assert quick is not None and quick[:2] == (d.name, by_name[d.dtype]), r
+        assert tuple(quick[2]) == d.shape and quick[3:5] == (d.offset, d.nbytes), r
+    odd = [[n, dt, [Count(x) for x in shape], Count(off), Count(nb)] for n, dt, shape, off, nb in raw]
+    assert all(_quick_desc(r, by_name) is None for r in odd)
+    quick_built, full_built = rebuild_tensors(raw, payload, 100), rebuild_tensors(odd, payload, 100)
+    assert list(quick_built) == list(full_built) == list(tensors)
+    for name, t in quick_built.items():
+        assert t.dtype == full_built[name].dtype and t.shape == full_built[name].shape, name
+        assert t.numel() == 0 or t.data_ptr() == full_built[name].data_ptr(), name
+        assert torch.equal(t, tensors[name]) and torch.equal(full_built[name], tensors[name]), name
+    # a descriptor the quick checks pass and the layout refuses: the error that names it
     bad = [*raw[:2], [raw[2][0], raw[2][1], raw[2][2], raw[1][3], raw[2][4]]]  # overlaps "mat"
     with pytest.raises(RemoteProtocolError, match="inside or before the previous") as exc:
         rebuild_tensors(bad, payload, 100)

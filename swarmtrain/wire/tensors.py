@@ -11,6 +11,7 @@ messages carry none (``swarmtrain ctl``) starts without it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,29 +37,10 @@ class _WireDtypes(Mapping[str, "torch.dtype"]):
               "uint16",  # top-k index_low parts
               "int16", "int32", "int64", "bool")
 
-    #: name -> torch dtype, and torch dtype -> name, once torch is imported
-    _by_name: dict[str, torch.dtype] = {}
-    _by_dtype: dict[torch.dtype, str] = {}
-
     def __getitem__(self, name: str) -> torch.dtype:
         if name not in self._NAMES:
             raise KeyError(name)
-        return self.by_name()[name]
-
-    def by_name(self) -> dict[str, torch.dtype]:
-        """Every wire name's torch dtype (imports torch)."""
-        if not self._by_name:
-            import torch
-
-            _WireDtypes._by_dtype = {getattr(torch, n): n for n in self._NAMES}
-            _WireDtypes._by_name = {n: getattr(torch, n) for n in self._NAMES}
-        return self._by_name
-
-    def name_of(self, dtype: torch.dtype) -> str | None:
-        """The wire name of ``dtype`` (None: the wire cannot carry it)."""
-        if not self._by_dtype:
-            self.by_name()
-        return self._by_dtype.get(dtype)
+        return _dtype_maps()[0][name]
 
     def __contains__(self, name: object) -> bool:
         return name in self._NAMES
@@ -71,13 +53,21 @@ class _WireDtypes(Mapping[str, "torch.dtype"]):
 
 
 #: dtype names allowed on the wire, and their torch dtypes
-_DTYPES = _WireDtypes()
-DTYPES: Mapping[str, torch.dtype] = _DTYPES
+DTYPES: Mapping[str, torch.dtype] = _WireDtypes()
+
+
+@functools.cache
+def _dtype_maps() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """(wire name -> torch dtype, torch dtype -> wire name); imports torch."""
+    import torch
+
+    by_name = {n: getattr(torch, n) for n in _WireDtypes._NAMES}
+    return by_name, {dtype: n for n, dtype in by_name.items()}
 
 
 def _wire_name(dtype: torch.dtype) -> str | None:
     """The wire name of ``dtype`` (None: the wire cannot carry it)."""
-    return _DTYPES.name_of(dtype)
+    return _dtype_maps()[1].get(dtype)
 
 
 _MAX_NAME = 512
@@ -102,6 +92,10 @@ class TensorDesc:
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+#: zero bytes that pad a tensor to the next multiple of ALIGN
+_PADDING = bytes(ALIGN)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -163,9 +157,6 @@ def layout_tensors(
     return descs, segments, offset
 
 
-#: zero bytes that pad a tensor to the next multiple of ALIGN
-_PADDING = bytes(ALIGN)
-
 
 def _parse_desc(raw: Any, index: int) -> TensorDesc:
     if not (isinstance(raw, list) and len(raw) == 5):
@@ -196,12 +187,11 @@ def rebuild_tensors(
 ) -> dict[str, torch.Tensor]:
     """Rebuild tensors from descriptors over ``payload`` without copying.
 
-    Every descriptor is checked, the cheap way first (exact types, a one-dimensional shape
-    without a generator, no reshape of a one-dimensional tensor): a frame of a few hundred
-    tensors (a top-k gradient; an answer that chains several log entries has over a
-    thousand) cost about 5 µs per tensor in the checks and views, more than receiving its
-    bytes. A descriptor the cheap checks do not pass is judged again by the full ones, which
-    say what is wrong.
+    Every descriptor is checked, the cheap way first (:func:`_quick_desc`; no reshape of a
+    one-dimensional tensor): a frame of a few hundred tensors (a top-k gradient; an answer
+    that chains several log entries has over a thousand) cost about 5 µs per tensor in the
+    checks and views, more than receiving its bytes. A descriptor the cheap checks do not
+    pass is judged by :func:`_parse_desc`, which says what is wrong.
 
     Raises:
         RemoteProtocolError: a descriptor is malformed, names a dtype we do not carry, does not
@@ -216,75 +206,64 @@ def rebuild_tensors(
         return out
     import torch
 
-    frombuffer, size, end_prev, dtypes = torch.frombuffer, len(payload), 0, _DTYPES.by_name()
-    for raw in raw_descs:
-        if type(raw) is not list or len(raw) != 5:
-            return _rebuild_checked(raw_descs, payload)
-        name, dtype, shape, offset, nbytes = raw
-        dt = dtypes.get(dtype) if type(dtype) is str else None
-        if (dt is None or type(name) is not str or not name or len(name) > _MAX_NAME
-                or type(shape) is not list or type(offset) is not int or type(nbytes) is not int):
-            return _rebuild_checked(raw_descs, payload)
-        rank = len(shape)
-        if rank == 1:
-            numel = shape[0]
-            if type(numel) is not int or not 0 <= numel < _MAX_DIM:
-                return _rebuild_checked(raw_descs, payload)
-        elif rank <= _MAX_DIMS and all(type(d) is int and 0 <= d < _MAX_DIM for d in shape):
-            numel = math.prod(shape)
-        else:
-            return _rebuild_checked(raw_descs, payload)
+    by_name = _dtype_maps()[0]
+    end_prev = 0
+    for i, raw in enumerate(raw_descs):
+        desc = _quick_desc(raw, by_name)
+        if desc is None:  # the full checks say what is wrong (or accept it after all)
+            d = _parse_desc(raw, i)
+            desc = (d.name, by_name[d.dtype], d.shape, d.offset, d.nbytes, math.prod(d.shape))
+        name, dt, shape, offset, nbytes, numel = desc
         itemsize = dt.itemsize
-        if (numel * itemsize != nbytes or offset < end_prev or offset + nbytes > size
-                or offset % itemsize or name in out):
-            return _rebuild_checked(raw_descs, payload)
+        if numel * itemsize != nbytes:
+            raise RemoteProtocolError(
+                "bad_descriptor",
+                f"tensor {name!r}: shape {list(shape)} of {raw[1]} needs {numel * itemsize} "
+                f"bytes, descriptor says {nbytes}",
+            )
+        if offset + nbytes > len(payload):
+            raise RemoteProtocolError(
+                "descriptor_out_of_range",
+                f"tensor {name!r} claims bytes [{offset}, {offset + nbytes}) of a "
+                f"{len(payload)}-byte payload",
+            )
+        if offset < end_prev:
+            raise RemoteProtocolError(
+                "overlapping_tensors",
+                f"tensor {name!r} starts at byte {offset}, inside or before the previous "
+                f"tensor (which ends at {end_prev}); tensors must follow each other in "
+                "payload order",
+            )
+        if offset % itemsize:
+            raise RemoteProtocolError("misaligned", f"tensor {name!r} offset {offset} is misaligned")
+        if name in out:
+            raise RemoteProtocolError("duplicate_tensor", f"tensor {name!r} appears twice")
         end_prev = offset + nbytes
         if numel == 0:
             out[name] = torch.empty(shape, dtype=dt)
         else:
-            t = frombuffer(payload, dtype=dt, count=numel, offset=offset)
-            out[name] = t if rank == 1 else t.view(shape)
+            t = torch.frombuffer(payload, dtype=dt, count=numel, offset=offset)
+            out[name] = t if len(shape) == 1 else t.view(shape)
     return out
 
 
-def _rebuild_checked(raw_descs: Sequence[Any], payload: bytearray) -> dict[str, torch.Tensor]:
-    """:func:`rebuild_tensors` with every check spelled out: raises the error that names what
-    is wrong with a descriptor."""
-    import torch
-
-    out: dict[str, torch.Tensor] = {}
-    end_prev = 0
-    for i, raw in enumerate(raw_descs):
-        d = _parse_desc(raw, i)
-        dt = DTYPES[d.dtype]
-        itemsize = dt.itemsize
-        numel = math.prod(d.shape)
-        if numel * itemsize != d.nbytes:
-            raise RemoteProtocolError(
-                "bad_descriptor",
-                f"tensor {d.name!r}: shape {list(d.shape)} of {d.dtype} needs {numel * itemsize} "
-                f"bytes, descriptor says {d.nbytes}",
-            )
-        if d.offset + d.nbytes > len(payload):
-            raise RemoteProtocolError(
-                "descriptor_out_of_range",
-                f"tensor {d.name!r} claims bytes [{d.offset}, {d.offset + d.nbytes}) of a "
-                f"{len(payload)}-byte payload",
-            )
-        if d.offset < end_prev:
-            raise RemoteProtocolError(
-                "overlapping_tensors",
-                f"tensor {d.name!r} starts at byte {d.offset}, inside or before the previous "
-                f"tensor (which ends at {end_prev}); tensors must follow each other in "
-                "payload order",
-            )
-        if d.offset % itemsize:
-            raise RemoteProtocolError("misaligned", f"tensor {d.name!r} offset {d.offset} is misaligned")
-        if d.name in out:
-            raise RemoteProtocolError("duplicate_tensor", f"tensor {d.name!r} appears twice")
-        end_prev = d.offset + d.nbytes
-        if numel == 0:
-            out[d.name] = torch.empty(d.shape, dtype=dt)
-        else:
-            out[d.name] = torch.frombuffer(payload, dtype=dt, count=numel, offset=d.offset).view(d.shape)
-    return out
+def _quick_desc(raw: Any, by_name: dict[str, torch.dtype]) -> tuple[Any, ...] | None:
+    """(name, torch dtype, shape, offset, nbytes, numel) of a descriptor that passes
+    :func:`_parse_desc`'s checks the cheap way (exact types, a one-dimensional shape without a
+    generator); None for any other, which :func:`_parse_desc` then judges."""
+    if type(raw) is not list or len(raw) != 5:
+        return None
+    name, dtype, shape, offset, nbytes = raw
+    dt = by_name.get(dtype) if type(dtype) is str else None
+    if (dt is None or type(name) is not str or not name or len(name) > _MAX_NAME or type(shape) is not list
+            or type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0):
+        return None
+    if len(shape) == 1:
+        numel = shape[0]
+        if type(numel) is not int or not 0 <= numel < _MAX_DIM:
+            return None
+    elif len(shape) <= _MAX_DIMS and all(type(d) is int and 0 <= d < _MAX_DIM for d in shape):
+        numel = math.prod(shape)
+    else:
+        return None
+    return name, dt, shape, offset, nbytes, numel

@@ -371,17 +371,14 @@ class Router:
             return min(idle, key=lambda r: r.last_sent)
         return min(fresh, key=lambda r: ((r.ewma_seconds or 0.0) * (r.inflight + 1), r.inflight))
 
-    def _due_for_measuring(self, replica: Replica, now: float, last_sent: float | None = None,
-                           inflight: int = 0) -> bool:
-        """Whether ``replica``'s answer time is stale at ``now``: measured, no request in flight
-        but ``inflight`` (the one being sent), and none sent since ``last_sent`` (default: its
-        last request) for ``remeasure_after`` seconds and 20 of its answer times. The router
-        sends a stale replica the next request only while another replica of its stage is in
-        use, and its answer then replaces the estimate."""
+    def _due_for_measuring(self, replica: Replica, now: float) -> bool:
+        """Whether ``replica``'s answer time is stale at ``now``: measured, nothing in flight,
+        and no request sent for ``remeasure_after`` seconds and 20 of its answer times. The
+        router sends a stale replica the next request only while another replica of its stage
+        is in use, and its answer then replaces the estimate."""
         est = replica.ewma_seconds
-        since = replica.last_sent if last_sent is None else last_sent
-        return (est is not None and replica.inflight == inflight
-                and now - since >= max(self.config.remeasure_after, _REMEASURE_SHARE * est))
+        return (est is not None and replica.inflight == 0
+                and now - replica.last_sent >= max(self.config.remeasure_after, _REMEASURE_SHARE * est))
 
     async def _call_stage(self, stage: int, expect: type[_M], build: Callable[[int], Message],
                           prefer: Replica | None = None) -> tuple[Replica, _M]:
@@ -456,10 +453,11 @@ class Router:
     async def _request(self, replica: Replica, build: Callable[[int], Message]) -> Message:
         req = next(self._ids)
         loop = asyncio.get_running_loop()
-        replica.inflight += 1
-        sent, replica.last_sent = replica.last_sent, self._clock()
+        now = self._clock()
         # an estimate this old is measured again, not blended: the answer replaces it
-        stale = self._due_for_measuring(replica, replica.last_sent, sent, inflight=1)
+        stale = self._due_for_measuring(replica, now)
+        replica.inflight += 1
+        replica.last_sent = now
         try:
             conn = await self._connection(replica)
             fut: asyncio.Future[Message] = loop.create_future()
