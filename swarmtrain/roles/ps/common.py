@@ -219,9 +219,9 @@ class KnownHeader:
         self.expected: Mapping[str, torch.Tensor] | None = None
         self.how = (False, False)  # (subset, lazy) it was checked for
         #: per entry, in the header's order: (name, payload keys, shape, numel, dtype) for a
-        #: plain one (one key), (name, keys of values / index_low / block_counts, shape,
-        #: numel, k) for a top-k one
-        self.plan: list[tuple[str, tuple[str, ...], torch.Size, int, Any]] = []
+        #: plain one (one key; shape None when it is one-dimensional: no view is needed),
+        #: (name, keys of values / index_low / block_counts, shape, numel, k) for a top-k one
+        self.plan: list[tuple[str, tuple[str, ...], torch.Size | None, int, Any]] = []
         self.tensor_count = 0  # payload tensors the plan names
 
     def unpack(self, codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
@@ -238,7 +238,8 @@ class KnownHeader:
                 t = tensors.get(keys[0])
                 if not _whole(t, extra, numel):
                     return None
-                out[name] = t.view(shape)  # type: ignore[union-attr]
+                # (a one-dimensional parameter's gradient is the checked tensor as it is)
+                out[name] = t if shape is None else t.view(shape)  # type: ignore[union-attr]
                 continue
             values, low, counts = (tensors.get(k) for k in keys)
             blocks = -(-numel // TOPK_INDEX_BLOCK)
@@ -257,22 +258,22 @@ class KnownHeader:
                  lazy: bool, out: Mapping[str, LazyGradient]) -> None:
         """Remember a header whose every entry was plain or (read lazily) top-k (``out``: what
         the full path gave for it)."""
-        plan: list[tuple[str, tuple[str, ...], torch.Size, int, Any]] = []
+        plan: list[tuple[str, tuple[str, ...], torch.Size | None, int, Any]] = []
         for name, g in out.items():
             shape, numel = expected[name].shape, expected[name].numel()
             if isinstance(g, TopKParts):
                 plan.append((name, (f"{name}/values", f"{name}/index_low", f"{name}/block_counts"),
                              shape, numel, g.values.numel()))
             else:
-                plan.append((name, (f"{name}/values",), shape, numel, g.dtype))
+                plan.append((name, (f"{name}/values",), None if len(shape) == 1 else shape, numel, g.dtype))
         self.codecs, self.expected, self.how, self.plan = codecs, expected, (subset, lazy), plan
         self.tensor_count = sum(len(keys) for _, keys, _, _, _ in plan)
 
 
 def _whole(t: Any, dtype: torch.dtype, numel: int) -> bool:
     """``t`` is a contiguous 1-D CPU tensor of ``dtype`` and ``numel`` elements."""
-    return (type(t) is torch.Tensor and t.dtype == dtype and t.dim() == 1 and t.numel() == numel
-            and t.is_contiguous() and t.device.type == "cpu")
+    return (type(t) is torch.Tensor and t.dtype is dtype and t.dim() == 1 and t.numel() == numel
+            and t.is_cpu and t.is_contiguous())
 
 
 def unpack_lazy(

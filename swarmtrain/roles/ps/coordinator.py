@@ -331,6 +331,8 @@ class Coordinator:
                               "False): there is nothing to train")
         #: master weights of the trainable parameters (float32 for half-precision models)
         self.params, self._flat, self._lowp = _master_weights(self.state.trainable)
+        #: name -> the trainable parameter's dtype as a gradient's header names it
+        self._dtype_names = {n: str(p.dtype).removeprefix("torch.") for n, p in self.state.trainable.items()}
         #: master copies of the synced buffers (float32 for half-precision buffers)
         self.buffers: dict[str, torch.Tensor] = {
             n: (b if master_dtype(b.dtype) == b.dtype else b.detach().to(master_dtype(b.dtype)).clone())
@@ -1252,13 +1254,13 @@ class Coordinator:
                     "per gradient")
         if not grads:
             return "the message carries no parameter's gradient"
+        dtypes = self._dtype_names
         for name in grads:
             # the model's dtype, or float32 (a float16 model's gradients leave the worker
             # unscaled in float32); decoding gives float32 either way
             sent = entry_spec(msg.codecs, name).get("dtype")
-            model = str(self.state.trainable[name].dtype).removeprefix("torch.")
-            if sent not in (model, "float32"):
-                return f"{name!r} arrived as {sent}, the model's parameter is {model}"
+            if sent != "float32" and sent != dtypes[name]:
+                return f"{name!r} arrived as {sent}, the model's parameter is {dtypes[name]}"
         for name, change in buffer_changes.items():
             if change.is_floating_point() and not bool(torch.isfinite(change).all()):
                 return f"buffer {name!r} changed by NaN or infinite values"

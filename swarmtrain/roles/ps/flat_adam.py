@@ -82,6 +82,7 @@ class FlatAdam:
         #: and one read per step instead of one per tensor
         self.steps = torch.zeros(len(self.params), dtype=torch.float32)
         self._step_views = [self.steps[i] for i in range(len(self.params))]
+        self._no_snapshot = [0] * len(self.params)
         #: the state dict last bound and its size (held, so that no new dict can take its id)
         self._bound: tuple[Any, int] | None = None
 
@@ -173,9 +174,10 @@ class FlatAdam:
         keep: list[Any] = []  # contiguous copies made here live until the kernel is done
         rows: list[int] = []
         stepped: list[int] = []
-        for i, (name, off, n) in enumerate(zip(self.names, self.offsets, self.sizes)):
+        f32, f16 = torch.float32, torch.float16
+        snaps = [t.data_ptr() for t in snapshot] if snapshot is not None else self._no_snapshot
+        for i, (name, off, n, snap) in enumerate(zip(self.names, self.offsets, self.sizes, snaps)):
             g = grads.get(name)
-            snap = snapshot[i].data_ptr() if snapshot is not None else 0
             if g is None:
                 rows += (off, n, G_NONE, 0, 0, 0, snap)
                 continue
@@ -185,25 +187,33 @@ class FlatAdam:
                 keep.append(parts)
                 rows += (off, n, G_TOPK, *(t.data_ptr() for t in parts), snap)
                 continue
-            if g.dtype not in (torch.float32, torch.float16):
-                g = g.to(torch.float32)
-            g = g.contiguous()
+            dtype = g.dtype
+            if dtype is not f32 and dtype is not f16:
+                g, dtype = g.to(f32), f32
+            if not g.is_contiguous():
+                g = g.contiguous()
             keep.append(g)
-            rows += (off, n, G_F16 if g.dtype == torch.float16 else G_F32, g.data_ptr(), 0, 0, snap)
+            rows += (off, n, G_F16 if dtype is f16 else G_F32, g.data_ptr(), 0, 0, snap)
         states = self._states(stepped)
         if len(stepped) == len(self.params):
             self.steps.add_(1.0)
         elif stepped:
             self.steps.index_add_(0, torch.tensor(stepped), torch.ones(len(stepped)))
         counts = self.steps.tolist()
-        scalars = [0.0, 1.0, 1.0] * len(self.params)
-        for i, s in zip(stepped, states):
-            t = counts[i]
-            if held:
-                vb = 1.0 - beta2 ** float(s[VARIANCE_STEPS])
-                scalars[3 * i:3 * i + 3] = [1.0 / (1.0 - beta1 ** t), vb, 1.0 / math.sqrt(vb)]
-            else:
-                scalars[3 * i:3 * i + 3] = [lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t), 0.0]
+        if not held and len(stepped) == len(counts) and counts.count(counts[0]) == len(counts):
+            # (every parameter stepped as often, as when every gradient carries them all: the
+            # same scalars for each, computed once)
+            t = counts[0]
+            scalars = [lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t), 0.0] * len(counts)
+        else:
+            scalars = [0.0, 1.0, 1.0] * len(self.params)
+            for i, s in zip(stepped, states):
+                t = counts[i]
+                if held:
+                    vb = 1.0 - beta2 ** float(s[VARIANCE_STEPS])
+                    scalars[3 * i:3 * i + 3] = [1.0 / (1.0 - beta1 ** t), vb, 1.0 / math.sqrt(vb)]
+                else:
+                    scalars[3 * i:3 * i + 3] = [lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t), 0.0]
         hyper = [1.0 if wd else 0.0, 1.0 - lr * wd, 1.0 - beta1, beta2, 1.0 - beta2,
                  float(group["eps"]), -lr, HELD_MAX_RATIO]
         status, resid, norm = self._fast.adam_apply(
