@@ -44,7 +44,7 @@ from swarmtrain.config import CompressionConfig, load_coordinator_config
 from swarmtrain.core import hardware
 from swarmtrain.core.modelstate import ModelState
 from swarmtrain.errors import ProtocolError, RefusedError, SwarmError
-from swarmtrain.roles.ps.common import codec_for_step, pack_compressed
+from swarmtrain.roles.ps.common import codec_for_step, fuse_dense, pack_compressed
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.tasks import Shard, TextLMConfig, TextLMTask
 from swarmtrain.transport import Connection, Timeouts, connect
@@ -166,8 +166,9 @@ def real_load(model: str, compression: str, topk_ratio: float | None = None) -> 
     comp = CompressionConfig(type=compression, **({"topk_ratio": topk_ratio} if topk_ratio else {}))
     codec = codec_for_step(comp, step=comp.warmup_steps)
     gen = torch.Generator().manual_seed(0)
-    items = {n: codec.compress(p.grad.detach(), generator=gen)
-             for n, p in state.trainable.items() if p.grad is not None}
+    grads = {n: p.grad.detach() for n, p in state.trainable.items() if p.grad is not None}
+    items = (fuse_dense(grads, state.trainable, compression, codec.compress)
+             or {n: codec.compress(g, generator=gen) for n, g in grads.items()})
     codecs, tensors = pack_compressed(items)
     msg = Gradients(msg_id=0, version=0, samples=BATCH, loss=float(loss.detach()), codecs=codecs,
                     tensors=tensors)

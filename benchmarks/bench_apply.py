@@ -41,7 +41,7 @@ from swarmtrain.compression import make_codec
 from swarmtrain.compression.kernels import kernels
 from swarmtrain.config import CoordinatorConfig, load_coordinator_config
 from swarmtrain.roles.ps import coordinator as coordinator_module
-from swarmtrain.roles.ps.common import pack_compressed, unpack_compressed, unpack_lazy
+from swarmtrain.roles.ps.common import fuse_dense, pack_compressed, unpack_compressed, unpack_lazy
 from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
 from swarmtrain.tasks import TextLMConfig, TextLMTask
 from swarmtrain.wire import Decoder, Gradients, UpdateStatus, encode_bytes, measure
@@ -122,11 +122,13 @@ RECV_CHUNK = 1 << 18
 
 
 def gradient_frame(grads: dict[str, torch.Tensor], cfg: Any) -> bytes:
-    """A worker's Gradients frame: compressed by the real codec, packed, framed."""
+    """A worker's Gradients frame as a worker builds it: compressed by the real codec (none and
+    fp16 as one entry for the whole gradient, common.fuse_dense; top-k per tensor), packed, framed."""
     c = cfg.compression
     codec = make_codec(c.type, topk_ratio=c.topk_ratio, qsgd_bits=c.qsgd_bits,
                        bucket_size=c.bucket_size, min_compress_numel=c.min_compress_numel)
-    items = {n: codec.compress(g) for n, g in grads.items()}
+    items = (fuse_dense(grads, grads, c.type, codec.compress)
+             or {n: codec.compress(g) for n, g in grads.items()})
     codecs, tensors = pack_compressed(items)
     return encode_bytes(Gradients(msg_id=1, version=0, samples=32, loss=2.5, codecs=codecs,
                                   tensors=tensors))
@@ -177,7 +179,7 @@ class ApplyBench:
         self.sums_ms: list[float] = []  # per timed receive: the sums of squares taken on arrival
         self.grads = unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
         # what the fused Adam reads: fp16 values and top-k parts as they came
-        self.lazy = unpack_lazy(self.rx.codecs, self.rx.tensors, self.coord.params)
+        self.lazy = unpack_lazy(self.rx.codecs, self.rx.tensors, self.coord.params, whole=True)
 
     def close(self) -> None:
         self.coord._apply_pool.shutdown(wait=True)
@@ -235,7 +237,7 @@ class ApplyBench:
         """The unpacking the apply does: checks only for fp16 and top-k with the fused Adam
         (it decodes them in its pass), a float32 decoding otherwise."""
         if self.coord._flat_adam is not None:
-            unpack_lazy(self.rx.codecs, self.rx.tensors, self.coord.params)
+            unpack_lazy(self.rx.codecs, self.rx.tensors, self.coord.params, whole=True)
         else:
             unpack_compressed(self.rx.codecs, self.rx.tensors, self.coord.params)
 

@@ -15,7 +15,14 @@ import torch
 from swarmtrain.compression import make_codec
 from swarmtrain.core.modelstate import ModelState
 from swarmtrain.errors import ProtocolError, RemoteProtocolError
-from swarmtrain.roles.ps.common import FUSE_MAX_NUMEL, FUSED, fuse_gradients, fused_views, pack_compressed
+from swarmtrain.roles.ps.common import (
+    FUSE_MAX_NUMEL,
+    FUSED,
+    fuse_gradients,
+    fused_views,
+    pack_compressed,
+    whole_entry,
+)
 from swarmtrain.roles.ps.replica import Replica
 from swarmtrain.wire import Decoder, Gradients, Message, Update, encode_bytes
 from tests.test_coordinator_state import make_coordinator, record
@@ -41,8 +48,9 @@ def grads_of(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
 def message(c_params: dict[str, torch.Tensor], g: dict[str, torch.Tensor], *, fuse: bool, msg_id: int,
             version: int) -> Gradients:
     codec = make_codec("none")
-    items = fuse_gradients(g, c_params) if fuse else {n: codec.compress(t) for n, t in g.items()}
-    assert items is not None
+    flat = fuse_gradients(g, c_params) if fuse else None
+    items = whole_entry(flat) if flat is not None else {n: codec.compress(t) for n, t in g.items()}
+    assert (flat is not None) == fuse
     codecs, tensors = pack_compressed(items)
     msg = through_the_wire(Gradients(msg_id=msg_id, version=version, samples=32, loss=1.0,
                                      codecs=codecs, tensors=tensors))
@@ -50,18 +58,21 @@ def message(c_params: dict[str, torch.Tensor], g: dict[str, torch.Tensor], *, fu
     return msg
 
 
-def test_only_a_whole_small_float32_gradient_is_fused() -> None:
+def test_only_a_whole_float32_gradient_is_fused_whatever_its_size() -> None:
     params = {"a": torch.zeros(3, 4), "b": torch.zeros(5)}
     whole = {n: torch.ones_like(p) for n, p in params.items()}
     fused = fuse_gradients(whole, params)
-    assert fused is not None and list(fused) == [FUSED] and fused[FUSED].shape == (17,)
-    assert fused[FUSED].codec == "none" and torch.equal(fused[FUSED].parts["values"], torch.ones(17))
-    # a parameter without a gradient, another order, another dtype, too many elements: not fused
+    assert fused is not None and fused.shape == (17,) and torch.equal(fused, torch.ones(17))
+    entry = whole_entry(fused)
+    assert list(entry) == [FUSED] and entry[FUSED].codec == "none" and entry[FUSED].shape == (17,)
+    # a parameter without a gradient, another order, another dtype: not fused
     assert fuse_gradients({"a": whole["a"]}, params) is None
     assert fuse_gradients({"b": whole["b"], "a": whole["a"]}, params) is None
     assert fuse_gradients({n: g.to(torch.bfloat16) for n, g in whole.items()}, params) is None
-    big = {"a": torch.zeros(FUSE_MAX_NUMEL), "b": torch.zeros(1)}
-    assert fuse_gradients(big, big) is None
+    # a model of any size (the coordinator's per-tensor cost is what fusing saves)
+    big = {"a": torch.ones(FUSE_MAX_NUMEL), "b": torch.full((1,), 2.0)}
+    flat = fuse_gradients(big, big)
+    assert flat is not None and flat.numel() == FUSE_MAX_NUMEL + 1 and float(flat[-1]) == 2.0
 
 
 def test_a_fused_entry_of_the_wrong_size_is_refused_by_name() -> None:
@@ -188,8 +199,16 @@ def _big_coordinator(dtype: torch.dtype = torch.float32, **overrides: Any) -> tu
                                              "checkpointing.interval": 0, "training.learning_rate": 1e-3,
                                              **overrides})
     c = Coordinator(model, cfg, task_name="big")
-    assert c._flat_adam is not None and not c._fuse_full
+    assert c._flat_adam is not None and not c._small and c._fuse_full == (dtype == torch.float32)
     return c, record(c)
+
+
+def named(c: Any, tensors: Any) -> dict[str, torch.Tensor]:
+    """An answer's trainable weights by parameter name (a float32 model's travel as one
+    :data:`FUSED` tensor: cut into views here)."""
+    if FUSED in tensors:
+        return fused_views(tensors[FUSED], c.params)
+    return {n: tensors[n] for n in c.params}
 
 
 def test_a_snapshot_an_answer_still_holds_is_never_written_again() -> None:
@@ -200,15 +219,16 @@ def test_a_snapshot_an_answer_still_holds_is_never_written_again() -> None:
     msgs = [message(c.params, grads_of(c.params, i), fuse=False, msg_id=i + 1, version=i) for i in range(8)]
     status, held = c._apply_gradient(rec, msgs[0])
     assert status == "applied" and held is not None and held.full
-    kept = {n: t.clone() for n, t in held.tensors.items()}
+    assert list(held.tensors) == [FUSED]  # (one tensor, no view per parameter)
+    kept = {n: t.clone() for n, t in named(c, held.tensors).items()}
     assert all(torch.equal(kept[n], c.params[n]) for n in c.params)
     for m in msgs[1:6]:
         status, reply = c._apply_gradient(rec, m)
         assert status == "applied" and reply is not None
         for n in c.params:  # each answer: its own version's weights
-            assert torch.equal(reply.tensors[n], c.params[n]), n
+            assert torch.equal(named(c, reply.tensors)[n], c.params[n]), n
         del reply
-    for n, t in held.tensors.items():  # the weights moved; what the held answer sends did not
+    for n, t in named(c, held.tensors).items():  # the weights moved; what the held answer sends did not
         assert torch.equal(t, kept[n]) and not torch.equal(t, c.params[n]), n
     size_mb = 4 * sum(p.numel() for p in c.params.values()) / 2**20
     held_mb = c.status()["snapshots"]["held_mb"]  # the held answer's and the downlink's own
@@ -232,16 +252,16 @@ def test_the_arrays_the_fused_step_streams_through_start_at_different_page_offse
     c, rec = _big_coordinator()
     fa = c._flat_adam
     snap = c._snapshot_buffers(fa.flat.numel())
-    phases = [t.data_ptr() % PAGE for t in (fa.flat, fa.exp_avg, fa.exp_avg_sq, snap[0])]
+    phases = [t.data_ptr() % PAGE for t in (fa.flat, fa.exp_avg, fa.exp_avg_sq, snap)]
     assert len(set(phases)) == 4 and all(abs(a - b) >= 512 for a in phases for b in phases if a != b)
-    assert all((t.data_ptr() - fa.flat.data_ptr()) % 64 == 0 for t in (fa.exp_avg, fa.exp_avg_sq, snap[0]))
+    assert all((t.data_ptr() - fa.flat.data_ptr()) % 64 == 0 for t in (fa.exp_avg, fa.exp_avg_sq, snap))
     assert torch.equal(fa.exp_avg, torch.zeros_like(fa.exp_avg))
     for phase in (0, 64, 1088, 4032):
         assert phased_floats(1000, phase).data_ptr() % PAGE == phase
         assert pooled_floats(300_000, phase=phase).data_ptr() % PAGE == phase
     assert pooled_floats(300_000).data_ptr() % 64 == 0
     c._apply_gradient(rec, message(c.params, grads_of(c.params, 1), fuse=False, msg_id=1, version=0))
-    assert all(torch.equal(c.params[n], t) for n, t in c.downlink.fine._snapshot[1].items())
+    assert all(torch.equal(c.params[n], t) for n, t in named(c, c.downlink.fine._snapshot[1]).items())
 
 
 def test_a_remembered_gradient_header_is_unpacked_as_the_full_checks_unpack_it() -> None:
@@ -335,11 +355,11 @@ def test_copies_of_the_weights_held_by_unsent_answers_are_bounded_whatever_the_w
         assert pool.in_use() <= MAX_HELD_SNAPSHOTS, i
         if reply.full:
             assert before < reply.version == rec.holds_version
-            assert all(torch.equal(reply.tensors[n], weights[reply.version][n]) for n in c.params)
+            assert all(torch.equal(named(c, reply.tensors)[n], weights[reply.version][n]) for n in c.params)
             kinds["new" if reply.version == c.version else "shared"] += 1
         else:
             assert reply.version == before == rec.holds_version and not reply.deltas
-            assert not set(reply.tensors) & set(c.params)
+            assert not set(reply.tensors) & {*c.params, FUSED}
             kinds["no change"] += 1
         held.append(reply)
     assert kinds["new"] >= MAX_HELD_SNAPSHOTS - 1 and kinds["shared"] and kinds["no change"], kinds
@@ -394,7 +414,7 @@ def test_welcomes_to_a_burst_of_joining_workers_hold_no_more_copies_than_answers
         assert pool.in_use() <= MAX_HELD_SNAPSHOTS, i
     assert len({w.version for w in welcomes}) >= MAX_HELD_SNAPSHOTS - 1  # (new copies while room)
     for w in welcomes:
-        assert all(torch.equal(w.tensors[n], weights[w.version][n]) for n in c.params)
+        assert all(torch.equal(named(c, w.tensors)[n], weights[w.version][n]) for n in c.params)
         assert c.workers[f"join{welcomes.index(w)}"].holds_version == w.version
 
 
@@ -429,7 +449,7 @@ def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> Non
     assert reply is not None and reply.full and rec.track == 2  # moved, with that track's weights
     assert c.downlink.switches == 1 and c.status()["downlink"]["answers"]["full"] == 1
     assert reply.version == head < c.version  # (its next publication is 16 versions on)
-    assert torch.equal(torch.cat([reply.tensors[n].reshape(-1) for n in c.params]), at_head)
+    assert torch.equal(reply.tensors[FUSED], at_head)
 
 
 def test_a_half_precision_models_copies_come_from_the_pool_and_are_bounded_too() -> None:
@@ -456,3 +476,103 @@ def test_a_half_precision_models_copies_come_from_the_pool_and_are_bounded_too()
                 assert t.dtype == torch.bfloat16 and torch.equal(t, p.to(torch.bfloat16)), name
         held.append(reply)
     assert c.status()["snapshots"]["held"] == MAX_HELD_SNAPSHOTS
+
+
+def _fp16_message(params: dict[str, torch.Tensor], g: dict[str, torch.Tensor], *, fuse: bool, msg_id: int,
+                  version: int) -> Gradients:
+    codec = make_codec("fp16")
+    flat = fuse_gradients(g, params) if fuse else None
+    items = ({FUSED: codec.compress(flat)} if flat is not None
+             else {n: codec.compress(t) for n, t in g.items()})
+    codecs, tensors = pack_compressed(items)
+    msg = through_the_wire(Gradients(msg_id=msg_id, version=version, samples=32, loss=1.0,
+                                     codecs=codecs, tensors=tensors))
+    assert isinstance(msg, Gradients)
+    return msg
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_a_large_models_fused_gradient_steps_the_fused_adam_exactly_as_the_per_tensor_one(codec: str) -> None:
+    """Dense gradients travel as one entry whatever the model's size; the coordinator's fused
+    Adam reads that vector in one piece (no view per parameter) and moves every weight and
+    moment exactly as it does for one entry per tensor, the fp16 values read as they came."""
+    a, ra = _big_coordinator(**{"compression.type": codec})
+    b, rb = _big_coordinator(**{"compression.type": codec})
+    make = message if codec == "none" else _fp16_message
+    for i in range(1, 5):
+        g = grads_of(a.params, i)
+        fused = make(a.params, g, fuse=True, msg_id=i, version=a.version)
+        plain = make(b.params, g, fuse=False, msg_id=i, version=b.version)
+        assert list(fused.codecs) == [FUSED] and len(plain.codecs) == len(b.params)
+        assert a._apply_gradient(ra, fused)[0] == b._apply_gradient(rb, plain)[0] == "applied"
+    for name in a.params:
+        assert torch.equal(a.params[name], b.params[name]), name
+        sa, sb = a.optimizer.state[a.params[name]], b.optimizer.state[b.params[name]]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+    assert a.version == b.version == 4
+
+
+def test_the_fused_adam_is_given_a_fused_gradient_whole_and_a_short_one_is_refused() -> None:
+    from swarmtrain.roles.ps.common import unpack_lazy
+
+    c, rec = _big_coordinator(**{"compression.type": "fp16"})
+    g = grads_of(c.params, 1)
+    msg = _fp16_message(c.params, g, fuse=True, msg_id=1, version=0)
+    got = unpack_lazy(msg.codecs, msg.tensors, c.params, subset=True, whole=True)
+    assert list(got) == [FUSED]
+    values = got[FUSED]
+    assert isinstance(values, torch.Tensor) and values.dtype == torch.float16 and values.dim() == 1
+    assert values.data_ptr() == msg.tensors[f"{FUSED}/values"].data_ptr()  # as it came, not copied
+    # without whole (a window, torch's Adam): one float32 view per parameter, as before
+    views = unpack_lazy(msg.codecs, msg.tensors, c.params, subset=True)
+    assert list(views) == list(c.params) and all(v.dtype == torch.float32 for v in views.values())
+    before = {n: p.detach().clone() for n, p in c.params.items()}
+    codec = make_codec("fp16")
+    total = sum(p.numel() for p in c.params.values())
+    codecs, tensors = pack_compressed({FUSED: codec.compress(torch.zeros(total - 8))})
+    short = through_the_wire(Gradients(msg_id=2, version=0, samples=32, loss=1.0, codecs=codecs,
+                                       tensors=tensors))
+    assert isinstance(short, Gradients)
+    assert c._apply_gradient(rec, short)[0] == "rejected" and c.version == 0
+    assert all(torch.equal(before[n], p) for n, p in c.params.items())
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "topk"])
+def test_a_worker_sends_a_dense_gradient_as_one_entry_and_a_topk_one_per_tensor(codec: str) -> None:
+    from tests.test_ps_inprocess import worker
+
+    w = worker(1, **{"compression.type": codec})
+    w._use_shards([0], 1)
+    items = w._compute()[0]
+    if codec == "topk":
+        assert list(items) == list(w.params)
+        return
+    assert list(items) == [FUSED] and items[FUSED].codec == codec
+    assert items[FUSED].shape == (sum(p.numel() for p in w.params.values()),)
+    if codec == "fp16":  # what the float16 rounding dropped is kept for the next gradient
+        assert w.feedback is not None and w.feedback.residual_norm() > 0.0
+
+
+@pytest.mark.parametrize("codec", ["fp16", "topk"])
+def test_a_remembered_header_is_used_again_by_a_coordinator_asking_for_whole_gradients(codec: str) -> None:
+    """The coordinator unpacks with ``whole`` (its fused Adam takes a fused gradient in one
+    piece): the header it remembered must be the one it asks again with, for one fused entry
+    and for per-tensor top-k entries alike (else every gradient takes the full checks)."""
+    from swarmtrain.roles.ps.common import KnownHeader, unpack_lazy
+
+    c, _ = _big_coordinator(**{"compression.type": codec})
+    g = grads_of(c.params, 1)
+    if codec == "fp16":
+        msg = _fp16_message(c.params, g, fuse=True, msg_id=1, version=0)
+    else:
+        items = {n: make_codec("topk", topk_ratio=0.1).compress(t) for n, t in g.items()}
+        codecs, tensors = pack_compressed(items)
+        got = through_the_wire(Gradients(msg_id=1, version=0, samples=32, loss=1.0, codecs=codecs,
+                                         tensors=tensors))
+        assert isinstance(got, Gradients)
+        msg = got
+    known = KnownHeader()
+    first = unpack_lazy(msg.codecs, msg.tensors, c.params, subset=True, known=known, whole=True)
+    again = known.unpack(msg.codecs, msg.tensors, c.params, True, True, True)
+    assert again is not None and list(again) == list(first)
+    assert known.unpack(msg.codecs, msg.tensors, c.params, True, True, False) is None  # (views wanted)

@@ -26,6 +26,7 @@ run on a small thread pool.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import logging
@@ -321,13 +322,12 @@ class Kernels:
         count = len(segments) // SEG_FIELDS
         if len(segments) != SEG_FIELDS * count or len(scalars) != 3 * count or len(hyper) != 8:
             raise ValueError("adam_apply: segments, scalars or hyper are not shaped for kernels.c")
-        seg = (ctypes.c_int64 * len(segments))(*segments)
-        sca = (ctypes.c_double * len(scalars))(*scalars)
+        # (array.array takes a list of numbers several times faster than a ctypes array does)
+        seg, sca = array.array("q", segments), array.array("d", scalars)
         pub = publication or Publication(PUB_NONE)
         align = pub.bucket if pub.mode == PUB_UNIFORM else 64
         hyp = (ctypes.c_double * 8)(*hyper)
-        args = (ctypes.addressof(seg), ctypes.addressof(sca), count, p.data_ptr(), m.data_ptr(),
-                v.data_ptr())
+        args = (seg.buffer_info()[0], sca.buffer_info()[0], count, p.data_ptr(), m.data_ptr(), v.data_ptr())
         rule = 1 if held else 0
         slices = self._slices(p.numel(), align=align)
         if self.openmp and len(slices) > 1:  # one call: the slices on OpenMP's threads

@@ -3,7 +3,7 @@ compressed tensors into message fields and payload tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -26,7 +26,10 @@ __all__ = [
     "check_fingerprint",
     "FUSED",
     "FUSE_MAX_NUMEL",
+    "DENSE_CODECS",
+    "fuse_dense",
     "fuse_gradients",
+    "whole_entry",
     "fused_views",
     "check_fused",
     "entry_spec",
@@ -125,29 +128,58 @@ deltas travel this way, one codec call per message instead of one per tensor, an
 uncompressed gradients and full weights of a small model (:func:`fuse_gradients`)."""
 
 FUSE_MAX_NUMEL = 1 << 20
-"""Models up to this many parameters send their tensors as one :data:`FUSED` entry: weight
-deltas always, uncompressed float32 gradients and full weights too. Per tensor a message
-costs its descriptor, codec entry and checks on both ends, which for a small model's
-millisecond step is more than copying its tensors into one."""
+"""Models up to this many parameters send their weights as one :data:`FUSED` entry: weight
+deltas always, full weights too. Per tensor a message costs its descriptor, codec entry and
+checks on both ends, which for a small model's millisecond step is more than copying its
+tensors into one. (Dense gradients go as one entry whatever the model's size:
+:func:`fuse_gradients`.)"""
 
 
 def fuse_gradients(grads: Mapping[str, torch.Tensor],
-                   params: Mapping[str, torch.Tensor]) -> dict[str, Compressed] | None:
-    """Uncompressed gradients as one :data:`FUSED` ``none`` entry, in one copy: when there is
-    one for every one of ``params`` (more than one), in their order, each a float32 CPU
-    tensor, and they hold at most :data:`FUSE_MAX_NUMEL` elements; None otherwise (they then
-    travel one entry each)."""
+                   params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """Every parameter's gradient in one float32 vector, in one copy, for one :data:`FUSED`
+    entry (``none``, or coded whole by the fp16 codec): when there is one for every one of
+    ``params`` (more than one), in their order, each a float32 CPU tensor; None otherwise
+    (they then travel one entry each).
+
+    One entry instead of one per tensor, whatever the model's size: the coordinator checks,
+    screens and steps it as one vector (its fused Adam reads every parameter's slice from it),
+    where a hundred entries cost it a hundred headers, checks and views per update on the
+    thread every worker waits for; the worker pays one copy of its gradient, which for a model
+    large enough to notice is a small part of its step."""
     if len(grads) < 2 or list(grads) != list(params):
         return None
     values = list(grads.values())
     if not all(g.dtype == torch.float32 and g.device.type == "cpu" for g in values):
         return None
-    total = sum(g.numel() for g in values)
-    if total > FUSE_MAX_NUMEL:
-        return None
-    flat = _flatten_dense_tensors(values)  # (a new tensor: gradients need no graph)
-    return {FUSED: Compressed(codec="none", shape=(total,), dtype="float32", parts={"values": flat},
+    return _flatten_dense_tensors(values)  # (a new tensor: gradients need no graph)
+
+
+def whole_entry(flat: torch.Tensor) -> dict[str, Compressed]:
+    """A message's one uncompressed :data:`FUSED` entry for ``flat`` (:func:`fuse_gradients`)."""
+    return {FUSED: Compressed(codec="none", shape=(flat.numel(),), dtype="float32", parts={"values": flat},
                               meta={})}
+
+
+#: the codecs whose gradient travels as one :data:`FUSED` entry (elementwise: coding the
+#: flattened gradient codes each tensor's elements as coding it alone would)
+DENSE_CODECS = ("none", "fp16")
+
+
+def fuse_dense(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], codec: str,
+               compress: Callable[[torch.Tensor], Compressed] | None = None) -> dict[str, Compressed] | None:
+    """The one :data:`FUSED` entry a worker sends for ``grads`` with a dense ``codec``
+    (:data:`DENSE_CODECS`): uncompressed, or coded whole by ``compress`` (fp16's codec, or its
+    error feedback); None when they travel one entry each (another codec, or
+    :func:`fuse_gradients` does not fuse them)."""
+    flat = fuse_gradients(grads, params) if codec in DENSE_CODECS else None
+    if flat is None:
+        return None
+    if codec == "none":
+        return whole_entry(flat)
+    if compress is None:
+        raise ValueError(f"fuse_dense: a {codec} gradient needs its codec's compress")
+    return {FUSED: compress(flat)}
 
 
 def fused_views(flat: torch.Tensor, expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -217,7 +249,7 @@ class KnownHeader:
     def __init__(self) -> None:
         self.codecs: Mapping[str, Any] | None = None
         self.expected: Mapping[str, torch.Tensor] | None = None
-        self.how = (False, False)  # (subset, lazy) it was checked for
+        self.how = (False, False, False)  # (subset, lazy, whole) it was checked for
         #: per entry, in the header's order: (name, payload keys, shape, numel, dtype) for a
         #: plain one (one key; shape None when it is one-dimensional: no view is needed),
         #: (name, keys of values / index_low / block_counts, shape, numel, k) for a top-k one
@@ -225,10 +257,10 @@ class KnownHeader:
         self.tensor_count = 0  # payload tensors the plan names
 
     def unpack(self, codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-               expected: Mapping[str, torch.Tensor], subset: bool,
-               lazy: bool) -> dict[str, LazyGradient] | None:
+               expected: Mapping[str, torch.Tensor], subset: bool, lazy: bool,
+               whole: bool = False) -> dict[str, LazyGradient] | None:
         """The entries, when ``codecs`` equals the remembered header (None: take the full path)."""
-        if (self.expected is not expected or self.how != (subset, lazy)
+        if (self.expected is not expected or self.how != (subset, lazy, whole)
                 or len(tensors) != self.tensor_count or codecs != self.codecs):
             return None
         out: dict[str, LazyGradient] = {}
@@ -239,7 +271,7 @@ class KnownHeader:
                 if not _whole(t, extra, numel):
                     return None
                 # (a one-dimensional parameter's gradient is the checked tensor as it is)
-                out[name] = t if shape is None else t.view(shape)  # type: ignore[union-attr]
+                out[name] = t if shape is None else t.view(shape)  # type: ignore[union-attr,assignment]
                 continue
             values, low, counts = (tensors.get(k) for k in keys)
             blocks = -(-numel // TOPK_INDEX_BLOCK)
@@ -255,18 +287,21 @@ class KnownHeader:
         return out
 
     def remember(self, codecs: Mapping[str, Any], expected: Mapping[str, torch.Tensor], subset: bool,
-                 lazy: bool, out: Mapping[str, LazyGradient]) -> None:
-        """Remember a header whose every entry was plain or (read lazily) top-k (``out``: what
-        the full path gave for it)."""
+                 lazy: bool, out: Mapping[str, LazyGradient], whole: bool = False) -> None:
+        """Remember a header whose every entry was plain or (read lazily) top-k, or (``whole``)
+        one :data:`FUSED` plain entry (``out``: what the full path gave for it)."""
         plan: list[tuple[str, tuple[str, ...], torch.Size | None, int, Any]] = []
         for name, g in out.items():
+            if name == FUSED and isinstance(g, torch.Tensor):  # (whole: every parameter, as it came)
+                plan.append((name, (f"{name}/values",), None, g.numel(), g.dtype))
+                continue
             shape, numel = expected[name].shape, expected[name].numel()
             if isinstance(g, TopKParts):
                 plan.append((name, (f"{name}/values", f"{name}/index_low", f"{name}/block_counts"),
                              shape, numel, g.values.numel()))
             else:
                 plan.append((name, (f"{name}/values",), None if len(shape) == 1 else shape, numel, g.dtype))
-        self.codecs, self.expected, self.how, self.plan = codecs, expected, (subset, lazy), plan
+        self.codecs, self.expected, self.how, self.plan = codecs, expected, (subset, lazy, whole), plan
         self.tensor_count = sum(len(keys) for _, keys, _, _, _ in plan)
 
 
@@ -278,13 +313,16 @@ def _whole(t: Any, dtype: torch.dtype, numel: int) -> bool:
 
 def unpack_lazy(
     codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-    *, subset: bool = False, known: KnownHeader | None = None,
+    *, subset: bool = False, known: KnownHeader | None = None, whole: bool = False,
 ) -> dict[str, LazyGradient]:
     """:func:`unpack_compressed`, checked the same, but fp16 tensors stay their float16 values
     (shaped) and top-k ones their parts: the coordinator's fused Adam reads them as they came,
     instead of after a full-size float32 decoding pass. ``known``: where the last header of entries
-    it can check again is remembered (:class:`KnownHeader`)."""
-    return _unpack(codecs, tensors, expected, subset=subset, lazy=True, known=known)
+    it can check again is remembered (:class:`KnownHeader`). ``whole``: a :data:`FUSED` ``none``
+    or ``fp16`` entry (every parameter's gradient in one vector) comes back as it is,
+    ``{FUSED: values}``, instead of cut into a view per parameter (the fused Adam reads it in
+    one piece)."""
+    return _unpack(codecs, tensors, expected, subset=subset, lazy=True, known=known, whole=whole)
 
 
 def unpack_compressed(
@@ -307,9 +345,9 @@ def unpack_compressed(
 
 def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             expected: Mapping[str, torch.Tensor], *, subset: bool, lazy: bool,
-            known: KnownHeader | None = None) -> dict[str, LazyGradient]:
+            known: KnownHeader | None = None, whole: bool = False) -> dict[str, LazyGradient]:
     if known is not None:  # (a remembered header is one the checks below passed)
-        again = known.unpack(codecs, tensors, expected, subset, lazy)
+        again = known.unpack(codecs, tensors, expected, subset, lazy, whole)
         if again is not None:
             return again
     fused = set(codecs) == {FUSED} and FUSED not in expected
@@ -348,7 +386,7 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         used += len(parts)
         c = Compressed(codec=spec["codec"], shape=tuple(spec["shape"]), dtype=spec["dtype"],
                        parts=parts, meta=spec["meta"])
-        if lazy and c.codec == "fp16" and name != FUSED:
+        if lazy and c.codec == "fp16" and (name != FUSED or whole):
             out[name] = _fp16_values(c)
         elif lazy and c.codec == "topk" and name != FUSED:
             out[name] = check_topk(c)
@@ -357,8 +395,14 @@ def _unpack(codecs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             out[name] = decompress_any(c)
     if used != len(tensors):
         raise RemoteProtocolError("bad_codec", "payload carries tensors no codec entry names")
+    if fused and whole and codecs[FUSED]["codec"] in _PLAIN_CODECS:
+        values = out[FUSED]
+        check_fused(cast(torch.Tensor, values), shapes[FUSED][0])
+        if known is not None:  # (its one payload tensor, checked again there as a plain entry's)
+            known.remember(codecs, expected, subset, lazy, {FUSED: values}, whole=True)
+        return {FUSED: values}
     if known is not None and rememberable == len(codecs) and out:
-        known.remember(codecs, expected, subset, lazy, out)
+        known.remember(codecs, expected, subset, lazy, out, whole=whole)
     if fused:  # one view per parameter, in the model's order (its shape: every parameter)
         return dict(fused_views(dense_gradient(out[FUSED]), expected))  # (typed wider)
     return out

@@ -24,7 +24,6 @@ import contextlib
 import copy
 import dataclasses
 import enum
-import itertools
 import logging
 import math
 import re
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from swarmtrain.compression.kernels import kernels
 from swarmtrain.config import CoordinatorConfig, apply_kwargs, resolve_secret, resolve_tls
@@ -331,8 +330,11 @@ class Coordinator:
                               "False): there is nothing to train")
         #: master weights of the trainable parameters (float32 for half-precision models)
         self.params, self._flat, self._lowp = _master_weights(self.state.trainable)
-        #: name -> the trainable parameter's dtype as a gradient's header names it
+        #: name -> the trainable parameter's dtype as a gradient's header names it; FUSED (all
+        #: of them in one vector) -> theirs if they share one, else float32
         self._dtype_names = {n: str(p.dtype).removeprefix("torch.") for n, p in self.state.trainable.items()}
+        kinds = set(self._dtype_names.values())
+        self._dtype_names[FUSED] = kinds.pop() if len(kinds) == 1 else "float32"
         #: master copies of the synced buffers (float32 for half-precision buffers)
         self.buffers: dict[str, torch.Tensor] = {
             n: (b if master_dtype(b.dtype) == b.dtype else b.detach().to(master_dtype(b.dtype)).clone())
@@ -367,10 +369,13 @@ class Coordinator:
             fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
             reset_interval=t.resync_interval)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
-        #: full weights go to workers as one FUSED tensor (a small float32 model): the one
-        #: buffer every published snapshot of such a model is made in (:meth:`_as_replica`)
-        self._fuse_full = (len(self.params) > 1 and sum(self._sizes) <= FUSE_MAX_NUMEL
+        #: full weights go to workers as one FUSED tensor (a float32 model of more than one
+        #: parameter): the one buffer every published snapshot is made in (:meth:`_as_replica`),
+        #: kept and sent as it is, with no tensor per parameter on either end
+        self._fuse_full = (len(self.params) > 1
                            and all(p.dtype == torch.float32 for p in self.state.trainable.values()))
+        #: a small model's snapshots are new memory, not pooled nor bounded (common.FUSE_MAX_NUMEL)
+        self._small = sum(self._sizes) <= FUSE_MAX_NUMEL
         #: the buffers a larger model's snapshots are written into, each used again once no
         #: answer refers to it (apart from the payloads': the two come and go at other times);
         #: one idle at most (the next snapshot's), so what it keeps beyond the snapshots
@@ -989,20 +994,19 @@ class Coordinator:
         return Weights(version=version, tensors={**trainable, **rest})
 
     def _as_replica(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Flat-vector views shaped like the parameters -> new tensors in the model's dtypes
-        (a small float32 model's: views of one new buffer, which a fused answer sends as it is)."""
+        """Flat-vector views shaped like the parameters -> new tensors in the model's dtypes:
+        a float32 model's as one :data:`FUSED` buffer (:meth:`_snapshot_buffers`), which an
+        answer sends as it is; else one tensor per parameter, in one pooled buffer (a hundred
+        clones would be a hundred allocations below the mmap threshold, whose freed memory the
+        heap keeps), half-precision ones rounded as .to() rounds."""
         if self._fuse_full:
-            return dict(zip(self.params, _unflatten_dense_tensors(_flatten_dense_tensors(views), views)))
+            flat = self._snapshot_buffers(sum(self._sizes))
+            torch._foreach_copy_(list(_unflatten_dense_tensors(flat, views)), views)
+            return {FUSED: flat}
         dtypes = [p.dtype for p in self.state.trainable.values()]
-        # one pooled buffer, as the step's own snapshots (a hundred clones would be a hundred
-        # allocations below the mmap threshold, whose freed memory the heap keeps)
-        if all(v.dtype == d == torch.float32 for v, d in zip(views, dtypes)):
-            copies = self._snapshot_buffers(sum(self._sizes))
-            torch._foreach_copy_(copies, views)
-        else:  # (half-precision parameters: each in its dtype, rounded as .to() rounds)
-            copies = self._mixed_snapshot_buffers(dtypes)
-            for c, v in zip(copies, views):
-                c.copy_(v)
+        copies = self._mixed_snapshot_buffers(dtypes)
+        for c, v in zip(copies, views):
+            c.copy_(v)
         return dict(zip(self.params, copies))
 
     def _mixed_snapshot_buffers(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
@@ -1020,7 +1024,7 @@ class Coordinator:
     def _snapshot_room(self) -> bool:
         """Whether a new copy of the weights may be made for answers: fewer than
         :data:`MAX_HELD_SNAPSHOTS` are held (a small model's copies are not pooled, nor bounded)."""
-        return self._fuse_full or self._snapshot_pool.in_use() < MAX_HELD_SNAPSHOTS
+        return self._small or self._snapshot_pool.in_use() < MAX_HELD_SNAPSHOTS
 
     def _snapshot_summary(self) -> dict[str, float]:
         pool = self._snapshot_pool
@@ -1030,20 +1034,18 @@ class Coordinator:
                 "bound": MAX_HELD_SNAPSHOTS, "withheld": withheld,
                 "made": pool.allocated, "reused": pool.reused}
 
-    def _snapshot_buffers(self, total: int) -> list[torch.Tensor]:
-        """Float32 tensors shaped like the parameters, for a snapshot the kernel writes: views
-        of one buffer. A small model's is new memory (:meth:`_as_replica`); a larger one's comes
-        from a pool of its own (:func:`pooled_floats`), at its own offset in a page
-        (:data:`~swarmtrain.roles.ps.flat_adam.COPY_PHASE`, as the moments have theirs): new
-        memory of that size can be fresh pages on every update (above glibc's mmap threshold,
-        or whenever freed memory went back to the system: a page fault per 4 KiB, 37 ms
-        instead of 15 for a 10M-parameter apply), and a hundred tensors are a hundred
-        allocations."""
-        views = list(self.params.values())
+    def _snapshot_buffers(self, total: int) -> torch.Tensor:
+        """One float32 buffer of ``total`` elements for a snapshot of a float32 model (the
+        kernel writes it, or :meth:`_as_replica` copies into it). A small model's is new
+        memory; a larger one's comes from a pool of its own (:func:`pooled_floats`), at its own
+        offset in a page (:data:`~swarmtrain.roles.ps.flat_adam.COPY_PHASE`, as the moments have
+        theirs): new memory of that size can be fresh pages on every update (above glibc's
+        mmap threshold, or whenever freed memory went back to the system: a page fault per
+        4 KiB, 37 ms instead of 15 for a 10M-parameter apply)."""
+        if self._small:
+            return torch.empty(total, dtype=torch.float32)
         phase = phase_after(self._flat, COPY_PHASE) if self._flat is not None else None
-        flat = (torch.empty(total, dtype=torch.float32) if self._fuse_full
-                else pooled_floats(total, phase=phase, pool=self._snapshot_pool))
-        return list(_unflatten_dense_tensors(flat, views))
+        return pooled_floats(total, phase=phase, pool=self._snapshot_pool)
 
     def _round_replica(self, flat: torch.Tensor) -> None:
         """Round the half-precision parameters' part of a flat replica to the model's dtype, as
@@ -1145,7 +1147,8 @@ class Coordinator:
         try:
             buffer_changes, rest = split_buffers(msg.buffers, msg.tensors, self.buffers)
             grads: dict[str, LazyGradient] = (
-                unpack_lazy(msg.codecs, rest, self.params, subset=True, known=self._known_header) if lazy
+                unpack_lazy(msg.codecs, rest, self.params, subset=True, known=self._known_header, whole=True)
+                if lazy
                 else dict(unpack_compressed(msg.codecs, rest, self.params, subset=True,
                                             known=self._known_header)))
         except RemoteProtocolError as exc:
@@ -1237,7 +1240,8 @@ class Coordinator:
         if target is not None:
             fine.finish_fused(fa.flat, version, target[1], status == 0, resid, norm)
         elif snapshot is not None:
-            fine.set_snapshot(version, dict(zip(self.params, snapshot)))
+            fine.set_snapshot(version, {FUSED: snapshot} if self._fuse_full else dict(zip(
+                self.params, _unflatten_dense_tensors(snapshot, list(self.params.values())))))
         return held
 
     def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, LazyGradient],
@@ -1459,21 +1463,7 @@ class Coordinator:
             return self._chain_update(rec, msg_id, status, [], rec.holds_version)
         rec.resyncs += 1
         return Update(msg_id=msg_id, version=w.version, status=status, full=True,
-                      tensors=self._fused_weights(w.tensors))
-
-    def _fused_weights(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """A small float32 model's published parameters as one :data:`FUSED` tensor (the buffer
-        their snapshot is made in), the rest as they are; ``tensors`` unchanged for any other model."""
-        if not self._fuse_full:
-            return tensors
-        trainable = [tensors[n] for n in self.params]
-        flat = trainable[0]._base  # (the buffer the snapshot was made in)
-        if (flat is None or flat.dim() != 1 or flat.numel() != sum(self._sizes)
-                or [t.storage_offset() for t in trainable] != [0, *itertools.accumulate(self._sizes[:-1])]
-                or any(t._base is not flat for t in trainable)):
-            flat = _flatten_dense_tensors(trainable)
-        rest = {k: v for k, v in tensors.items() if k not in self.params}
-        return {FUSED: flat, **rest}
+                      tensors=w.tensors)
 
     # -- control, evaluation, status -------------------------------------------------------
 

@@ -41,7 +41,7 @@ from swarmtrain.compression.kernels import (
 )
 from swarmtrain.compression.topk import TopKParts
 from swarmtrain.roles.ps.adam import HELD_MAX_RATIO, VARIANCE_STEPS
-from swarmtrain.roles.ps.common import LazyGradient
+from swarmtrain.roles.ps.common import FUSED, LazyGradient
 from swarmtrain.wire.pool import PAGE, phased_floats
 
 __all__ = ["COPY_PHASE", "FlatAdam", "phase_after"]
@@ -81,7 +81,10 @@ class FlatAdam:
         #: every parameter's step count (its state's "step" is a 0-dim view of it): one add
         #: and one read per step instead of one per tensor
         self.steps = torch.zeros(len(self.params), dtype=torch.float32)
+        self._steps_np = self.steps.numpy()  # (the same memory: numpy's add costs a torch op's tenth)
         self._step_views = [self.steps[i] for i in range(len(self.params))]
+        #: every parameter's state, in order, once all have one and while that state dict is bound
+        self._all_states: list[dict[str, Any]] | None = None
         self._no_snapshot = [0] * len(self.params)
         #: the state dict last bound and its size (held, so that no new dict can take its id)
         self._bound: tuple[Any, int] | None = None
@@ -107,6 +110,7 @@ class FlatAdam:
         state = self.optimizer.state
         if self._bound is not None and self._bound[0] is state and self._bound[1] == len(state):
             return
+        self._all_states = None  # (the dicts of the state bound before)
         for p, m, v, t in zip(self.params, self._m_views, self._v_views, self._step_views):
             s = state.get(p)
             if not s:
@@ -127,6 +131,9 @@ class FlatAdam:
         """The state of every stepped parameter, made as torch's fused Adam makes it on a
         parameter's first step (a float32 step tensor, zero moments)."""
         state = self.optimizer.state
+        cached = self._all_states  # (valid while _bind keeps the state it bound)
+        if cached is not None and len(stepped) == len(cached):
+            return cached
         out = []
         for i in stepped:
             p = self.params[i]
@@ -137,6 +144,7 @@ class FlatAdam:
                                 "exp_avg_sq": self._v_views[i].zero_()}
             out.append(s)
         self._bound = (state, len(state))  # (what was added is bound)
+        self._all_states = out if len(out) == len(self.params) else None
         return out
 
     def can_hold(self, grads: Mapping[str, LazyGradient]) -> bool:
@@ -149,12 +157,13 @@ class FlatAdam:
     @torch.no_grad()
     def step(self, grads: Mapping[str, LazyGradient], lr: float, *, held: bool,
              publication: Publication | None = None,
-             snapshot: Sequence[torch.Tensor] | None = None) -> tuple[int, float, float]:
+             snapshot: torch.Tensor | None = None) -> tuple[int, float, float]:
         """One step on ``grads`` (name -> gradient; a parameter without one is not stepped,
-        as torch skips ``grad is None``) at ``lr``: plain Adam, or with ``held`` the
+        as torch skips ``grad is None``; or :data:`FUSED` -> every parameter's gradient in one
+        vector, in order) at ``lr``: plain Adam, or with ``held`` the
         held-variance step (the caller checked :meth:`can_hold`). With ``publication`` the
-        new weights are published as they are written; with ``snapshot`` (one float32 tensor
-        per parameter) they are also copied there.
+        new weights are published as they are written; with ``snapshot`` (a float32 vector of
+        as many elements as the weights) they are also copied there.
 
         Returns: the kernel's (status, Σ residual², Σ master²) (status 2: the publication met
         NaN/inf, the caller restarts its published track).
@@ -164,8 +173,10 @@ class FlatAdam:
                 when unpacked; the weights are then part stepped).
         """
         if snapshot is not None:
-            if publication is not None or len(snapshot) != len(self.params):
-                raise ValueError("FlatAdam.step: a snapshot (one tensor per parameter) or a publication")
+            if (publication is not None or snapshot.dtype != torch.float32
+                    or not snapshot.is_contiguous() or snapshot.numel() != self.flat.numel()):
+                raise ValueError("FlatAdam.step: a snapshot (a float32 vector the weights' size) "
+                                 "or a publication")
             publication = Publication(PUB_SNAPSHOT)
         self._bind()
         group = self.optimizer.param_groups[0]
@@ -175,31 +186,41 @@ class FlatAdam:
         rows: list[int] = []
         stepped: list[int] = []
         f32, f16 = torch.float32, torch.float16
-        snaps = [t.data_ptr() for t in snapshot] if snapshot is not None else self._no_snapshot
-        for i, (name, off, n, snap) in enumerate(zip(self.names, self.offsets, self.sizes, snaps)):
-            g = grads.get(name)
-            if g is None:
-                rows += (off, n, G_NONE, 0, 0, 0, snap)
-                continue
-            stepped.append(i)
-            if isinstance(g, TopKParts):
-                parts = [t.contiguous() for t in (g.values, g.index_low, g.block_counts)]
-                keep.append(parts)
-                rows += (off, n, G_TOPK, *(t.data_ptr() for t in parts), snap)
-                continue
-            dtype = g.dtype
-            if dtype is not f32 and dtype is not f16:
-                g, dtype = g.to(f32), f32
-            if not g.is_contiguous():
-                g = g.contiguous()
+        snaps = ([snapshot.data_ptr() + 4 * off for off in self.offsets[:-1]] if snapshot is not None
+                 else self._no_snapshot)
+        whole = grads.get(FUSED) if len(grads) == 1 else None
+        if whole is not None:  # every parameter's gradient in one tensor, in order
+            g = self._whole_gradient(whole)
             keep.append(g)
-            rows += (off, n, G_F16 if dtype is f16 else G_F32, g.data_ptr(), 0, 0, snap)
+            kind, base, size = G_F16 if g.dtype is f16 else G_F32, g.data_ptr(), g.element_size()
+            for off, n, snap in zip(self.offsets, self.sizes, snaps):
+                rows += (off, n, kind, base + size * off, 0, 0, snap)
+            stepped = list(range(len(self.params)))
+        else:
+            for i, (name, off, n, snap) in enumerate(zip(self.names, self.offsets, self.sizes, snaps)):
+                one = grads.get(name)
+                if one is None:
+                    rows += (off, n, G_NONE, 0, 0, 0, snap)
+                    continue
+                stepped.append(i)
+                if isinstance(one, TopKParts):
+                    parts = [t.contiguous() for t in (one.values, one.index_low, one.block_counts)]
+                    keep.append(parts)
+                    rows += (off, n, G_TOPK, *(t.data_ptr() for t in parts), snap)
+                    continue
+                g, dtype = one, one.dtype
+                if dtype is not f32 and dtype is not f16:
+                    g, dtype = g.to(f32), f32
+                if not g.is_contiguous():
+                    g = g.contiguous()
+                keep.append(g)
+                rows += (off, n, G_F16 if dtype is f16 else G_F32, g.data_ptr(), 0, 0, snap)
         states = self._states(stepped)
         if len(stepped) == len(self.params):
-            self.steps.add_(1.0)
+            self._steps_np += 1.0
         elif stepped:
-            self.steps.index_add_(0, torch.tensor(stepped), torch.ones(len(stepped)))
-        counts = self.steps.tolist()
+            self._steps_np[stepped] += 1.0
+        counts = self._steps_np.tolist()
         if not held and len(stepped) == len(counts) and counts.count(counts[0]) == len(counts):
             # (every parameter stepped as often, as when every gradient carries them all: the
             # same scalars for each, computed once)
@@ -224,13 +245,23 @@ class FlatAdam:
                                "checks them): this is a bug in swarmtrain, please report it")
         return status, resid, norm
 
+    def _whole_gradient(self, g: LazyGradient) -> torch.Tensor:
+        """A :data:`FUSED` gradient as the kernel reads it: a contiguous float32 or float16
+        vector of every parameter's elements (unpacking checked its size; checked again)."""
+        if not isinstance(g, torch.Tensor) or g.dim() != 1 or g.numel() != self.flat.numel():
+            raise ValueError(f"a fused gradient holds all {self.flat.numel()} elements in one vector")
+        if g.dtype is not torch.float32 and g.dtype is not torch.float16:
+            g = g.to(torch.float32)
+        return g if g.is_contiguous() else g.contiguous()
+
     def count_variance_update(self, grads: Mapping[str, LazyGradient]) -> None:
-        """:func:`adam.count_variance_update` for a step on ``grads``."""
+        """:func:`adam.count_variance_update` for a step on ``grads`` (:data:`FUSED`: all)."""
         state = self.optimizer.state
+        every = FUSED in grads
         for name, p in zip(self.names, self.params):
             s = state.get(p)
-            if s and name in grads:
-                s[VARIANCE_STEPS] = float(s.get(VARIANCE_STEPS, 0.0)) + 1.0
+            if s and (every or name in grads):
+                s[VARIANCE_STEPS] = s.get(VARIANCE_STEPS, 0.0) + 1.0
 
 
 def _unsupported(optimizer: torch.optim.Optimizer, flat: torch.Tensor | None,

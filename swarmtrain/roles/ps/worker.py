@@ -53,8 +53,9 @@ from swarmtrain.errors import (
 )
 from swarmtrain.roles.ps.cluster import split_address
 from swarmtrain.roles.ps.common import (
+    FUSED,
     codec_for_step,
-    fuse_gradients,
+    fuse_dense,
     pack_buffers,
     pack_compressed,
     payload_bytes,
@@ -1124,11 +1125,14 @@ class Worker:
             self.throttle.pause(cpu)
             return {}, total_loss / accum, 0, time.perf_counter() - start, 0.0, {}
         c = self.config.compression
-        fused = (fuse_gradients(dict(zip(names, grads)), self.params)
-                 if c.type == "none" and not self.servers else None)
-        if fused is not None:  # (a small model: one tensor, one copy; common.FUSE_MAX_NUMEL)
+        feedback = self.feedback
+        whole = None if self.servers else fuse_dense(  # (one entry, one copy: common.fuse_gradients)
+            dict(zip(names, grads)), self.params, c.type,
+            None if feedback is None else lambda flat: feedback.compress(FUSED, flat, generator=self._gen))
+        if whole is not None:
+            residual = feedback.residual_norm() if feedback else 0.0
             self.throttle.pause(cpu)
-            return fused, total_loss / accum, samples, time.perf_counter() - start, 0.0, changes
+            return whole, total_loss / accum, samples, time.perf_counter() - start, residual, changes
         codec = codec_for_step(c, self.steps) if self.steps < c.warmup_steps else self.codec
         if self.feedback is not None:
             self.feedback.codec = codec
