@@ -418,7 +418,7 @@ def _mixed_grads(step: int, kinds: str, names: list[str]) -> dict[str, LazyGradi
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("grads", ["f32", "f16", "topk", "mixed"])
-@pytest.mark.parametrize("codec", ["fp16", "uniform", "snapshot"])
+@pytest.mark.parametrize("codec", ["fp16", "uniform", "snapshot", "half"])
 def test_a_publication_fused_into_the_step_is_the_publication_after_it(
         fast: Kernels, codec: str, grads: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Publishing each new weight while the step writes it (the fp16 coding and the snapshot
@@ -464,6 +464,13 @@ def test_a_publication_fused_into_the_step_is_the_publication_after_it(
                 assert sums is not None
                 expected = sums
                 assert torch.equal(codes_a, codes_b) and torch.equal(scales_a, scales_b)
+            elif codec == "half":  # the weights rounded to float16 (the half downlink's answers)
+                half = torch.full((n,), float("nan"), dtype=torch.float16)
+                _, resid, norm = fa.step(gs, LR, held=held, snapshot=half)
+                fb.step(gs, LR, held=held)
+                after = torch.empty(n, dtype=torch.float16)
+                expected = fast.round_half(flat_b, after)
+                assert torch.equal(half, after) and torch.equal(half, flat_b.to(torch.float16))
             else:
                 snap = torch.full((n,), float("nan"))
                 fa.step(gs, LR, held=held, snapshot=snap)
@@ -546,7 +553,10 @@ def test_the_coordinators_apply_with_the_fused_adam_is_its_torch_apply(codec: st
             assert torch.allclose(t.float(), theirs[name].float(), rtol=1e-5, atol=1e-6), name
     for n in a.params:
         assert torch.allclose(a.params[n], b.params[n], rtol=1e-5, atol=1e-7), n
-    if not a.downlink.fine.lossless:
+    if codec == "fp16":  # (the half downlink: the weights rounded, no published copy)
+        assert a.downlink.fine.rounded and a.downlink.fine.published is None
+        assert {t.dtype for t in replies[0].tensor_map().values()} == {torch.float16}
+    if not a.downlink.fine.whole:
         pa, pb = a.downlink.fine.published, b.downlink.fine.published
         assert pa is not None and pb is not None and torch.allclose(pa, pb, rtol=1e-5, atol=1e-6)
 
@@ -569,3 +579,22 @@ def test_the_sum_of_squares_of_many_tensors_is_theirs_and_finds_nan(
         assert math.isnan(fast.sumsq_many(ts))
     finally:
         torch.set_num_threads(old)
+
+
+def test_rounding_to_half_saturates_and_sums_what_it_left_out(fast: Kernels) -> None:
+    """The half downlink's rounding: float16 to nearest as torch rounds, ±65504 beyond the
+    range (never inf), and the sums of what rounding left out and of the weights (the drift
+    the coordinator checks against max_drift), NaN where a weight is NaN."""
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(4))
+    out = torch.empty(x.numel(), dtype=torch.float16)
+    resid, norm = fast.round_half(x, out)
+    assert torch.equal(out, x.to(torch.float16))
+    assert resid == pytest.approx(float((x.double() - out.double()).square().sum()), rel=1e-6)
+    assert norm == pytest.approx(float(x.double().square().sum()), rel=1e-6)
+    assert math.sqrt(resid / norm) < 2.0 ** -11  # (within one rounding: the drift bound's scale)
+    x[5], x[9000] = 1e6, -7e4
+    resid, _ = fast.round_half(x, out)
+    assert float(out[5]) == 65504.0 and float(out[9000]) == -65504.0
+    assert resid > (1e6 - 65504.0) ** 2
+    x[7] = float("nan")
+    assert math.isnan(fast.round_half(x, out)[0])

@@ -44,15 +44,17 @@ static inline double hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 #endif
 
 /* where a publication goes (the fused Adam step's, below) */
-enum { PUB_NONE = 0, PUB_FP16 = 1, PUB_UNIFORM = 2, PUB_SNAPSHOT = 3 };
+enum { PUB_NONE = 0, PUB_FP16 = 1, PUB_UNIFORM = 2, PUB_SNAPSHOT = 3, PUB_HALF = 4 };
 
 /* Where a new weight goes once it is known: the fp16 publication above (pub, out; the sums
- * added to resid and norm) or a copy into the snapshot (snap). Pointers are for the piece's
+ * added to resid and norm), a copy into the snapshot (snap), or (PUB_HALF) the weight itself
+ * rounded to fp16 into out, saturating at +-65504, the sums of what the rounding left out and
+ * of the weights added as the fp16 publication adds them. Pointers are for the piece's
  * first element. st_publish_fp16 runs it over weights it reads; the fused Adam step over the
  * weights it has just computed, still in registers, so the publication's arithmetic overlaps
  * the step's divisions and no second pass reads the weights. */
 typedef struct {
-    int mode; /* PUB_FP16 or PUB_SNAPSHOT */
+    int mode; /* PUB_FP16, PUB_SNAPSHOT or PUB_HALF */
     float *pub;
     _Float16 *out;
     float *snap;
@@ -64,11 +66,11 @@ static inline void sink1(sink_t *s, int64_t i, float pv) {
         s->snap[i] = pv;
         return;
     }
-    float d = pv - s->pub[i];
+    float d = s->mode == PUB_HALF ? pv : pv - s->pub[i];
     float c = d > FP16_MAX ? FP16_MAX : (d < -FP16_MAX ? -FP16_MAX : d);
     _Float16 h = (_Float16)c;
     float e = (float)h;
-    s->pub[i] = s->pub[i] + e;
+    if (s->mode != PUB_HALF) s->pub[i] = s->pub[i] + e;
     s->out[i] = h;
     double r = (double)(d - e);
     s->resid += r * r;
@@ -89,13 +91,14 @@ static inline void sink8(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q) 
         return;
     }
     const __m256 hi = _mm256_set1_ps(FP16_MAX), lo = _mm256_set1_ps(-FP16_MAX);
-    __m256 pa = _mm256_loadu_ps(s->pub + i);
-    __m256 da = _mm256_sub_ps(pv, pa);
+    const int half = s->mode == PUB_HALF;
+    __m256 pa = half ? _mm256_setzero_ps() : _mm256_loadu_ps(s->pub + i);
+    __m256 da = half ? pv : _mm256_sub_ps(pv, pa);
     __m256 ca = _mm256_max_ps(_mm256_min_ps(da, hi), lo);
     ca = _mm256_blendv_ps(ca, da, _mm256_cmp_ps(da, da, _CMP_UNORD_Q));
     __m128i ha = _mm256_cvtps_ph(ca, _MM_FROUND_TO_NEAREST_INT);
     __m256 ea = _mm256_cvtph_ps(ha);
-    _mm256_storeu_ps(s->pub + i, _mm256_add_ps(pa, ea));
+    if (!half) _mm256_storeu_ps(s->pub + i, _mm256_add_ps(pa, ea));
     if (((uintptr_t)(s->out + i) & 15) == 0)
         _mm_stream_si128((__m128i *)(s->out + i), ha);
     else
@@ -109,7 +112,7 @@ static inline void sink8(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q) 
  * SINK_FLUSH elements (and once more after the loop: sink_flush) */
 static inline void sink_step(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 *q, int *count) {
     sink8(s, i, pv, r, q);
-    if (s->mode == PUB_FP16 && (*count += 8) >= SINK_FLUSH) {
+    if (s->mode != PUB_SNAPSHOT && (*count += 8) >= SINK_FLUSH) {
         s->resid += hsum(*r);
         s->norm += hsum(*q);
         *r = *q = _mm256_setzero_ps();
@@ -118,24 +121,38 @@ static inline void sink_step(sink_t *s, int64_t i, __m256 pv, __m256 *r, __m256 
 }
 
 static inline void sink_flush(sink_t *s, __m256 r, __m256 q) {
-    if (s->mode == PUB_FP16) {
+    if (s->mode != PUB_SNAPSHOT) {
         s->resid += hsum(r);
         s->norm += hsum(q);
     }
 }
 #endif
 
-void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, double *sums) {
-    sink_t s = {PUB_FP16, pub, out, NULL, 0.0, 0.0};
+/* the sink over n weights it reads from m (its sums added to s's) */
+static void sink_run(sink_t *s, const float *m, int64_t n) {
     int64_t i = 0;
 #ifdef HAVE_AVX2
     __m256 r = _mm256_setzero_ps(), q = r;
     int count = 0;
-    for (; i + 8 <= n; i += 8) sink_step(&s, i, _mm256_loadu_ps(m + i), &r, &q, &count);
-    sink_flush(&s, r, q);
+    for (; i + 8 <= n; i += 8) sink_step(s, i, _mm256_loadu_ps(m + i), &r, &q, &count);
+    sink_flush(s, r, q);
     _mm_sfence();
 #endif
-    for (; i < n; i++) sink1(&s, i, m[i]);
+    for (; i < n; i++) sink1(s, i, m[i]);
+}
+
+void st_publish_fp16(const float *m, float *pub, _Float16 *out, int64_t n, double *sums) {
+    sink_t s = {PUB_FP16, pub, out, NULL, 0.0, 0.0};
+    sink_run(&s, m, n);
+    sums[0] = s.resid;
+    sums[1] = s.norm;
+}
+
+/* out = fp16(m) (saturating); sums as PUB_HALF adds them (the rounded snapshot of weights the
+ * fused step did not write: a small model's, or a parameter that was not stepped) */
+void st_round_half(const float *m, _Float16 *out, int64_t n, double *sums) {
+    sink_t s = {PUB_HALF, NULL, out, NULL, 0.0, 0.0};
+    sink_run(&s, m, n);
     sums[0] = s.resid;
     sums[1] = s.norm;
 }
@@ -515,6 +532,10 @@ static sink_t *piece_sink(sink_t *s, int pubmode, float *pub, void *out, const i
         s->snap = (float *)sg[6] + (x - off);
         return s;
     }
+    if (pubmode == PUB_HALF && sg[6]) {
+        s->out = (_Float16 *)sg[6] + (x - off);
+        return s;
+    }
     return NULL;
 }
 
@@ -599,6 +620,11 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
                 if (bad) break;
             } else if (pubmode == PUB_SNAPSHOT && sg[6]) {  /* not stepped: copied as it is */
                 stream_copy((float *)sg[6] + (a - off), p + a, z - a);
+            } else if (pubmode == PUB_HALF && sg[6]) {  /* not stepped: rounded as it is */
+                double part[2] = {0.0, 0.0};
+                st_round_half(p + a, (_Float16 *)sg[6] + (a - off), z - a, part);
+                sink.resid += part[0];
+                sink.norm += part[1];
             } else if (pubmode == PUB_FP16) {  /* not stepped, published all the same */
                 double part[2] = {0.0, 0.0};
                 st_publish_fp16(p + a, pub + a, (_Float16 *)out + a, z - a, part);

@@ -46,8 +46,8 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["G_F16", "G_F32", "G_NONE", "G_TOPK", "PUB_FP16", "PUB_NONE", "PUB_SNAPSHOT", "PUB_UNIFORM",
-           "SEG_FIELDS", "Kernels", "Publication", "kernels"]
+__all__ = ["G_F16", "G_F32", "G_NONE", "G_TOPK", "PUB_FP16", "PUB_HALF", "PUB_NONE", "PUB_SNAPSHOT",
+           "PUB_UNIFORM", "SEG_FIELDS", "Kernels", "Publication", "kernels"]
 
 log = logging.getLogger("swarmtrain.kernels")
 T = TypeVar("T")
@@ -112,6 +112,8 @@ class Kernels:
         p, i64, f64p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)
         lib.st_publish_fp16.argtypes = [p, p, p, i64, f64p]
         lib.st_publish_fp16.restype = None
+        lib.st_round_half.argtypes = [p, p, i64, f64p]
+        lib.st_round_half.restype = None
         lib.st_publish_uniform.argtypes = [p, p, p, p, i64, i64, ctypes.c_int, f64p]
         lib.st_publish_uniform.restype = ctypes.c_int
         lib.st_topk_decode.argtypes = [p, p, p, i64, p, i64]
@@ -179,6 +181,20 @@ class Kernels:
 
         def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> None:
             self._lib.st_publish_fp16(mp + 4 * lo, pp + 4 * lo, op + 2 * lo, hi - lo, s)
+
+        self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(self._slices(master.numel()), sums)])
+        return sum(s[0] for s in sums), sum(s[1] for s in sums)
+
+    def round_half(self, master: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
+        """``out = fp16(master)`` (saturating at ±65504); returns (Σ (master − float(out))²,
+        Σ master²): the weights rounded as a PUB_HALF publication rounds them."""
+        _check(master, torch.float32, out)
+        _check(out, torch.float16)
+        mp, op = master.data_ptr(), out.data_ptr()
+        sums = [(ctypes.c_double * 2)() for _ in self._slices(master.numel())]
+
+        def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> None:
+            self._lib.st_round_half(mp + 4 * lo, op + 2 * lo, hi - lo, s)
 
         self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(self._slices(master.numel()), sums)])
         return sum(s[0] for s in sums), sum(s[1] for s in sums)
@@ -352,14 +368,15 @@ class Kernels:
 #: columns of :meth:`Kernels.adam_apply`'s segment rows (kernels.c's seg[]) and their values
 SEG_FIELDS = 7
 G_NONE, G_F32, G_F16, G_TOPK = 0, 1, 2, 3
-PUB_NONE, PUB_FP16, PUB_UNIFORM, PUB_SNAPSHOT = 0, 1, 2, 3
+PUB_NONE, PUB_FP16, PUB_UNIFORM, PUB_SNAPSHOT, PUB_HALF = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
 class Publication:
     """Where :meth:`Kernels.adam_apply` publishes: ``mode`` (PUB_*), the published copy and
     the codec's outputs as data pointers (0 where the mode has none), bucket and bits for
-    the uniform codec. The snapshot mode's outputs are in the segment rows."""
+    the uniform codec. The snapshot modes' outputs (PUB_SNAPSHOT's float32 copy, PUB_HALF's
+    weights rounded to float16) are in the segment rows."""
 
     mode: int
     published: int = 0

@@ -73,10 +73,12 @@ class CompressionConfig(_Section):
         0.01, "coordinator only: largest relative L2 distance a worker's weights may have from the "
         "master after an update; beyond it the full weights are sent", gt=0.0)
     downlink: str = _opt(
-        "auto", "coordinator only: codec for weight deltas sent to workers; auto = the uplink's, "
-        "except uniform (deterministic, error-compensated by the published copy) when the uplink "
-        "is topk or qsgd (Adam's updates are dense)",
-        choices=("auto", *_UPLINK_CODECS, "uniform"))
+        "auto", "coordinator only: what answers carry to workers. A codec for weight deltas "
+        "(none, fp16, topk, qsgd, uniform: error-compensated by the published copy), or half: the "
+        "weights themselves rounded to float16 (no published copy or log; as mixed precision "
+        "rounds the weights it computes with). auto = half when the uplink is fp16, uniform "
+        "(deterministic) when it is topk or qsgd (Adam's updates are dense), none otherwise",
+        choices=("auto", *_UPLINK_CODECS, "uniform", "half"))
     downlink_bits: int = _opt(
         4, "coordinator only: bits per element of a uniform downlink", choices=(2, 4, 8))
 

@@ -20,6 +20,7 @@ from swarmtrain.errors import ConfigError, ModelMismatch, RemoteProtocolError
 __all__ = [
     "codec_for_step",
     "downlink_codec",
+    "downlink_kind",
     "global_norm",
     "check_compression_match",
     "payload_bytes",
@@ -93,15 +94,24 @@ def codec_for_step(c: CompressionConfig, step: int) -> Codec:
                       min_compress_numel=c.min_compress_numel)
 
 
+def downlink_kind(c: CompressionConfig) -> str:
+    """The downlink ``c`` asks for, ``auto`` resolved: ``half`` with an fp16 uplink (every answer
+    the weights rounded to float16: no published copy, no log, half the bytes of float32),
+    ``uniform`` with top-k or QSGD, the uplink's codec otherwise."""
+    if c.downlink != "auto":
+        return c.downlink
+    # Weight deltas are dense (Adam moves every weight) and what the downlink drops is
+    # kept in master - published and sent again: a top-k downlink lags far behind and a
+    # stochastic coarse QSGD one exceeds the drift bound, while deterministic uniform
+    # levels scaled by each bucket's largest delta stay within half a level of the master.
+    return {"topk": "uniform", "qsgd": "uniform", "fp16": "half"}.get(c.type, c.type)
+
+
 def downlink_codec(c: CompressionConfig) -> Codec:
-    """The codec for weight deltas (coordinator → worker)."""
-    kind = c.downlink
-    if kind == "auto":
-        # Weight deltas are dense (Adam moves every weight) and what the downlink drops is
-        # kept in master - published and sent again: a top-k downlink lags far behind and a
-        # stochastic coarse QSGD one exceeds the drift bound, while deterministic uniform
-        # levels scaled by each bucket's largest delta stay within half a level of the master.
-        kind = "uniform" if c.type in ("topk", "qsgd") else c.type
+    """The codec for weight deltas (coordinator → worker); the ``half`` downlink sends none
+    (its answers are rounded weights) and reports fp16's."""
+    kind = downlink_kind(c)
+    kind = "fp16" if kind == "half" else kind
     bits = c.downlink_bits if kind == "uniform" else c.qsgd_bits
     return make_codec(kind, topk_ratio=c.topk_ratio, qsgd_bits=bits, bucket_size=c.bucket_size,
                       min_compress_numel=c.min_compress_numel)

@@ -63,6 +63,7 @@ from swarmtrain.roles.ps.common import (
     check_fingerprint,
     dense_gradient,
     downlink_codec,
+    downlink_kind,
     entry_spec,
     global_norm,
     pack_buffers,
@@ -100,7 +101,7 @@ from swarmtrain.wire import (
     UpdateStatus,
     Weights,
 )
-from swarmtrain.wire.pool import PAGE, PayloadPool, pooled_bytes, pooled_floats
+from swarmtrain.wire.pool import PAGE, PayloadPool, pooled_bytes
 
 __all__ = ["Coordinator", "CoordinatorState", "TRANSITIONS", "WorkerRecord"]
 
@@ -363,11 +364,13 @@ class Coordinator:
         # Weight deltas to workers: published once per version into a shared log; what this
         # codec drops stays in master - published and goes with the next entry.
         self.codec = downlink_codec(cfg.compression)
+        #: the half downlink: answers are the weights rounded to float16 (no deltas)
+        self._rounded = downlink_kind(cfg.compression) == "half"
         self.downlink = Downlink(
             self.codec, split=self._split, names=list(self.params), round_replica=self._round_replica,
             replica_bytes=sum(p.numel() * p.element_size() for p in self.state.trainable.values()),
             fused=sum(self._sizes) <= FUSE_MAX_NUMEL, max_drift=cfg.compression.max_drift,
-            reset_interval=t.resync_interval)
+            reset_interval=t.resync_interval, rounded=self._rounded)
         self.raw_bytes_per_step = sum(p.numel() * 4 for p in self.params.values())
         #: full weights go to workers as one FUSED tensor (a float32 model of more than one
         #: parameter): the one buffer every published snapshot is made in (:meth:`_as_replica`),
@@ -1000,14 +1003,35 @@ class Coordinator:
         clones would be a hundred allocations below the mmap threshold, whose freed memory the
         heap keeps), half-precision ones rounded as .to() rounds."""
         if self._fuse_full:
+            if self._rounded:  # (the half downlink: rounded, unless that is beyond the drift bound)
+                half = self._snapshot_buffers(sum(self._sizes), torch.float16)
+                if self._rounding_drift(views, half) <= self.config.compression.max_drift:
+                    return {FUSED: half}
             flat = self._snapshot_buffers(sum(self._sizes))
             torch._foreach_copy_(list(_unflatten_dense_tensors(flat, views)), views)
             return {FUSED: flat}
         dtypes = [p.dtype for p in self.state.trainable.values()]
+        if self._rounded:
+            dtypes = [torch.float16 if d == torch.float32 else d for d in dtypes]
         copies = self._mixed_snapshot_buffers(dtypes)
         for c, v in zip(copies, views):
             c.copy_(v)
         return dict(zip(self.params, copies))
+
+    def _rounding_drift(self, views: list[torch.Tensor], half: torch.Tensor) -> float:
+        """Round the weights ``views`` (float32, in order) to float16 into ``half`` (one vector)
+        and return its relative L2 distance from them: inf where one overflowed float16 or was
+        NaN. The master's views: one pass of the kernel (saturating, as the step's rounding)."""
+        fast = kernels()
+        flat = self._flat
+        if fast is not None and flat is not None and views and views[0].data_ptr() == flat.data_ptr():
+            resid, norm = fast.round_half(flat, half)
+            drift = math.sqrt(resid) / max(math.sqrt(norm), 1e-30)
+            return drift if math.isfinite(drift) else math.inf
+        rounded = list(_unflatten_dense_tensors(half, views))
+        torch._foreach_copy_(rounded, views)
+        err = global_norm(torch._foreach_sub(views, [r.float() for r in rounded]))
+        return err / max(global_norm(views), 1e-30) if math.isfinite(err) else math.inf
 
     def _mixed_snapshot_buffers(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """Tensors shaped like the parameters in ``dtypes``, each on a 64-byte boundary of one
@@ -1034,18 +1058,19 @@ class Coordinator:
                 "bound": MAX_HELD_SNAPSHOTS, "withheld": withheld,
                 "made": pool.allocated, "reused": pool.reused}
 
-    def _snapshot_buffers(self, total: int) -> torch.Tensor:
-        """One float32 buffer of ``total`` elements for a snapshot of a float32 model (the
-        kernel writes it, or :meth:`_as_replica` copies into it). A small model's is new
-        memory; a larger one's comes from a pool of its own (:func:`pooled_floats`), at its own
-        offset in a page (:data:`~swarmtrain.roles.ps.flat_adam.COPY_PHASE`, as the moments have
-        theirs): new memory of that size can be fresh pages on every update (above glibc's
-        mmap threshold, or whenever freed memory went back to the system: a page fault per
-        4 KiB, 37 ms instead of 15 for a 10M-parameter apply)."""
+    def _snapshot_buffers(self, total: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One buffer of ``total`` elements for a snapshot of a float32 model, in ``dtype``
+        (float32, or float16 for the half downlink; the kernel writes it, or
+        :meth:`_as_replica` copies into it). A small model's is new memory; a larger one's
+        comes from a pool of its own (:func:`pooled_bytes`), at its own offset in a page
+        (:data:`~swarmtrain.roles.ps.flat_adam.COPY_PHASE`, as the moments have theirs): new
+        memory of that size can be fresh pages on every update (above glibc's mmap threshold,
+        or whenever freed memory went back to the system: a page fault per 4 KiB, 37 ms
+        instead of 15 for a 10M-parameter apply)."""
         if self._small:
-            return torch.empty(total, dtype=torch.float32)
+            return torch.empty(total, dtype=dtype)
         phase = phase_after(self._flat, COPY_PHASE) if self._flat is not None else None
-        return pooled_floats(total, phase=phase, pool=self._snapshot_pool)
+        return pooled_bytes(total * dtype.itemsize, phase=phase, pool=self._snapshot_pool).view(dtype)
 
     def _round_replica(self, flat: torch.Tensor) -> None:
         """Round the half-precision parameters' part of a flat replica to the model's dtype, as
@@ -1218,8 +1243,9 @@ class Coordinator:
     def _fused_step(self, grads: Mapping[str, LazyGradient], lr: float, *, sparse: bool, held: bool,
                     answer: WorkerRecord | None) -> bool:
         """:meth:`_adam` in the fused kernel, publishing the finest downlink track in the same
-        pass when ``answer``'s reply publishes it anyway (the worker is on it, or a lossless
-        downlink will answer it with this version's weights); returns ``held``."""
+        pass when ``answer``'s reply publishes it anyway (the worker is on it, or a downlink
+        whose answers are the weights, lossless or rounded to float16, will answer it with this
+        version's: the step writes that copy as it writes the weights); returns ``held``."""
         fa = self._flat_adam
         if fa is None:
             raise RuntimeError("_fused_step needs the fused Adam")
@@ -1227,11 +1253,12 @@ class Coordinator:
         version = self.version + 1
         target = snapshot = None
         if answer is not None and answer.track == 0 and not self._lowp:
-            if not fine.lossless:
+            if not fine.whole:
                 target = fine.fused_target(fa.flat.numel())
             # (a worker on the finest track stays there while its lag calls for no coarser one)
             elif track_for_lag(version - answer.holds_version) == 0 and self._snapshot_room():
-                snapshot = self._snapshot_buffers(fa.flat.numel())
+                snapshot = self._snapshot_buffers(fa.flat.numel(),
+                                                  torch.float16 if fine.rounded else torch.float32)
         status, resid, norm = fa.step(grads, lr, held=held, publication=target[0] if target else None,
                                       snapshot=snapshot)
         if not held and not sparse:
@@ -1240,8 +1267,13 @@ class Coordinator:
         if target is not None:
             fine.finish_fused(fa.flat, version, target[1], status == 0, resid, norm)
         elif snapshot is not None:
+            drift = math.sqrt(resid) / max(math.sqrt(norm), 1e-30) if fine.rounded else 0.0
+            if not drift <= self.config.compression.max_drift:  # (rounded beyond the bound, or inf)
+                snapshot = self._snapshot_buffers(fa.flat.numel())
+                snapshot.copy_(fa.flat)
+                drift = 0.0
             fine.set_snapshot(version, {FUSED: snapshot} if self._fuse_full else dict(zip(
-                self.params, _unflatten_dense_tensors(snapshot, list(self.params.values())))))
+                self.params, _unflatten_dense_tensors(snapshot, list(self.params.values())))), drift)
         return held
 
     def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, LazyGradient],

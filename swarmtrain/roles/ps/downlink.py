@@ -91,15 +91,22 @@ class UpdateLog:
         max_drift: the drift bound (relative L2).
         reset_interval: a worker's answers after which the track restarts from the master
             (publications, times the mean entries of the chains it answers with).
+        rounded: the ``half`` downlink: no published copy and no log, as with a lossless
+            codec; every answer is the weights, rounded to float16 (the coordinator's
+            snapshots, :meth:`set_snapshot`).
 
     All methods but :meth:`answer` and :meth:`snapshot`'s reads run on the apply thread.
     """
 
     def __init__(self, codec: Codec, *, split: Callable[[torch.Tensor], list[torch.Tensor]],
                  names: Sequence[str], round_replica: Callable[[torch.Tensor], None],
-                 replica_bytes: int, fused: bool, max_drift: float, reset_interval: int) -> None:
+                 replica_bytes: int, fused: bool, max_drift: float, reset_interval: int,
+                 rounded: bool = False) -> None:
         self.codec = codec
         self.lossless = codec.lossless
+        self.rounded = rounded
+        #: answers are the weights themselves (lossless, or rounded): no published copy, no log
+        self.whole = self.lossless or rounded
         self._split = split
         self._names = list(names)
         self._round = round_replica
@@ -133,7 +140,7 @@ class UpdateLog:
         (flat): one compressed entry for everything since the last publication."""
         if version == self.head:
             return
-        if self.lossless:
+        if self.whole:
             self.head = version
             return
         if self.published is None or self._restart_due():
@@ -178,7 +185,7 @@ class UpdateLog:
         fills; None when it cannot be fused (lossless: see :meth:`set_snapshot`; a restart
         is due; a codec without a kernel). Finish with :meth:`finish_fused`."""
         published = self.published
-        if (self.lossless or published is None or self._restart_due()
+        if (self.whole or published is None or self._restart_due()
                 or published.numel() != numel or not _kernel_ready(published, published)):
             return None
         chosen = self.codec.codec_for(numel) if isinstance(self.codec, SizeAdaptive) else self.codec
@@ -208,13 +215,16 @@ class UpdateLog:
             self._round(self.published)
         self._append({FUSED: item}, drift, version)
 
-    def set_snapshot(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """(lossless) The weights of ``version`` as a worker holds them, written by the
-        optimizer step itself: the snapshot every answer of that version shares."""
-        if not self.lossless:
-            raise ValueError("set_snapshot is for a lossless downlink (its master is what is published)")
+    def set_snapshot(self, version: int, tensors: dict[str, torch.Tensor], drift: float = 0.0) -> None:
+        """(lossless or rounded) The weights of ``version`` as a worker holds them, written by
+        the optimizer step itself: the snapshot every answer of that version shares; ``drift``:
+        their relative L2 distance from the master (what rounding left out)."""
+        if not self.whole:
+            raise ValueError("set_snapshot is for a downlink whose answers are the weights (lossless "
+                             "or half): the master is what is published")
         self.head = version
         self._snapshot = (version, tensors)
+        self.drift = drift
 
     def _append(self, items: dict[str, Compressed], drift: float, version: int) -> None:
         codecs, tensors = pack_compressed(items)
@@ -289,7 +299,7 @@ class UpdateLog:
             return cached
         if not make:
             return cached if cached is not None and cached[0] > newer_than else None
-        if self.lossless or self.published is None:
+        if self.whole or self.published is None:
             self.head = version
             source = master
         else:
@@ -339,7 +349,8 @@ class UpdateLog:
         """For the status: where the published weights are, what the log holds, what went out."""
         return {"version": self.head, "entries": len(self.entries), "log_bytes": self._log_bytes,
                 "drift": self.drift, "resets": self.resets, "publications": self.publications,
-                "codec": getattr(self.codec, "name", "?"), "answers": dict(self.answers),
+                "codec": "half" if self.rounded else getattr(self.codec, "name", "?"),
+                "answers": dict(self.answers),
                 "entries_sent": self.entries_sent}
 
 

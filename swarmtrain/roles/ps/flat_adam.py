@@ -34,6 +34,7 @@ from swarmtrain.compression.kernels import (
     G_F32,
     G_NONE,
     G_TOPK,
+    PUB_HALF,
     PUB_SNAPSHOT,
     Kernels,
     Publication,
@@ -162,8 +163,9 @@ class FlatAdam:
         as torch skips ``grad is None``; or :data:`FUSED` -> every parameter's gradient in one
         vector, in order) at ``lr``: plain Adam, or with ``held`` the
         held-variance step (the caller checked :meth:`can_hold`). With ``publication`` the
-        new weights are published as they are written; with ``snapshot`` (a float32 vector of
-        as many elements as the weights) they are also copied there.
+        new weights are published as they are written; with ``snapshot`` (a vector of as many
+        elements as the weights) they are also copied there: float32 exactly, float16 rounded
+        (saturating at ±65504, the publication's sums then those of what rounding left out).
 
         Returns: the kernel's (status, Σ residual², Σ master²) (status 2: the publication met
         NaN/inf, the caller restarts its published track).
@@ -173,11 +175,11 @@ class FlatAdam:
                 when unpacked; the weights are then part stepped).
         """
         if snapshot is not None:
-            if (publication is not None or snapshot.dtype != torch.float32
+            if (publication is not None or snapshot.dtype not in (torch.float32, torch.float16)
                     or not snapshot.is_contiguous() or snapshot.numel() != self.flat.numel()):
-                raise ValueError("FlatAdam.step: a snapshot (a float32 vector the weights' size) "
-                                 "or a publication")
-            publication = Publication(PUB_SNAPSHOT)
+                raise ValueError("FlatAdam.step: a snapshot (a float32 or float16 vector the weights' "
+                                 "size) or a publication")
+            publication = Publication(PUB_SNAPSHOT if snapshot.dtype == torch.float32 else PUB_HALF)
         self._bind()
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]
@@ -186,8 +188,8 @@ class FlatAdam:
         rows: list[int] = []
         stepped: list[int] = []
         f32, f16 = torch.float32, torch.float16
-        snaps = ([snapshot.data_ptr() + 4 * off for off in self.offsets[:-1]] if snapshot is not None
-                 else self._no_snapshot)
+        snaps = ([snapshot.data_ptr() + snapshot.element_size() * off for off in self.offsets[:-1]]
+                 if snapshot is not None else self._no_snapshot)
         whole = grads.get(FUSED) if len(grads) == 1 else None
         if whole is not None:  # every parameter's gradient in one tensor, in order
             g = self._whole_gradient(whole)

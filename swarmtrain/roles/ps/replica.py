@@ -92,7 +92,8 @@ class Replica:
                 torch._foreach_add_(same, same_deltas)
 
     def _load_fused(self, flat: torch.Tensor, buffers: Mapping[str, torch.Tensor], version: int) -> None:
-        """:meth:`load_full` of a :data:`FUSED` tensor of every parameter, in one copy."""
+        """:meth:`load_full` of a :data:`FUSED` tensor of every parameter, in one copy (float16
+        ones widened as they are copied)."""
         assert self._flat is not None
         check_fused(flat, sum(self._sizes))
         if buffers:
@@ -110,7 +111,8 @@ class Replica:
         if FUSED in tensors:  # (a small model's trainable parameters in one tensor)
             flat = tensors[FUSED]
             rest = {k: v for k, v in tensors.items() if k != FUSED}
-            if self._flat is not None and flat.dtype == torch.float32 and rest.keys() <= self.buffers.keys():
+            if (self._flat is not None and flat.dtype in (torch.float32, torch.float16)
+                    and rest.keys() <= self.buffers.keys()):  # (float16: the half downlink's)
                 self._load_fused(flat, rest, version)
                 return
             tensors = {**fused_views(flat, self.params), **rest}
