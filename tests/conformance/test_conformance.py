@@ -136,17 +136,21 @@ def test_the_pipeline_is_one_process_at_the_same_micro_batches_bit_for_bit(name:
 
 
 @pytest.mark.parametrize("name,downlink", [("gpt2", "uniform"), ("resnet", "fp16"), ("bf16", "uniform"),
-                                           ("bf16", "fp16")])
+                                           ("bf16", "fp16"), ("gpt2", "half"), ("resnet", "half")])
 def test_parameter_server_with_a_lossy_downlink(name: str, downlink: str) -> None:
     """The shared downlink log with a lossy codec (4-bit uniform: chains of several entries;
-    fp16) on models nobody here wrote, BatchNorm and a bf16 model included: the same bound
-    against one process, and every worker ends on the master (the final weights)."""
+    fp16), or the half downlink (every answer the weights rounded to float16, fp16's default),
+    on models nobody here wrote, BatchNorm and a bf16 model included: the same bound against
+    one process, and every worker ends on the master (the final weights)."""
     lossy = {"compression.downlink": downlink}
     out = check(CASES[name], lambda case: train_ps(case, coordinator_overrides=lossy),
                 CASES[name].ps_repeats)
     sent = out.extra["downlink"]
     assert sent["drift"] <= 0.01, sent
-    if not (name == "bf16" and downlink == "fp16"):
+    if downlink == "half":  # no log: the rounded weights answer, within one rounding of the master
+        assert sent["codec"] == "half" and sent["answers"]["chain"] == 0 and sent["answers"]["full"] > 0, sent
+        assert 0.0 < sent["drift"] < 2.0 ** -11, sent
+    elif not (name == "bf16" and downlink == "fp16"):
         assert sent["answers"]["chain"] > 0, sent  # the log answered
     else:  # an fp16 delta is as large as the bf16 weights: the weights go instead
         assert sent["answers"]["chain"] == 0 and sent["answers"]["full"] > 0, sent

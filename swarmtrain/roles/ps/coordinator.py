@@ -982,8 +982,9 @@ class Coordinator:
         track's last one if it is newer than what ``rec`` holds, else None."""
         master = self._flat_master()
         self.downlink.publish(master, self.version, rec.track)
-        found = self.downlink.snapshot(master, self._as_replica, self.version, rec.track,
-                                       make=make, newer_than=rec.holds_version)
+        track = rec.track
+        found = self.downlink.snapshot(master, lambda views: self._as_replica(views, track), self.version,
+                                       track, make=make, newer_than=rec.holds_version)
         if found is None:
             return None
         version, trainable = found
@@ -996,17 +997,21 @@ class Coordinator:
         rec.holds_version = version
         return Weights(version=version, tensors={**trainable, **rest})
 
-    def _as_replica(self, views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _as_replica(self, views: list[torch.Tensor], track: int = 0) -> dict[str, torch.Tensor]:
         """Flat-vector views shaped like the parameters -> new tensors in the model's dtypes:
         a float32 model's as one :data:`FUSED` buffer (:meth:`_snapshot_buffers`), which an
         answer sends as it is; else one tensor per parameter, in one pooled buffer (a hundred
         clones would be a hundred allocations below the mmap threshold, whose freed memory the
-        heap keeps), half-precision ones rounded as .to() rounds."""
+        heap keeps), half-precision ones rounded as .to() rounds. With the half downlink a
+        float32 model's are rounded to float16 (``track``'s drift: what rounding left out)."""
         if self._fuse_full:
             if self._rounded:  # (the half downlink: rounded, unless that is beyond the drift bound)
                 half = self._snapshot_buffers(sum(self._sizes), torch.float16)
-                if self._rounding_drift(views, half) <= self.config.compression.max_drift:
+                drift = self._rounding_drift(views, half)
+                if drift <= self.config.compression.max_drift:
+                    self.downlink.tracks[track].drift = drift
                     return {FUSED: half}
+                self.downlink.tracks[track].drift = 0.0  # (float32 instead: exact)
             flat = self._snapshot_buffers(sum(self._sizes))
             torch._foreach_copy_(list(_unflatten_dense_tensors(flat, views)), views)
             return {FUSED: flat}
