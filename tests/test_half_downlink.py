@@ -114,3 +114,27 @@ def test_weights_beyond_half_range_go_out_in_float32(size: str) -> None:
         first.view(-1)[0] = 0.5
     status, reply = c._apply_gradient(rec, fp16_gradient(c, 2, 2, c.version))
     assert reply is not None and reply.tensors[FUSED].dtype == torch.float16
+
+
+def test_a_half_precision_model_gets_its_weights_in_its_own_dtype() -> None:
+    """A bfloat16 model's workers hold bfloat16 weights: the half downlink sends those (each
+    parameter in its dtype, as a lossless downlink does), not a second rounding to float16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
+                                             "checkpointing.interval": 0, "compression.type": "fp16",
+                                             "training.learning_rate": 1e-3})
+    c = Coordinator(model, cfg, task_name="bf16")
+    rec = record(c)
+    gen = torch.Generator().manual_seed(1)
+    codec = make_codec("fp16")
+    items = {n: codec.compress(torch.randn(p.shape, generator=gen) * 0.01) for n, p in c.params.items()}
+    codecs, tensors = pack_compressed(items)
+    msg = through_the_wire(Gradients(msg_id=1, version=0, samples=32, loss=1.0, codecs=codecs,
+                                     tensors=tensors))
+    assert isinstance(msg, Gradients)
+    status, reply = c._apply_gradient(rec, msg)
+    assert status == "applied" and reply is not None and reply.full
+    for name, p in c.params.items():
+        assert reply.tensors[name].dtype == torch.bfloat16
+        assert torch.equal(reply.tensors[name], p.to(torch.bfloat16)), name

@@ -1003,7 +1003,8 @@ class Coordinator:
         answer sends as it is; else one tensor per parameter, in one pooled buffer (a hundred
         clones would be a hundred allocations below the mmap threshold, whose freed memory the
         heap keeps), half-precision ones rounded as .to() rounds. With the half downlink a
-        float32 model's are rounded to float16 (``track``'s drift: what rounding left out)."""
+        float32 model's are rounded to float16 (``track``'s drift: what rounding left out); a
+        model with half-precision parameters gets its weights in its own dtypes."""
         if self._fuse_full:
             if self._rounded:  # (the half downlink: rounded, unless that is beyond the drift bound)
                 half = self._snapshot_buffers(sum(self._sizes), torch.float16)
@@ -1016,8 +1017,6 @@ class Coordinator:
             torch._foreach_copy_(list(_unflatten_dense_tensors(flat, views)), views)
             return {FUSED: flat}
         dtypes = [p.dtype for p in self.state.trainable.values()]
-        if self._rounded:
-            dtypes = [torch.float16 if d == torch.float32 else d for d in dtypes]
         copies = self._mixed_snapshot_buffers(dtypes)
         for c, v in zip(copies, views):
             c.copy_(v)
