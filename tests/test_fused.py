@@ -58,7 +58,7 @@ def message(c_params: dict[str, torch.Tensor], g: dict[str, torch.Tensor], *, fu
     return msg
 
 
-def test_only_a_whole_float32_gradient_is_fused_whatever_its_size() -> None:
+def test_only_a_whole_float32_gradient_is_fused_up_to_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     params = {"a": torch.zeros(3, 4), "b": torch.zeros(5)}
     whole = {n: torch.ones_like(p) for n, p in params.items()}
     fused = fuse_gradients(whole, params)
@@ -69,10 +69,13 @@ def test_only_a_whole_float32_gradient_is_fused_whatever_its_size() -> None:
     assert fuse_gradients({"a": whole["a"]}, params) is None
     assert fuse_gradients({"b": whole["b"], "a": whole["a"]}, params) is None
     assert fuse_gradients({n: g.to(torch.bfloat16) for n, g in whole.items()}, params) is None
-    # a model of any size (the coordinator's per-tensor cost is what fusing saves)
+    # a larger model too (the coordinator's per-tensor cost is what fusing saves), up to the
+    # size where that cost no longer matters and the worker keeps the second copy's memory
     big = {"a": torch.ones(FUSE_MAX_NUMEL), "b": torch.full((1,), 2.0)}
     flat = fuse_gradients(big, big)
     assert flat is not None and flat.numel() == FUSE_MAX_NUMEL + 1 and float(flat[-1]) == 2.0
+    monkeypatch.setattr("swarmtrain.roles.ps.common.FUSE_DENSE_MAX_NUMEL", FUSE_MAX_NUMEL)
+    assert fuse_gradients(big, big) is None
 
 
 def test_a_fused_entry_of_the_wrong_size_is_refused_by_name() -> None:
