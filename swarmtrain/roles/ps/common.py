@@ -147,8 +147,10 @@ tensors into one. (Dense gradients go as one entry up to a far larger size:
 
 
 #: dense gradients up to this many elements (128 MB in float32) travel as one entry
-#: (:func:`fuse_gradients`); above it the coordinator's per-tensor cost is a small part of its
-#: step (~1 ms against ~0.3 s of Adam) and the worker keeps the memory of a second copy
+#: (:func:`fuse_gradients`). Per tensor the coordinator pays ~17 µs of Python per update (1.7 ms
+#: for 101 tensors, measured on a 10M-parameter model), against Adam's ~0.65 ms per million
+#: parameters: the larger the model, the smaller that share, while the worker's second copy of
+#: its gradient, held until it is sent, grows with it; above this size the copy is not made
 FUSE_DENSE_MAX_NUMEL = 1 << 25
 
 

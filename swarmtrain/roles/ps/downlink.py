@@ -21,7 +21,9 @@ typical chain (a worker answered once in four publications is restarted after fo
 many, so that each worker gets the full weights once in ``reset_interval`` of its answers
 however many share the track). A lossless downlink keeps no ``P`` at all: the published
 weights are the master's, and every answer that changes anything is a snapshot of them (a
-float32 delta is as large).
+float32 delta is as large). Nor does the half downlink (fp16's default): its snapshots are the
+master rounded to float16, 2 bytes a parameter whatever a worker's lag, with the drift of that
+rounding (below 2^-11 unless a weight is beyond float16's range, when float32 goes instead).
 """
 
 from __future__ import annotations
