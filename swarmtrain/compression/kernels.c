@@ -292,55 +292,37 @@ int st_publish_uniform(const float *m, float *pub, uint8_t *codes, float *scales
 SUMSQ(sumsq_f32_acc_c, float)
 SUMSQ(sumsq_f16_scalar, _Float16)
 
-/* float32: four vector accumulators, so that the adds of one block overlap (the loop above
- * keeps one dependency chain per 8 lanes and runs at about a third of the rate) */
-static double sumsq_f32_acc(double acc, const float *x, int64_t n) {
+/* With AVX2: four vector accumulators per block, so that its adds overlap (the loop above
+ * keeps one dependency chain per 8 lanes and runs at about a third of the rate; the compiler
+ * does not vectorize float16's widening at all). LOAD8(p) gives the 8 floats at p. */
 #ifdef HAVE_AVX2
-    int64_t i = 0;
-    for (; i + BLOCK <= n; i += BLOCK) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = i; k < i + BLOCK; k += 32) {
-            __m256 v0 = _mm256_loadu_ps(x + k), v1 = _mm256_loadu_ps(x + k + 8);
-            __m256 v2 = _mm256_loadu_ps(x + k + 16), v3 = _mm256_loadu_ps(x + k + 24);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(v2, v2));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(v3, v3));
-        }
-        acc += hsum4(a0, a1, a2, a3);
+#define SUMSQ_AVX2(name, type, LOAD8, tail)                                  \
+    static double name(double acc, const type *x, int64_t n) {               \
+        int64_t i = 0;                                                       \
+        for (; i + BLOCK <= n; i += BLOCK) {                                 \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;      \
+            for (int64_t k = i; k < i + BLOCK; k += 32) {                    \
+                __m256 v0 = LOAD8(x + k), v1 = LOAD8(x + k + 8);             \
+                __m256 v2 = LOAD8(x + k + 16), v3 = LOAD8(x + k + 24);       \
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));               \
+                a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));               \
+                a2 = _mm256_add_ps(a2, _mm256_mul_ps(v2, v2));               \
+                a3 = _mm256_add_ps(a3, _mm256_mul_ps(v3, v3));               \
+            }                                                                \
+            acc += hsum4(a0, a1, a2, a3);                                    \
+        }                                                                    \
+        return tail(acc, x + i, n - i);                                      \
     }
-    return sumsq_f32_acc_c_acc(acc, x + i, n - i);
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+SUMSQ_AVX2(sumsq_f32_acc, float, LOAD8_F32, sumsq_f32_acc_c_acc)
+SUMSQ_AVX2(sumsq_f16_acc, _Float16, LOAD8_F16, sumsq_f16_scalar_acc)
 #else
-    return sumsq_f32_acc_c_acc(acc, x, n);
+#define sumsq_f32_acc sumsq_f32_acc_c_acc
+#define sumsq_f16_acc sumsq_f16_scalar_acc
 #endif
-}
 
 double st_sumsq_f32(const float *x, int64_t n) { return sumsq_f32_acc(0.0, x, n); }
-
-/* float16: the compiler does not vectorize the widening here, so it is written out */
-static double sumsq_f16_acc(double acc, const _Float16 *x, int64_t n) {
-#ifdef HAVE_AVX2
-    int64_t i = 0;
-    for (; i + BLOCK <= n; i += BLOCK) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = i; k < i + BLOCK; k += 32) {
-            __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k)));
-            __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k + 8)));
-            __m256 v2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k + 16)));
-            __m256 v3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k + 24)));
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(v2, v2));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(v3, v3));
-        }
-        acc += hsum4(a0, a1, a2, a3);
-    }
-    return sumsq_f16_scalar_acc(acc, x + i, n - i);
-#else
-    return sumsq_f16_scalar_acc(acc, x, n);
-#endif
-}
-
 double st_sumsq_f16(const _Float16 *x, int64_t n) { return sumsq_f16_acc(0.0, x, n); }
 
 /* The top-k decoder (swarmtrain/compression/topk.py) after its checks: out = 0 but for the
@@ -556,17 +538,6 @@ static int topk_block(const int64_t *sg, int64_t blk, float *scratch) {
     return 0;
 }
 
-/* dst = src, with streaming stores where aligned: the snapshot is not read here again, so
- * it goes past the cache and costs no read for ownership (the caller fences). */
-static void stream_copy(float *dst, const float *src, int64_t n) {
-    int64_t i = 0;
-#ifdef HAVE_AVX2
-    for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = src[i];
-    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-#endif
-    for (; i < n; i++) dst[i] = src[i];
-}
-
 /* One thread's part [lo, hi) of the flat vector (for PUB_UNIFORM lo is a multiple of the
  * bucket). Returns 0, 1 when a top-k index is out of range (nothing after it is stepped:
  * the caller refuses such a gradient before, this is a guard), 2 when the publication met
@@ -618,18 +589,9 @@ static int adam_apply(const int64_t *seg, const double *segf, int64_t nseg, floa
                     x = y;
                 }
                 if (bad) break;
-            } else if (pubmode == PUB_SNAPSHOT && sg[6]) {  /* not stepped: copied as it is */
-                stream_copy((float *)sg[6] + (a - off), p + a, z - a);
-            } else if (pubmode == PUB_HALF && sg[6]) {  /* not stepped: rounded as it is */
-                double part[2] = {0.0, 0.0};
-                st_round_half(p + a, (_Float16 *)sg[6] + (a - off), z - a, part);
-                sink.resid += part[0];
-                sink.norm += part[1];
-            } else if (pubmode == PUB_FP16) {  /* not stepped, published all the same */
-                double part[2] = {0.0, 0.0};
-                st_publish_fp16(p + a, pub + a, (_Float16 *)out + a, z - a, part);
-                sink.resid += part[0];
-                sink.norm += part[1];
+            } else {  /* not stepped: published all the same, from the weights as they are */
+                sink_t *sk = piece_sink(&sink, pubmode, pub, out, sg, off, a);
+                if (sk) sink_run(sk, p + a, z - a);
             }
         }
         if (bad) break;
