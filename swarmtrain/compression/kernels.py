@@ -169,6 +169,15 @@ class Kernels:
 
     # -- kernels --------------------------------------------------------------------------
 
+    def _two_sums(self, n: int, call: Callable[[int, int, ctypes.Array[ctypes.c_double]], None]
+                  ) -> tuple[float, float]:
+        """``call(lo, hi, sums)`` on each slice of ``n`` elements at once (each writes its two
+        sums into its own array); the two sums over all slices."""
+        slices = self._slices(n)
+        sums = [(ctypes.c_double * 2)() for _ in slices]
+        self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(slices, sums)])
+        return sum(s[0] for s in sums), sum(s[1] for s in sums)
+
     def publish_fp16(self, master: torch.Tensor, published: torch.Tensor,
                      out: torch.Tensor) -> tuple[float, float]:
         """``out = fp16(master − published)`` (saturating), ``published += float(out)``;
@@ -177,13 +186,8 @@ class Kernels:
         _check(published, torch.float32)
         _check(out, torch.float16)
         mp, pp, op = master.data_ptr(), published.data_ptr(), out.data_ptr()
-        sums = [(ctypes.c_double * 2)() for _ in self._slices(master.numel())]
-
-        def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> None:
-            self._lib.st_publish_fp16(mp + 4 * lo, pp + 4 * lo, op + 2 * lo, hi - lo, s)
-
-        self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(self._slices(master.numel()), sums)])
-        return sum(s[0] for s in sums), sum(s[1] for s in sums)
+        return self._two_sums(master.numel(), lambda lo, hi, s: self._lib.st_publish_fp16(
+            mp + 4 * lo, pp + 4 * lo, op + 2 * lo, hi - lo, s))
 
     def round_half(self, master: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
         """``out = fp16(master)`` (saturating at ±65504); returns (Σ (master − float(out))²,
@@ -191,13 +195,8 @@ class Kernels:
         _check(master, torch.float32, out)
         _check(out, torch.float16)
         mp, op = master.data_ptr(), out.data_ptr()
-        sums = [(ctypes.c_double * 2)() for _ in self._slices(master.numel())]
-
-        def call(lo: int, hi: int, s: ctypes.Array[ctypes.c_double]) -> None:
-            self._lib.st_round_half(mp + 4 * lo, op + 2 * lo, hi - lo, s)
-
-        self._run([partial(call, lo, hi, s) for (lo, hi), s in zip(self._slices(master.numel()), sums)])
-        return sum(s[0] for s in sums), sum(s[1] for s in sums)
+        return self._two_sums(master.numel(), lambda lo, hi, s: self._lib.st_round_half(
+            mp + 4 * lo, op + 2 * lo, hi - lo, s))
 
     def publish_uniform(self, master: torch.Tensor, published: torch.Tensor, codes: torch.Tensor,
                         scales: torch.Tensor, bucket: int, bits: int) -> tuple[float, float] | None:

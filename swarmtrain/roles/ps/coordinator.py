@@ -1008,11 +1008,8 @@ class Coordinator:
         if self._fuse_full:
             if self._rounded:  # (the half downlink: rounded, unless that is beyond the drift bound)
                 half = self._snapshot_buffers(sum(self._sizes), torch.float16)
-                drift = self._rounding_drift(views, half)
-                if drift <= self.config.compression.max_drift:
-                    self.downlink.tracks[track].drift = drift
+                if self.downlink.tracks[track].accept_rounding(*self._round_into(views, half)):
                     return {FUSED: half}
-                self.downlink.tracks[track].drift = 0.0  # (float32 instead: exact)
             flat = self._snapshot_buffers(sum(self._sizes))
             torch._foreach_copy_(list(_unflatten_dense_tensors(flat, views)), views)
             return {FUSED: flat}
@@ -1022,20 +1019,19 @@ class Coordinator:
             c.copy_(v)
         return dict(zip(self.params, copies))
 
-    def _rounding_drift(self, views: list[torch.Tensor], half: torch.Tensor) -> float:
-        """Round the weights ``views`` (float32, in order) to float16 into ``half`` (one vector)
-        and return its relative L2 distance from them: inf where one overflowed float16 or was
-        NaN. The master's views: one pass of the kernel (saturating, as the step's rounding)."""
+    def _round_into(self, views: list[torch.Tensor], half: torch.Tensor) -> tuple[float, float]:
+        """Round the weights ``views`` (float32, in order) to float16 into ``half`` (one vector);
+        returns (Σ what rounding left out², Σ weights²), NaN or inf where a weight was NaN or
+        beyond float16's range. The master's views: one pass of the kernel (saturating, as the
+        step's rounding); otherwise torch's ops."""
         fast = kernels()
         flat = self._flat
         if fast is not None and flat is not None and views and views[0].data_ptr() == flat.data_ptr():
-            resid, norm = fast.round_half(flat, half)
-            drift = math.sqrt(resid) / max(math.sqrt(norm), 1e-30)
-            return drift if math.isfinite(drift) else math.inf
+            return fast.round_half(flat, half)
         rounded = list(_unflatten_dense_tensors(half, views))
         torch._foreach_copy_(rounded, views)
-        err = global_norm(torch._foreach_sub(views, [r.float() for r in rounded]))
-        return err / max(global_norm(views), 1e-30) if math.isfinite(err) else math.inf
+        return (global_norm(torch._foreach_sub(views, [r.float() for r in rounded])) ** 2,
+                global_norm(views) ** 2)
 
     def _mixed_snapshot_buffers(self, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """Tensors shaped like the parameters in ``dtypes``, each on a 64-byte boundary of one
@@ -1271,13 +1267,11 @@ class Coordinator:
         if target is not None:
             fine.finish_fused(fa.flat, version, target[1], status == 0, resid, norm)
         elif snapshot is not None:
-            drift = math.sqrt(resid) / max(math.sqrt(norm), 1e-30) if fine.rounded else 0.0
-            if not drift <= self.config.compression.max_drift:  # (rounded beyond the bound, or inf)
+            if fine.rounded and not fine.accept_rounding(resid, norm):  # (float32 instead, exactly)
                 snapshot = self._snapshot_buffers(fa.flat.numel())
                 snapshot.copy_(fa.flat)
-                drift = 0.0
             fine.set_snapshot(version, {FUSED: snapshot} if self._fuse_full else dict(zip(
-                self.params, _unflatten_dense_tensors(snapshot, list(self.params.values())))), drift)
+                self.params, _unflatten_dense_tensors(snapshot, list(self.params.values())))))
         return held
 
     def _refusal(self, rec: WorkerRecord, msg: Gradients, grads: dict[str, LazyGradient],

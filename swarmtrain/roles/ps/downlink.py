@@ -46,7 +46,7 @@ from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
 from swarmtrain.wire.pool import phased_floats
 
 __all__ = ["GAP_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog",
-           "coarsest_track", "entry_prefix", "entry_tensors", "track_for_lag"]
+           "coarsest_track", "entry_prefix", "entry_tensors", "relative_drift", "track_for_lag"]
 
 #: how much of the average of a track's chain lengths is kept at each chain answered (about
 #: the last twenty answers count)
@@ -209,24 +209,32 @@ class UpdateLog:
                      resid: float, norm: float) -> None:
         """Record the publication the optimizer step made into :meth:`fused_target`'s
         buffers (``ok`` False: it met NaN/inf) as :meth:`publish` records its own."""
-        drift = math.sqrt(resid) / max(math.sqrt(norm), 1e-30) if ok else math.inf
-        if not math.isfinite(drift) or drift > self.max_drift:
+        drift = relative_drift(resid, norm) if ok else math.inf
+        if not drift <= self.max_drift:  # (past the bound, or NaN/inf)
             self._reset(master, version)  # (overwrites the copy the kernel moved)
             return
         if self.published is not None:  # (fused_target saw it)
             self._round(self.published)
         self._append({FUSED: item}, drift, version)
 
-    def set_snapshot(self, version: int, tensors: dict[str, torch.Tensor], drift: float = 0.0) -> None:
+    def set_snapshot(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """(lossless or rounded) The weights of ``version`` as a worker holds them, written by
-        the optimizer step itself: the snapshot every answer of that version shares; ``drift``:
-        their relative L2 distance from the master (what rounding left out)."""
+        the optimizer step itself: the snapshot every answer of that version shares."""
         if not self.whole:
             raise ValueError("set_snapshot is for a downlink whose answers are the weights (lossless "
                              "or half): the master is what is published")
         self.head = version
         self._snapshot = (version, tensors)
-        self.drift = drift
+
+    def accept_rounding(self, resid: float, norm: float) -> bool:
+        """(rounded) Whether a copy of the weights rounded to float16 may answer, from the
+        rounding's sums (Σ what it left out², Σ weights²): its drift within ``max_drift``
+        (then the track's drift), else no (NaN, or a weight beyond float16's range): the
+        weights go in float32, exactly (drift 0)."""
+        drift = relative_drift(resid, norm)
+        ok = drift <= self.max_drift
+        self.drift = drift if ok else 0.0
+        return ok
 
     def _append(self, items: dict[str, Compressed], drift: float, version: int) -> None:
         codecs, tensors = pack_compressed(items)
@@ -356,6 +364,12 @@ class UpdateLog:
                 "entries_sent": self.entries_sent}
 
 
+def relative_drift(resid: float, norm: float) -> float:
+    """The relative L2 distance ``sqrt(resid) / sqrt(norm)`` from the two sums of squares a
+    publication kernel gives (what was left out, the weights); NaN or inf when either is."""
+    return math.sqrt(resid) / max(math.sqrt(norm), 1e-30)
+
+
 def _kernel_ready(master: torch.Tensor, published: torch.Tensor) -> bool:
     return (master.dtype == published.dtype == torch.float32 and master.device.type == "cpu"
             and master.is_contiguous() and published.is_contiguous())
@@ -401,7 +415,7 @@ def _publish_fused(fast: Kernels, codec: Codec, names: Sequence[str], masters: S
         norm += n
     if not (math.isfinite(resid) and math.isfinite(norm)):
         return None
-    return items, math.sqrt(resid) / max(math.sqrt(norm), 1e-30)
+    return items, relative_drift(resid, norm)
 
 
 def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
