@@ -431,7 +431,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         if recv_rows:
             out += [
                 f"Receiving the gradient (the frame fed to the decoder in {RECV_CHUNK >> 10} KiB "
-                "pieces, each copied in as the socket would; ms):",
+                "pieces, each copied in as the socket would, the frame out of cache before each "
+                "receive; \"sums on arrival\" is the time inside the sums' kernel during the "
+                "measured receive, not the difference of the two receives; ms):",
                 "",
                 md_table(["codec", "receive, pooled buffer", "receive, pooled + sums on arrival",
                           "sums on arrival", "the same norm read after the frame (before)",

@@ -7,7 +7,6 @@ master than ``max_drift`` (a weight beyond float16's range) goes out in float32 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,37 +14,29 @@ import torch
 from swarmtrain.compression import make_codec
 from swarmtrain.config import load_coordinator_config
 from swarmtrain.core.modelstate import ModelState
-from swarmtrain.roles.ps.common import FUSED, downlink_kind, fuse_dense, fused_views, pack_compressed
+from swarmtrain.roles.ps.common import FUSED, downlink_kind, fused_views, pack_compressed
 from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
 from swarmtrain.roles.ps.replica import Replica
 from swarmtrain.wire import Gradients, Update
 from tests.test_coordinator_state import make_coordinator, record
-from tests.test_fused import through_the_wire
+from tests.test_fused import _big_coordinator, _fp16_message, grads_of, through_the_wire
 from tests.test_ps_inprocess import TASK
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def fp16_gradient(c: Coordinator, seed: int, msg_id: int, version: int) -> Gradients:
-    gen = torch.Generator().manual_seed(seed)
-    g = {n: torch.randn(p.shape, generator=gen) * 0.01 for n, p in c.params.items()}
-    codec = make_codec("fp16")
-    items = fuse_dense(g, c.params, "fp16", codec.compress)
-    assert items is not None
-    codecs, tensors = pack_compressed(items)
-    msg = through_the_wire(Gradients(msg_id=msg_id, version=version, samples=32, loss=1.0, codecs=codecs,
-                                     tensors=tensors))
-    assert isinstance(msg, Gradients)
-    return msg
+    """A worker's fp16 gradient: one fused entry, through the wire."""
+    return _fp16_message(c.params, grads_of(c.params, seed), fuse=True, msg_id=msg_id, version=version)
 
 
-def big_coordinator(**over: Any) -> Coordinator:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])  # (pooled copies)
-    cfg = load_coordinator_config(overrides={"network.host": "127.0.0.1", "network.port": 0,
-                                             "checkpointing.interval": 0, "training.learning_rate": 1e-3,
-                                             "compression.type": "fp16", **over})
-    return Coordinator(model, cfg, task_name="big")
+def coordinator(size: str) -> tuple[Coordinator, WorkerRecord]:
+    """An fp16 coordinator and a registered worker: the digits model (its snapshots are new
+    memory) or a larger one (pooled)."""
+    if size == "big":
+        return _big_coordinator(**{"compression.type": "fp16"})
+    c = make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0, "compression.type": "fp16"})
+    return c, record(c)
 
 
 def test_auto_picks_half_for_an_fp16_uplink_and_an_explicit_fp16_downlink_stays_deltas() -> None:
@@ -66,9 +57,7 @@ def test_every_answer_is_the_master_rounded_to_half_and_the_worker_holds_it(size
     """Small model (the step's snapshot is new memory) and large (pooled): the answer to each
     gradient is one float16 tensor, the master rounded; no published copy or log is kept; the
     drift is what rounding left out; a worker's replica loads exactly the rounded weights."""
-    c = (make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0, "compression.type": "fp16"})
-         if size == "small" else big_coordinator())
-    rec = record(c)
+    c, rec = coordinator(size)
     replica = Replica(ModelState(TASK.build_model(seed=9) if size == "small" else
                                  torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])),
                       torch.device("cpu"))
@@ -94,9 +83,7 @@ def test_weights_beyond_half_range_go_out_in_float32(size: str) -> None:
     """A weight float16 cannot hold (saturated, the drift far over the bound) sends that
     version's weights in float32, exactly, from the step's snapshot and from a copy made for
     a joining worker alike; the rounded answers resume once the weights fit again."""
-    c = (make_coordinator(Path("/nonexistent"), **{"checkpointing.interval": 0, "compression.type": "fp16"})
-         if size == "small" else big_coordinator())
-    rec = record(c)
+    c, rec = coordinator(size)
     first = next(iter(c.params.values()))
     with torch.no_grad():
         first.view(-1)[0] = 1e6

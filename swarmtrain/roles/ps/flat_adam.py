@@ -263,7 +263,7 @@ class FlatAdam:
         for name, p in zip(self.names, self.params):
             s = state.get(p)
             if s and (every or name in grads):
-                s[VARIANCE_STEPS] = s.get(VARIANCE_STEPS, 0.0) + 1.0
+                s[VARIANCE_STEPS] = float(s.get(VARIANCE_STEPS, 0.0)) + 1.0
 
 
 def _unsupported(optimizer: torch.optim.Optimizer, flat: torch.Tensor | None,
