@@ -3,7 +3,9 @@ coordinator and each worker on its own host (network namespace)."""
 
 from __future__ import annotations
 
+import re
 import signal
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,13 @@ def cluster(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: 
 #: the workers' first delay between reconnects (doubling to 8x): short, so a worker that lost
 #: the coordinator is back soon after it listens again, not up to 4 s later
 RECONNECT = ("--reconnect-delay", "0.2")
+
+
+def _accuracies_after_the_resume(log: Path) -> list[float]:
+    """The held-out accuracies the resumed coordinator logged (both runs append to one log)."""
+    text = log.read_text()
+    since = text[text.rindex("resumed from"):]
+    return [float(a) for a in re.findall(r"version \d+: accuracy ([0-9.]+)", since)]
 
 
 def _steps(c: LanCluster, name: str) -> Callable[[dict], int]:  # type: ignore[type-arg]
@@ -84,7 +93,7 @@ def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanC
     # the kill comes after update 200 (at 250-600 in four runs here)
     max_steps = 2000
     args = ("--min-workers", "2", "--checkpoint-interval", "50", "--max-steps", str(max_steps),
-            "--checkpoint-dir", str(c.tmp / "ckpt"), "--eval-interval", "1")
+            "--checkpoint-dir", str(c.tmp / "ckpt"), "--eval-interval", "0.5")
     c.start_coordinator(*args, wait=False)
     w1, w2 = c.start_worker(1, "w1", *RECONNECT), c.start_worker(2, "w2", *RECONNECT)
     st = c.wait_for(lambda s: s["version"] >= 200 and c.events(s, "checkpoint"), 120, "200 updates")
@@ -103,9 +112,15 @@ def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanC
     assert c.procs["coordinator"].wait(timeout=180) == 0
     final = c.status()
     assert final is not None and final["finished"]
+    after = _accuracies_after_the_resume(c.tmp / "coordinator.log")
     print(f"killed at update {last['version']} of {max_steps}, resumed from {resumed}; held-out accuracy "
-          f"{final['metrics']['accuracy']:.3f}")
-    assert final["metrics"]["accuracy"] > 0.9, final["metrics"]
+          f"{final['metrics']['accuracy']:.3f} at the end, {statistics.median(after):.3f} the median of "
+          f"{len(after)} evaluations after the resume")
+    # Judged on the evaluations since the resume, not the last alone: Adam at digits' rate has
+    # loss spikes in one plain process too (8 seeds, batch 32, 2,000 steps, evaluated every 10
+    # steps over the second half: medians 0.978-0.983, the lowest single evaluation 0.891), and
+    # a run once ended on one (0.900, loss 0.35, where this run's evaluations sit at 0.95-0.99).
+    assert len(after) >= 3 and statistics.median(after) > 0.94, after
     for name, proc in (("w1", w1), ("w2", w2)):  # the very same worker processes finished the run
         assert proc.wait(timeout=60) == 0, c.logs()
         assert c.worker(final, name)["steps"] > 0
