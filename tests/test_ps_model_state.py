@@ -152,11 +152,15 @@ def test_half_precision_model_trains_on_float32_masters(dtype: torch.dtype) -> N
     torch.manual_seed(0)
     init = TASK.build_model().to(dtype)
     before = accuracy(init)
-    coord = coordinator(copy.deepcopy(init), **{"training.max_steps": 150})
+    steps = 150
+    coord = coordinator(copy.deepcopy(init), **{"training.max_steps": steps})
 
     async def main() -> Worker:
         await coord.start()
-        w = worker(coord.port, copy.deepcopy(init))
+        # no overlap: each gradient on the weights of the update before, whatever the load (with
+        # a gradient in flight on a busy machine the staleness varied, and so did the accuracy:
+        # 0.84 once in CI, 0.89-0.94 with two busy loops beside it, 0.91-0.94 quiet)
+        w = worker(coord.port, copy.deepcopy(init), **{"training.max_inflight": 0})
         await _train(coord, [w])
         return w
 
@@ -164,7 +168,9 @@ def test_half_precision_model_trains_on_float32_masters(dtype: torch.dtype) -> N
     assert coord.status()["stats"]["rejected"] == 0
     assert all(p.dtype == torch.float32 for p in coord.params.values())  # masters
     assert all(p.dtype == dtype for p in coord.model.parameters())
-    assert accuracy(coord.model) > max(0.85, before + 0.3)
+    # against one float32 process at as many samples (0.919-0.953 over 20 sample orders)
+    plain = accuracy(one_process(copy.deepcopy(init).float(), steps))
+    assert accuracy(coord.model) >= max(plain - 0.03, before + 0.3), (accuracy(coord.model), plain)
     # the worker holds exactly the masters rounded to the model's dtype
     for name, p in w.model.named_parameters():
         assert torch.equal(p, coord.params[name].to(dtype)), name
