@@ -42,6 +42,7 @@ import torch
 
 from swarmtrain.config import CompressionConfig, load_coordinator_config
 from swarmtrain.core import hardware
+from swarmtrain.core.heap import settle_heap
 from swarmtrain.core.modelstate import ModelState
 from swarmtrain.errors import ProtocolError, RefusedError, SwarmError
 from swarmtrain.roles.ps.common import codec_for_step, fuse_dense, pack_compressed
@@ -112,6 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
     coord = Coordinator(task.build_model(seed=0), cfg, task_name=TASK,
                         secret=os.environ["SWARMTRAIN_SECRET"].encode())
     await coord.start()
+    settle_heap()  # (as `swarmtrain coordinator` does once started)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, coord.stop)
     tmp = Path(args.port_file + ".tmp")
@@ -317,6 +319,7 @@ async def run_workers(args: argparse.Namespace) -> None:
     secret = os.environ["SWARMTRAIN_SECRET"].encode()
     workers = [LightWorker(f"{args.prefix}{i:03d}", load, args.rate, hw, args.inflight)
                for i in range(args.count)]
+    settle_heap()  # (as `swarmtrain worker` does)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -28,6 +28,7 @@ from swarmtrain.app.ops.serve import serve_stage
 from swarmtrain.app.runlog import RunLog, open_run_log
 from swarmtrain.config import LoggingConfig, OpsConfig, PipelineTrainingConfig, StageServingConfig, reused
 from swarmtrain.core.devices import resolve_device
+from swarmtrain.core.heap import settle_heap
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.roles.stage.checkpointing import StageCheckpointer, StageIdentity, describe_task
 from swarmtrain.roles.stage.compute import ComputeConfig, shape_signature
@@ -237,6 +238,7 @@ def run_stage(task: Task, opts: StageOptions, *, secret: bytes | None, insecure:
             raise SwarmError(f"cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}; is something "
                              "(another stage?) already using that port? Choose another --port") from exc
         port = server.port  # a closed server no longer knows it
+        settle_heap()
         if checkpointer is not None:
             checkpointer.attach(server, identity)
         http = await serve_stage(server, ops.http_host, ops.http_port) if ops.http_port else None

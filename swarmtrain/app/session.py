@@ -23,6 +23,7 @@ from swarmtrain.app.runlogging import (
 from swarmtrain.config import CoordinatorConfig, PeerConfig, WorkerConfig, section_values, with_overrides
 from swarmtrain.core import hardware
 from swarmtrain.core.events import RunRecorder
+from swarmtrain.core.heap import settle_heap
 from swarmtrain.errors import SwarmError, SwarmTimeout
 from swarmtrain.fsutil import write_atomic
 from swarmtrain.roles.ps.checkpointing import CoordinatorCheckpointer
@@ -107,6 +108,7 @@ def run_coordinator(
             raise
         sampler = CoordinatorSampler(coord)
         await coord.start()
+        settle_heap()  # (the model, optimizer, data and kernels built: see swarmtrain.core.heap)
         http = (await serve_coordinator(coord, cfg.ops.http_host, cfg.ops.http_port)
                 if cfg.ops.http_port else None)
         if port_file:
@@ -140,6 +142,7 @@ def run_coordinator(
 def run_worker(cfg: WorkerConfig) -> int:
     worker = build_worker(cfg)
     run_log = open_run_log(cfg.logging.run_log, f"worker-{safe_file_part(worker.worker_id)}.jsonl")
+    settle_heap()
 
     async def main() -> None:
         graceful_signals(lambda sig: worker.stop(), what="finishing the gradient in flight",
@@ -317,6 +320,7 @@ def run_peer(cfg: PeerConfig, *, status_file: str | None = None) -> int:
 
     graceful_signals(lambda sig: trainer.stop(), what="finishing the round in flight")
     backend.start()
+    settle_heap()
     backend.discovery.add_listener(lambda: share.seen(_local_peer_count(backend)))
     http = serve_peer(trainer, cfg.ops.http_host, cfg.ops.http_port) if cfg.ops.http_port else None
     try:
