@@ -106,7 +106,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # Started longest first, the short files fill in around them (pyproject.toml turns xdist's
 # reordering off). Seconds per file, from `pytest --durations=0` on that run.
 LONGEST_FILES = (
-    "tests/conformance/test_conformance.py",  # 303
+    # (the conformance suite was one file of 303 s; one file per mode now, each computing the
+    # one-process references it needs)
+    "tests/conformance/test_conformance_peer.py",  # ~135
+    "tests/conformance/test_conformance_pipeline.py",  # ~130
+    "tests/conformance/test_conformance.py",  # ~95
     "tests/test_peer_partitions.py",  # 99
     "tests/test_peer_lan.py",  # 85
     "tests/test_lan_recovery.py",  # 78
