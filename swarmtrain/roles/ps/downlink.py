@@ -43,7 +43,7 @@ from swarmtrain.compression.uniform import UniformCodec
 from swarmtrain.core.ema import MovingAverage
 from swarmtrain.roles.ps.common import FUSED, global_norm, pack_compressed
 from swarmtrain.roles.ps.flat_adam import COPY_PHASE, phase_after
-from swarmtrain.wire.pool import phased_floats
+from swarmtrain.wire.pool import PayloadPool, phased_floats, pooled_bytes
 
 __all__ = ["GAP_WINDOW", "TRACK_INTERVALS", "AnswerGaps", "Downlink", "LogEntry", "UpdateLog",
            "coarsest_track", "entry_prefix", "entry_tensors", "relative_drift", "track_for_lag"]
@@ -130,6 +130,11 @@ class UpdateLog:
         #: between two answers of one worker (restarts come that many times more rarely)
         self.chain_entries = MovingAverage(CHAIN_KEEP)
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        #: the buffers of the entries the optimizer step writes (:meth:`fused_target`): each
+        #: publication's entry is the same size, so a trimmed entry's memory, once no answer
+        #: holds it, takes the next one (a new 5 MB block each time left the allocator holding
+        #: freed blocks in the resident set)
+        self._entry_pool = PayloadPool(min_bytes=0)
         #: answers by kind: "current" (nothing to send), "chain" (entries), "full" (weights),
         #: "withheld" (the weights were due, but no copy of them could be made: "no change")
         self.answers = {"current": 0, "chain": 0, "full": 0, "withheld": 0}
@@ -197,8 +202,10 @@ class UpdateLog:
                     Compressed(chosen.name, (numel,), "float32", {"values": out}))
         if isinstance(chosen, UniformCodec) and chosen.bucket_size % (8 // chosen.bits) == 0:
             size, bits = chosen.bucket_size, chosen.bits
-            codes = torch.empty((numel * bits + 7) // 8, dtype=torch.uint8)
-            scales = torch.empty(-(-numel // size), dtype=torch.float32)
+            ncodes, nscales = (numel * bits + 7) // 8, -(-numel // size)
+            at = ncodes + -ncodes % 64  # (the scales on a 64-byte boundary)
+            buf = pooled_bytes(at + 4 * nscales, pool=self._entry_pool)
+            codes, scales = buf[:ncodes], buf[at:].view(torch.float32)
             return (Publication(PUB_UNIFORM, published.data_ptr(), codes.data_ptr(), scales.data_ptr(),
                                 size, bits),
                     Compressed(chosen.name, (numel,), "float32", {"scales": scales, "codes": codes},
@@ -289,6 +296,7 @@ class UpdateLog:
         self.entries.clear()
         self._log_bytes = 0
         self._snapshot = None
+        self._entry_pool = PayloadPool(min_bytes=0)  # (its idle buffers go with it)
         self.head = -1
         self.drift = 0.0
         self._since_reset = 0
