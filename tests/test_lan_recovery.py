@@ -3,7 +3,6 @@ coordinator and each worker on its own host (network namespace)."""
 
 from __future__ import annotations
 
-import re
 import signal
 import statistics
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmtrain.app.runlog import read_run_log
 from swarmtrain.testing import SimulatedLAN
 from swarmtrain.testing.cluster import LanCluster
 
@@ -30,11 +30,11 @@ def cluster(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: 
 RECONNECT = ("--reconnect-delay", "0.2")
 
 
-def _accuracies_after_the_resume(log: Path) -> list[float]:
-    """The held-out accuracies the resumed coordinator logged (both runs append to one log)."""
-    text = log.read_text()
-    since = text[text.rindex("resumed from"):]
-    return [float(a) for a in re.findall(r"version \d+: accuracy ([0-9.]+)", since)]
+def _accuracies_after_the_resume(run_log: Path) -> list[float]:
+    """The held-out accuracies the resumed coordinator recorded (both runs append to one run log)."""
+    records = read_run_log(run_log)
+    resumed = max(i for i, r in enumerate(records) if r.get("event") == "resumed_from_checkpoint")
+    return [r["eval"]["accuracy"] for r in records[resumed:] if "eval" in r]
 
 
 def _steps(c: LanCluster, name: str) -> Callable[[dict], int]:  # type: ignore[type-arg]
@@ -93,7 +93,8 @@ def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanC
     # the kill comes after update 200 (at 250-600 in four runs here)
     max_steps = 2000
     args = ("--min-workers", "2", "--checkpoint-interval", "50", "--max-steps", str(max_steps),
-            "--checkpoint-dir", str(c.tmp / "ckpt"), "--eval-interval", "0.5")
+            "--checkpoint-dir", str(c.tmp / "ckpt"), "--eval-interval", "0.25",
+            "--run-log", str(c.tmp / "coordinator.jsonl"))
     c.start_coordinator(*args, wait=False)
     w1, w2 = c.start_worker(1, "w1", *RECONNECT), c.start_worker(2, "w2", *RECONNECT)
     st = c.wait_for(lambda s: s["version"] >= 200 and c.events(s, "checkpoint"), 120, "200 updates")
@@ -112,7 +113,7 @@ def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanC
     assert c.procs["coordinator"].wait(timeout=180) == 0
     final = c.status()
     assert final is not None and final["finished"]
-    after = _accuracies_after_the_resume(c.tmp / "coordinator.log")
+    after = _accuracies_after_the_resume(c.tmp / "coordinator.jsonl")
     print(f"killed at update {last['version']} of {max_steps}, resumed from {resumed}; held-out accuracy "
           f"{final['metrics']['accuracy']:.3f} at the end, {statistics.median(after):.3f} the median of "
           f"{len(after)} evaluations after the resume")
