@@ -11,7 +11,8 @@ themselves (the worker is far behind, or the log no longer reaches back to ``v``
 published weights go instead.
 
 Memory: ``P`` (one flat copy of the trainable parameters) plus a log bounded by the size
-of the weights plus one cached snapshot, whatever the number of workers.
+of the weights plus one cached snapshot of the head (let go when the track publishes again:
+answers not yet sent hold their own), whatever the number of workers.
 
 Drift bound: after every publication ``‖master − P‖ / ‖master‖ ≤ max_drift``; a publication
 that would leave ``P`` further away restarts the published track from the master (every
@@ -130,10 +131,10 @@ class UpdateLog:
         #: between two answers of one worker (restarts come that many times more rarely)
         self.chain_entries = MovingAverage(CHAIN_KEEP)
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        #: the buffers of the entries the optimizer step writes (:meth:`fused_target`): each
-        #: publication's entry is the same size, so a trimmed entry's memory, once no answer
-        #: holds it, takes the next one (a new 5 MB block each time left the allocator holding
-        #: freed blocks in the resident set)
+        #: the buffers of the entries the optimizer step writes (:meth:`fused_target`, fp16 or
+        #: uniform): each publication's entry is the same size, so a trimmed entry's memory, once
+        #: no answer holds it, takes the next one (a new 5 MB block each time left the allocator
+        #: holding freed blocks in the resident set)
         self._entry_pool = PayloadPool(min_bytes=0)
         #: answers by kind: "current" (nothing to send), "chain" (entries), "full" (weights),
         #: "withheld" (the weights were due, but no copy of them could be made: "no change")
@@ -197,7 +198,7 @@ class UpdateLog:
             return None
         chosen = self.codec.codec_for(numel) if isinstance(self.codec, SizeAdaptive) else self.codec
         if isinstance(chosen, FP16Codec):
-            out = torch.empty(numel, dtype=torch.float16)
+            out = pooled_bytes(2 * numel, pool=self._entry_pool).view(torch.float16)
             return (Publication(PUB_FP16, published.data_ptr(), out.data_ptr()),
                     Compressed(chosen.name, (numel,), "float32", {"values": out}))
         if isinstance(chosen, UniformCodec) and chosen.bucket_size % (8 // chosen.bits) == 0:
@@ -317,7 +318,8 @@ class UpdateLog:
 
         ``make`` False (the caller holds as many copies as it may): no new copy; the last one
         made answers instead if it is of a version after ``newer_than`` (what the worker
-        holds), else None."""
+        holds), else None. (A lossy track keeps its copy only until it publishes again, see
+        :meth:`_append`; a lossless or rounded one until the step sets the next.)"""
         cached = self._snapshot
         if cached is not None and cached[0] == self.head:
             return cached
