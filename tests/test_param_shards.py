@@ -252,9 +252,10 @@ def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tm
     the accuracy of a healthy run. A leader pointed at server 1's checkpoints is refused."""
     import json
     import signal
+    import statistics
     import subprocess
 
-    from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
+    from swarmtrain.testing.procs import accuracies_since, start_coordinator, swarm_cmd, tail, wait_exit
 
     env = {**os.environ, "SWARMTRAIN_SECRET": "shard-secret"}
     d0, d1 = tmp_path / "ck0", tmp_path / "ck1"
@@ -263,9 +264,9 @@ def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tm
     status, summary = tmp_path / "s0.json", tmp_path / "summary.json"
     leader_port = tmp_path / "s0.port"
     leader_args = ("--shard", "0/2", "--servers", "127.0.0.1:1", "--servers", f"127.0.0.1:{port1}",
-                   "--max-steps", str(MAX_STEPS), "--eval-interval", "2", "--checkpoint-dir", str(d0),
+                   "--max-steps", str(MAX_STEPS), "--eval-interval", "0.5", "--checkpoint-dir", str(d0),
                    "--checkpoint-interval", "200", "--status-file", str(status),
-                   "--summary-file", str(summary))
+                   "--summary-file", str(summary), "--run-log", str(tmp_path / "s0.jsonl"))
     leader = subprocess.Popen(
         swarm_cmd("coordinator", "--host", "127.0.0.1", "--port", "0", "--port-file", str(leader_port),
                   *leader_args),
@@ -312,7 +313,11 @@ def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tm
                 p.kill()
                 p.wait(timeout=10)
     final = json.loads(summary.read_text())
-    assert final["version"] == MAX_STEPS and final["metrics"]["accuracy"] > 0.9, final["metrics"]
+    assert final["version"] == MAX_STEPS, final["version"]
+    # the accuracy of a healthy run from the kill on (or the second half, if the kill came
+    # later), judged on the median, not the last evaluation alone (see accuracies_since)
+    late = accuracies_since(tmp_path / "s0.jsonl", min(stalled, MAX_STEPS // 2))
+    assert len(late) >= 3 and statistics.median(late) > 0.9, (late, final["metrics"])
     assert "resumed from" in (tmp_path / "s1b.log").read_text()
     said = " ".join((tmp_path / "w.log").read_text().split())  # (the log wraps lines)
     assert "training waits until it is back" in said and "parameter server 1" in said, said[-3000:]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 from pathlib import Path
 
-from swarmtrain.testing.procs import start_coordinator, swarm_cmd, tail, wait_exit
+from swarmtrain.testing.procs import accuracies_since, start_coordinator, swarm_cmd, tail, wait_exit
 
 SECRET = {"SWARMTRAIN_SECRET": "test-secret-1"}
 
@@ -23,19 +24,21 @@ def _worker(tmp: Path, port: int, name: str, *args: str, env: dict[str, str] = S
 
 
 def test_two_worker_processes_train_digits_above_090(tmp_path: Path) -> None:
-    summary = tmp_path / "summary.json"
+    summary, run_log = tmp_path / "summary.json", tmp_path / "coordinator.jsonl"
     coord, port = start_coordinator(
         tmp_path, "--task", "digits", "--min-workers", "2", "--max-steps", "1000",
-        "--eval-interval", "1", "--checkpoint-interval", "0", "--summary-file", str(summary),
-        env=SECRET)
+        "--eval-interval", "0.1", "--checkpoint-interval", "0", "--summary-file", str(summary),
+        "--run-log", str(run_log), env=SECRET)
     workers = [_worker(tmp_path, port, f"w{i}", "--batch-size", "32") for i in range(2)]
     assert wait_exit(coord, 240, tmp_path / "coordinator.log") == 0, tail(tmp_path / "coordinator.log")
     for i, w in enumerate(workers):
         assert wait_exit(w, 60, tmp_path / f"w{i}.log") == 0, tail(tmp_path / f"w{i}.log")
     status = json.loads(summary.read_text())
     # 600 updates reach 0.95-0.97 here; 1000 leave room for a loaded CI box (staler gradients
-    # move the weights less). The message carries what would explain a miss.
-    assert status["metrics"]["accuracy"] > 0.9, (status["metrics"], status["stats"], [
+    # move the weights less). Judged on the evaluations from update 500 on, not the last alone
+    # (see accuracies_since). The message carries what would explain a miss.
+    late = accuracies_since(run_log, 500)
+    assert len(late) >= 3 and statistics.median(late) > 0.9, (late, status["metrics"], status["stats"], [
         (w["id"], w["steps"], round(w["avg_staleness"], 2), w["rejected"]) for w in status["workers"]])
     by_id = {w["id"]: w for w in status["workers"]}
     assert set(by_id) == {"w0", "w1"}

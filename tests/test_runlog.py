@@ -174,6 +174,17 @@ def test_coordinator_run_log_has_metrics_and_events(real_run: Run) -> None:
     assert any(r["workers"]["w0"]["samples_per_sec"] > 0 for r in metrics if "w0" in r.get("workers", {}))
 
 
+def test_every_evaluation_has_its_record_in_the_run_log(real_run: Run) -> None:
+    # evaluations every 0.2 s: before, the logger looked every 0.25 s and wrote the newest
+    # evaluation only, so some never reached the run log
+    said = [json.loads(line)["message"] for line in real_run.coordinator_out.read_text().splitlines()
+            if line.strip()]
+    evaluated = [int(m.group(1)) for m in (re.match(r"version (\d+): accuracy", s) for s in said) if m]
+    logged = [r["eval_version"] for r in read_run_log(real_run.coordinator_log) if "eval" in r]
+    assert len(evaluated) >= 3, said
+    assert logged == evaluated, (logged, evaluated)
+
+
 def test_worker_run_log_has_its_own_metrics(real_run: Run) -> None:
     records = read_run_log(real_run.worker_log)
     events = [r["event"] for r in records if r["kind"] == "event"]

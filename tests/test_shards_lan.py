@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import pytest
 
 from swarmtrain.testing import SimulatedLAN
 from swarmtrain.testing.cluster import COORDINATOR_TOML, SECRET, WORKER_TOML
-from swarmtrain.testing.procs import swarm_cmd, tail
+from swarmtrain.testing.procs import accuracies_since, swarm_cmd, tail
 from tests.test_param_shards import _read_version
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
@@ -67,8 +68,9 @@ def test_a_server_cut_off_then_killed_pauses_training_until_it_is_back(
         start("s0", leader_host, swarm_cmd(
             "coordinator", "--config", str(tmp_path / "coordinator.toml"), "--host", leader_host.address,
             "--port", str(PORT), "--shard", "0/2", *servers, "--max-steps", str(MAX_STEPS),
-            "--eval-interval", "2", "--checkpoint-dir", str(d0), "--checkpoint-interval", "200",
-            "--status-file", str(status), "--summary-file", str(summary)))
+            "--eval-interval", "0.5", "--checkpoint-dir", str(d0), "--checkpoint-interval", "200",
+            "--status-file", str(status), "--summary-file", str(summary),
+            "--run-log", str(tmp_path / "s0.jsonl")))
         start("w0", worker_host, swarm_cmd(
             "worker", "--config", str(tmp_path / "worker.toml"), "--host", leader_host.address,
             "--port", str(PORT), "--worker-id", "w0", "--threads", "1", "--batch-size", "32",
@@ -106,9 +108,15 @@ def test_a_server_cut_off_then_killed_pauses_training_until_it_is_back(
                 p.kill()
                 p.wait(timeout=10)
     final = json.loads(summary.read_text())
+    # the accuracy of a healthy run from the kill on (or the second half, if the kill came
+    # later), judged on the median, not the last evaluation alone (see accuracies_since)
+    late = accuracies_since(tmp_path / "s0.jsonl", min(killed, MAX_STEPS // 2))
+    median = statistics.median(late) if late else float("nan")
     print(f"cut at update {cut_at}, stalled at {stalled}; killed at {killed}; finished at "
-          f"{final['version']}, held-out accuracy {final['metrics']['accuracy']:.3f}")
-    assert final["version"] == MAX_STEPS and final["metrics"]["accuracy"] > 0.9, final["metrics"]
+          f"{final['version']}, held-out accuracy {final['metrics']['accuracy']:.3f} at the end, "
+          f"{median:.3f} the median of {len(late)} evaluations since update {killed}")
+    assert final["version"] == MAX_STEPS, final["version"]
+    assert len(late) >= 3 and median > 0.9, (late, final["metrics"])
     assert "resumed from" in (tmp_path / "s1b.log").read_text()
     said = " ".join((tmp_path / "w0.log").read_text().split())  # (the log wraps lines)
     assert "training waits until it is back" in said and "parameter server 1" in said, said[-3000:]

@@ -77,9 +77,10 @@ class CoordinatorSampler:
 
 async def log_coordinator_forever(coord: Coordinator, run_log: RunLog, sampler: CoordinatorSampler,
                                   interval: float = 1.0) -> None:
-    """Write a metrics line every ``interval`` seconds, and one after each evaluation."""
+    """Write a metrics line every ``interval`` seconds, and one after each evaluation (woken by
+    it, so evaluations more frequent than the interval each get their line)."""
     while True:
-        await asyncio.sleep(min(interval, 0.25))
+        await coord.next_evaluation(min(interval, 0.25))
         if sampler.due(interval):
             run_log.metrics(force=True, **sampler.sample())
 

@@ -15,11 +15,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from swarmtrain.testing.lan import SimulatedLAN
 
-__all__ = ["LanProcesses", "swarm_cmd", "start_coordinator", "wait_exit", "tail"]
+__all__ = ["LanProcesses", "swarm_cmd", "start_coordinator", "wait_exit", "tail", "accuracies_since"]
 
 
 def swarm_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarmtrain", *args]
+
+
+def accuracies_since(run_log: Path, version: int) -> list[float]:
+    """The held-out accuracies a coordinator's run log (``--run-log``) records for versions at
+    or after ``version``, in order.
+
+    Tests judge a run on the median of these, not on its last evaluation alone: Adam at
+    digits' learning rate has loss spikes in one plain process too (8 seeds, 2,000 steps,
+    evaluated every 10 over the second half: medians 0.978-0.983, the lowest single evaluation
+    0.891), so a run can end on one.
+    """
+    from swarmtrain.app.runlog import read_run_log
+
+    return [r["eval"]["accuracy"] for r in read_run_log(run_log)
+            if "eval" in r and r.get("eval_version", -1) >= version]
 
 
 def tail(path: Path, n: int = 30) -> str:

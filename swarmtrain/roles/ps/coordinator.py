@@ -404,6 +404,7 @@ class Coordinator:
             RobustWindow(self.params, t.robust, trim=t.robust_trim) if t.robust != "none"
             else GradientWindow(self.params) if t.aggregate_samples else None)
         self._updated = asyncio.Event()  # set (and replaced) whenever an update is applied
+        self._evaluated = asyncio.Event()  # set (and replaced) after each held-out evaluation
         self._window_ids: set[str] = set()  # workers with a gradient in the open window
         #: when the open window got its samples, and when it closes whoever is still missing
         self._window_ready_at: float | None = None
@@ -1604,7 +1605,19 @@ class Coordinator:
             return
         self.metrics = dict(metrics)
         self.metric_history.append((version, self.metrics))
+        self._evaluated.set()
+        self._evaluated = asyncio.Event()
         log.info("version %d: %s", version, ", ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+
+    async def next_evaluation(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the next held-out evaluation to finish; True if
+        one did (its metrics are then ``metric_history[-1]``)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._evaluated.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def _evaluate_snapshot(self, evaluate: Evaluate, weights: dict[str, torch.Tensor]) -> Mapping[str, float]:
         if self._eval_state is None:
