@@ -35,8 +35,12 @@ RSS between N=4 and the largest N (MB and as a fraction of the model's fp32 size
 run is the median of samples taken every 0.5 s through the window (the end-of-window figure is
 reported beside it).
 
+Each N is measured in ``--passes`` (2) passes per codec, ascending then descending in N, and
+the verdict is on each N's median over its passes: on this shared box one N's rate moved by up
+to a third between runs, and a single window per N made the ratio to N=4 follow the box.
+
 Run: ``python benchmarks/bench_scale.py [--quick] [--workers 1,4,16,64]
-[--compression none,fp16,topk] [--rate 200] [--per-process 16] [--inflight 2]``.
+[--compression none,fp16,topk] [--rate 200] [--per-process 16] [--inflight 2] [--passes 2]``.
 """
 
 from __future__ import annotations
@@ -484,21 +488,49 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
 # -------------------------------------------------------------------------------- driver
 
 
+#: the figures of a (codec, N) that the verdict takes as the median over its passes
+MEDIAN_OF_PASSES = ("applied_per_s", "cpu_ms_per_update", "capacity_per_s")
+
+
+def _median_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (codec, N)'s passes as one row: the median of each pass's rate, CPU per update,
+    capacity and window-median RSS (end and peak RSS alike); the rest from the last pass."""
+    m = dict(rows[-1])
+    for key in MEDIAN_OF_PASSES:
+        m[key] = statistics.median(r[key] for r in rows)
+    m["rss_mb"] = {**rows[-1]["rss_mb"], **{
+        k: statistics.median(r["rss_mb"][k] for r in rows) for k in ("window_median", "end")}}
+    m["hwm_mb"] = {**rows[-1]["hwm_mb"], "end": statistics.median(r["hwm_mb"]["end"] for r in rows)}
+    m["passes"] = len(rows)
+    return m
+
+
 def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per codec: apply rate relative to N=4, RSS slope per added worker from N=4 on."""
+    """Per codec: apply rate relative to N=4, RSS slope per added worker from N=4 on.
+
+    Each row's own ratios are to N=4 in the same pass; the verdict is on the median over the
+    passes of each N's rate, capacity, CPU per update and RSS."""
     out: dict[str, Any] = {}
     for codec in dict.fromkeys(r["codec"] for r in rows):
-        mine = {r["workers"]: r for r in rows if r["codec"] == codec}
+        ours = [r for r in rows if r["codec"] == codec]
+        for r in ours:
+            ref_row = next((x for x in ours if x["workers"] == 4 and x.get("pass") == r.get("pass")), None)
+            _ratios(r, ref_row)
+        by_n: dict[int, list[dict[str, Any]]] = {}
+        for r in ours:
+            by_n.setdefault(r["workers"], []).append(r)
+        mine = {n: _median_rows(rs) for n, rs in sorted(by_n.items())}
         ref = mine.get(4)
         for r in mine.values():
-            r["rate_vs_4"] = r["applied_per_s"] / ref["applied_per_s"] if ref else math.nan
-            r["cpu_per_update_vs_4"] = (r["cpu_ms_per_update"] / ref["cpu_ms_per_update"]
-                                        if ref else math.nan)
-            r["capacity_vs_4"] = r["capacity_per_s"] / ref["capacity_per_s"] if ref else math.nan
-            rss = r["rss_mb"]
-            r["rss_growth_per_worker_mb"] = (rss["window_median"] - rss["idle"]) / r["workers"]
+            _ratios(r, ref)
         big = max(mine)
-        d: dict[str, Any] = {"largest": big}
+        d: dict[str, Any] = {"largest": big, "passes": {n: len(rs) for n, rs in by_n.items()},
+                             "median": {n: {k: r[k] for k in (*MEDIAN_OF_PASSES, "rate_vs_4",
+                                                              "capacity_vs_4", "cpu_per_update_vs_4")}
+                                        | {"rss_window_median_mb": r["rss_mb"]["window_median"]}
+                                        for n, r in mine.items()},
+                             "per_pass_applied_per_s": {n: [r["applied_per_s"] for r in rs]
+                                                        for n, rs in by_n.items()}}
         if ref is not None and big > 4:
             # the steady state: the median of the window's samples, which one allocator move at
             # the window's end (glibc keeps up to 128 MB freed) does not swing
@@ -511,6 +543,9 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
             in_flight = (mine[big]["wire_bytes_per_gradient"] + mine[big]["answer_bytes_mean"]) / 2**20
             spread = [mine[k]["rate_vs_4"] for k in mine if k >= 4]
             capacity = [mine[k]["capacity_vs_4"] for k in mine if k >= 4]
+            # how far one N's passes sit apart (max / min applied/s): the box's noise on one figure
+            noise = [max(x) / min(x) - 1 for x in d["per_pass_applied_per_s"].values()
+                     if len(x) > 1 and min(x) > 0]
             d.update({
                 "rss_slope_mb_per_worker": slope, "rss_slope_fraction_of_model": slope / model,
                 "rss_end_slope_mb_per_worker": end_slope,
@@ -522,49 +557,83 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "capacity_min_vs_4": min(capacity), "capacity_max_vs_4": max(capacity),
                 "capacity_within_tolerance": all(abs(x - 1) <= RATE_TOLERANCE for x in capacity),
                 "rss_within_target": slope / model <= RSS_FRACTION,
+                "pass_spread_max": max(noise) if noise else math.nan,
             })
         out[codec] = d
     return out
 
 
+def _ratios(r: dict[str, Any], ref: dict[str, Any] | None) -> None:
+    """``r``'s rate, CPU per update and capacity relative to ``ref`` (N=4), and its RSS per worker."""
+    r["rate_vs_4"] = r["applied_per_s"] / ref["applied_per_s"] if ref else math.nan
+    r["cpu_per_update_vs_4"] = r["cpu_ms_per_update"] / ref["cpu_ms_per_update"] if ref else math.nan
+    r["capacity_vs_4"] = r["capacity_per_s"] / ref["capacity_per_s"] if ref else math.nan
+    rss = r["rss_mb"]
+    r["rss_growth_per_worker_mb"] = (rss["window_median"] - rss["idle"]) / r["workers"]
+
+
+def pass_orders(counts: list[int], passes: int) -> list[list[int]]:
+    """The order of the worker counts in each pass: ascending, then descending, and so on, so
+    that a drift in the machine's other load over a codec's passes weighs on every N alike
+    (with two passes, N=4 and N=64 are measured once early and once late)."""
+    up = sorted(counts)
+    return [up if p % 2 == 0 else up[::-1] for p in range(passes)]
+
+
 def run(codecs: list[str], counts: list[int], rate: float, per_process: int, quick: bool,
-        inflight: int = 1) -> dict[str, Any]:
+        inflight: int = 1, passes: int = 1) -> dict[str, Any]:
     warm_s, window_s = WINDOWS[quick]
     res: dict[str, Any] = {"machine": machine(), "quick": quick, "warm_s": warm_s,
                            "window_s": window_s, "offered_per_s": rate, "per_process": per_process,
-                           "inflight": inflight, "rows": [], "stopped": []}
+                           "inflight": inflight, "passes": passes, "rows": [], "stopped": []}
     with tempfile.TemporaryDirectory(prefix="swarm-scale-") as d:
         for codec in codecs:
-            for n in counts:
-                print(f"-- {codec}, {n} worker(s)", flush=True)
-                try:
-                    r = measure(codec, n, rate, per_process, quick, Path(d), inflight)
-                except OutOfMemory as exc:
-                    print(f"   stopped: {exc}; no larger N for {codec}", flush=True)
-                    res["stopped"].append({"codec": codec, "workers": n, "why": str(exc)})
-                    break
-                except RuntimeError as exc:
-                    print(f"   FAILED: {exc}", flush=True)
-                    res["stopped"].append({"codec": codec, "workers": n,
-                                           "why": f"failed: {str(exc)[:300]}"})
-                    continue
-                res["rows"].append(r)
-                print(f"   applied {r['applied_per_s']:.1f}/s of {rate:.0f}/s offered (capacity "
-                      f"{r['capacity_per_s']:.1f}/s: loop {r['loop_ms_per_update']:.0f} ms, apply "
-                      f"{r['apply_ms_per_update']:.0f} ms per update); latency "
-                      f"{r['latency_ms']:.0f} ms; staleness {r['mean_staleness']:.1f}; RSS "
-                      f"{r['rss_mb']['idle']:.0f} -> {r['rss_mb']['end']:.0f} MB; coordinator "
-                      f"{r['coordinator_cpu_cores']:.2f} cores, workers "
-                      f"{r['workers_cpu_cores']:.2f}, machine {r['machine_busy_cores']:.2f}"
-                      + (f"; {r['worker_error_count']} worker errors: {r['worker_errors'][:1]}"
-                         if r["worker_error_count"] else ""), flush=True)
+            too_big = math.inf  # the smallest N that ran out of memory: it and larger are skipped
+            for p, order in enumerate(pass_orders(counts, passes), start=1):
+                tmp = Path(d) / f"pass{p}"  # a run's port and go files and logs, apart per pass
+                tmp.mkdir(exist_ok=True)
+                for n in order:
+                    if n >= too_big:
+                        continue
+                    print(f"-- {codec}, {n} worker(s), pass {p} of {passes}", flush=True)
+                    try:
+                        r = measure(codec, n, rate, per_process, quick, tmp, inflight)
+                    except OutOfMemory as exc:
+                        print(f"   stopped: {exc}; no larger N for {codec}", flush=True)
+                        res["stopped"].append({"codec": codec, "workers": n, "why": str(exc)})
+                        too_big = n
+                        continue
+                    except RuntimeError as exc:
+                        print(f"   FAILED: {exc}", flush=True)
+                        res["stopped"].append({"codec": codec, "workers": n,
+                                               "why": f"failed: {str(exc)[:300]}"})
+                        continue
+                    r["pass"] = p
+                    res["rows"].append(r)
+                    _print_row(r, rate)
     res["derived"] = derive(res["rows"])
     return res
+
+
+def _print_row(r: dict[str, Any], rate: float) -> None:
+    print(f"   applied {r['applied_per_s']:.1f}/s of {rate:.0f}/s offered (capacity "
+          f"{r['capacity_per_s']:.1f}/s: loop {r['loop_ms_per_update']:.0f} ms, apply "
+          f"{r['apply_ms_per_update']:.0f} ms per update); latency "
+          f"{r['latency_ms']:.0f} ms; staleness {r['mean_staleness']:.1f}; RSS "
+          f"{r['rss_mb']['idle']:.0f} -> {r['rss_mb']['end']:.0f} MB; coordinator "
+          f"{r['coordinator_cpu_cores']:.2f} cores, workers "
+          f"{r['workers_cpu_cores']:.2f}, machine {r['machine_busy_cores']:.2f}"
+          + (f"; {r['worker_error_count']} worker errors: {r['worker_errors'][:1]}"
+             if r["worker_error_count"] else ""), flush=True)
 
 
 def _warnings(row: dict[str, Any], coordinator: bool) -> int:
     return sum(v["count"] for k, v in row["log_warnings"].items()
                if k.startswith("coordinator") == coordinator)
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if math.isfinite(x) else "-"
 
 
 def _yes(ok: bool | None) -> str:
@@ -594,7 +663,7 @@ def to_markdown(res: dict[str, Any]) -> str:
     rows = []
     for r in res["rows"]:
         rows.append([
-            r["codec"], r["workers"], f"{r['offered_per_s']:.0f}", r["applied_per_s"],
+            r["codec"], r["workers"], r.get("pass", 1), f"{r['offered_per_s']:.0f}", r["applied_per_s"],
             f"{r['rate_vs_4']:.2f}" if math.isfinite(r["rate_vs_4"]) else "-",
             r["cpu_ms_per_update"],
             f"{r['cpu_per_update_vs_4']:.2f}" if math.isfinite(r["cpu_per_update_vs_4"]) else "-",
@@ -613,10 +682,19 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{r['snapshots_held_mb']:.0f} ({r['snapshots_withheld_in_window']})",
             _released(r),
         ])
+    medians = []
+    for codec, d in res["derived"].items():
+        for n, mr in d["median"].items():
+            medians.append([
+                codec, n, " / ".join(f"{x:.1f}" for x in d["per_pass_applied_per_s"][n]),
+                f"{mr['applied_per_s']:.1f}", _ratio(mr["rate_vs_4"]),
+                f"{mr['cpu_ms_per_update']:.1f}", _ratio(mr["cpu_per_update_vs_4"]),
+                f"{mr['capacity_per_s']:.1f}", _ratio(mr["capacity_vs_4"]),
+                f"{mr['rss_window_median_mb']:.0f}"])
     verdict = []
     for codec, d in res["derived"].items():
         if "rss_slope_mb_per_worker" not in d:
-            verdict.append([codec, "-", "-", "-", "-", "-", "-", "-", "-", "-"])
+            verdict.append([codec, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"])
             continue
         verdict.append([
             codec, f"{d['rate_min_vs_4']:.2f} .. {d['rate_max_vs_4']:.2f}",
@@ -626,6 +704,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{d['rss_slope_mb_per_worker']:.1f} ({d['rss_end_slope_mb_per_worker']:.1f})",
             f"{d['rss_slope_fraction_of_model']:.1%}",
             _yes(d["rss_within_target"]), f"{d['gradient_answer_mb']:.1f}",
+            f"{d['pass_spread_max']:.0%}" if math.isfinite(d["pass_spread_max"]) else "-",
         ])
     return "\n".join([
         "## One coordinator, many workers (`benchmarks/bench_scale.py`)",
@@ -682,7 +761,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         "resident set outgrew malloc's use by twice the model's size since the last release; "
         "the joins of many workers at once leave such memory). MB = 2^20 bytes.",
         "",
-        md_table(["codec", "N", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
+        md_table(["codec", "N", "pass", "offered/s", "applied/s", "vs N=4", "coordinator CPU ms / update",
                   "vs N=4", "capacity /s (loop / apply ms)", "vs N=4", "latency ms", "staleness",
                   "RSS MB idle / warm / window median / end", "HWM MB", "RSS per worker MB",
                   "coordinator cores (loop / apply)", "workers cores", "machine cores",
@@ -705,9 +784,19 @@ def to_markdown(res: dict[str, Any]) -> str:
         "whatever the kernel does not take at once into a buffer per connection); the answers' "
         "tensors are the shared update log's and the published snapshot, encoded once.",
         "",
+        f"Each N was measured in {res.get('passes', 1)} pass(es) per codec, in ascending then "
+        "descending order of N (so that a drift in the machine's other load over a codec's "
+        "passes weighs on every N alike); the rows above are the passes, each row's \"vs N=4\" "
+        "against N=4 of the same pass. The verdict below is on each N's median over its passes "
+        "(of two, their mean):",
+        "",
+        md_table(["codec", "N", "applied/s, each pass", "median", "vs N=4", "CPU ms / update",
+                  "vs N=4", "capacity /s", "vs N=4", "RSS MB (window median)"], medians),
+        "",
         md_table(["codec", "rate vs N=4 (N >= 4)", "within 10 %", "capacity vs N=4", "within 10 %",
                   "CPU per update vs N=4, worst", "RSS MB per added worker",
-                  "of model size", "within 5 %", "gradient + answer MB (unbounded)"], verdict),
+                  "of model size", "within 5 %", "gradient + answer MB (unbounded)",
+                  "passes of one N apart, at most (max / min - 1)"], verdict),
         "",
         *[f"**Not measured:** {x['codec']} with {x['workers']} workers: {x['why']}"
           for x in res["stopped"]],
@@ -748,16 +837,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-process", type=int, default=16, help="light workers per process")
     ap.add_argument("--inflight", type=int, default=INFLIGHT,
                     help="gradients in flight per light worker at most")
+    ap.add_argument("--passes", type=int, default=0,
+                    help="passes over the worker counts per codec, ascending then descending "
+                         "(default 2, 1 with --quick); the verdict is on each N's median")
     args = ap.parse_args(argv)
     counts = [int(x) for x in (args.workers or ("1,4,16" if args.quick else "1,4,16,64")).split(",") if x]
     codecs = [c for c in args.compression.split(",") if c]
     bad = [c for c in codecs if c not in CODECS]
     if bad or not codecs:
         ap.error(f"--compression {args.compression!r}: choose from {', '.join(CODECS)}")
-    if not counts or min(counts) < 1 or args.rate <= 0 or args.per_process < 1 or args.inflight < 1:
-        ap.error("--workers needs counts >= 1, --rate > 0, --per-process >= 1, --inflight >= 1")
+    passes = args.passes or (1 if args.quick else 2)
+    if (not counts or min(counts) < 1 or args.rate <= 0 or args.per_process < 1 or args.inflight < 1
+            or args.passes < 0):
+        ap.error("--workers needs counts >= 1, --rate > 0, --per-process >= 1, --inflight >= 1, "
+                 "--passes >= 1")
     start = time.perf_counter()
-    res = run(codecs, counts, args.rate, args.per_process, args.quick, args.inflight)
+    res = run(codecs, counts, args.rate, args.per_process, args.quick, args.inflight, passes)
     res["seconds"] = time.perf_counter() - start
     report("scale", res, to_markdown(res))
     return 0

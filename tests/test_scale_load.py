@@ -79,3 +79,45 @@ def test_two_light_workers_have_their_gradients_applied(tmp_path: Path) -> None:
         versions = [a[4] for a in w["answers"]]
         assert versions == sorted(set(versions)), wid
         assert all(a[1] >= a[0] for a in w["answers"]), wid  # answered after sent
+
+
+# --- bench_scale.py's verdict over passes ---------------------------------------------------
+
+
+def _bench_scale() -> Any:
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module("bench_scale")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def _row(n: int, p: int, applied: float, rss: float = 700.0) -> dict[str, Any]:
+    return {"codec": "none", "workers": n, "pass": p, "applied_per_s": applied,
+            "cpu_ms_per_update": 1000 / applied, "capacity_per_s": applied,
+            "rss_mb": {"idle": 600.0, "window_median": rss, "end": rss},
+            "hwm_mb": {"end": rss}, "model_mb": 38.4, "wire_bytes_per_gradient": 1, "answer_bytes_mean": 1}
+
+
+def test_the_passes_go_up_then_down_in_the_worker_count() -> None:
+    bs = _bench_scale()
+    assert bs.pass_orders([16, 1, 64, 4], 3) == [[1, 4, 16, 64], [64, 16, 4, 1], [1, 4, 16, 64]]
+
+
+def test_the_verdict_is_on_each_counts_median_over_its_passes() -> None:
+    bs = _bench_scale()
+    # the box dipped during N=64's first window and N=4's second: each pass alone misses the
+    # bar (0.67 and 1.5 of its N=4), the medians are level
+    dips = [_row(4, 1, 60.0), _row(64, 1, 40.0), _row(64, 2, 60.0), _row(4, 2, 40.0)]
+    d = bs.derive(dips)["none"]
+    assert [round(r["rate_vs_4"], 2) for r in dips] == [1.0, 0.67, 1.5, 1.0]
+    assert d["rate_within_tolerance"] and d["rate_min_vs_4"] == d["rate_max_vs_4"] == 1.0, d
+    assert round(d["pass_spread_max"], 2) == 0.5
+    # a coordinator that really slows down with 64 workers misses it in every pass and the median
+    slow = [_row(4, 1, 60.0), _row(64, 1, 45.0, rss=760.0), _row(64, 2, 47.0, rss=780.0), _row(4, 2, 58.0)]
+    d = bs.derive(slow)["none"]
+    assert not d["rate_within_tolerance"] and round(d["rate_min_vs_4"], 2) == 0.78, d
+    # RSS: the slope of the medians, (770 - 700) / 60 MB per worker
+    assert round(d["rss_slope_mb_per_worker"], 3) == round(70 / 60, 3)
