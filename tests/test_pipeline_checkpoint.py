@@ -37,7 +37,7 @@ from swarmtrain.tasks import TextLMConfig, TextLMTask
 from swarmtrain.testing.pipeline import FAST_TIMEOUTS, run_bounded
 from swarmtrain.testing.procs import stop_gently, swarm_cmd, tail
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]  # (64 s at half speed)
 
 SECRET = b"pipeline-checkpoint-secret"
 TASK = TextLMTask(TextLMConfig(context=16, d_model=16, n_heads=2, n_layers=2))  # 4 layers

@@ -21,7 +21,7 @@ from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.roles.stage.route import check_route, parse_route
 from swarmtrain.testing.procs import stop_gently, swarm_cmd, tail
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)  # (78 s at half speed)
 
 MODEL = ("--task", "textlm", "--context", "32", "--d-model", "32", "--n-heads", "2", "--n-layers", "4")
 ENV = {"SWARMTRAIN_SECRET": "pipeline-cli-secret"}

@@ -250,7 +250,7 @@ def procs(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path) -> Iterator[
 
 
 @pytest.mark.netns
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)  # 25 s on the clean-clone CI, 42 s on a machine at half its speed
 def test_a_trainer_without_route_finds_three_stages_on_the_lan_and_trains(procs: LanProcesses) -> None:
     hosts = procs.lan.hosts
     for i in range(3):  # stage 1 listens on every address (0.0.0.0), the others on one
@@ -266,9 +266,9 @@ def test_a_trainer_without_route_finds_three_stages_on_the_lan_and_trains(procs:
                           "--batch-size", "4", "--chunks", "4", "--eval-every", "0", "--eval-samples", "8",
                           "--run-log", "none")
     try:
-        rc = trainer.wait(timeout=45)
+        rc = trainer.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the trainer did not finish in 45 s\n{procs.logs()}") from None
+        raise AssertionError(f"the trainer did not finish in 120 s\n{procs.logs()}") from None
     said = " ".join((procs.tmp / "trainer.log").read_text().split())
     assert rc == 0, f"trainer exited {rc}\n{procs.logs()}"
     assert f"found the stages of cluster '{LAN_CLUSTER}' by mDNS: --route \"{route}\"" in said, said

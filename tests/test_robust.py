@@ -25,7 +25,7 @@ from swarmtrain.testing.attackers import HONEST, run_peers, run_ps
 
 _DIGITS = DigitsTask()
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # (39 s at half speed)
 
 
 
