@@ -514,7 +514,7 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for codec in dict.fromkeys(r["codec"] for r in rows):
         ours = [r for r in rows if r["codec"] == codec]
         for r in ours:
-            ref_row = next((x for x in ours if x["workers"] == 4 and x.get("pass") == r.get("pass")), None)
+            ref_row = next((x for x in ours if x["workers"] == 4 and x["pass"] == r["pass"]), None)
             _ratios(r, ref_row)
         by_n: dict[int, list[dict[str, Any]]] = {}
         for r in ours:
@@ -663,7 +663,7 @@ def to_markdown(res: dict[str, Any]) -> str:
     rows = []
     for r in res["rows"]:
         rows.append([
-            r["codec"], r["workers"], r.get("pass", 1), f"{r['offered_per_s']:.0f}", r["applied_per_s"],
+            r["codec"], r["workers"], r["pass"], f"{r['offered_per_s']:.0f}", r["applied_per_s"],
             f"{r['rate_vs_4']:.2f}" if math.isfinite(r["rate_vs_4"]) else "-",
             r["cpu_ms_per_update"],
             f"{r['cpu_per_update_vs_4']:.2f}" if math.isfinite(r["cpu_per_update_vs_4"]) else "-",
@@ -784,7 +784,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         "whatever the kernel does not take at once into a buffer per connection); the answers' "
         "tensors are the shared update log's and the published snapshot, encoded once.",
         "",
-        f"Each N was measured in {res.get('passes', 1)} pass(es) per codec, in ascending then "
+        f"Each N was measured in {res['passes']} pass(es) per codec, in ascending then "
         "descending order of N (so that a drift in the machine's other load over a codec's "
         "passes weighs on every N alike); the rows above are the passes, each row's \"vs N=4\" "
         "against N=4 of the same pass. The verdict below is on each N's median over its passes "

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.app.runlog import read_run_log
 from swarmtrain.testing import SimulatedLAN
 from swarmtrain.testing.cluster import LanCluster
+from swarmtrain.testing.procs import accuracies_since
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -28,13 +28,6 @@ def cluster(lan_factory: Callable[..., SimulatedLAN], tmp_path: Path):  # type: 
 #: the workers' first delay between reconnects (doubling to 8x): short, so a worker that lost
 #: the coordinator is back soon after it listens again, not up to 4 s later
 RECONNECT = ("--reconnect-delay", "0.2")
-
-
-def _accuracies_after_the_resume(run_log: Path) -> list[float]:
-    """The held-out accuracies the resumed coordinator recorded (both runs append to one run log)."""
-    records = read_run_log(run_log)
-    resumed = max(i for i, r in enumerate(records) if r.get("event") == "resumed_from_checkpoint")
-    return [r["eval"]["accuracy"] for r in records[resumed:] if "eval" in r]
 
 
 def _steps(c: LanCluster, name: str) -> Callable[[dict], int]:  # type: ignore[type-arg]
@@ -113,7 +106,7 @@ def test_coordinator_killed_and_resumed_workers_carry_on_to_target(cluster: LanC
     assert c.procs["coordinator"].wait(timeout=180) == 0
     final = c.status()
     assert final is not None and final["finished"]
-    after = _accuracies_after_the_resume(c.tmp / "coordinator.jsonl")
+    after = accuracies_since(c.tmp / "coordinator.jsonl", after_event="resumed_from_checkpoint")
     print(f"killed at update {last['version']} of {max_steps}, resumed from {resumed}; held-out accuracy "
           f"{final['metrics']['accuracy']:.3f} at the end, {statistics.median(after):.3f} the median of "
           f"{len(after)} evaluations after the resume")

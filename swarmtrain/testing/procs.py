@@ -22,9 +22,11 @@ def swarm_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarmtrain", *args]
 
 
-def accuracies_since(run_log: Path, version: int) -> list[float]:
+def accuracies_since(run_log: Path, version: int = 0, *, after_event: str | None = None) -> list[float]:
     """The held-out accuracies a coordinator's run log (``--run-log``) records for versions at
-    or after ``version``, in order.
+    or after ``version``, in order; with ``after_event``, only those recorded after the last
+    event of that name (a resumed coordinator appends to the killed one's log:
+    ``after_event="resumed_from_checkpoint"`` keeps the resumed run's).
 
     Tests judge a run on the median of these, not on its last evaluation alone: Adam at
     digits' learning rate has loss spikes in one plain process too (8 seeds, 2,000 steps,
@@ -33,8 +35,10 @@ def accuracies_since(run_log: Path, version: int) -> list[float]:
     """
     from swarmtrain.app.runlog import read_run_log
 
-    return [r["eval"]["accuracy"] for r in read_run_log(run_log)
-            if "eval" in r and r.get("eval_version", -1) >= version]
+    records = read_run_log(run_log)
+    if after_event is not None:
+        records = records[max(i for i, r in enumerate(records) if r.get("event") == after_event):]
+    return [r["eval"]["accuracy"] for r in records if "eval" in r and r.get("eval_version", -1) >= version]
 
 
 def tail(path: Path, n: int = 30) -> str:
