@@ -16,7 +16,9 @@ tensor memory is written without a copy. Every answer is read off the socket (an
 the transport) but not applied: the replica is not needed, only the coordinator's work is
 measured. At most ``--inflight`` gradients are in flight per worker (a real worker's
 ``training.max_inflight``), and sends are paced at ``--rate`` gradients/s per worker (no burst
-to catch up after a slow answer).
+to catch up after a slow answer). A PAUSE from the coordinator (``swarmtrain ctl pause``) stops
+the sends until a RESUME, as it stops a real worker's steps; the gradients in flight are still
+answered. bench_scale.py pauses the clusters of the worker counts it is not measuring.
 
 On exit (SHUTDOWN from the coordinator, SIGTERM, or ``--seconds``) the process writes one JSON
 file: per worker, every answer as (sent, answered, status, version sent, version answered,
@@ -52,8 +54,10 @@ from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.wire import (
     Error,
     Gradients,
+    Pause,
     Register,
     RegisterAck,
+    Resume,
     Shutdown,
     Start,
     Update,
@@ -200,6 +204,7 @@ class LightWorker:
         self._started = asyncio.Event()
         self._answered = asyncio.Event()
         self._done = asyncio.Event()  # SHUTDOWN or a broken connection: stop sending
+        self._resumed = asyncio.Event()  # no PAUSE since registering or the last RESUME
         #: gradients sent and not answered yet: msg_id -> (sent at, version it was computed on)
         self._unanswered: dict[int, tuple[float, int]] = {}
 
@@ -228,6 +233,8 @@ class LightWorker:
         self.version = weights.version
         if ack.running:
             self._started.set()
+        if not ack.paused:
+            self._resumed.set()
         reader = asyncio.create_task(self._read(conn))
         try:
             await self._send_loop(conn, stop)
@@ -240,6 +247,12 @@ class LightWorker:
             return
         next_at = time.monotonic()
         while not stop.is_set() and not self._done.is_set():
+            if not self._resumed.is_set():
+                # paused for as long as the coordinator says (a real worker waits so too); a
+                # SIGTERM, --seconds, SHUTDOWN or a lost connection (heartbeats) ends the wait
+                await self._wait_for(self._resumed, None, stop, self._done)
+                next_at = time.monotonic()  # no burst to make up for the pause
+                continue
             delay = next_at - time.monotonic()
             if delay > 0:
                 await self._wait_for(stop, delay, self._done)
@@ -258,8 +271,9 @@ class LightWorker:
             next_at = max(next_at + self.period, time.monotonic())
 
     @staticmethod
-    async def _wait_for(event: asyncio.Event, timeout: float, *others: asyncio.Event) -> bool:
-        """Wait up to ``timeout`` for ``event`` or any of ``others``; True if ``event`` is set."""
+    async def _wait_for(event: asyncio.Event, timeout: float | None, *others: asyncio.Event) -> bool:
+        """Wait up to ``timeout`` (None: until one is set) for ``event`` or any of ``others``;
+        True if ``event`` is set."""
         waits = [asyncio.ensure_future(e.wait()) for e in (event, *others)]
         try:
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -284,13 +298,17 @@ class LightWorker:
                     self._answered.set()
                 elif isinstance(msg, Start):
                     self._started.set()
+                elif isinstance(msg, Pause):
+                    self._resumed.clear()
+                elif isinstance(msg, Resume):
+                    self._resumed.set()
                 elif isinstance(msg, Shutdown):
                     self.shutdown = True
                     self._done.set()
                     return
                 elif isinstance(msg, Error) and msg.fatal:
                     raise RefusedError(msg.code, msg.message)
-                # WEIGHTS (the final ones), ASSIGN, PAUSE, RESUME: read and dropped
+                # WEIGHTS (the final ones), ASSIGN: read and dropped
         except (SwarmError, ConnectionError) as exc:
             if not self.shutdown:
                 self._fail(f"{type(exc).__name__}: {exc}")

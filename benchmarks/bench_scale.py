@@ -19,8 +19,16 @@ For each codec and each worker count N, measured in one run:
   way while one is applied, and the coordinator's admission counters say whether gradients
   waited for it (then its capacity, not the load, is measured).
 
-Once all N are connected and the first update is applied, after ``warm-up`` seconds, the
-coordinator's status (an in-process ctl request) is taken twice a window apart: applied
+The counts of one codec are measured interleaved: one cluster (coordinator and light workers)
+per N, all started and joined first, each paused once warm (``swarmtrain ctl pause``: the
+light workers stop sending, as real workers stop stepping); then each pass resumes one N's
+cluster at a time for a window (after ``RESUME_WARM_S`` and one more gradient applied for every
+worker) and pauses it again, the others connected and idle meanwhile. Joining N clusters one
+after the other and measuring each in one block left 16-46 % between one N's two passes
+(2026-12-06): the box's speed drifts over minutes, and a window per N some minutes apart
+measured the drift; interleaved, the N of one pass are seconds apart and no join falls between.
+
+In a window, the coordinator's status (an in-process ctl request) is taken twice a window apart: applied
 updates/s = version difference / uptime difference (the coordinator's clock); staleness from
 its staleness counts in the window; its RSS (VmRSS) and peak (VmHWM) from /proc/PID/status
 before any worker joined (idle), after the warm-up and at the end; its CPU (cores, from
@@ -35,12 +43,12 @@ RSS between N=4 and the largest N (MB and as a fraction of the model's fp32 size
 run is the median of samples taken every 0.5 s through the window (the end-of-window figure is
 reported beside it).
 
-Each N is measured in ``--passes`` (2) passes per codec, ascending then descending in N, and
+Each N is measured in ``--passes`` (4) passes per codec, ascending then descending in N, and
 the verdict is on each N's median over its passes: on this shared box one N's rate moved by up
 to a third between runs, and a single window per N made the ratio to N=4 follow the box.
 
 Run: ``python benchmarks/bench_scale.py [--quick] [--workers 1,4,16,64]
-[--compression none,fp16,topk] [--rate 200] [--per-process 16] [--inflight 2] [--passes 2]``.
+[--compression none,fp16,topk] [--rate 200] [--per-process 16] [--inflight 2] [--passes 4]``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -68,8 +77,11 @@ from swarmtrain.roles.ps.ctl import ctl_request
 HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"
 CODECS = ("none", "fp16", "topk")
-#: (warm-up s, window s): full and --quick
-WINDOWS = {False: (8.0, 15.0), True: (1.5, 3.0)}
+#: (warm-up s after the join, window s): full and --quick
+WINDOWS = {False: (8.0, 8.0), True: (1.5, 3.0)}
+#: after each RESUME, at least this long (full, --quick) and until every worker of the count has
+#: had one more gradient applied (its queue of gradients has gone round once) before the window
+RESUME_WARM_S = {False: 2.0, True: 0.5}
 #: the issue's targets (#20, must-have 3)
 RATE_TOLERANCE = 0.10
 RSS_FRACTION = 0.05
@@ -86,6 +98,22 @@ MIN_ANSWERS = {False: 3, True: 1}
 INFLIGHT = 2
 #: a run stops (and is reported as stopped) when the machine has less memory available
 MIN_AVAILABLE_MB = 3000
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """The waits and windows of a run (seconds), full or ``--quick``; a test passes shorter."""
+
+    warm_s: float  # after the join, before the first pause
+    window_s: float
+    resume_warm_s: float  # after each RESUME (and one more gradient applied for every worker)
+    quiet_max_wait_s: float  # before a codec's clusters start, for the machine's load to fall
+    min_answers: int  # gradients applied for every worker after the join
+
+    @classmethod
+    def of(cls, quick: bool) -> Timing:
+        warm_s, window_s = WINDOWS[quick]
+        return cls(warm_s, window_s, RESUME_WARM_S[quick], QUIET_MAX_WAIT_S[quick], MIN_ANSWERS[quick])
 
 
 # -------------------------------------------------------------------------------- /proc
@@ -245,6 +273,38 @@ class Run:
             return status
         raise AssertionError("unreachable")
 
+    def ctl(self, command: str, tries: int = 5) -> None:
+        """``swarmtrain ctl COMMAND`` (pause, resume), asked again as :meth:`status` is."""
+        for attempt in range(tries):
+            try:
+                asyncio.run(ctl_request(HOST, self.port, command, secret=self.secret.encode(),
+                                        timeout=60))
+                return
+            except SwarmError:
+                self.status_failures += 1
+                if attempt == tries - 1:
+                    raise
+
+    def settle(self, timeout: float = 300.0) -> int:
+        """After a pause: until the version has not moved for 1 s (every gradient in flight
+        applied and answered); returns it."""
+        deadline = time.monotonic() + timeout
+        last = self.status(tries=5)["version"]
+        while True:
+            check_memory()
+            time.sleep(1.0)
+            now = self.status(tries=5)["version"]
+            if now == last:
+                return int(now)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"still applying {timeout:.0f} s after the pause")
+            last = now
+
+    def fewest_steps(self) -> int:
+        """The fewest gradients applied for any connected worker."""
+        return int(min((w["steps"] for w in self.status(tries=5)["workers"] if w["connected"]),
+                       default=0))
+
     def wait_training(self, timeout: float = 300.0) -> dict[str, Any]:
         """Until all N are connected and an update is applied. While many workers register at
         once the coordinator's loop may be too busy to finish a ctl handshake in time: that
@@ -361,42 +421,126 @@ def _sleep_watching_memory(seconds: float, pid: int | None = None,
         time.sleep(min(0.5, left))
 
 
-def measure(codec: str, n: int, rate: float, per_process: int, quick: bool, tmp: Path,
-            inflight: int = 1) -> dict[str, Any]:
-    """One (codec, N) run: start, join, warm up, two samples a window apart, shut down."""
-    warm_s, window_s = WINDOWS[quick]
-    min_answers = MIN_ANSWERS[quick]
-    quiet = wait_quiet(QUIET_MAX_WAIT_S[quick])
-    run = Run(codec, n, rate, per_process, tmp, inflight=inflight)
-    try:
-        run.start_workers()
-        run.start()
-        if run.coord is None:
-            raise RuntimeError("not started")
-        time.sleep(0.5)  # the listening coordinator settles: its idle memory
-        idle = _memory(run.coord.pid)
-        t_join = time.monotonic()
-        run.release_workers()
-        run.wait_training()
-        joined_s = time.monotonic() - t_join
-        _sleep_watching_memory(warm_s)
-        warm_answers = run.wait_answers(min_answers)
-        a = run.sample()
-        window_rss: list[float] = []  # the coordinator's VmRSS every 0.5 s through the window
-        _sleep_watching_memory(window_s, run.coord.pid, window_rss)
-        b = run.sample()
-        outs = run.finish()
-    except Exception:
+def join(run: Run, timing: Timing) -> dict[str, Any]:
+    """Start ``run``'s coordinator and workers, measure the idle coordinator, release the
+    workers, wait until all are connected and every one has had gradients applied, then pause
+    the cluster (``ctl pause``) until the gradients in flight are answered."""
+    run.start_workers()
+    run.start()
+    if run.coord is None:
+        raise RuntimeError("not started")
+    time.sleep(0.5)  # the listening coordinator settles: its idle memory
+    idle = _memory(run.coord.pid)
+    t_join = time.monotonic()
+    run.release_workers()
+    run.wait_training()
+    joined_s = time.monotonic() - t_join
+    _sleep_watching_memory(timing.warm_s)
+    warm_answers = run.wait_answers(timing.min_answers)
+    run.ctl("pause")
+    run.settle()
+    return {"idle": idle, "join_s": joined_s, "warmup_min_answers": warm_answers}
+
+
+def window(run: Run, timing: Timing) -> dict[str, Any]:
+    """One window of a joined, paused cluster: ``ctl resume``; the warm-up (RESUME_WARM_S and
+    one more gradient applied for every worker); two samples a window apart, the coordinator's
+    RSS every 0.5 s between them; ``ctl pause`` and wait until the gradients in flight are
+    answered, so that the next window (another N) has the machine to itself."""
+    if run.coord is None:
+        raise RuntimeError("not started")
+    fewest = run.fewest_steps()
+    run.ctl("resume")
+    _sleep_watching_memory(timing.resume_warm_s)
+    run.wait_answers(fewest + 1)
+    a = run.sample()
+    rss: list[float] = []  # the coordinator's VmRSS every 0.5 s through the window
+    _sleep_watching_memory(timing.window_s, run.coord.pid, rss)
+    b = run.sample()
+    run.ctl("pause")
+    run.settle()
+    return {"a": a, "b": b, "rss": rss}
+
+
+def measure_codec(codec: str, counts: list[int], passes: int, rate: float, per_process: int,
+                  timing: Timing, tmp: Path, inflight: int = 1, model: str = "bench"
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every worker count of one codec, interleaved: one cluster (coordinator and light
+    workers) per N, all joined first and paused; then ``passes`` passes over the counts
+    (ascending, then descending, ...), each resuming one cluster for a window while the others
+    stay paused. Returns the rows (one per window) and the counts that could not be measured."""
+    quiet = wait_quiet(timing.quiet_max_wait_s)
+    runs: dict[int, Run] = {}
+    joined: dict[int, dict[str, Any]] = {}
+    stopped: list[dict[str, Any]] = []
+    windows: list[tuple[int, int, dict[str, Any]]] = []
+
+    def drop(n: int, why: str) -> None:
+        print(f"   {why}", flush=True)
+        stopped.append({"codec": codec, "workers": n, "why": why})
+        run = runs.pop(n)
         print(run.log_tails(), flush=True)
-        raise
-    finally:
         run.kill()
-    row = summarize(codec, n, rate, idle, a, b, outs, joined_s, run.counts)
-    row["rss_mb"]["window_median"] = statistics.median(window_rss) if window_rss else row["rss_mb"]["end"]
-    row["rss_mb"]["window_samples"] = len(window_rss)
-    row.update({"inflight": inflight, "before_run": quiet, "warmup_min_answers": warm_answers,
-                "status_failures": run.status_failures, "log_warnings": run.warnings()})
-    return row
+
+    try:
+        for n in sorted(counts):
+            print(f"-- {codec}: {n} worker(s) join", flush=True)
+            runs[n] = Run(codec, n, rate, per_process, tmp, model=model, inflight=inflight)
+            try:
+                joined[n] = join(runs[n], timing)
+            except OutOfMemory as exc:
+                drop(n, f"stopped: {exc}; no larger N for {codec}")
+                break
+            except RuntimeError as exc:
+                drop(n, f"failed: {str(exc)[:300]}")
+            else:
+                print(f"   joined in {joined[n]['join_s']:.1f} s, paused", flush=True)
+        for p, order in enumerate(pass_orders(list(runs), passes), start=1):
+            for n in order:
+                if n not in runs:
+                    continue
+                print(f"-- {codec}, {n} worker(s), pass {p} of {passes}", flush=True)
+                try:
+                    w = window(runs[n], timing)
+                except OutOfMemory as exc:
+                    for m in [m for m in runs if m >= n]:
+                        drop(m, f"stopped in pass {p}: {exc}")
+                    continue
+                except RuntimeError as exc:
+                    drop(n, f"failed in pass {p}: {str(exc)[:300]}")
+                    continue
+                a, b = w["a"], w["b"]
+                print(f"   applied {(b['version'] - a['version']) / (b['uptime'] - a['uptime']):.1f}/s",
+                      flush=True)
+                windows.append((n, p, w))
+        outs = {}
+        for n, run in list(runs.items()):
+            try:
+                outs[n] = run.finish()
+            except (RuntimeError, SwarmError, subprocess.TimeoutExpired) as exc:
+                drop(n, f"failed at the shutdown: {str(exc)[:300]}")
+    finally:
+        for run in runs.values():
+            run.kill()
+    rows = []
+    for n, p, w in windows:
+        if n not in outs:
+            continue
+        # the other clusters were paused: any answer they read inside this window would mean
+        # two loads at once (0 in every window, or the figures are not of one N alone)
+        others = sum(w["a"]["t"] <= ans[1] <= w["b"]["t"]
+                     for m, o in outs.items() if m != n
+                     for out in o for wk in out["workers"].values() for ans in wk["answers"])
+        run, j = runs[n], joined[n]
+        row = summarize(codec, n, rate, j["idle"], w["a"], w["b"], outs[n], j["join_s"], run.counts)
+        row["rss_mb"]["window_median"] = statistics.median(w["rss"]) if w["rss"] else row["rss_mb"]["end"]
+        row["rss_mb"]["window_samples"] = len(w["rss"])
+        row.update({"pass": p, "inflight": inflight, "before_run": quiet,
+                    "other_clusters_answers_in_window": others,
+                    "warmup_min_answers": j["warmup_min_answers"],
+                    "status_failures": run.status_failures, "log_warnings": run.warnings()})
+        rows.append(row)
+    return rows, stopped
 
 
 def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[str, Any],
@@ -581,42 +725,29 @@ def pass_orders(counts: list[int], passes: int) -> list[list[int]]:
 
 
 def run(codecs: list[str], counts: list[int], rate: float, per_process: int, quick: bool,
-        inflight: int = 1, passes: int = 1) -> dict[str, Any]:
-    warm_s, window_s = WINDOWS[quick]
-    res: dict[str, Any] = {"machine": machine(), "quick": quick, "warm_s": warm_s,
-                           "window_s": window_s, "offered_per_s": rate, "per_process": per_process,
-                           "inflight": inflight, "passes": passes, "rows": [], "stopped": []}
+        inflight: int = 1, passes: int = 1, timing: Timing | None = None,
+        model: str = "bench") -> dict[str, Any]:
+    timing = timing or Timing.of(quick)
+    res: dict[str, Any] = {"machine": machine(), "quick": quick, "warm_s": timing.warm_s,
+                           "window_s": timing.window_s, "resume_warm_s": timing.resume_warm_s,
+                           "offered_per_s": rate, "per_process": per_process,
+                           "inflight": inflight, "passes": passes, "interleaved": True,
+                           "rows": [], "stopped": []}
     with tempfile.TemporaryDirectory(prefix="swarm-scale-") as d:
         for codec in codecs:
-            too_big = math.inf  # the smallest N that ran out of memory: it and larger are skipped
-            for p, order in enumerate(pass_orders(counts, passes), start=1):
-                tmp = Path(d) / f"pass{p}"  # a run's port and go files and logs, apart per pass
-                tmp.mkdir(exist_ok=True)
-                for n in order:
-                    if n >= too_big:
-                        continue
-                    print(f"-- {codec}, {n} worker(s), pass {p} of {passes}", flush=True)
-                    try:
-                        r = measure(codec, n, rate, per_process, quick, tmp, inflight)
-                    except OutOfMemory as exc:
-                        print(f"   stopped: {exc}; no larger N for {codec}", flush=True)
-                        res["stopped"].append({"codec": codec, "workers": n, "why": str(exc)})
-                        too_big = n
-                        continue
-                    except RuntimeError as exc:
-                        print(f"   FAILED: {exc}", flush=True)
-                        res["stopped"].append({"codec": codec, "workers": n,
-                                               "why": f"failed: {str(exc)[:300]}"})
-                        continue
-                    r["pass"] = p
-                    res["rows"].append(r)
-                    _print_row(r, rate)
+            rows, stopped = measure_codec(codec, counts, passes, rate, per_process, timing, Path(d),
+                                          inflight, model)
+            for r in rows:
+                _print_row(r, rate)
+            res["rows"] += rows
+            res["stopped"] += stopped
     res["derived"] = derive(res["rows"])
     return res
 
 
 def _print_row(r: dict[str, Any], rate: float) -> None:
-    print(f"   applied {r['applied_per_s']:.1f}/s of {rate:.0f}/s offered (capacity "
+    print(f"   {r['codec']}, N={r['workers']}, pass {r['pass']}: applied {r['applied_per_s']:.1f}/s "
+          f"of {rate:.0f}/s offered (capacity "
           f"{r['capacity_per_s']:.1f}/s: loop {r['loop_ms_per_update']:.0f} ms, apply "
           f"{r['apply_ms_per_update']:.0f} ms per update); latency "
           f"{r['latency_ms']:.0f} ms; staleness {r['mean_staleness']:.1f}; RSS "
@@ -655,6 +786,40 @@ def _released(row: dict[str, Any]) -> str:
     if "released_mb" not in m:  # (results written before it was recorded)
         return "-"
     return f"{m['released_mb']:.0f} ({m['releases']})"
+
+
+def _last_window(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each (codec, N)'s last window, in the order of the rows' first windows: a cluster's join
+    and its errors and warnings over the whole run are in every row of it."""
+    last = {(r["codec"], r["workers"]): r for r in rows}
+    return list(last.values())
+
+
+def _method(res: dict[str, Any]) -> str:
+    """How the windows were taken."""
+    if not res.get("interleaved"):  # (results written before 2026-12-07)
+        return (f"After all N joined and a {res['warm_s']:.0f} s warm-up, a "
+                f"{res['window_s']:.0f} s window, one cluster at a time. ")
+    return (
+        "Interleaved: for each codec, one cluster per N (its coordinator and light workers) is "
+        f"started and joined (all N connected, a {res['warm_s']:.0f} s warm-up and gradients "
+        "applied for every worker), then paused with `swarmtrain ctl pause` (the light workers "
+        "stop sending, as real workers stop stepping; what is in flight is answered). Then the "
+        f"passes: each resumes one N's cluster, waits {res['resume_warm_s']:.0f} s and until "
+        "every worker of it has had one more gradient applied (its queue of gradients has gone "
+        f"round once), takes a {res['window_s']:.0f} s window and pauses it again until its "
+        "version stops moving, while the other clusters stay connected and paused (heartbeats "
+        "only). The N are thus measured a few seconds apart, and the machine's drift weighs on "
+        "all of them alike; no join or shutdown falls in a window. ")
+
+
+def _isolation(res: dict[str, Any]) -> str:
+    """Whether the paused clusters stayed quiet through the others' windows."""
+    if not res.get("interleaved"):
+        return ""
+    leaked = sum(r["other_clusters_answers_in_window"] for r in res["rows"])
+    return (f". Answers read by the paused clusters inside another cluster's window: {leaked} "
+            "in all" + ("" if leaked == 0 else " (**the windows were not of one N alone**)"))
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -721,8 +886,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"at most {res['inflight']} in flight per worker (as a worker's `training.max_inflight`), "
         f"{res['offered_per_s']:.0f} gradients/s offered in total. "
         "Every answer is read off the socket, none applied. "
-        f"After all N joined and a {res['warm_s']:.0f} s warm-up, a {res['window_s']:.0f} s "
-        "window: applied/s from the coordinator's version and uptime; staleness from its counts; "
+        + _method(res) +
+        "In each window: applied/s from the coordinator's version and uptime; staleness from its counts; "
         "latency = gradient sent -> answer read, mean over the window's answers; RSS = VmRSS "
         "before any worker joined / after the warm-up / the median of samples every 0.5 s through "
         "the window / at the end (MB); HWM = VmHWM at the end; "
@@ -788,7 +953,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         "descending order of N (so that a drift in the machine's other load over a codec's "
         "passes weighs on every N alike); the rows above are the passes, each row's \"vs N=4\" "
         "against N=4 of the same pass. The verdict below is on each N's median over its passes "
-        "(of two, their mean):",
+        "(of an even number, the mean of the middle two)" + _isolation(res) + ":",
         "",
         md_table(["codec", "N", "applied/s, each pass", "median", "vs N=4", "CPU ms / update",
                   "vs N=4", "capacity /s", "vs N=4", "RSS MB (window median)"], medians),
@@ -807,13 +972,13 @@ def to_markdown(res: dict[str, Any]) -> str:
         "light workers' logs, e.g. a connection silent past the heartbeat timeout; ctl = status "
         "requests that failed and were asked again):",
         "",
-        md_table(["codec", "N", "join s", "worker errors (in window)", "warnings coordinator / "
-                  "workers", "ctl retries", "first worker error"],
+        md_table(["codec", "N", "join s", "worker errors (before the last window's end)",
+                  "warnings coordinator / workers", "ctl retries", "first worker error"],
                  [[r["codec"], r["workers"], f"{r['join_s']:.1f}",
                    f"{r['worker_error_count']} ({r['worker_errors_before_window_end']})",
                    f"{_warnings(r, True)} / {_warnings(r, False)}", r["status_failures"],
                    (r["worker_errors"][0][:120] if r["worker_errors"] else "-")]
-                  for r in res["rows"]]),
+                  for r in _last_window(res["rows"])]),
         "",
         "Bytes per gradient on the wire: "
         + ", ".join(f"{r['codec']} {r['wire_bytes_per_gradient'] / 1e6:.1f} MB"
@@ -839,14 +1004,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="gradients in flight per light worker at most")
     ap.add_argument("--passes", type=int, default=0,
                     help="passes over the worker counts per codec, ascending then descending "
-                         "(default 2, 1 with --quick); the verdict is on each N's median")
+                         "(default 4, 1 with --quick); the verdict is on each N's median")
     args = ap.parse_args(argv)
     counts = [int(x) for x in (args.workers or ("1,4,16" if args.quick else "1,4,16,64")).split(",") if x]
     codecs = [c for c in args.compression.split(",") if c]
     bad = [c for c in codecs if c not in CODECS]
     if bad or not codecs:
         ap.error(f"--compression {args.compression!r}: choose from {', '.join(CODECS)}")
-    passes = args.passes or (1 if args.quick else 2)
+    passes = args.passes or (1 if args.quick else 4)
     if (not counts or min(counts) < 1 or args.rate <= 0 or args.per_process < 1 or args.inflight < 1
             or args.passes < 0):
         ap.error("--workers needs counts >= 1, --rate > 0, --per-process >= 1, --inflight >= 1, "

@@ -34,6 +34,20 @@ def _status(port: int) -> dict[str, Any]:
     return status
 
 
+def _settled_version(port: int, timeout: float) -> int:
+    """The coordinator's version once it has not moved for 0.5 s (the gradients in flight
+    answered)."""
+    deadline = time.monotonic() + timeout
+    last = _status(port)["version"]
+    while True:
+        time.sleep(0.5)
+        now = _status(port)["version"]
+        if now == last:
+            return int(now)
+        assert time.monotonic() < deadline, f"the version still moved after {timeout:.0f} s"
+        last = now
+
+
 def test_two_light_workers_have_their_gradients_applied(tmp_path: Path) -> None:
     port_file = tmp_path / "coordinator.port"
     coord = _start(tmp_path, "coordinator", "coordinator", "--port-file", str(port_file),
@@ -61,6 +75,23 @@ def test_two_light_workers_have_their_gradients_applied(tmp_path: Path) -> None:
         assert set(steps) == {"lw-000", "lw-001"}
         assert status["stats"]["rejected"] == 0 and status["stats"]["duplicates"] == 0, status["stats"]
         assert status["version"] == status["stats"]["applied"] >= 20
+        # `ctl pause` stops the sends (bench_scale.py pauses the worker counts it is not
+        # measuring): once the gradients in flight are answered, no version is applied at all
+        # (at 20/s per worker, 1.5 s would be ~60 updates), and after `ctl resume` they go on
+        asyncio.run(ctl_request("127.0.0.1", port, "pause", secret=SECRET.encode(), timeout=30))
+        paused_at = _settled_version(port, 30)
+        time.sleep(1.5)
+        assert _status(port)["version"] == paused_at, "gradients were applied while paused"
+        asyncio.run(ctl_request("127.0.0.1", port, "resume", secret=SECRET.encode(), timeout=30))
+        deadline = time.monotonic() + 60
+        while True:
+            status = _status(port)
+            if min(w["steps"] for w in status["workers"]) >= min(steps.values()) + 10:
+                break
+            assert workers.poll() is None, tail(tmp_path / "workers.log")
+            assert time.monotonic() < deadline, ("no gradients after the resume", status["stats"])
+            time.sleep(0.2)
+        steps = {w["id"]: w["steps"] for w in status["workers"]}
         asyncio.run(ctl_request("127.0.0.1", port, "shutdown", secret=SECRET.encode(), timeout=30))
         assert wait_exit(workers, 60, tmp_path / "workers.log") == 0, tail(tmp_path / "workers.log")
         assert wait_exit(coord, 60, tmp_path / "coordinator.log") == 0, tail(tmp_path / "coordinator.log")
@@ -121,3 +152,23 @@ def test_the_verdict_is_on_each_counts_median_over_its_passes() -> None:
     assert not d["rate_within_tolerance"] and round(d["rate_min_vs_4"], 2) == 0.78, d
     # RSS: the slope of the medians, (770 - 700) / 60 MB per worker
     assert round(d["rss_slope_mb_per_worker"], 3) == round(70 / 60, 3)
+
+
+def test_bench_scale_measures_the_counts_interleaved_the_others_paused(tmp_path: Path) -> None:
+    """bench_scale.py's driver end to end on the tiny model: one cluster per count, joined and
+    paused; each pass resumes one at a time in the pass's order, and no paused cluster reads
+    an answer inside another's window."""
+    bs = _bench_scale()
+    timing = bs.Timing(warm_s=0.3, window_s=1.0, resume_warm_s=0.2, quiet_max_wait_s=0.0, min_answers=1)
+    res = bs.run(["fp16"], [1, 2], rate=40.0, per_process=16, quick=True, inflight=2, passes=2,
+                 timing=timing, model="tiny")
+    assert res["stopped"] == [], res["stopped"]
+    rows = res["rows"]
+    assert [(r["workers"], r["pass"]) for r in rows] == [(1, 1), (2, 1), (2, 2), (1, 2)]
+    spans = [r["window_monotonic"] for r in rows]
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans  # one window at a time
+    for r in rows:
+        assert r["updates_in_window"] > 0 and r["connected"] == [r["workers"]] * 2, r
+        assert r["other_clusters_answers_in_window"] == 0, r
+        assert r["statuses_total"].keys() == {"applied"}, r["statuses_total"]
+    assert "0 in all" in bs.to_markdown(res)
