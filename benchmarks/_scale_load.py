@@ -63,6 +63,7 @@ from swarmtrain.wire import (
     Update,
     Weights,
 )
+from swarmtrain.wire.pool import PAYLOADS
 
 #: model name -> shape: ``bench`` is bench_apply.py's ~10M-parameter model, ``tiny`` the test's
 MODELS = {
@@ -156,6 +157,7 @@ class Load:
     compression: dict[str, Any]
     gradient: Gradients
     wire_bytes: int
+    model_bytes: int  # the trainable parameters in fp32: the WEIGHTS, the largest answer
 
 
 def real_load(model: str, compression: str, topk_ratio: float | None = None) -> Load:
@@ -180,7 +182,8 @@ def real_load(model: str, compression: str, topk_ratio: float | None = None) -> 
                     tensors=tensors)
     return Load(fingerprint=state.fingerprint(),
                 compression={k: getattr(comp, k) for k in comp.SHARED_KEYS}, gradient=msg,
-                wire_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+                wire_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                model_bytes=sum(4 * p.numel() for p in state.trainable.values()))
 
 
 class LightWorker:
@@ -337,6 +340,15 @@ async def run_workers(args: argparse.Namespace) -> None:
     secret = os.environ["SWARMTRAIN_SECRET"].encode()
     workers = [LightWorker(f"{args.prefix}{i:03d}", load, args.rate, hw, args.inflight)
                for i in range(args.count)]
+    # every connection of this process can be receiving an answer at once, and a payload the
+    # process has no idle buffer of that size for lands in fresh pages (a page fault per 4 KiB:
+    # 26-30 ms of kernel time for 40 MB, see swarmtrain.wire.pool). The pool keeps twice the
+    # largest payload idle, enough for one worker per process (a real one); with 16 here half
+    # of the answers of a 64-worker run found none (measured, 2026-12-07) and the process spent
+    # twice the CPU per answer it spent at 4 workers, on the box it shares with the coordinator
+    # it measures. So it keeps two answers' buffers per worker: its cost per answer does not
+    # follow N, and the coordinator's share of the machine does not either.
+    PAYLOADS.max_idle_bytes = 2 * args.count * load.model_bytes
     settle_heap()  # (as `swarmtrain worker` does)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -347,6 +359,8 @@ async def run_workers(args: argparse.Namespace) -> None:
     await asyncio.gather(*(w.run(args.host, port, secret, stop) for w in workers))
     out = {"pid": os.getpid(), "wire_bytes": load.wire_bytes, "started": started,
            "ended": time.monotonic(),
+           # answers received into a payload buffer used before / a new one (page faults)
+           "payload_buffers": {"reused": PAYLOADS.reused, "allocated": PAYLOADS.allocated},
            "workers": {w.worker_id: {"answers": w.answers, "error": w.error, "error_at": w.error_at,
                                      "shutdown": w.shutdown}
                        for w in workers}}

@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +156,13 @@ def _memory(pid: int) -> dict[str, float]:
     return out
 
 
-def _machine_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs from /proc/stat."""
+def _machine_jiffies() -> tuple[int, int, int]:
+    """(busy, total, stolen) jiffies of all CPUs from /proc/stat; stolen = the time the
+    hypervisor ran something else while this virtual machine had work (counted in busy)."""
     vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = vals[3] + vals[4]
     total = sum(vals[:8])
-    return total - idle, total
+    return total - idle, total, vals[7]
 
 
 class OutOfMemory(RuntimeError):
@@ -193,6 +195,43 @@ def wait_quiet(max_wait: float) -> dict[str, Any]:
             return {"waited_s": waited, "busy_cores": busy, "quiet": busy < QUIET_CORES}
 
 
+def split_cpus(pin: bool) -> tuple[set[int], set[int]] | None:
+    """(the coordinators' CPUs, the light workers' and this driver's): the first half of the
+    CPUs this process may use, and the rest; None without ``pin`` or with one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """This (single-threaded) driver on ``cpus`` meanwhile, so that what it starts inherits them."""
+    if cpus is None:
+        yield
+        return
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+def _cpus_allowed(pid: int) -> list[int]:
+    """The CPUs any thread of ``pid`` may run on (the union over its threads)."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    for part in line.split(":", 1)[1].strip().split(","):
+                        lo, _, hi = part.partition("-")
+                        out.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(out)
+
+
 def _tail(path: Path, n: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -207,8 +246,10 @@ class Run:
     """A coordinator and the light-worker processes of one (codec, N) measurement."""
 
     def __init__(self, codec: str, n: int, rate: float, per_process: int, tmp: Path,
-                 model: str = "bench", inflight: int = 1) -> None:
+                 model: str = "bench", inflight: int = 1, coordinator_cpus: set[int] | None = None
+                 ) -> None:
         self.codec, self.n, self.rate, self.tmp, self.model = codec, n, rate, tmp, model
+        self.coordinator_cpus = coordinator_cpus  # None: wherever the driver runs
         self.inflight = inflight
         self.secret = secrets.token_hex(16)
         self.env = {**os.environ, "SWARMTRAIN_SECRET": self.secret, "OMP_NUM_THREADS": "1",
@@ -228,10 +269,11 @@ class Run:
     def start(self, timeout: float = 120.0) -> None:
         port_file = self.tmp / f"{self.tag}.port"
         clog = self.tmp / f"{self.tag}.coordinator.log"
-        self.coord = subprocess.Popen(
-            self._script("coordinator", "--port-file", str(port_file), "--min-workers", str(self.n),
-                         "--connections", str(self.n)),
-            env=self.env, stdout=clog.open("wb"), stderr=subprocess.STDOUT)
+        with on_cpus(self.coordinator_cpus):
+            self.coord = subprocess.Popen(
+                self._script("coordinator", "--port-file", str(port_file), "--min-workers",
+                             str(self.n), "--connections", str(self.n)),
+                env=self.env, stdout=clog.open("wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not port_file.exists():
             if self.coord.poll() is not None or time.monotonic() > deadline:
@@ -353,6 +395,8 @@ class Run:
         mem = _memory(self.coord.pid)
         st = self.status(tries=5)
         return {"t": t, "pid": self.coord.pid, "threads": threads, "cpu": cpu,
+                "coordinator_cpus": _cpus_allowed(self.coord.pid),
+                "workers_cpus": sorted({c for p, _, _ in self.workers for c in _cpus_allowed(p.pid)}),
                 "workers_cpu": workers_cpu, "machine": mach,
                 "memory": mem, "version": st["version"], "uptime": st["uptime_sec"],
                 "stats": st["stats"], "staleness_counts": st["staleness_counts"],
@@ -463,7 +507,8 @@ def window(run: Run, timing: Timing) -> dict[str, Any]:
 
 
 def measure_codec(codec: str, counts: list[int], passes: int, rate: float, per_process: int,
-                  timing: Timing, tmp: Path, inflight: int = 1, model: str = "bench"
+                  timing: Timing, tmp: Path, inflight: int = 1, model: str = "bench",
+                  coordinator_cpus: set[int] | None = None
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every worker count of one codec, interleaved: one cluster (coordinator and light
     workers) per N, all joined first and paused; then ``passes`` passes over the counts
@@ -485,7 +530,8 @@ def measure_codec(codec: str, counts: list[int], passes: int, rate: float, per_p
     try:
         for n in sorted(counts):
             print(f"-- {codec}: {n} worker(s) join", flush=True)
-            runs[n] = Run(codec, n, rate, per_process, tmp, model=model, inflight=inflight)
+            runs[n] = Run(codec, n, rate, per_process, tmp, model=model, inflight=inflight,
+                          coordinator_cpus=coordinator_cpus)
             try:
                 joined[n] = join(runs[n], timing)
             except OutOfMemory as exc:
@@ -536,6 +582,7 @@ def measure_codec(codec: str, counts: list[int], passes: int, rate: float, per_p
         row["rss_mb"]["window_median"] = statistics.median(w["rss"]) if w["rss"] else row["rss_mb"]["end"]
         row["rss_mb"]["window_samples"] = len(w["rss"])
         row.update({"pass": p, "inflight": inflight, "before_run": quiet,
+                    "coordinator_cpus": w["b"]["coordinator_cpus"], "workers_cpus": w["b"]["workers_cpus"],
                     "other_clusters_answers_in_window": others,
                     "warmup_min_answers": j["warmup_min_answers"],
                     "status_failures": run.status_failures, "log_warnings": run.warnings()})
@@ -580,7 +627,9 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
     loop_ms = 1e3 * loop_cores * wall / updates
     apply_ms = 1e3 * (others[0] if others else 0.0) * wall / updates
     adm_a, adm_b = a["admission"], b["admission"]
-    busy = (b["machine"][0] - a["machine"][0]) / max(1, b["machine"][1] - a["machine"][1])
+    span = max(1, b["machine"][1] - a["machine"][1])
+    busy = (b["machine"][0] - a["machine"][0]) / span
+    stolen = (b["machine"][2] - a["machine"][2]) / span if len(b["machine"]) > 2 else math.nan
     return {
         "codec": codec, "workers": n, "processes": len(counts), "per_process": counts,
         "offered_per_s": rate, "applied_per_s": applied, "window_s": dt,
@@ -598,6 +647,7 @@ def summarize(codec: str, n: int, rate: float, idle: dict[str, float], a: dict[s
         "threads": len(threads_b),
         "workers_cpu_cores": (b["workers_cpu"] - a["workers_cpu"]) / wall,
         "machine_busy_cores": busy * (os.cpu_count() or 1),
+        "machine_stolen_cores": stolen * (os.cpu_count() or 1),
         "rss_mb": {"idle": idle.get("VmRSS", math.nan), "after_warmup": a["memory"]["VmRSS"],
                    "end": b["memory"]["VmRSS"]},
         "hwm_mb": {"idle": idle.get("VmHWM", math.nan), "after_warmup": a["memory"]["VmHWM"],
@@ -726,17 +776,20 @@ def pass_orders(counts: list[int], passes: int) -> list[list[int]]:
 
 def run(codecs: list[str], counts: list[int], rate: float, per_process: int, quick: bool,
         inflight: int = 1, passes: int = 1, timing: Timing | None = None,
-        model: str = "bench") -> dict[str, Any]:
+        model: str = "bench", pin: bool = True) -> dict[str, Any]:
     timing = timing or Timing.of(quick)
+    split = split_cpus(pin)
     res: dict[str, Any] = {"machine": machine(), "quick": quick, "warm_s": timing.warm_s,
                            "window_s": timing.window_s, "resume_warm_s": timing.resume_warm_s,
                            "offered_per_s": rate, "per_process": per_process,
                            "inflight": inflight, "passes": passes, "interleaved": True,
-                           "rows": [], "stopped": []}
-    with tempfile.TemporaryDirectory(prefix="swarm-scale-") as d:
+                           "rows": [], "stopped": [],
+                           "cpus": None if split is None else {"coordinator": sorted(split[0]),
+                                                               "others": sorted(split[1])}}
+    with tempfile.TemporaryDirectory(prefix="swarm-scale-") as d, on_cpus(split and split[1]):
         for codec in codecs:
             rows, stopped = measure_codec(codec, counts, passes, rate, per_process, timing, Path(d),
-                                          inflight, model)
+                                          inflight, model, split and split[0])
             for r in rows:
                 _print_row(r, rate)
             res["rows"] += rows
@@ -1002,6 +1055,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-process", type=int, default=16, help="light workers per process")
     ap.add_argument("--inflight", type=int, default=INFLIGHT,
                     help="gradients in flight per light worker at most")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="do not pin the coordinators to the first half of the CPUs and the light "
+                         "workers and this driver to the rest")
     ap.add_argument("--passes", type=int, default=0,
                     help="passes over the worker counts per codec, ascending then descending "
                          "(default 4, 1 with --quick); the verdict is on each N's median")
@@ -1017,7 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--workers needs counts >= 1, --rate > 0, --per-process >= 1, --inflight >= 1, "
                  "--passes >= 1")
     start = time.perf_counter()
-    res = run(codecs, counts, args.rate, args.per_process, args.quick, args.inflight, passes)
+    res = run(codecs, counts, args.rate, args.per_process, args.quick, args.inflight, passes,
+              pin=not args.no_pin)
     res["seconds"] = time.perf_counter() - start
     report("scale", res, to_markdown(res))
     return 0

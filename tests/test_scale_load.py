@@ -172,3 +172,8 @@ def test_bench_scale_measures_the_counts_interleaved_the_others_paused(tmp_path:
         assert r["other_clusters_answers_in_window"] == 0, r
         assert r["statuses_total"].keys() == {"applied"}, r["statuses_total"]
     assert "0 in all" in bs.to_markdown(res)
+    # the coordinators on the first half of the CPUs, the light workers on the rest (CI: 2)
+    if res["cpus"] is not None:
+        assert {tuple(r["coordinator_cpus"]) for r in rows} == {tuple(res["cpus"]["coordinator"])}
+        assert {tuple(r["workers_cpus"]) for r in rows} == {tuple(res["cpus"]["others"])}
+        assert not set(res["cpus"]["coordinator"]) & set(res["cpus"]["others"])
