@@ -152,6 +152,11 @@ def test_the_verdict_is_on_each_counts_median_over_its_passes() -> None:
     assert not d["rate_within_tolerance"] and round(d["rate_min_vs_4"], 2) == 0.78, d
     # RSS: the slope of the medians, (770 - 700) / 60 MB per worker
     assert round(d["rss_slope_mb_per_worker"], 3) == round(70 / 60, 3)
+    assert not d["rate_not_slower"]
+    # one that gets faster with 64 workers misses the bar read both ways, not the one-way one
+    rising = [_row(4, 1, 50.0), _row(64, 1, 60.0), _row(64, 2, 61.0), _row(4, 2, 51.0)]
+    d = bs.derive(rising)["none"]
+    assert not d["rate_within_tolerance"] and d["rate_not_slower"], d
 
 
 def test_bench_scale_measures_the_counts_interleaved_the_others_paused(tmp_path: Path) -> None:
