@@ -26,10 +26,18 @@ cluster at a time for a window (after ``RESUME_WARM_S`` and one more gradient ap
 worker) and pauses it again, the others connected and idle meanwhile. Joining N clusters one
 after the other and measuring each in one block left 16-46 % between one N's two passes
 (2026-12-06): the box's speed drifts over minutes, and a window per N some minutes apart
-measured the drift; interleaved, the N of one pass are seconds apart and no join falls between.
+measured the drift; interleaved, the N of one pass are seconds apart and no join falls between
+(the box's noise within seconds is left: one N's four passes still sat 36-80 % apart on
+2026-12-07, the hypervisor taking up to 0.6 of the 2 cores in a window; the median of four
+absorbs more of it than two did).
 
-In a window, the coordinator's status (an in-process ctl request) is taken twice a window apart: applied
-updates/s = version difference / uptime difference (the coordinator's clock); staleness from
+The coordinators run on the first half of the CPUs, the light workers and this driver on the
+rest (``--no-pin``: all share them), as if the workers were other machines: unpinned, what a
+64-worker load generator costs beyond a 4-worker one came out of the coordinator's cores, and
+the rate measured the box.
+
+In a window, the coordinator's status (an in-process ctl request) is taken twice, a window
+apart: applied updates/s = version difference / uptime difference (the coordinator's clock); staleness from
 its staleness counts in the window; its RSS (VmRSS) and peak (VmHWM) from /proc/PID/status
 before any worker joined (idle), after the warm-up and at the end; its CPU (cores, from
 /proc/PID/stat; the event-loop thread apart from the others, whose busiest is the apply
