@@ -131,7 +131,12 @@ class Run:
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     """One coordinator (JSON console logs) and one worker (default console logs) train
-    digits for 120 updates with checkpoints every 40; the run log and model go to run/."""
+    digits for 120 updates with checkpoints every 40; the run log and model go to run/.
+
+    The worker runs at 5 % of its speed, so the run lasts long enough for several evaluations
+    0.2 s apart: at 50 %, a clean-clone CI run did its 120 updates in 0.33 s, evaluated only
+    twice, and test_every_evaluation_has_its_record_in_the_run_log had fewer than the 3 it
+    needs (2026-12-07). Digits steps take 0.5-1.5 ms, so 120 of them at 5 % take 1-3.5 s."""
     tmp = tmp_path_factory.mktemp("real-run")
     run = Run(tmp / "run", tmp / "run" / "coordinator.jsonl", tmp / "run" / "worker.jsonl",
               tmp / "coordinator.log", tmp / "w0.log", tmp / "ck")
@@ -142,7 +147,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     with open(run.worker_out, "wb") as out:
         worker = subprocess.Popen(
             swarm_cmd("worker", "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-                      "--worker-id", "w0", "--batch-size", "16", "--speed", "0.5",
+                      "--worker-id", "w0", "--batch-size", "16", "--speed", "0.05",
                       "--run-log", str(run.worker_log)),
             env={**os.environ, **SECRET}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
