@@ -307,33 +307,24 @@ class Run:
         tmp.write_text(str(self.port))
         tmp.rename(self._go)
 
-    def status(self, tries: int = 1) -> dict[str, Any]:
-        """The coordinator's status (asked again up to ``tries`` times: a ctl handshake gives up
-        after 10 s, and a coordinator busy with 64 workers has missed that)."""
+    def ctl(self, command: str, tries: int = 5) -> Any:
+        """``swarmtrain ctl COMMAND`` (status, pause, resume), the reply's fields; asked again up
+        to ``tries`` times (a ctl handshake gives up after 10 s, and a coordinator busy with 64
+        workers has missed that), each failure counted."""
         for attempt in range(tries):
             try:
-                reply = asyncio.run(ctl_request(HOST, self.port, "status",
-                                                secret=self.secret.encode(), timeout=60))
+                return asyncio.run(ctl_request(HOST, self.port, command, secret=self.secret.encode(),
+                                               timeout=60)).fields()
             except SwarmError:
                 self.status_failures += 1
                 if attempt == tries - 1:
                     raise
-                continue
-            status: dict[str, Any] = reply.fields()["status"]
-            return status
         raise AssertionError("unreachable")
 
-    def ctl(self, command: str, tries: int = 5) -> None:
-        """``swarmtrain ctl COMMAND`` (pause, resume), asked again as :meth:`status` is."""
-        for attempt in range(tries):
-            try:
-                asyncio.run(ctl_request(HOST, self.port, command, secret=self.secret.encode(),
-                                        timeout=60))
-                return
-            except SwarmError:
-                self.status_failures += 1
-                if attempt == tries - 1:
-                    raise
+    def status(self, tries: int = 1) -> dict[str, Any]:
+        """The coordinator's status (see :meth:`ctl`)."""
+        status: dict[str, Any] = self.ctl("status", tries)["status"]
+        return status
 
     def settle(self, timeout: float = 300.0) -> int:
         """After a pause: until the version has not moved for 1 s (every gradient in flight
@@ -350,9 +341,9 @@ class Run:
                 raise RuntimeError(f"still applying {timeout:.0f} s after the pause")
             last = now
 
-    def fewest_steps(self) -> int:
+    def fewest_steps(self, tries: int = 5) -> int:
         """The fewest gradients applied for any connected worker."""
-        return int(min((w["steps"] for w in self.status(tries=5)["workers"] if w["connected"]),
+        return int(min((w["steps"] for w in self.status(tries)["workers"] if w["connected"]),
                        default=0))
 
     def wait_training(self, timeout: float = 300.0) -> dict[str, Any]:
@@ -382,8 +373,7 @@ class Run:
         while True:
             check_memory()
             with contextlib.suppress(SwarmError):
-                fewest = min((w["steps"] for w in self.status()["workers"] if w["connected"]),
-                             default=0)
+                fewest = self.fewest_steps(tries=1)
                 if fewest >= least:
                     return int(fewest)
             if time.monotonic() > deadline:
