@@ -441,8 +441,12 @@ def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, 
     return {k[n:]: t for k, t in tensors.items() if k.startswith(prefix)}
 
 
-#: answers over which the spacing of a worker's answers is remembered (:class:`AnswerGaps`)
-GAP_WINDOW = 4
+#: answers over which the spacing of a worker's answers is remembered (:class:`AnswerGaps`).
+#: Staying on a coarse track and joining one others are on take the same bound (its interval
+#: at most the longest gap): with four remembered, 64 workers with one gradient in flight,
+#: answered give or take 20 places out of order, fell off the interval-64 track and were
+#: taken back on at one answer in nine, the full weights each time; with eight, one in seventy
+GAP_WINDOW = 8
 
 
 class AnswerGaps:
@@ -496,9 +500,11 @@ class Downlink:
     than the finest track's: no more than half of what it lags anyway when it moves there,
     and less than the versions that passed between two of its last few answers while it
     stays (it moves back down once they are all shorter than the interval, see
-    :meth:`choose`). Each track is an :class:`UpdateLog`; each is O(parameters), none grows
-    with the workers; a worker costs one small int (its track) and its last few answers'
-    spacing (:class:`AnswerGaps`). A track no connected worker is on is dropped
+    :meth:`choose`); one that may stay on a coarser track other workers are on goes there
+    (:meth:`_track_to_join`), so that workers alike share one. Each track is an
+    :class:`UpdateLog`; each is O(parameters), none grows with the workers; a worker
+    costs one small int (its track) and its last few answers' spacing
+    (:class:`AnswerGaps`). A track no connected worker is on is dropped
     (:meth:`forget_unused`): as more workers lag more they move to coarser tracks, and the
     finer ones they left would otherwise keep their copies of the weights for nobody.
 
@@ -553,12 +559,20 @@ class Downlink:
         (:meth:`_full_destination`): when a chain on the track its lag calls for would be about
         the weights' size (an fp16 entry is half of them, so two entries are as large), it goes
         to the coarsest track whose interval is at most its lag, where one or two entries
-        cover it, under the same bound as staying."""
+        cover it, under the same bound as staying.
+
+        A worker that may stay on a coarser track than the one it is on, by that bound, and
+        finds other workers there goes there at once with the full weights
+        (:meth:`_track_to_join`): workers alike in speed share one track."""
         lag = max(1, version - holds)
         wanted = track_for_lag(lag)
         spacing = lag if recent_gap is None else recent_gap
         if track > wanted and self.intervals[track] <= spacing:
             wanted = track  # (hysteresis: see above)
+        joins = self._track_to_join(wanted, spacing)
+        if joins is not None and joins != track:
+            self.publish(master, version, joins)
+            return joins, None  # (counted once answered: full_answered)
         if track <= wanted:
             current = self.publish(master, version, track)
             chain = current.chain_from(holds)
@@ -570,6 +584,24 @@ class Downlink:
         dest = self._full_destination(wanted, min(lag, spacing))
         self.publish(master, version, dest)
         return dest, None  # (counted once answered: full_answered)
+
+    def _track_to_join(self, wanted: int, spacing: int) -> int | None:
+        """The coarsest track past ``wanted`` that other workers are on (it is published) and
+        that a worker whose answers come ``spacing`` versions apart may stay on (its interval
+        at most that), or None; never for a downlink whose answers are the weights (a track
+        of it holds no copy of its own).
+
+        Each lossy track holds its own published copy and log (two copies of the weights).
+        Workers alike in speed lag alike, and a worker that may stay on a coarse track (see
+        :meth:`choose`) but was never sent there kept the finer one in use beside it:
+        ``bench_scale.py``'s 64 workers with top-k sat on the interval-16 and interval-64
+        tracks about half and half (150–180 MB more than one track), their answers 3–4
+        entries on the finer one. A worker that may be where others are goes there, once,
+        with the full weights: one track for workers alike, one or two entries an answer."""
+        if self.tracks[0].whole:
+            return None
+        return max((t for t in range(wanted + 1, len(self.tracks))
+                    if self.tracks[t].head >= 0 and self.intervals[t] <= spacing), default=None)
 
     def _full_destination(self, wanted: int, typical: int) -> int:
         """The track whose weights answer a worker that :meth:`choose` sends the full weights,
