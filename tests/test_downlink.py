@@ -334,6 +334,18 @@ def _advance(dl: Downlink, master: torch.Tensor, gen: torch.Generator, version: 
     return version
 
 
+def _joined(workers: int, seed: int) -> tuple[Downlink, torch.Generator, torch.Tensor, list[TrackedReplica]]:
+    """A downlink published at version 0 and ``workers`` workers that joined there."""
+    dl = _downlink()
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    replicas = [TrackedReplica() for _ in range(workers)]
+    for w in replicas:
+        w.ask(dl, master, 0)
+    return dl, gen, master, replicas
+
+
 def _one_worker(seed: int, codec: Codec | None = None,
                 ) -> tuple[Downlink, torch.Generator, torch.Tensor, TrackedReplica]:
     """A downlink published at version 0 and one worker that joined there."""
@@ -349,13 +361,7 @@ def _one_worker(seed: int, codec: Codec | None = None,
 def test_far_behind_workers_move_to_a_coarser_track_and_get_chains_not_the_weights() -> None:
     # 32 workers asking in turn: each is ~32 versions behind, where the finest track's chain
     # (32 entries of ~1/8 of the weights) is larger than the weights themselves
-    dl = _downlink()
-    gen = torch.Generator().manual_seed(5)
-    master = torch.randn(sum(SIZES), generator=gen)
-    dl.publish(master, 0)
-    workers = [TrackedReplica() for _ in range(32)]
-    for w in workers:
-        w.ask(dl, master, 0)
+    dl, gen, master, workers = _joined(32, seed=5)
     version = 0
     late_bytes, late_answers, worst_extra = 0, 0, 0
     for turn in range(40):
@@ -432,13 +438,7 @@ def test_workers_alike_in_speed_end_on_one_track_with_one_or_two_entries_an_answ
     # (two published copies and two logs: 150-180 MB more than one track on a 38 MB model),
     # answers 2-4 entries on the finer one; now each moves once to where the others are
     rnd = random.Random(jitter)
-    dl = _downlink()
-    gen = torch.Generator().manual_seed(12)
-    master = torch.randn(sum(SIZES), generator=gen)
-    dl.publish(master, 0)
-    workers = [TrackedReplica() for _ in range(64)]
-    for w in workers:
-        w.ask(dl, master, 0)
+    dl, gen, master, workers = _joined(64, seed=12)
     queue = [i for i in range(64) for _ in range(2)]
     rnd.shuffle(queue)
     version, late_bytes, late_full, late_answers, switches = 0, 0, 0, 0, 0
