@@ -21,6 +21,8 @@ same held-out windows. Results: ``benchmarks/results/async.json`` and ``async.md
 
     python benchmarks/bench_async.py                 # 2 and 4 workers, every method, 2 seeds
     python benchmarks/bench_async.py --quick         # 100 updates, 1 seed, window only
+    python benchmarks/bench_async.py --workers 16 --methods async --compression topk --seeds 1 \
+        --name async-topk16                          # many workers behind a lossy downlink
 """
 
 from __future__ import annotations
@@ -134,11 +136,13 @@ def _worker(port: int, worker_id: str, seed: int, batch: int, over: dict[str, An
 
 
 def parameter_server(seed: int, updates: int, batch: int, lr: float, workers: int,
-                     method: str) -> dict[str, Any]:
+                     method: str, compression: str = "none") -> dict[str, Any]:
     from swarmtrain.config import load_coordinator_config
     from swarmtrain.roles.ps.coordinator import Coordinator
 
     coord_over, worker_over = METHODS[method]
+    coord_over = {**coord_over, "compression.type": compression}
+    worker_over = {**worker_over, "compression.type": compression}
     worker_batch = batch
     if method == "window":
         coord_over = {"training.aggregate_samples": batch}
@@ -170,7 +174,14 @@ def parameter_server(seed: int, updates: int, batch: int, lr: float, workers: in
     computed = sum(w["steps"] for w in st["workers"]) + st["stats"]["stale"]
     return {"loss": heldout_loss(coord.model, heldout), "seconds": seconds,
             "staleness": st["staleness_counts"], "stale_dropped": st["stats"]["stale"],
-            "gradients": computed, "wasted": st["stats"]["stale"] / max(computed, 1)}
+            "gradients": computed, "wasted": st["stats"]["stale"] / max(computed, 1),
+            "downlink": _downlink_summary(st["downlink"])}
+
+
+def _downlink_summary(d: dict[str, Any]) -> dict[str, Any]:
+    """What the run's answers were (chains, full weights) and the tracks in use at its end."""
+    return {"answers": d.get("answers"), "switches": d.get("switches"),
+            "tracks_at_end": [t["interval"] for t in d.get("tracks", [])]}
 
 
 def main() -> int:
@@ -183,6 +194,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--name", default="async", help="results/NAME.json and .md")
+    ap.add_argument("--compression", default="none", help="the cluster's [compression] type (both ends)")
     args = ap.parse_args()
     if args.quick:
         args.updates, args.seeds, args.methods = 100, 1, "window"
@@ -196,7 +208,8 @@ def main() -> int:
           "with replacement:", {s: round(v, 4) for s, v in with_replacement.items()}, flush=True)
     for n in [int(w) for w in args.workers.split(",")]:
         for method in args.methods.split(","):
-            runs = [parameter_server(s, args.updates, args.batch, args.lr, n, method) for s in seeds]
+            runs = [parameter_server(s, args.updates, args.batch, args.lr, n, method, args.compression)
+                    for s in seeds]
             ratios = [r["loss"] / base[s]["loss"] for s, r in zip(seeds, runs)]
             row = {"workers": n, "method": method, "loss": statistics.median(r["loss"] for r in runs),
                    "one_process_loss": statistics.median(b["loss"] for b in base.values()),
@@ -204,12 +217,13 @@ def main() -> int:
                    "wasted": statistics.median(r["wasted"] for r in runs),
                    "seconds": statistics.median(r["seconds"] for r in runs),
                    "one_process_seconds": statistics.median(b["seconds"] for b in base.values()),
-                   "staleness": runs[0]["staleness"]}
+                   "staleness": runs[0]["staleness"], "downlink": runs[0]["downlink"]}
             rows.append(row)
             print(f"{n} workers {method:11s} loss {row['loss']:.4f} = {row['ratio']:.3f}x one process "
                   f"(ratios {[round(r, 3) for r in ratios]}), wasted {row['wasted']:.0%}, "
-                  f"{row['seconds']:.1f} s", flush=True)
+                  f"{row['seconds']:.1f} s; downlink {row['downlink']}", flush=True)
     result = {"updates": args.updates, "batch": args.batch, "lr": args.lr, "seeds": seeds, "rows": rows,
+              "compression": args.compression,
               "one_process": {s: r["loss"] for s, r in base.items()},
               "one_process_with_replacement": with_replacement, "machine": os.cpu_count()}
     spread = (min(b["loss"] for b in base.values()), max(b["loss"] for b in base.values()))
@@ -217,7 +231,8 @@ def main() -> int:
         "# Asynchrony against quality: GPT-2 (2 layers, n_embd 128, tied embeddings)",
         "",
         f"`python benchmarks/bench_async.py` — {args.updates} updates of {args.batch} sequences "
-        f"(context {CTX}) at Adam lr {args.lr:g}, equal samples in every run, held-out loss "
+        f"(context {CTX}) at Adam lr {args.lr:g}, compression `{args.compression}`, equal samples in every "
+        "run, held-out loss "
         f"(median over seeds {seeds}); worker processes on loopback, 2 cores. One process draws "
         f"its batches as `DataLoader(shuffle=True)` does; its loss ranges {spread[0]:.4f}–{spread[1]:.4f} "
         f"over the seeds, and drawing with replacement instead gives a median of "
