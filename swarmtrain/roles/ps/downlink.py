@@ -586,10 +586,11 @@ class Downlink:
         return dest, None  # (counted once answered: full_answered)
 
     def _track_to_join(self, wanted: int, spacing: int) -> int | None:
-        """The coarsest track past ``wanted`` that other workers are on (it is published) and
-        that a worker whose answers come ``spacing`` versions apart may stay on (its interval
-        at most that), or None; never for a downlink whose answers are the weights (a track
-        of it holds no copy of its own).
+        """The coarsest track past ``wanted`` that other workers are on (it is published: the
+        coordinator drops a track no connected worker is on at the next move, so one whose
+        last worker left meanwhile still counts) and that a worker whose answers come
+        ``spacing`` versions apart may stay on (its interval at most that), or None; never for
+        a downlink whose answers are the weights (a track of it holds no copy of its own).
 
         Each lossy track holds its own published copy and log (two copies of the weights).
         Workers alike in speed lag alike, and a worker that may stay on a coarse track (see
