@@ -21,7 +21,7 @@ same held-out windows. Results: ``benchmarks/results/async.json`` and ``async.md
 
     python benchmarks/bench_async.py                 # 2 and 4 workers, every method, 2 seeds
     python benchmarks/bench_async.py --quick         # 100 updates, 1 seed, window only
-    python benchmarks/bench_async.py --workers 16 --methods async --compression topk --seeds 1 \
+    python benchmarks/bench_async.py --workers 16 --methods async --compression topk --seeds 3 \
         --name async-topk16                          # many workers behind a lossy downlink
 """
 
@@ -141,12 +141,12 @@ def parameter_server(seed: int, updates: int, batch: int, lr: float, workers: in
     from swarmtrain.roles.ps.coordinator import Coordinator
 
     coord_over, worker_over = METHODS[method]
-    coord_over = {**coord_over, "compression.type": compression}
-    worker_over = {**worker_over, "compression.type": compression}
     worker_batch = batch
     if method == "window":
         coord_over = {"training.aggregate_samples": batch}
         worker_batch = max(1, batch // workers)
+    coord_over = {**coord_over, "compression.type": compression}  # (both ends must agree)
+    worker_over = {**worker_over, "compression.type": compression}
     _, heldout = data()
 
     async def main() -> Coordinator:
