@@ -569,19 +569,18 @@ class Downlink:
         spacing = lag if recent_gap is None else recent_gap
         if track > wanted and self.intervals[track] <= spacing:
             wanted = track  # (hysteresis: see above)
-        joins = self._track_to_join(wanted, spacing)
-        if joins is not None and joins != track:
-            self.publish(master, version, joins)
-            return joins, None  # (counted once answered: full_answered)
-        if track <= wanted:
-            current = self.publish(master, version, track)
-            chain = current.chain_from(holds)
-            small = chain is not None and (track == wanted or sum(e.nbytes for e in chain)
-                                           <= current.replica_bytes // 2)
-            if chain is not None and small:
-                current.count(chain)
-                return track, chain
-        dest = self._full_destination(wanted, min(lag, spacing))
+        # (a track to join is past `wanted`, so never the worker's own: see _track_to_join)
+        dest = self._track_to_join(wanted, spacing)
+        if dest is None:
+            if track <= wanted:
+                current = self.publish(master, version, track)
+                chain = current.chain_from(holds)
+                small = chain is not None and (track == wanted or sum(e.nbytes for e in chain)
+                                               <= current.replica_bytes // 2)
+                if chain is not None and small:
+                    current.count(chain)
+                    return track, chain
+            dest = self._full_destination(wanted, min(lag, spacing))
         self.publish(master, version, dest)
         return dest, None  # (counted once answered: full_answered)
 
@@ -591,6 +590,8 @@ class Downlink:
         last worker left meanwhile still counts) and that a worker whose answers come
         ``spacing`` versions apart may stay on (its interval at most that), or None; never for
         a downlink whose answers are the weights (a track of it holds no copy of its own).
+        Never the worker's own track either: :meth:`choose` raises ``wanted`` to it when it
+        may stay there, and a coarser own track it may not stay on fails the same bound here.
 
         Each lossy track holds its own published copy and log (two copies of the weights).
         Workers alike in speed lag alike, and a worker that may stay on a coarse track (see
