@@ -8,6 +8,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from zeroconf import ServiceInfo, ServiceStateChange
+from zeroconf import DNSIncoming, ServiceInfo, ServiceStateChange
 
 from swarmtrain.errors import ConfigError, SwarmError, SwarmTimeout
 from swarmtrain.roles.peer.discovery import (
@@ -29,6 +30,8 @@ from swarmtrain.roles.peer.discovery import (
     encode_txt,
     parse_peer_list,
 )
+from swarmtrain.roles.stage.discovery import SERVICE_TYPE as STAGE_SERVICE_TYPE
+from swarmtrain.roles.stage.discovery import discover_stages
 from swarmtrain.testing import Host, SimulatedLAN
 from swarmtrain.transport import mdns
 from swarmtrain.transport.identity import Identity
@@ -311,6 +314,58 @@ def test_mdns_record_handling_without_network() -> None:
         assert d._candidates == set()
 
     asyncio.run(main())
+
+
+# --- the questions a browser asks, on loopback ------------------------------------------------
+
+
+def _mdns_listener() -> socket.socket:
+    """A socket that sees every mDNS packet sent on loopback (bound beside zeroconf's own)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("", 5353))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                    socket.inet_aton("224.0.0.251") + socket.inet_aton("127.0.0.1"))
+    sock.setblocking(False)
+    return sock
+
+
+def _questions(sock: socket.socket) -> list[tuple[str, bool]]:
+    """(name, asks for a unicast answer) of every question the socket has received, probes aside."""
+    out = []
+    while True:
+        try:
+            data = sock.recv(9000)
+        except BlockingIOError:
+            return out
+        packet = DNSIncoming(data)
+        if packet.is_query() and not packet.is_probe():  # a probe (QU by the RFC) claims a name
+            out += [(q.name.lower(), q.unicast) for q in packet.questions]
+
+
+def test_browsers_ask_for_multicast_answers_which_every_socket_on_the_host_receives() -> None:
+    # A unicast answer (QU, python-zeroconf's default first question) goes to one of the sockets
+    # bound to port 5353 on the asking host, not necessarily the asker's: a stage browse then
+    # found nothing for a second, and a CI run's 2-second browse missed a stage. Both modes'
+    # browsers ask QM questions from the first one on.
+    async def main() -> list[tuple[str, bool]]:
+        sock = _mdns_listener()
+        try:
+            peer = MdnsDiscovery(interfaces=["127.0.0.1"])
+            await peer.start(make_peer(host="127.0.0.1"))
+            try:
+                await discover_stages(f"t-{os.getpid()}", 1.0, interfaces=["127.0.0.1"])
+            finally:
+                await peer.stop()
+            return _questions(sock)
+        finally:
+            sock.close()
+
+    asked = asyncio.run(main())
+    browsing = [(name, unicast) for name, unicast in asked if name in (SERVICE_TYPE, STAGE_SERVICE_TYPE)]
+    assert {name for name, _ in browsing} == {SERVICE_TYPE, STAGE_SERVICE_TYPE}, asked
+    assert not any(unicast for _, unicast in browsing), browsing
 
 
 # --- mDNS on a simulated LAN ---------------------------------------------------------------

@@ -1,17 +1,20 @@
 """mDNS helpers both discovering modes share (peers and pipeline stages): which of this host's
 addresses to announce, which of a multi-homed node's addresses to dial, and one log line
-instead of a traceback when python-zeroconf loses a network link."""
+instead of a traceback when python-zeroconf loses a network link, and a browser whose questions
+are answered by multicast."""
 
 from __future__ import annotations
 
 import errno
 import ipaddress
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ifaddr
+from zeroconf import DNSQuestionType, ServiceStateChange, Zeroconf
+from zeroconf.asyncio import AsyncServiceBrowser
 
-__all__ = ["default_addresses", "local_ipv4_networks", "pick_host", "quiet_zeroconf_network_errors"]
+__all__ = ["browse", "default_addresses", "local_ipv4_networks", "pick_host", "quiet_zeroconf_network_errors"]
 
 
 #: send/receive errors of a network that went away: a link down, an address removed
@@ -48,6 +51,19 @@ def quiet_zeroconf_network_errors() -> None:
     zeroconf_log = logging.getLogger("zeroconf")
     if _ZEROCONF_FILTER not in zeroconf_log.filters:
         zeroconf_log.addFilter(_ZEROCONF_FILTER)
+
+
+def browse(zc: Zeroconf, service_type: str,
+           handler: Callable[[Zeroconf, str, str, ServiceStateChange], None]) -> AsyncServiceBrowser:
+    """Browse for ``service_type``, every question asking for a multicast answer (QM).
+
+    python-zeroconf's default first question asks for a unicast answer (QU). The answer goes to
+    port 5353 of the asking host, and when more than one mDNS socket is bound there (another
+    swarmtrain process, Avahi, several roles on one machine) the kernel hands it to one of them,
+    not necessarily the asker. The asker then learns nothing until its next question, a second
+    later. A multicast answer reaches every socket, so the first question finds what is there.
+    """
+    return AsyncServiceBrowser(zc, service_type, handlers=[handler], question_type=DNSQuestionType.QM)
 
 
 def local_ipv4_networks() -> list[ipaddress.IPv4Interface]:

@@ -44,6 +44,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from swarmtrain.errors import ConfigError, SwarmError, SwarmTimeout
 from swarmtrain.transport.identity import KEY_FILE, PUBLIC_KEY_BYTES, config_dir, peer_id_of
 from swarmtrain.transport.mdns import (
+    browse,
     default_addresses,
     local_ipv4_networks,
     pick_host,
@@ -388,7 +389,7 @@ class MdnsDiscovery(Discovery):
             self._azc = AsyncZeroconf(interfaces=addresses, ip_version=IPVersion.V4Only)
         except OSError as exc:
             raise SwarmError(f"cannot start mDNS on {', '.join(addresses)}: {exc}") from exc
-        self._browser = AsyncServiceBrowser(self._azc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
+        self._browser = browse(self._azc.zeroconf, SERVICE_TYPE, self._on_change)
         info = AsyncServiceInfo(
             SERVICE_TYPE,
             f"{me.peer_id}.{SERVICE_TYPE}",

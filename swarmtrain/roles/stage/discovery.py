@@ -27,11 +27,12 @@ from dataclasses import dataclass, replace
 
 from zeroconf import DNSQuestionType, InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
 from zeroconf import Error as ZeroconfError
-from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.roles.stage.route import Route, fetch_statuses
 from swarmtrain.transport.mdns import (
+    browse,
     default_addresses,
     local_ipv4_networks,
     pick_host,
@@ -423,7 +424,7 @@ async def discover_stages(cluster: str, timeout: float, *, interfaces: Sequence[
         else:
             resolving[name] = asyncio.create_task(resolve(name), name=f"resolve-{name}")
 
-    browser = AsyncServiceBrowser(azc.zeroconf, SERVICE_TYPE, handlers=[on_change])
+    browser = browse(azc.zeroconf, SERVICE_TYPE, on_change)
     try:
         deadline = loop.time() + timeout
         complete_at: float | None = None
