@@ -159,11 +159,10 @@ def test_half_precision_model_trains_on_float32_masters(dtype: torch.dtype) -> N
         await coord.start()
         # no overlap: each gradient on the weights of the update before, whatever the load (with
         # a gradient in flight on a busy machine the staleness varied, and so did the accuracy:
-        # 0.84 once in CI, 0.89-0.94 with two busy loops beside it, 0.91-0.94 quiet)
-        # and a fixed worker id: a generated one ("w-" and random hex) seeds the worker's own
-        # randomness, so each run drew another sample order (0.90 once in CI, bar 0.917)
-        w = worker(coord.port, copy.deepcopy(init), **{"training.max_inflight": 0,
-                                                       "training.worker_id": "w-half"})
+        # 0.84 once in CI, 0.89-0.94 with two busy loops beside it, 0.91-0.94 quiet). Its
+        # sample order is the same every run (it once followed the generated worker id: 0.90 once
+        # in CI, bar 0.917).
+        w = worker(coord.port, copy.deepcopy(init), **{"training.max_inflight": 0})
         await _train(coord, [w])
         return w
 
@@ -262,20 +261,22 @@ def test_an_unused_parameter_is_not_stepped_as_torch_does() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_workers_from_the_same_script_see_different_batches_and_leave_the_host_rng_alone() -> None:
-    seen: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+@pytest.mark.parametrize("ids", [("a", "b"), ("", "")], ids=["given-ids", "generated-ids"])
+def test_workers_from_the_same_script_see_different_batches_and_leave_the_host_rng_alone(
+        ids: tuple[str, str]) -> None:
+    seen: dict[str, list[torch.Tensor]] = {}
     coord = coordinator(TASK.build_model(), **{"training.max_steps": 40, "training.min_workers": 2})
 
     class Spy(Worker):
         def _next_batch(self) -> Any:
             batch = super()._next_batch()
-            seen[self.worker_id].append(batch[1].clone())
+            seen.setdefault(self.worker_id, []).append(batch[1].clone())
             return batch
 
     async def main() -> tuple[torch.Tensor, torch.Tensor]:
         await coord.start()
         workers = []
-        for wid in ("a", "b"):
+        for wid in ids:
             torch.manual_seed(0)  # what each user script does first
             loader = DataLoader(TensorDataset(*DATA.train.get_batch(torch.arange(len(DATA.train)))),
                                 batch_size=32, shuffle=True)
@@ -287,10 +288,52 @@ def test_workers_from_the_same_script_see_different_batches_and_leave_the_host_r
 
     host_before, host_after = asyncio.run(main())
     assert torch.equal(host_before, host_after)  # no draw from the host program's generator
-    n = min(len(seen["a"]), len(seen["b"]))
+    a, b = seen.values()
+    n = min(len(a), len(b))
     assert n >= 10
-    same = sum(torch.equal(a, b) for a, b in zip(seen["a"][:n], seen["b"][:n]))
+    same = sum(torch.equal(x, y) for x, y in zip(a[:n], b[:n]))
     assert same == 0, f"{same} of {n} batches were identical"
+
+
+def _first_batches(kind: str) -> tuple[str, list[torch.Tensor]]:
+    """The generated id of one worker and the labels of its first batches, in a run with
+    ``training.seed`` 0 and no worker id given: ``kind`` "loader" feeds it a shuffling DataLoader
+    (the worker's own stream), "dataset" the task's dataset (the shard the coordinator assigns)."""
+    seen: list[torch.Tensor] = []
+    coord = coordinator(TASK.build_model(), **{"training.max_steps": 12})
+
+    class Spy(Worker):
+        def _next_batch(self) -> Any:
+            batch = super()._next_batch()
+            seen.append(batch[1].clone())
+            return batch
+
+    async def main() -> Worker:
+        await coord.start()
+        torch.manual_seed(0)
+        data: Any = DATA.train
+        if kind == "loader":
+            data = DataLoader(TensorDataset(*DATA.train.get_batch(torch.arange(len(DATA.train)))),
+                              batch_size=32, shuffle=True)
+        cfg = load_worker_config(overrides={**_worker_overrides(coord.port), "training.seed": 0})
+        w = Spy(TASK.build_model(), loss_fn, data, cfg, secret=SECRET)
+        await _train(coord, [w])
+        return w
+
+    return asyncio.run(main()).worker_id, seen[:10]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["loader", "dataset"])
+def test_a_worker_without_an_id_draws_the_same_batches_in_every_run_of_one_seed(kind: str) -> None:
+    # A generated id ("w-" and random hex) seeded the worker's stream and its shards' orders,
+    # so no two runs of the same seed drew the same batches. The stream now follows the seed and
+    # the worker's number at the coordinator (the order workers first joined in).
+    id_1, first = _first_batches(kind)
+    id_2, second = _first_batches(kind)
+    assert id_1 != id_2  # the ids are still generated, one per run
+    assert len(first) == len(second) == 10
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.timeout(60)

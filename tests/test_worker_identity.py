@@ -391,3 +391,36 @@ def test_a_relay_cannot_swap_in_its_own_key() -> None:
             await srv.close()
 
     run(scenario())
+
+
+def test_worker_numbers_are_given_in_join_order_kept_across_a_checkpoint_and_never_reused(
+        tmp_path: Path) -> None:
+    # A worker without an id of its own derives its random streams from its number: two workers
+    # with one number would draw the same batches.
+    async def scenario() -> None:
+        c = coordinator(**{"training.min_workers": 1})
+        await c.start()
+        me = Identity.generate()
+        try:
+            numbers: dict[str, list[int]] = {}
+            for wid in ("w1", "w2", "w1"):  # (w1 again: the same number)
+                conn, ack = await _join(c, wid, me)
+                assert isinstance(ack, RegisterAck)
+                numbers.setdefault(wid, []).append(ack.info["member"])
+                await conn.close()
+            assert numbers == {"w1": [0, 0], "w2": [1]}
+            assert (await CoordinatorCheckpointer(str(tmp_path), interval=0, keep=2).save_now(c)).ok
+        finally:
+            await c.close()
+        again = coordinator(**{"training.min_workers": 1})
+        assert CoordinatorCheckpointer(str(tmp_path), interval=0, keep=2).restore(again)
+        await again.start()
+        try:
+            for wid, number in (("w3", 2), ("w1", 0)):
+                conn, ack = await _join(again, wid, me)
+                assert isinstance(ack, RegisterAck) and ack.info["member"] == number, (wid, ack)
+                await conn.close()
+        finally:
+            await again.close()
+
+    run(scenario())

@@ -220,14 +220,15 @@ class WorkerTrainingConfig(_Section):
         "much compute (ms); 0 = off. Raises samples/s when messages cost more than steps (tiny "
         "models, slow links), but each update then has a bigger batch: check time to accuracy",
         ge=0.0, le=10_000.0)
-    worker_id: str = _opt("", 'stable worker name ("" = generated)')
+    worker_id: str = _opt("", 'stable worker name ("" = generated; its batches then follow the seed and the '
+                          'order workers first joined the coordinator in)')
     speed: float = _opt(
         1.0, "fraction of full speed (throttle to rehearse a slow machine)", gt=0.0, le=1.0
     )
     max_inflight: int = _opt(
         1, "gradients in flight while the next is computed (0 = wait for each answer)", ge=0, le=8
     )
-    seed: int = _opt(0, "seed of the worker's batch sampling", ge=0)
+    seed: int = _opt(0, "seed of the worker's batch sampling (with its worker_id, or its join number)", ge=0)
     probe_seconds: float = _opt(
         1.0, "seconds of the real task timed at start-up (reported speed); 0 = no probe", ge=0.0)
     device: str = _opt("auto", "where to compute: 'auto' (CUDA, else MPS, else CPU), 'cpu', "

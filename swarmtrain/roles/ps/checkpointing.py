@@ -123,6 +123,10 @@ class CoordinatorCheckpointer:
                               for w, r in coord.workers.items()},
             # which node's key owns each worker id (absent from checkpoints before it)
             "worker_nodes": {w: r.node for w, r in coord.workers.items() if r.node},
+            # each worker id's number, and how many were given (absent from checkpoints before
+            # them: the ids restored get numbers again as they register)
+            "worker_members": {w: r.member for w, r in coord.workers.items() if r.member >= 0},
+            "members_seen": coord.members_seen,
             "screen": coord.screen.state_dict(),
             # which parameter server's group this is (absent: the only server)
             "param_shard": param_shard_of(coord),
@@ -183,6 +187,11 @@ class CoordinatorCheckpointer:
         for wid, node in meta.get("worker_nodes", {}).items():
             if wid in coord.workers:
                 coord.workers[wid].node = str(node)
+        numbers = {wid: int(num) for wid, num in meta.get("worker_members", {}).items()
+                   if wid in coord.workers and int(num) >= 0}
+        for wid, num in numbers.items():
+            coord.workers[wid].member = num
+        coord.members_seen = max([int(meta.get("members_seen", 0)), *(num + 1 for num in numbers.values())])
         self.last_saved_version = coord.version
         coord.record_event("resumed_from_checkpoint", step=coord.version, version=coord.version,
                      path=str(ckpt.path))

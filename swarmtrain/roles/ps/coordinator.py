@@ -221,6 +221,9 @@ class WorkerRecord:
     holds_version: int = -1
     #: the downlink track its replica is on (roles/ps/downlink.py; 0: the finest)
     track: int = 0
+    #: its number: how many worker ids registered before it (kept by checkpoints; -1: none yet).
+    #: A worker without an id of its own derives its random streams from it.
+    member: int = -1
     #: the versions between its last few answers (Downlink.choose)
     gaps: AnswerGaps = field(default_factory=AnswerGaps)
     #: the worker holds the master buffers as of this version (changes after it are sent)
@@ -414,6 +417,8 @@ class Coordinator:
         self.shard_plan = ShardPlanner(self.num_shards)
         self.version = 0
         self.workers: dict[str, WorkerRecord] = {}
+        #: worker ids numbered so far (WorkerRecord.member): never reused, records forgotten or not
+        self.members_seen = 0
         #: where the coordinator is in its life; changed by :meth:`_enter` alone
         self.lifecycle = CoordinatorState.WAITING
         #: :attr:`stats` of workers whose records are gone: forgotten ones, and (after a resume)
@@ -765,6 +770,8 @@ class Coordinator:
             self._forget_old_workers()
         rec.conn, rec.address, rec.hardware, rec.welcomed = conn, conn.peer, msg.hardware, False
         rec.node = rec.node or conn.node  # bound to the first verified node that registers it
+        if rec.member < 0:
+            rec.member, self.members_seen = self.members_seen, self.members_seen + 1
         rec.batch_size, rec.samples_per_sec = msg.batch_size, msg.samples_per_sec
         rec.accumulation_steps = msg.accumulation_steps
         rec.shards = shards
@@ -830,6 +837,7 @@ class Coordinator:
             last_applied_msg_id=rec.last_msg_id,
             info={"task": self.task_name, "min_workers": self.config.training.min_workers,
                   "aggregate_samples": self.config.training.aggregate_samples,
+                  "member": rec.member,
                   **(self.cluster.welcome_info() if self.cluster is not None else {})},
         ))
         await self._send(rec, weights)

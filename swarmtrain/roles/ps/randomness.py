@@ -4,7 +4,8 @@ A user's training script typically calls ``torch.manual_seed(0)`` and hands the 
 shuffling ``DataLoader``. A ``DataLoader`` without a ``generator=`` draws its shuffling seed
 (and its worker processes' base seed) from torch's global generator when an epoch starts:
 two workers started alike would see the same batches in the same order. :class:`OwnRandomness`
-gives each worker a stream of its own, derived from the worker's seed and id, and swaps it in
+gives each worker a stream of its own, derived from the seed and the worker (its id if one was
+given, else its number at the coordinator: see ``Worker``), and swaps it in
 only while the worker draws a batch: the host program's generator state is exactly what it was
 (it is saved and restored; no draw of the host's is consumed by the data). A ``DataLoader``
 with its own ``generator=`` is handled the same way (its state is swapped too), so such
@@ -62,12 +63,17 @@ class OwnRandomness:
     """
 
     def __init__(self, seed: int, generators: Iterable[torch.Generator] = (), *, cuda: bool = False) -> None:
-        self._state = torch.Generator().manual_seed(seed).get_state()
         self._generators = list(generators)
-        self._own = [torch.Generator().manual_seed(worker_seed(seed, "loader", i)).get_state()
-                     for i in range(len(self._generators))]
         self._cuda = cuda and torch.cuda.is_available()
-        self._cuda_state: torch.Tensor | None = None
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        """Start the stream (and the generators' own streams) afresh from ``seed``."""
+        with _SWAP:
+            self._state = torch.Generator().manual_seed(seed).get_state()
+            self._own = [torch.Generator().manual_seed(worker_seed(seed, "loader", i)).get_state()
+                         for i in range(len(self._generators))]
+            self._cuda_state: torch.Tensor | None = None
 
     def __enter__(self) -> OwnRandomness:
         _SWAP.acquire()

@@ -266,10 +266,15 @@ class Worker:
         self.buffers = self.state.synced_buffers
         self.scaler = LossScaler.for_model(self.params.values())
         self.worker_id = t.worker_id or f"w-{_secrets.token_hex(4)}"
+        #: what this worker's random streams derive from, beside the seed: the id it was given,
+        #: else its number at the coordinator (the order workers first joined in), set by the
+        #: first REGISTER_ACK. Not the generated id: a run of one seed draws the same batches
+        #: every time, and workers started alike still draw different ones.
+        self._stream: tuple[object, ...] | None = (t.worker_id,) if t.worker_id else None
         #: this machine's node key: the coordinator binds the worker id to its peer id
         self.identity = identity or node_identity(
             "this worker's id cannot be reclaimed by a restarted worker until the coordinator forgets it")
-        self.randomness = OwnRandomness(worker_seed(t.seed, self.worker_id), loader_generators(data),
+        self.randomness = OwnRandomness(worker_seed(t.seed, *self._stream_parts), loader_generators(data),
                                         cuda=self.device.type == "cuda")
         self._cycled = CycledIterable(data)  # type: ignore[arg-type]
         self.hw = hardware.detect()
@@ -537,6 +542,8 @@ class Worker:
             raise RefusedError(ack.code, ack.message)
         if not isinstance(ack, RegisterAck):
             raise ProtocolError("unexpected", f"expected REGISTER_ACK, got {ack.TYPE.name}")
+        if self._stream is None:
+            self._number_streams(ack.info.get("member"))
         self._use_shards(ack.shards or [ack.shard_index], ack.num_shards)
         # A restarted process reusing this worker id starts counting at 0; continue after the
         # last id the coordinator applied, or our new gradients would be taken for old ones.
@@ -1043,6 +1050,21 @@ class Worker:
 
     # -- compute (runs on the compute thread) ----------------------------------------------
 
+    @property
+    def _stream_parts(self) -> tuple[object, ...]:
+        """What the random streams derive from beside the seed (before the first registration
+        of a worker without an id, e.g. the probe's draws: its generated id)."""
+        return self._stream or (self.worker_id,)
+
+    def _number_streams(self, member: object) -> None:
+        """Derive this worker's random streams from the seed and ``member``, its number at the
+        coordinator (from a coordinator that sends none: from its generated id, as before).
+        Once: a worker that registers again keeps drawing where it was."""
+        ok = isinstance(member, int) and not isinstance(member, bool) and member >= 0
+        self._stream = ("member", member) if ok else (self.worker_id,)
+        self.randomness.reseed(worker_seed(self.config.training.seed, *self._stream))
+        self._shard_cache.clear()  # (none drawn from yet: shards are made after registering)
+
     def _use_shards(self, shards: list[int], count: int) -> None:
         """Train on ``shards`` of ``count`` from now on (batches rotate over them). An iterable
         (e.g. a DataLoader) cannot be sliced: it is cycled in this worker's own order instead."""
@@ -1054,7 +1076,7 @@ class Worker:
             key = (index, count)
             if key not in self._shard_cache:
                 # workers sharing a shard (more workers than shards) walk it in different orders
-                seed = worker_seed(self.config.training.seed, index, count, self.worker_id)
+                seed = worker_seed(self.config.training.seed, index, count, *self._stream_parts)
                 self._shard_cache[key] = Shard(self.data, index, count, seed=seed)  # type: ignore[arg-type]
             active.append(self._shard_cache[key])
         self._active_shards = active  # one assignment: the compute thread sees old or new list
