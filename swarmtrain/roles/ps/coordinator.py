@@ -1466,7 +1466,8 @@ class Coordinator:
         master = self._flat_master()
         before = rec.track
         recent = rec.gaps.add(self.version)
-        rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version, recent)
+        rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version, recent,
+                                                rec.gaps.mean)
         if chain is None:
             reply = self._full_update(rec, msg_id, status)
             self.downlink.full_answered(rec.track, before, sent=reply.full)

@@ -472,6 +472,11 @@ class AnswerGaps:
         self._last = version
         return max(self._gaps) if self._gaps else None
 
+    @property
+    def mean(self) -> float | None:
+        """The mean of the remembered gaps: how often it is answered lately (None: no gap yet)."""
+        return sum(self._gaps) / len(self._gaps) if self._gaps else None
+
 
 #: the published tracks: publication every 1, 4, 16 and 64 versions (a coarse one is made
 #: only once a worker lags enough to need it)
@@ -537,7 +542,8 @@ class Downlink:
         return t
 
     def choose(self, master: torch.Tensor, version: int, track: int, holds: int,
-               recent_gap: int | None = None) -> tuple[int, list[LogEntry] | None]:
+               recent_gap: int | None = None, mean_gap: float | None = None,
+               ) -> tuple[int, list[LogEntry] | None]:
         """(the track that answers a worker on ``track`` holding its version ``holds``, the
         entries that bring it to that track's head — None: that track's full weights, whose
         answer the caller counts with :meth:`full_answered` once it knows whether they went).
@@ -561,16 +567,18 @@ class Downlink:
         to the coarsest track whose interval is at most its lag, where one or two entries
         cover it, under the same bound as staying.
 
-        A worker that may stay on a coarser track than the one it is on, by that bound, and
-        finds other workers there goes there at once with the full weights
-        (:meth:`_track_to_join`): workers alike in speed share one track."""
+        A worker answered on average at least a coarser track's interval apart over its last
+        few answers (``mean_gap``, :attr:`AnswerGaps.mean`; without one, ``recent_gap``), which
+        is then sure to be allowed to stay there, and finds other workers there goes there at
+        once with the full weights (:meth:`_track_to_join`): workers alike in speed share one
+        track."""
         lag = max(1, version - holds)
         wanted = track_for_lag(lag)
         spacing = lag if recent_gap is None else recent_gap
         if track > wanted and self.intervals[track] <= spacing:
             wanted = track  # (hysteresis: see above)
         # (a track to join is past `wanted`, so never the worker's own: see _track_to_join)
-        dest = self._track_to_join(wanted, spacing)
+        dest = self._track_to_join(wanted, spacing if mean_gap is None else mean_gap)
         if dest is None:
             if track <= wanted:
                 current = self.publish(master, version, track)
@@ -584,11 +592,11 @@ class Downlink:
         self.publish(master, version, dest)
         return dest, None  # (counted once answered: full_answered)
 
-    def _track_to_join(self, wanted: int, spacing: int) -> int | None:
+    def _track_to_join(self, wanted: int, spacing: float) -> int | None:
         """The coarsest track past ``wanted`` that other workers are on (it is published: the
         coordinator drops a track no connected worker is on at the next move, so one whose
-        last worker left meanwhile still counts) and that a worker whose answers come
-        ``spacing`` versions apart may stay on (its interval at most that), or None; never for
+        last worker left meanwhile still counts) and whose interval is at most ``spacing``,
+        how many versions apart the worker's answers come on average, or None; never for
         a downlink whose answers are the weights (a track of it holds no copy of its own).
         Never the worker's own track either: :meth:`choose` raises ``wanted`` to it when it
         may stay there, and a coarser own track it may not stay on fails the same bound here.
@@ -599,7 +607,14 @@ class Downlink:
         ``bench_scale.py``'s 64 workers with top-k sat on the interval-16 and interval-64
         tracks about half and half (150–180 MB more than one track), their answers 3–4
         entries on the finer one. A worker that may be where others are goes there, once,
-        with the full weights: one track for workers alike, one or two entries an answer."""
+        with the full weights: one track for workers alike, one or two entries an answer.
+
+        Joining takes the mean of the recent gaps, staying the longest: a band between them.
+        With one bound for both, a worker answered about every 36 versions whose gaps reached
+        64 now and then (four gradients in flight among 64 workers) joined the interval-64
+        track at each such gap and fell back 8 answers later, each time with the full weights:
+        at one of its answers in twenty, the whole run long (``test_downlink.py``, 100,000
+        answers: 290–350 full answers every 10,000, now 20–40)."""
         if self.tracks[0].whole:
             return None
         return max((t for t in range(wanted + 1, len(self.tracks))
