@@ -13,7 +13,8 @@ every other server; WEIGHTS from each), then sends one real compressed gradient 
 its slice, all at once, with that server's version, and waits for every server's answer (a
 *round*, one whole-gradient update) before the next, paced at ``--rate`` rounds/s. Answers
 are read and decoded, not applied. On SIGTERM or ``--seconds`` it writes a JSON file with
-every round's (sent, all answered) on the machine's monotonic clock.
+every round's (sent, all answered, fresh) on the machine's monotonic clock: *fresh* when every
+server's answer brought newer weights (not "no change").
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -71,7 +73,20 @@ async def serve(args: argparse.Namespace) -> None:
     del model
     await coord.start()
     Path(args.ready_file).write_text(str(coord.port))
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, coord.stop)
+
+    def stop() -> None:
+        if args.status_file:  # what the server did, for the benchmark's table
+            st = coord.status()
+            use = resource.getrusage(resource.RUSAGE_SELF)
+            out = {"version": st["version"], "downlink": st["downlink"], "traffic": st["traffic"],
+                   "apply": st["apply"], "staleness_counts": st["staleness_counts"], "stats": st["stats"],
+                   "cpu_sec": use.ru_utime + use.ru_stime, "uptime_sec": st["uptime_sec"]}
+            tmp = Path(args.status_file + ".tmp")
+            tmp.write_text(json.dumps(out, default=str))
+            tmp.rename(args.status_file)
+        coord.stop()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
     await coord.run()
 
 
@@ -161,13 +176,16 @@ class ShardedLightWorker:
             sent = time.monotonic()
             await asyncio.gather(*(link.conn.send(dataclasses.replace(
                 link.message, msg_id=msg_id, version=link.version)) for link in links))
+            fresh = True
             for link in links:
                 async with asyncio.timeout(WAIT_SEC):
                     answer = await link.answered.get()
                 if isinstance(answer, BaseException):
                     raise answer
+                # ("no change": the server had no copy of the weights it could send, or nothing new)
+                fresh = fresh and answer.version > link.version
                 link.version = answer.version
-            self.rounds.append((sent, time.monotonic()))
+            self.rounds.append((sent, time.monotonic(), fresh))
             if len(self.rounds) == 1:
                 Path(self.args.started_file).write_text("1")
             next_at = max(next_at + period, time.monotonic())
@@ -203,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--servers", nargs="*", default=[])
     s.add_argument("--min-workers", type=int, default=1)
     s.add_argument("--ready-file", required=True, help="written once the server listens")
+    s.add_argument("--status-file", default="", help="written at exit: the server's status, CPU time")
     w = sub.add_parser("worker")
     w.add_argument("--leader", required=True)
     w.add_argument("--worker-id", required=True)

@@ -24,7 +24,7 @@ from swarmtrain.roles.ps.common import (
     whole_entry,
 )
 from swarmtrain.roles.ps.replica import Replica
-from swarmtrain.wire import Decoder, Gradients, Message, Update, encode_bytes
+from swarmtrain.wire import Decoder, Gradients, Message, Update, UpdateStatus, encode_bytes
 from tests.test_coordinator_state import make_coordinator, record
 from tests.test_ps_inprocess import TASK
 
@@ -334,11 +334,12 @@ def test_a_remembered_top_k_header_checks_each_payloads_counts_and_indices() -> 
 
 def test_copies_of_the_weights_held_by_unsent_answers_are_bounded_whatever_the_workers() -> None:
     """Eight workers each with an answer not yet sent (slow links): a lossless downlink's
-    answers are copies of the weights, one per version, so until now the coordinator held one
-    per worker. At most MAX_HELD_SNAPSHOTS are held now: past it an answer shares the newest
-    copy, or says "no change" (its own version, nothing else) to a worker that holds that one;
-    each answer is exactly its version's weights, and a replica takes either kind. Once the
-    answers go out, copies are made again."""
+    answers are copies of the weights, one per version, so once the coordinator held one per
+    worker. At most MAX_HELD_SNAPSHOTS are held: past it an answer shares the newest copy, or,
+    to a worker that holds that one, waits until a copy may be made (it was told "no change"
+    at once until now); each answer is exactly its version's weights, and a replica takes a
+    shared copy as any other. Once the answers go out, the waiting ones get the weights of
+    the version then; one that waited past its bound is told "no change" after all."""
     from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS
 
     c, first = _big_coordinator(**{"training.max_staleness": 1000})
@@ -346,52 +347,55 @@ def test_copies_of_the_weights_held_by_unsent_answers_are_bounded_whatever_the_w
     assert MAX_HELD_SNAPSHOTS < len(recs)  # (the answers held outnumber it)
     weights = {c.version: {n: p.clone() for n, p in c.params.items()}}
     held: list[Update] = []
-    kinds = {"new": 0, "shared": 0, "no change": 0}
+    kinds = {"new": 0, "shared": 0, "waits": 0}
+    waiting: dict[str, int] = {}  # worker -> the msg_id its answer waits on
     pool = c._snapshot_pool
     for i in range(24):
         rec = recs[i % len(recs)]
+        if rec.worker_id in waiting:  # (its answer has not come: it sends nothing meanwhile)
+            continue
         before = rec.holds_version
         status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, i), fuse=False,
                                                        msg_id=i + 1, version=before))
-        assert status == "applied" and reply is not None
+        assert status == "applied"
         weights[c.version] = {n: p.clone() for n, p in c.params.items()}
         assert pool.in_use() <= MAX_HELD_SNAPSHOTS, i
-        if reply.full:
-            assert before < reply.version == rec.holds_version
-            assert all(torch.equal(named(c, reply.tensors)[n], weights[reply.version][n]) for n in c.params)
-            kinds["new" if reply.version == c.version else "shared"] += 1
-        else:
-            assert reply.version == before == rec.holds_version and not reply.deltas
-            assert not set(reply.tensors) & {*c.params, FUSED}
-            kinds["no change"] += 1
+        if reply is None:
+            assert rec.waits_for is not None and rec.holds_version == before
+            waiting[rec.worker_id] = i + 1
+            kinds["waits"] += 1
+            continue
+        assert reply.full and before < reply.version == rec.holds_version
+        assert all(torch.equal(named(c, reply.tensors)[n], weights[reply.version][n]) for n in c.params)
+        kinds["new" if reply.version == c.version else "shared"] += 1
         held.append(reply)
-    assert kinds["new"] >= MAX_HELD_SNAPSHOTS - 1 and kinds["shared"] and kinds["no change"], kinds
+    assert kinds["new"] >= MAX_HELD_SNAPSHOTS - 1 and kinds["shared"] and kinds["waits"] >= 2, kinds
     snap = c.status()["snapshots"]
     size_mb = 4 * sum(p.numel() for p in c.params.values()) / 2**20
     assert snap["held"] == MAX_HELD_SNAPSHOTS and snap["held_mb"] < MAX_HELD_SNAPSHOTS * size_mb + 1
-    assert snap["withheld"] == kinds["no change"]
     answers = c.status()["downlink"]["answers"]  # (counted as what went, not as what was due)
-    assert answers["withheld"] == kinds["no change"]
-    assert answers["full"] == kinds["new"] + kinds["shared"]
+    assert answers["withheld"] == 0 and answers["full"] == kinds["new"] + kinds["shared"]
     replica = Replica(ModelState(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])),
                       torch.device("cpu"))
-    for reply in (r for r in held if r.full):  # a shared copy loads as any other
+    for reply in held:  # a shared copy loads as any other
         got = through_the_wire(reply)
         assert isinstance(got, Update)
         replica.apply_update(got)
-    unchanged = through_the_wire(next(r for r in held if not r.full))
-    assert isinstance(unchanged, Update)
-    at = replica.version
-    replica.version = unchanged.version
-    replica.apply_update(unchanged)  # "no change": accepted, nothing moves
-    assert replica.version == unchanged.version
-    replica.version = at
+    (late_id, late_msg), *others = waiting.items()
+    late = c.workers[late_id]
+    at = late.holds_version
+    assert c._answer_deferred(late, late_msg, UpdateStatus.APPLIED, False) is None  # (still no room)
+    unchanged = c._answer_deferred(late, late_msg, UpdateStatus.APPLIED, True)  # past its bound
+    assert unchanged is not None and not unchanged.full and not unchanged.deltas
+    assert unchanged.version == at == late.holds_version and late.waits_for is None
+    assert c.status()["snapshots"]["withheld"] == 1
     held.clear()
-    del reply, got, unchanged
-    rec = recs[0]
-    status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 99), fuse=False,
-                                                   msg_id=99, version=rec.holds_version))
-    assert reply is not None and reply.full and reply.version == c.version  # a new copy again
+    del reply, got
+    for wid, msg_id in others:  # the copies went: the waiting answers come, this version's weights
+        reply = c._answer_deferred(c.workers[wid], msg_id, UpdateStatus.APPLIED, False)
+        assert reply is not None and reply.full and reply.version == c.version == c.workers[wid].holds_version
+        assert all(torch.equal(named(c, reply.tensors)[n], c.params[n]) for n in c.params)
+        assert pool.in_use() <= MAX_HELD_SNAPSHOTS
 
 
 def test_welcomes_to_a_burst_of_joining_workers_hold_no_more_copies_than_answers_may() -> None:
@@ -421,12 +425,13 @@ def test_welcomes_to_a_burst_of_joining_workers_hold_no_more_copies_than_answers
         assert c.workers[f"join{welcomes.index(w)}"].holds_version == w.version
 
 
-def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> None:
+def test_a_worker_waiting_for_another_tracks_weights_stays_on_the_track_its_replica_is_from() -> None:
     """A worker far behind is moved to a coarser track with that track's full weights (its
     published copy differs from the finest track's by what each coded). When no copy may be
-    made (MAX_HELD_SNAPSHOTS held) it is told "no change" instead, and it must stay on the
-    track its replica is from: a chain of the other track's entries would be added to weights
-    they were not coded against. Once copies may be made again it moves, with the weights."""
+    made (MAX_HELD_SNAPSHOTS held) and no chain of its own track reaches it, its answer waits,
+    and meanwhile it stays on the track its replica is from: a chain of the other track's
+    entries would be added to weights they were not coded against. Once a copy may be made it
+    moves, with the weights of that track as they are then."""
     from swarmtrain.roles.ps.coordinator import MAX_HELD_SNAPSHOTS
 
     c, rec = _big_coordinator(**{"training.max_staleness": 1000, "compression.downlink": "fp16"})
@@ -439,19 +444,18 @@ def test_a_worker_told_no_change_stays_on_the_track_its_replica_is_from() -> Non
     assert pool.in_use() == MAX_HELD_SNAPSHOTS
     status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 50), fuse=False,
                                                    msg_id=1, version=rec.holds_version))
-    assert status == "applied" and reply is not None
-    assert not reply.full and not reply.deltas and reply.version == rec.holds_version == 0
-    assert rec.track == 0  # still where its replica is from
-    assert c.downlink.switches == 0 and c.status()["downlink"]["answers"]["withheld"] == 1
-    coarse = c.downlink.tracks[2]  # (published for the answer that was not sent)
+    assert status == "applied" and reply is None and rec.waits_for == 2
+    assert rec.track == 0 and rec.holds_version == 0  # still where its replica is from
+    assert c.downlink.switches == 0 and c.downlink.instead_of_weights == 0  # (no chain reaches it)
+    coarse = c.downlink.tracks[2]  # (published for the answer that waits)
     assert coarse.head == c.version and coarse.published is not None
     head, at_head = coarse.head, coarse.published.clone()
+    assert c._answer_deferred(rec, 1, UpdateStatus.APPLIED, False) is None and rec.track == 0
     held.clear()
-    status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, 51), fuse=False,
-                                                   msg_id=2, version=rec.holds_version))
+    reply = c._answer_deferred(rec, 1, UpdateStatus.APPLIED, False)
     assert reply is not None and reply.full and rec.track == 2  # moved, with that track's weights
     assert c.downlink.switches == 1 and c.status()["downlink"]["answers"]["full"] == 1
-    assert reply.version == head < c.version  # (its next publication is 16 versions on)
+    assert reply.version == head == rec.holds_version and rec.waits_for is None
     assert torch.equal(reply.tensors[FUSED], at_head)
 
 
@@ -469,10 +473,14 @@ def test_a_half_precision_models_copies_come_from_the_pool_and_are_bounded_too()
     held = []
     for i in range(16):
         rec = recs[i % len(recs)]
+        if rec.waits_for is not None:  # (its answer waits for a copy: it sends nothing meanwhile)
+            continue
         status, reply = c._apply_gradient(rec, message(c.params, grads_of(c.params, i), fuse=False,
                                                        msg_id=i + 1, version=rec.holds_version))
-        assert status == "applied" and reply is not None
+        assert status == "applied"
         assert pool.in_use() <= MAX_HELD_SNAPSHOTS, i
+        if reply is None:
+            continue
         if reply.full and reply.version == c.version:  # a copy made now: this version's, rounded
             for name, p in c.params.items():
                 t = reply.tensors[name]

@@ -526,6 +526,9 @@ class Downlink:
         self.intervals = intervals
         self.switches = 0  # workers moved to another track
         self.forgotten = 0  # tracks dropped once no worker was on them
+        #: answers with a chain of the worker's own track because the weights it was due
+        #: could not be copied (the coordinator's MAX_HELD_SNAPSHOTS: see _instead_of_weights)
+        self.instead_of_weights = 0
 
     @property
     def fine(self) -> UpdateLog:
@@ -670,4 +673,5 @@ class Downlink:
         return {**fine, "version": max(t.head for t in self.tracks), "answers": answers,
                 "entries_sent": sum(t.entries_sent for t in self.tracks),
                 "log_bytes": sum(t.log_bytes() for t in self.tracks), "tracks": used,
-                "switches": self.switches, "forgotten": self.forgotten}
+                "switches": self.switches, "forgotten": self.forgotten,
+                "instead_of_weights": self.instead_of_weights}
