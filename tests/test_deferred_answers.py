@@ -81,6 +81,7 @@ def test_an_answer_due_the_weights_waits_for_a_copy_over_a_real_connection() -> 
             with pytest.raises(SwarmTimeout):  # (no answer while every copy is held)
                 await conn.recv(timeout=0.6)
             assert c.workers["w"].waits_for is not None and c.version == welcome.version + 1
+            assert c.status()["snapshots"]["waiting"] == 1
             released = time.monotonic()
             held.clear()
             answer = await conn.recv(timeout=10)
@@ -88,6 +89,7 @@ def test_an_answer_due_the_weights_waits_for_a_copy_over_a_real_connection() -> 
             assert answer.version == c.version and time.monotonic() - released < 5
             assert all(torch.equal(t, c.params[n]) for n, t in named(c, answer.tensors).items())
             assert c.workers["w"].waits_for is None and c.status()["snapshots"]["withheld"] == 0
+            assert c.status()["snapshots"]["waiting"] == 0
 
             held = _hold_every_copy(c)  # and never let go (until the heartbeat timeout)
             asked = time.monotonic()

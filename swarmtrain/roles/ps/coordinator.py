@@ -1073,8 +1073,9 @@ class Coordinator:
         pool = self._snapshot_pool
         kept, idle = pool.kept_bytes(), pool.idle_bytes()
         withheld = sum(t.answers["withheld"] for t in self.downlink.tracks)
+        waiting = sum(1 for r in list(self.workers.values()) if r.waits_for is not None)
         return {"held_mb": (kept - idle) / 2**20, "idle_mb": idle / 2**20, "held": pool.in_use(),
-                "bound": MAX_HELD_SNAPSHOTS, "withheld": withheld,
+                "bound": MAX_HELD_SNAPSHOTS, "withheld": withheld, "waiting": waiting,
                 "made": pool.allocated, "reused": pool.reused}
 
     def _snapshot_buffers(self, total: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
