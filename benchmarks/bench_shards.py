@@ -52,6 +52,7 @@ from _util import machine, md_table, report
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmtrain.testing import SimulatedLAN, netns_available
+from swarmtrain.wire import Update
 
 HERE = Path(__file__).resolve().parent
 WORKERS = 8
@@ -140,7 +141,7 @@ def _server_summary(st: dict[str, Any]) -> dict[str, Any]:
     answers = dl["answers"]
     total = sum(answers.values())
     out_bytes = st["traffic"].get("bytes_out", {})
-    kind = next((k for k in out_bytes if k.lower() == "update"), "update")
+    kind = Update.TYPE.name  # (how the transport counts a message by its type)
     updates = st["traffic"].get("messages_out", {}).get(kind, 0)
     return {"version": st["version"], "answers": answers,
             "entries_per_chain": dl["entries_sent"] / max(answers.get("chain", 0), 1),

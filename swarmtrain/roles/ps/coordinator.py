@@ -1487,36 +1487,48 @@ class Coordinator:
         rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version, recent,
                                                 rec.gaps.mean)
         if chain is None:
-            full = self._full_update(rec, msg_id, status)
-            if full is not None:
-                self.downlink.full_answered(rec.track, before, sent=True)
-                reply = full
-            else:
-                # none of the new track's weights may go now, and a worker joins a track only
-                # with them (its replica is its old track's: the two differ by what each coded)
-                dest, rec.track = rec.track, before
-                instead = self._instead_of_weights(rec, msg_id, status, before)
-                if instead is None:
-                    rec.waits_for = dest  # (answered once a copy may be made: _deferred_answer)
-                    return None
-                reply = instead
+            dest = rec.track
+            reply = (self._weights_of(rec, dest, before, msg_id, status)
+                     or self._instead_of_weights(rec, master, msg_id, status))
+            if reply is None:
+                rec.waits_for = dest  # (answered once a copy may be made: _deferred_answer)
+                return None
         else:
             reply = self._chain_update(rec, msg_id, status, chain, self.downlink.tracks[rec.track].head)
-        if rec.track != before:  # a track may have lost its last worker: its memory goes
+        return self._settled(rec, before, reply)
+
+    def _weights_of(self, rec: WorkerRecord, dest: int, before: int, msg_id: int,
+                    status: UpdateStatus) -> Update | None:
+        """The full weights of track ``dest`` for ``rec`` (on ``before`` until now), counted
+        as sent; None when no copy of them may go now, and ``rec`` stays on ``before``: a
+        worker joins a track only with its weights (its replica is its old track's, and the
+        two differ by what each coded)."""
+        rec.track = dest
+        full = self._full_update(rec, msg_id, status)
+        if full is None:
+            rec.track = before
+            return None
+        self.downlink.full_answered(dest, before, sent=True)
+        return full
+
+    def _settled(self, rec: WorkerRecord, before: int, reply: Update) -> Update:
+        """``reply`` once ``rec``'s track is settled (it was on ``before``): a track that lost
+        its last worker lets its memory go; the worker's drift is its track's."""
+        if rec.track != before:
             self.downlink.forget_unused({r.track for r in self._connected()})
         rec.drift = self.downlink.tracks[rec.track].drift
         return reply
 
-    def _instead_of_weights(self, rec: WorkerRecord, msg_id: int, status: UpdateStatus,
-                            own: int) -> Update | None:
+    def _instead_of_weights(self, rec: WorkerRecord, master: torch.Tensor, msg_id: int,
+                            status: UpdateStatus) -> Update | None:
         """The answer to ``rec`` when the full weights were due (on another track, which
         :meth:`Downlink.choose` picked) but no copy of them may be made: the entries of the
-        track it is on (``own``), when that track's log still reaches the version it holds.
+        track it is on, when that track's log still reaches the version it holds.
         Such a chain is larger than ``choose`` likes (over half the weights: why it picked the
         weights) but smaller than them, already encoded, and needs no copy. None when no chain
         of newer weights reaches it."""
-        track = self.downlink.publish(self._flat_master(), self.version, own)
-        chain = track.chain_from(rec.holds_version) if track.head >= 0 else None
+        track = self.downlink.publish(master, self.version, rec.track)
+        chain = track.chain_from(rec.holds_version)
         if not chain:
             return None
         track.count(chain)
@@ -1581,16 +1593,12 @@ class Coordinator:
         if dest is None or (not last and not self._snapshot_room()):
             return None
         rec.waits_for = None
-        before, rec.track = rec.track, dest
-        reply = self._full_update(rec, msg_id, status)
-        self.downlink.full_answered(dest, before, sent=reply is not None)
+        before = rec.track
+        reply = self._weights_of(rec, dest, before, msg_id, status)
         if reply is None:  # "no change": where it is
-            rec.track = before
+            self.downlink.full_answered(dest, before, sent=False)
             reply = self._chain_update(rec, msg_id, status, [], rec.holds_version)
-        elif rec.track != before:
-            self.downlink.forget_unused({r.track for r in self._connected()})
-        rec.drift = self.downlink.tracks[rec.track].drift
-        return self._answered(rec, reply)
+        return self._answered(rec, self._settled(rec, before, reply))
 
     # -- control, evaluation, status -------------------------------------------------------
 
