@@ -41,7 +41,8 @@ from swarmtrain.roles.ps.coordinator import Coordinator, WorkerRecord
 from swarmtrain.wire import Gradients, Update, UpdateStatus, encode_bytes
 
 
-def simulate(workers: int, answers: int, stagger: float, full_seconds: float, seed: int) -> dict[str, Any]:
+def simulate(workers: int, answers: int, stagger: float, full_seconds: float, seed: int,
+             step: float = 0.005) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
     cfg = load_coordinator_config(overrides={
@@ -65,6 +66,8 @@ def simulate(workers: int, answers: int, stagger: float, full_seconds: float, se
     per100: list[collections.Counter[str]] = []
     fresh_at: list[float] = []
     answered_at: list[float] = []
+    made_at = {0: 0.0}  # version -> when it was made
+    stale: list[tuple[float, int, float]] = []  # (when, versions behind, seconds old) per gradient
 
     def send(i: int, reply: Update) -> None:
         kind = "full" if reply.full else "chain" if reply.deltas else "no change"
@@ -88,7 +91,7 @@ def simulate(workers: int, answers: int, stagger: float, full_seconds: float, se
         now = at
         if what == "arrived":
             del flows[i]
-            events.append((now + 0.005, i, "gradient"))
+            events.append((now + step, i, "gradient"))
             for j, msg_id in list(waiting.items()):  # an answer arrived: a copy may be free
                 reply = c._answer_deferred(recs[j], msg_id, UpdateStatus.APPLIED, False)
                 if reply is not None:
@@ -108,7 +111,9 @@ def simulate(workers: int, answers: int, stagger: float, full_seconds: float, se
         msg_ids[i] += 1
         msg = Gradients(msg_id=msg_ids[i], version=rec.holds_version, samples=32, loss=1.0, codecs=codecs,
                         tensors=tensors)
+        stale.append((now, c.version - rec.holds_version, now - made_at[rec.holds_version]))
         status, reply = c._apply_gradient(rec, msg)
+        made_at[c.version] = now
         done += 1
         if status != UpdateStatus.APPLIED:
             raise SystemExit(f"gradient {status}")
@@ -121,7 +126,9 @@ def simulate(workers: int, answers: int, stagger: float, full_seconds: float, se
         send(i, reply)
     start = answered_at[len(answered_at) // 3]
     span = max(now - start, 1e-9)
+    late = [(v, age) for t, v, age in stale if t >= start]
     return {"per100": per100, "rate": sum(1 for t in answered_at if t >= start) / span,
+            "staleness": sum(v for v, _ in late) / len(late), "age": sum(a for _, a in late) / len(late),
             "fresh": sum(1 for t in fresh_at if t >= start) / span, "switches": c.downlink.switches,
             "tracks": collections.Counter(r.track for r in recs)}
 
@@ -133,13 +140,17 @@ def main() -> None:
     ap.add_argument("--stagger", type=float, default=4.0, help="seconds between two workers' joins")
     ap.add_argument("--full-seconds", type=float, default=3.2,
                     help="the full weights' time on the link alone")
+    ap.add_argument("--step", type=float, default=0.005,
+                    help="seconds a worker computes between its answer and its next gradient")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    r = simulate(args.workers, args.answers, args.stagger, args.full_seconds, args.seed)
+    r = simulate(args.workers, args.answers, args.stagger, args.full_seconds, args.seed, args.step)
     print("per 100 answers, full weights:", [b["full"] for b in r["per100"]])
     print("per 100 answers, moves between tracks:", [b["moves"] for b in r["per100"]])
     print(f"last two thirds: {r['rate']:.2f} updates/s, {r['fresh']:.2f} with newer weights; "
           f"moves in all {r['switches']}; tracks at the end {dict(r['tracks'])}")
+    print(f"gradients computed on weights {r['staleness']:.1f} versions behind the master, "
+          f"made {r['age']:.2f} s before (means over the last two thirds)")
 
 
 if __name__ == "__main__":

@@ -273,8 +273,10 @@ class TrackedReplica:
     def ask(self, dl: Downlink, master: torch.Tensor, version: int) -> list:  # type: ignore[type-arg]
         before = self.track
         # (joining is not an answer: the coordinator's welcome does not go through choose)
-        recent = self.gaps.add(version) if self.version >= 0 else None
-        self.track, chain = dl.choose(master, version, self.track, self.version, recent, self.gaps.mean)
+        if self.version >= 0:
+            self.gaps.add(version, version - self.version)
+        self.track, chain = dl.choose(master, version, self.track, self.version, self.gaps)
+        self.gaps.answered(full=chain is None)
         if chain is None:
             found = dl.snapshot(master, lambda views: {
                 f"p{i}": v.clone() for i, v in enumerate(views)}, version, self.track)
@@ -522,6 +524,44 @@ def test_tracks_stay_where_they_were_over_100000_answers_to_workers_that_leave_r
     for key, slack in (("full", 16), ("moves", 16), ("bytes", 0.02), ("log", 0.5)):
         assert max(r[key] for r in per[-3:]) <= 1.5 * per[1][key] + slack, (key, table)
     assert version == periods * period
+
+
+@pytest.mark.parametrize("restarts", [False, True], ids=["steady", "restarted-tracks"])
+def test_a_worker_whose_full_weights_take_long_to_arrive_is_not_moved_down_to_be_moved_up_again(
+        restarts: bool) -> None:
+    # one server's 100 Mbit/s link (scripts/sim_link.py): a chain arrives within 2 versions,
+    # the full weights 40 versions later. On a coarse track the worker is answered every 2
+    # versions, so its gaps called for the finest track; it moved down (the full weights),
+    # came back 42 versions behind, where a chain of the finest track is larger than the
+    # weights, and moved up again (the weights again): every ~10 answers, the whole run long.
+    # Now the 40 its full answers add are measured (AnswerGaps.full_extra) and it stays. With
+    # the tracks restarted every 30 publications (the drift bound, the resync interval), each
+    # restart sends it its track's weights; before its track published again there was no
+    # entry to size a chain by, and it moved down then
+    slow = 40
+    dl = _downlink(reset_interval=30 if restarts else 10**9)
+    gen = torch.Generator().manual_seed(14)
+    master = torch.randn(sum(SIZES), generator=gen)
+    dl.publish(master, 0)
+    w = TrackedReplica()
+    w.ask(dl, master, 0)  # (its welcome: the full weights)
+    version, got_full, settled = 0, True, (0, 0)
+    for answer in range(300):
+        if answer == 50:
+            settled = (dl.switches, w.full)
+        for _ in range(2 + (slow if got_full else 0)):
+            version += 1
+            _walk(master, gen)
+            dl.publish(master, version, w.track)  # (as other workers on its track have it)
+        full = w.full
+        w.ask_and_check(dl, master, version)
+        dl.forget_unused({w.track})  # (as the coordinator does: no other track is in use)
+        got_full = w.full > full
+    summary = dl.summary()
+    assert w.gaps.full_extra >= slow - 2 and w.track == 2, summary
+    assert dl.switches == settled[0], summary  # no move once settled (before: 50 in 250 answers)
+    # the full weights only when its track restarts (every 30 publications: 16 versions each)
+    assert w.full - settled[1] <= (version // (30 * 16) + 1 if restarts else 0), (w.full, summary)
 
 
 def test_a_worker_sent_the_weights_anyway_goes_where_one_entry_covers_its_lag() -> None:

@@ -1188,6 +1188,7 @@ class Coordinator:
         return self._answered(rec, reply)
 
     def _answered(self, rec: WorkerRecord, reply: Update) -> Update:
+        rec.gaps.answered(full=reply.full)
         rec.holds_version = reply.version
         rec.updates += 1
         rec.bytes_down += payload_bytes(reply.tensor_map())
@@ -1483,9 +1484,8 @@ class Coordinator:
         """
         master = self._flat_master()
         before = rec.track
-        recent = rec.gaps.add(self.version)
-        rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version, recent,
-                                                rec.gaps.mean)
+        rec.gaps.add(self.version, self.version - rec.holds_version)
+        rec.track, chain = self.downlink.choose(master, self.version, rec.track, rec.holds_version, rec.gaps)
         if chain is None:
             dest = rec.track
             reply = (self._weights_of(rec, dest, before, msg_id, status)

@@ -449,6 +449,10 @@ def entry_tensors(tensors: Mapping[str, torch.Tensor], start: int) -> dict[str, 
 GAP_WINDOW = 8
 
 
+#: full answers over which what they add to a worker's lag is remembered (:attr:`AnswerGaps.full_extra`)
+EXTRA_WINDOW = 4
+
+
 class AnswerGaps:
     """How many versions passed between a worker's answers, over its last
     :data:`GAP_WINDOW`, for :meth:`Downlink.choose`: how often it is answered. Its lag
@@ -456,20 +460,60 @@ class AnswerGaps:
     own age adds to it: a worker kept there by its lag would keep itself there. With several
     gradients in flight the gaps alternate short and long, and which track answers it must
     not follow that alternation; once it really is answered more often (the others left),
-    the long gaps are forgotten within :data:`GAP_WINDOW` answers."""
+    the long gaps are forgotten within :data:`GAP_WINDOW` answers.
 
-    __slots__ = ("_gaps", "_last")
+    The gap after an answer that was the full weights (a welcome is one) measures how long
+    the weights took on the way too, which on a slow link is many times a chain's time.
+    What they added is measured as :attr:`full_extra`, that gap less the one after the next
+    answer (a chain, in the same minutes), and the gaps after full answers are remembered
+    less it: a worker whose weights took long is not taken for one answered seldom (it
+    joined coarser tracks on that, with the weights again). The gap after its welcome is
+    not remembered (joining is not an answer)."""
+
+    __slots__ = ("_gaps", "_last", "_full", "_after_full", "_extras")
 
     def __init__(self) -> None:
         self._gaps: deque[int] = deque(maxlen=GAP_WINDOW)
         self._last = -1
+        self._full = True  # (its welcome was the weights)
+        self._after_full: int | None = None  # the gap after them, until the next is known
+        self._extras: deque[int] = deque(maxlen=EXTRA_WINDOW)
 
-    def add(self, version: int) -> int | None:
-        """An answer at ``version``; returns the longest remembered gap (None: no gap yet,
-        this is its first answer)."""
-        if self._last >= 0:
-            self._gaps.append(max(1, version - self._last))
+    def add(self, version: int, lag: int | None = None) -> int | None:
+        """An answer at ``version`` to a gradient computed ``lag`` versions behind (None: the
+        gap since its last answer); returns the longest remembered gap (None: no gap yet)."""
+        known = self._last >= 0
+        if known or (self._full and lag is not None):
+            gap = max(1, version - self._last if lag is None or not self._full else lag)
+            if self._full:
+                self._after_full = gap
+                gap = max(1, gap - self.full_extra)
+            elif self._after_full is not None:
+                self._extras.append(max(0, self._after_full - gap))
+                self._after_full = None
+            if known:
+                self._gaps.append(gap)
         self._last = version
+        self._full = False
+        return self.longest
+
+    def answered(self, *, full: bool) -> None:
+        """Its answer went: the full weights or not."""
+        self._full = full
+
+    @property
+    def full_extra(self) -> int:
+        """The most versions one of its last :data:`EXTRA_WINDOW` full answers made it lag
+        more than a chain did next (0: none measured): what a move to another track, which
+        is the full weights, would cost it again. The most, not the last: when a track
+        restarts every worker on it gets the weights at once, and the gap after the next
+        answer is slowed by the others' weights too, so that one such measure reads far
+        less than a move would then cost (workers moved down on it, and up again)."""
+        return max(self._extras, default=0)
+
+    @property
+    def longest(self) -> int | None:
+        """The longest remembered gap (None: no gap yet)."""
         return max(self._gaps) if self._gaps else None
 
     @property
@@ -529,6 +573,7 @@ class Downlink:
         #: answers with a chain of the worker's own track because the weights it was due
         #: could not be copied (the coordinator's MAX_HELD_SNAPSHOTS: see _instead_of_weights)
         self.instead_of_weights = 0
+        self._last_entry = 0  # (_entry_bytes)
 
     @property
     def fine(self) -> UpdateLog:
@@ -545,8 +590,7 @@ class Downlink:
         return t
 
     def choose(self, master: torch.Tensor, version: int, track: int, holds: int,
-               recent_gap: int | None = None, mean_gap: float | None = None,
-               ) -> tuple[int, list[LogEntry] | None]:
+               gaps: AnswerGaps | None = None) -> tuple[int, list[LogEntry] | None]:
         """(the track that answers a worker on ``track`` holding its version ``holds``, the
         entries that bring it to that track's head — None: that track's full weights, whose
         answer the caller counts with :meth:`full_answered` once it knows whether they went).
@@ -556,32 +600,45 @@ class Downlink:
         lag. On it, it gets a chain (or the weights, when no chain is smaller). On a finer one
         it stays while the chain there is at most half the weights, and moves up otherwise. On
         a coarser one it stays while at least that track's interval passed between two of its
-        last few answers (``recent_gap``: the longest such gap, :class:`AnswerGaps`; without
-        one, its lag), and moves down only once all were shorter. A move costs the full
-        weights, and a worker whose lag hovers about twice an interval, or whose gradients in
-        flight are answered alternately soon and late, would otherwise move up and down again
-        and again (four workers with two gradients in flight each did, at one answer in four,
-        measured by ``benchmarks/bench_scale.py``); staying adds at most ``interval - 1``
-        versions, fewer than it lately waited between answers.
+        last few answers (:attr:`AnswerGaps.longest`; without one, its lag), and moves down
+        only once all were shorter. A move costs the full weights, and a worker whose lag
+        hovers about twice an interval, or whose gradients in flight are answered alternately
+        soon and late, would otherwise move up and down again and again (four workers with two
+        gradients in flight each did, at one answer in four, measured by
+        ``benchmarks/bench_scale.py``); staying adds at most ``interval - 1`` versions, fewer
+        than it lately waited between answers.
+
+        Nor does it move down to a track where it would come back from the move, which is the
+        full weights, with a chain over half the weights: its usual gap plus what its last full
+        answer added to its lag (:attr:`AnswerGaps.full_extra`) calls for a track no finer
+        than its own (:meth:`_full_destination`), and it stays. On a link the weights take
+        seconds to cross, that extra is many times its usual gap: a worker answered often
+        while others waited for their weights moved down, came back tens of versions behind
+        and moved up, each time with the weights, over and over (``scripts/sim_link.py``:
+        3.6 moves and 8.2 full answers per 100 answers, the whole run long).
 
         A worker that gets the full weights anyway goes where its next answers will be small
         (:meth:`_full_destination`): when a chain on the track its lag calls for would be about
         the weights' size (an fp16 entry is half of them, so two entries are as large), it goes
         to the coarsest track whose interval is at most its lag, where one or two entries
-        cover it, under the same bound as staying.
+        cover it, under the same bound as staying; the lag it is taken to come back with is its
+        usual one plus the extra.
 
         A worker answered on average at least a coarser track's interval apart over its last
-        few answers (``mean_gap``, :attr:`AnswerGaps.mean`; without one, ``recent_gap``), which
-        is then sure to be allowed to stay there, and finds other workers there goes there at
-        once with the full weights (:meth:`_track_to_join`): workers alike in speed share one
-        track."""
+        few answers (:attr:`AnswerGaps.mean`; without one, the longest), which is then sure to
+        be allowed to stay there, and finds other workers there goes there at once with the
+        full weights (:meth:`_track_to_join`): workers alike in speed share one track."""
         lag = max(1, version - holds)
         wanted = track_for_lag(lag)
-        spacing = lag if recent_gap is None else recent_gap
-        if track > wanted and self.intervals[track] <= spacing:
+        recent = gaps.longest if gaps is not None else None
+        spacing = lag if recent is None else recent
+        typical = min(lag, spacing) + (gaps.full_extra if gaps is not None else 0)
+        if track > wanted and (self.intervals[track] <= spacing
+                               or self._full_destination(wanted, typical) >= track):
             wanted = track  # (hysteresis: see above)
         # (a track to join is past `wanted`, so never the worker's own: see _track_to_join)
-        dest = self._track_to_join(wanted, spacing if mean_gap is None else mean_gap)
+        mean = gaps.mean if gaps is not None else None
+        dest = self._track_to_join(wanted, spacing if mean is None else mean)
         if dest is None:
             if track <= wanted:
                 current = self.publish(master, version, track)
@@ -591,7 +648,7 @@ class Downlink:
                 if chain is not None and small:
                     current.count(chain)
                     return track, chain
-            dest = self._full_destination(wanted, min(lag, spacing))
+            dest = self._full_destination(wanted, typical)
         self.publish(master, version, dest)
         return dest, None  # (counted once answered: full_answered)
 
@@ -631,11 +688,22 @@ class Downlink:
         :meth:`choose` counts a chain small; then the coarsest whose interval is at most
         ``typical``. (A lossless track has no entries: its answers are the weights whatever
         the track.)"""
-        entry = max((t.entries[-1].nbytes for t in self.tracks if t.entries), default=0)
+        entry = self._entry_bytes()
         half = self.tracks[wanted].replica_bytes // 2
         if not entry or math.ceil(typical / self.intervals[wanted]) * entry <= half:
             return wanted
         return max(wanted, coarsest_track(typical))
+
+    def _entry_bytes(self) -> int:
+        """The size of the tracks' latest entry, or of the last there was: a track restarted
+        (the drift bound, its resync interval) has none until it publishes again, and a
+        worker answered meanwhile is to be placed as before, not as if entries cost nothing
+        (which moved every worker on the track down at once, and up again once they came
+        back from the weights). 0: none yet (a lossless downlink has none)."""
+        latest = max((t.entries[-1].nbytes for t in self.tracks if t.entries), default=0)
+        if latest:
+            self._last_entry = latest
+        return self._last_entry
 
     def full_answered(self, track: int, moved_from: int, *, sent: bool) -> None:
         """Count the answer with ``track``'s weights that :meth:`choose` called for, to a
