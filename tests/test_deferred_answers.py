@@ -148,3 +148,63 @@ def test_a_worker_due_another_tracks_weights_gets_its_own_tracks_entries_when_no
                                                    version=rec.holds_version))
     assert reply is not None and len(reply.deltas) == 1 and rec.track == 0  # (one version since: small)
     assert FUSED not in reply.tensors
+
+
+def test_a_wait_ends_unanswered_when_its_worker_registers_again_on_another_connection() -> None:
+    """The worker's answer waits for a copy; it registers again on a new connection (its old
+    one is closed) and its next gradient waits too. The old wait must end without answering:
+    answers go to the worker's connection as it is now, and the old wait, giving up first
+    (every copy stays held), would take the new wait's place and answer "no change" to the
+    old gradient on the new connection, leaving the new gradient unanswered for good."""
+    model = _model()
+    fingerprint = ModelState(model).fingerprint()
+
+    def register() -> Register:
+        return Register(worker_id="w", task="", fingerprint=fingerprint, hardware={}, batch_size=32,
+                        accumulation_steps=1, shard_index=-1, compression={"type": "none"},
+                        samples_per_sec=0.0)
+
+    async def joined(port: int) -> tuple[Any, Weights]:
+        conn = await connect(HOST, port, secret=SECRET, role="worker", timeouts=TIMEOUTS)
+        await conn.send(register())
+        assert isinstance(await conn.recv(timeout=30), RegisterAck)
+        welcome = await conn.recv(timeout=30)
+        assert isinstance(welcome, Weights)
+        while not isinstance(await conn.recv(timeout=30), Start):
+            pass
+        return conn, welcome
+
+    async def scenario() -> None:
+        cfg = load_coordinator_config(overrides={
+            "network.host": HOST, "network.port": 0, "training.learning_rate": 1e-3,
+            "training.min_workers": 1, "training.max_staleness": 10_000, "checkpointing.interval": 0,
+            "network.heartbeat_interval_sec": 0.5, "network.heartbeat_timeout_sec": 2.0})
+        c = Coordinator(model, cfg, secret=SECRET)
+        await c.start()
+        old, welcome = await joined(c.port)
+        new = None
+        held: list[bytearray] = []
+        try:
+            g = grads_of(c.params, 1)
+            held = _hold_every_copy(c)
+            await old.send(message(c.params, g, fuse=False, msg_id=1, version=welcome.version))
+            with pytest.raises(SwarmTimeout):
+                await old.recv(timeout=0.5)  # (it waits)
+            new, again = await joined(c.port)  # (the old connection is closed by the coordinator)
+            held += _hold_every_copy(c)  # (the welcome made a copy of its own)
+            asked = time.monotonic()
+            await new.send(message(c.params, g, fuse=False, msg_id=7, version=again.version))
+            answer = await new.recv(timeout=10)
+            assert isinstance(answer, Update) and answer.msg_id == 7, answer.msg_id
+            assert not answer.full and time.monotonic() - asked >= 1.9  # its own wait's "no change"
+            assert c.workers["w"].holds_version == again.version == answer.version
+            assert c.status()["snapshots"]["withheld"] == 1 and c.workers["w"].waits_for is None
+        finally:
+            held.clear()
+            for conn in (old, new):
+                if conn is not None:
+                    await conn.close()
+            c.stop()
+            await c.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 80))
