@@ -176,16 +176,20 @@ class ShardedLightWorker:
             sent = time.monotonic()
             await asyncio.gather(*(link.conn.send(dataclasses.replace(
                 link.message, msg_id=msg_id, version=link.version)) for link in links))
-            fresh = True
+            newer, nbytes, full = 0, 0, False
             for link in links:
                 async with asyncio.timeout(WAIT_SEC):
                     answer = await link.answered.get()
                 if isinstance(answer, BaseException):
                     raise answer
                 # ("no change": the server had no copy of the weights it could send, or nothing new)
-                fresh = fresh and answer.version > link.version
+                newer += answer.version > link.version
+                nbytes += sum(t.numel() * t.element_size() for t in answer.tensors.values())
+                full = full or answer.full
                 link.version = answer.version
-            self.rounds.append((sent, time.monotonic(), fresh))
+            # (sent, answered, every server's answer newer, the share of answers newer, bytes, a full one)
+            self.rounds.append((sent, time.monotonic(), newer == len(links), newer / len(links), nbytes,
+                                full))
             if len(self.rounds) == 1:
                 Path(self.args.started_file).write_text("1")
             next_at = max(next_at + period, time.monotonic())

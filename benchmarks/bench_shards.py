@@ -117,11 +117,16 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         statuses = [json.loads(f.read_text()) for f in sorted(run_dir.glob("server*.status.json"))]
     results = [json.loads(o.read_text()) for o in outs]
     errors = [r["error"] for r in results if r["error"]]
-    inside = [(s, a, fresh) for r in results for s, a, fresh in r["rounds"] if t0 <= a <= t1]
+    inside = [r for res in results for r in res["rounds"] if t0 <= r[1] <= t1]
     done = len(inside)
-    latencies = [a - s for s, a, _ in inside]
+    latencies = [a - s for s, a, *_ in inside]
     rate = done / (t1 - t0)
-    fresh_rate = sum(1 for *_, fresh in inside if fresh) / (t1 - t0)
+    fresh_rate = sum(1 for r in inside if r[2]) / (t1 - t0)
+    # per round in the window: the share of servers' answers that brought newer weights, the MB
+    # a worker received, and the rounds with a full answer among them
+    newer_share = sum(r[3] for r in inside) / max(done, 1)
+    mb_per_round = sum(r[4] for r in inside) / max(done, 1) / 1e6
+    full_rounds = sum(1 for r in inside if r[5]) / max(done, 1)
     print(f"S={count}: {rate:.2f} updates/s, {fresh_rate:.2f} answered with newer weights "
           f"({done} rounds in {t1 - t0:.1f} s; "
           f"{'errors: ' + '; '.join(errors) if errors else 'no errors'})", flush=True)
@@ -131,6 +136,7 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {"servers": count, "updates_per_sec": rate, "fresh_updates_per_sec": fresh_rate,
             "rounds": done, "window_sec": t1 - t0,
             "mean_round_sec": sum(latencies) / len(latencies) if latencies else None,
+            "newer_share": newer_share, "mb_per_round": mb_per_round, "full_round_share": full_rounds,
             "gradient_wire_bytes": results[0]["wire_bytes"], "errors": errors, "server_status": servers}
 
 
@@ -143,7 +149,9 @@ def _server_summary(st: dict[str, Any]) -> dict[str, Any]:
     out_bytes = st["traffic"].get("bytes_out", {})
     kind = Update.TYPE.name  # (how the transport counts a message by its type)
     updates = st["traffic"].get("messages_out", {}).get(kind, 0)
+    stale = {int(k): n for k, n in (st.get("staleness_counts") or {}).items()}
     return {"version": st["version"], "answers": answers,
+            "mean_staleness": sum(k * n for k, n in stale.items()) / max(sum(stale.values()), 1),
             "entries_per_chain": dl["entries_sent"] / max(answers.get("chain", 0), 1),
             "tracks": [(t["interval"], t["entries"]) for t in dl.get("tracks", [])],
             "switches": dl.get("switches"), "forgotten": dl.get("forgotten"),
@@ -246,6 +254,7 @@ def main() -> None:
         r["full_share"] = sum(x["answers"].get("full", 0) for x in sv) / max(answers, 1)
         r["switches"] = sum(x["switches"] or 0 for x in sv)
         r["mb_out_per_answer"] = sum(x["mb_out_per_answer"] for x in sv) / max(len(sv), 1)
+        r["mean_staleness"] = sum(x["mean_staleness"] for x in sv) / max(len(sv), 1)
     quality = {} if args.skip_training else training_run()
     warm, window = WINDOWS[args.quick]
 
@@ -256,6 +265,8 @@ def main() -> None:
     rows = [[r["servers"], f"{r['updates_per_sec']:.2f}", ratio(r, ""), f"{r['fresh_updates_per_sec']:.2f}",
              ratio(r, "fresh_"), f"{r['bar']:.1f}", r["rounds"],
              f"{r['mean_round_sec']:.2f} s" if r["mean_round_sec"] else "-",
+             f"{100 * r['newer_share']:.0f} %", f"{r['mb_per_round']:.2f}",
+             f"{100 * r['full_round_share']:.1f} %", f"{r['mean_staleness']:.1f}",
              f"{100 * r['withheld_share']:.0f} %", f"{100 * r['full_share']:.0f} %", r["switches"],
              f"{r['mb_out_per_answer']:.2f}"] for r in lan]
     md = (
@@ -269,12 +280,16 @@ def main() -> None:
         f"({'--quick' if args.quick else 'full'} run). Bar (issue 20): ratio to S = 1 >= {BAR} x S. "
         "*Fresh*: rounds in which every server's answer brought newer weights; the others were "
         "answered \"no change\" (mostly *withheld*: the weights were due in full, and the server "
-        "already held as many copies of them for answers still on its link as it may). The last "
-        "columns are each server's whole run (its status at exit), averaged or summed over servers: "
-        "answers withheld and full, workers moved between downlink tracks (each with the full "
-        "weights), MB per answer.\n\n"
+        "already held as many copies of them for answers still on its link as it may, or the "
+        "worker's downlink track had not published since). In the window, per round: the share of "
+        "servers' answers that brought newer weights, the MB a worker received (all servers' "
+        "answers), and the rounds with a full answer among them. The last columns are each server's "
+        "whole run (its status at exit), averaged or summed over servers: the mean staleness of the "
+        "gradients it applied (versions), answers withheld and full, workers moved between downlink "
+        "tracks (each with the full weights), MB per answer.\n\n"
         + md_table(["S", "updates/s", "ratio to S=1", "fresh updates/s", "fresh ratio", "bar", "rounds",
-                    "mean round", "withheld", "full", "track moves", "MB/answer"], rows) + "\n")
+                    "mean round", "answers newer", "MB in / round", "rounds with full", "staleness",
+                    "withheld", "full", "track moves", "MB/answer"], rows) + "\n")
     if quality:
         gap = max(abs(quality["two_servers"] - quality["one_server"]),
                   abs(quality["two_servers"] - quality["plain_loop"]))
