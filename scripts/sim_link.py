@@ -11,15 +11,18 @@ choices (downlink tracks, moves, copies held, waiting answers) against a link mo
   outbound rate equally, as TCP flows through one bottleneck do; ``--full-seconds`` is the time
   the full weights take alone (3.2 s: 40 MB at 100 Mbit/s, the benchmark's).
 - A worker registers ``--stagger`` seconds after the one before, gets its welcome over the
-  link, and sends its next gradient 5 ms after its answer has arrived (nothing computed).
+  link, and sends its next gradient ``--step`` seconds after its answer has arrived (5 ms:
+  nothing computed, as the benchmark's light workers).
   Answers refer to their copies of the weights until they have arrived, so the coordinator's
   bound on copies (``MAX_HELD_SNAPSHOTS``) acts as on the LAN; an answer that waits for a copy
   is asked for again each time an answer arrives.
 
-Prints per 100 answers the full answers and the moves between tracks, and the rates over the
-last two thirds: updates/s and *fresh* updates/s (answers that brought newer weights).
+Prints per 100 answers the full answers and the moves between tracks, and over the last two
+thirds: updates/s, *fresh* updates/s (answers that brought newer weights), and how far behind
+the weights each gradient was computed on were, in versions and in seconds (a coarse track's
+"no change" answers cost no link and raise the first; the second is what training feels).
 
-Run: ``python scripts/sim_link.py [--workers 8] [--answers 3000] [--stagger 4]``
+Run: ``python scripts/sim_link.py [--workers 8] [--answers 3000] [--stagger 4] [--step 0.005]``
 """
 
 from __future__ import annotations
