@@ -81,6 +81,15 @@ def interleaved(
     return {name: Timing(s) for name, s in samples.items()}
 
 
+def machine_jiffies() -> tuple[int, int, int]:
+    """(busy, total, stolen) jiffies of all CPUs from /proc/stat; stolen = the time the
+    hypervisor ran something else while this virtual machine had work (counted in busy)."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + vals[4]
+    total = sum(vals[:8])
+    return total - idle, total, vals[7]
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     cpu = platform.processor() or "?"

@@ -78,7 +78,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _util import machine, md_table, report
+from _util import machine, machine_jiffies, md_table, report
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.roles.ps.ctl import ctl_request
@@ -164,15 +164,6 @@ def _memory(pid: int) -> dict[str, float]:
     return out
 
 
-def _machine_jiffies() -> tuple[int, int, int]:
-    """(busy, total, stolen) jiffies of all CPUs from /proc/stat; stolen = the time the
-    hypervisor ran something else while this virtual machine had work (counted in busy)."""
-    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = vals[3] + vals[4]
-    total = sum(vals[:8])
-    return total - idle, total, vals[7]
-
-
 class OutOfMemory(RuntimeError):
     """The machine's available memory fell below :data:`MIN_AVAILABLE_MB` during a run."""
 
@@ -194,9 +185,9 @@ def wait_quiet(max_wait: float) -> dict[str, Any]:
     :data:`QUIET_CORES` busy cores: this box is shared, a run should at least start quiet."""
     t0 = time.monotonic()
     while True:
-        a = _machine_jiffies()
+        a = machine_jiffies()
         time.sleep(1.0)
-        b = _machine_jiffies()
+        b = machine_jiffies()
         busy = (b[0] - a[0]) / max(1, b[1] - a[1]) * (os.cpu_count() or 1)
         waited = time.monotonic() - t0
         if busy < QUIET_CORES or waited >= max_wait:
@@ -389,7 +380,7 @@ class Run:
         threads = _thread_cpu(self.coord.pid)
         cpu = _proc_cpu(self.coord.pid)
         workers_cpu = sum(_proc_cpu(p.pid) for p, _, _ in self.workers)
-        mach = _machine_jiffies()
+        mach = machine_jiffies()
         mem = _memory(self.coord.pid)
         st = self.status(tries=5)
         return {"t": t, "pid": self.coord.pid, "threads": threads, "cpu": cpu,

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _util import machine, md_table, report
+from _util import machine, machine_jiffies, md_table, report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -105,8 +105,11 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                  *codec], env=env, stdout=open(run_dir / f"w{k}.log", "ab"), stderr=-2))
         _wait_files(started, 300, f"S={count}: workers' first rounds", [*procs, *workers])
         t0 = time.monotonic() + warm
-        time.sleep(warm + window)
+        time.sleep(warm)
+        busy0, total0, _ = machine_jiffies()
+        time.sleep(window)
         t1 = time.monotonic()
+        busy1, total1, _ = machine_jiffies()
         for w in workers:
             w.terminate()
         _wait_files(outs, 60, f"S={count}: workers' results", [])
@@ -137,6 +140,10 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "rounds": done, "window_sec": t1 - t0,
             "mean_round_sec": sum(latencies) / len(latencies) if latencies else None,
             "newer_share": newer_share, "mb_per_round": mb_per_round, "full_round_share": full_rounds,
+            # the box's busy cores in the window (2: the machine, not the links, is the limit), and the
+            # light workers' CPU seconds over their whole run
+            "machine_busy_cores": (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1),
+            "workers_cpu_sec": sum(r.get("cpu_sec", 0.0) for r in results),
             "gradient_wire_bytes": results[0]["wire_bytes"], "errors": errors, "server_status": servers}
 
 
@@ -268,7 +275,8 @@ def main() -> None:
              f"{100 * r['newer_share']:.0f} %", f"{r['mb_per_round']:.2f}",
              f"{100 * r['full_round_share']:.1f} %", f"{r['mean_staleness']:.1f}",
              f"{100 * r['withheld_share']:.0f} %", f"{100 * r['full_share']:.0f} %", r["switches"],
-             f"{r['mb_out_per_answer']:.2f}"] for r in lan]
+             f"{r['mb_out_per_answer']:.2f}", f"{r['machine_busy_cores']:.2f}",
+             f"{sum(x['cpu_per_sec'] for x in r['server_status']):.2f}"] for r in lan]
     md = (
         "## A sharded coordinator (`benchmarks/bench_shards.py`)\n\n"
         f"{WORKERS} light workers and S parameter servers, each on its own host of a simulated LAN "
@@ -286,10 +294,13 @@ def main() -> None:
         "answers), and the rounds with a full answer among them. The last columns are each server's "
         "whole run (its status at exit), averaged or summed over servers: the mean staleness of the "
         "gradients it applied (versions), answers withheld and full, workers moved between downlink "
-        "tracks (each with the full weights), MB per answer.\n\n"
+        "tracks (each with the full weights), MB per answer. Then the machine's busy cores in the "
+        f"window (of {os.cpu_count()}: near all of them, the box, not the links, is the limit) and the "
+        "servers' CPU in cores, summed (their whole run).\n\n"
         + md_table(["S", "updates/s", "ratio to S=1", "fresh updates/s", "fresh ratio", "bar", "rounds",
                     "mean round", "answers newer", "MB in / round", "rounds with full", "staleness",
-                    "withheld", "full", "track moves", "MB/answer"], rows) + "\n")
+                    "withheld", "full", "track moves", "MB/answer", "box busy cores", "servers' cores"],
+                   rows) + "\n")
     if quality:
         gap = max(abs(quality["two_servers"] - quality["one_server"]),
                   abs(quality["two_servers"] - quality["plain_loop"]))

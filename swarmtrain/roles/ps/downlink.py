@@ -609,13 +609,14 @@ class Downlink:
         than it lately waited between answers.
 
         Nor does it move down to a track where it would come back from the move, which is the
-        full weights, with a chain over half the weights: its usual gap plus what its last full
-        answer added to its lag (:attr:`AnswerGaps.full_extra`) calls for a track no finer
-        than its own (:meth:`_full_destination`), and it stays. On a link the weights take
-        seconds to cross, that extra is many times its usual gap: a worker answered often
-        while others waited for their weights moved down, came back tens of versions behind
-        and moved up, each time with the weights, over and over (``scripts/sim_link.py``:
-        3.6 moves and 8.2 full answers per 100 answers, the whole run long).
+        full weights, with a chain over half the weights: its usual gap plus what its full
+        answers added to its lag (:attr:`AnswerGaps.full_extra`, the most of its last four)
+        calls for a track no finer than its own (:meth:`_full_destination`), and it stays. On
+        a link the weights take seconds to cross, that extra is many times its usual gap: a
+        worker answered often while others waited for their weights moved down, came back
+        tens of versions behind and moved up, each time with the weights, over and over
+        (``scripts/sim_link.py``: 3.6 moves and 8.2 full answers per 100 answers, the whole
+        run long).
 
         A worker that gets the full weights anyway goes where its next answers will be small
         (:meth:`_full_destination`): when a chain on the track its lag calls for would be about
