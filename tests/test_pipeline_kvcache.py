@@ -275,6 +275,7 @@ def test_session_caches_refuse_a_start_other_than_the_cached_length() -> None:
 
 def test_session_caches_are_consistent_under_threads() -> None:
     caches = SessionCaches(max_bytes=50 * 800)
+    mismatches: list[str] = []  # (a put refused: its session was evicted after the get)
 
     def generate(worker: int) -> None:
         for session in range(20):
@@ -283,7 +284,15 @@ def test_session_caches_are_consistent_under_threads() -> None:
             for length in range(1, 10):
                 if caches.get(name) is None:
                     break  # evicted by another worker: resend from 0, as a client would
-                caches.put(name, _state(80 * (length + 1)), length + 1, start=length)
+                try:
+                    caches.put(name, _state(80 * (length + 1)), length + 1, start=length)
+                except CacheMismatch as exc:
+                    # evicted by another worker between the get and the put (the put is what
+                    # a client relies on, not the get: it says so, and the client resends from 0);
+                    # never a cache of another length
+                    assert "holds no cache" in str(exc), exc
+                    mismatches.append(name)
+                    break
             caches.stats()
 
     with ThreadPoolExecutor(max_workers=4) as pool:
