@@ -211,8 +211,7 @@ async def run_worker(args: argparse.Namespace) -> None:
     else:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    out = {"rounds": worker.rounds, "error": worker.error, "wire_bytes": worker.load.wire_bytes,
-           "cpu_sec": time.process_time()}
+    out = {"rounds": worker.rounds, "error": worker.error, "wire_bytes": worker.load.wire_bytes}
     tmp = Path(args.out + ".tmp")
     tmp.write_text(json.dumps(out))
     tmp.rename(args.out)

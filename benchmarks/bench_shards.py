@@ -140,10 +140,8 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "rounds": done, "window_sec": t1 - t0,
             "mean_round_sec": sum(latencies) / len(latencies) if latencies else None,
             "newer_share": newer_share, "mb_per_round": mb_per_round, "full_round_share": full_rounds,
-            # the box's busy cores in the window (2: the machine, not the links, is the limit), and the
-            # light workers' CPU seconds over their whole run
+            # the box's busy cores in the window (all of them: the machine, not the links, is the limit)
             "machine_busy_cores": (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1),
-            "workers_cpu_sec": sum(r.get("cpu_sec", 0.0) for r in results),
             "gradient_wire_bytes": results[0]["wire_bytes"], "errors": errors, "server_status": servers}
 
 

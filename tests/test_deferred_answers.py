@@ -48,6 +48,21 @@ def _hold_every_copy(c: Coordinator) -> list[bytearray]:
     return held
 
 
+async def _joined(port: int, fingerprint: Any) -> tuple[Any, Weights]:
+    """Worker "w" registered over a real connection, welcomed and started: (the connection, its
+    welcome)."""
+    conn = await connect(HOST, port, secret=SECRET, role="worker", timeouts=TIMEOUTS)
+    await conn.send(Register(worker_id="w", task="", fingerprint=fingerprint, hardware={}, batch_size=32,
+                             accumulation_steps=1, shard_index=-1, compression={"type": "none"},
+                             samples_per_sec=0.0))
+    assert isinstance(await conn.recv(timeout=30), RegisterAck)
+    welcome = await conn.recv(timeout=30)
+    assert isinstance(welcome, Weights)
+    while not isinstance(await conn.recv(timeout=30), Start):
+        pass
+    return conn, welcome
+
+
 def test_an_answer_due_the_weights_waits_for_a_copy_over_a_real_connection() -> None:
     """A worker whose answer is the full weights (a lossless downlink) while every copy the
     coordinator may hold is held: its answer does not come at once; once a copy is let go it
@@ -65,16 +80,8 @@ def test_an_answer_due_the_weights_waits_for_a_copy_over_a_real_connection() -> 
             "network.heartbeat_interval_sec": 0.5, "network.heartbeat_timeout_sec": 2.0})
         c = Coordinator(model, cfg, secret=SECRET)
         await c.start()
-        conn = await connect(HOST, c.port, secret=SECRET, role="worker", timeouts=TIMEOUTS)
+        conn, welcome = await _joined(c.port, fingerprint)
         try:
-            await conn.send(Register(worker_id="w", task="", fingerprint=fingerprint, hardware={},
-                                     batch_size=32, accumulation_steps=1, shard_index=-1,
-                                     compression={"type": "none"}, samples_per_sec=0.0))
-            assert isinstance(await conn.recv(timeout=30), RegisterAck)
-            welcome = await conn.recv(timeout=30)
-            assert isinstance(welcome, Weights)
-            while not isinstance(await conn.recv(timeout=30), Start):
-                pass
             g = grads_of(c.params, 1)
             held = _hold_every_copy(c)
             await conn.send(message(c.params, g, fuse=False, msg_id=1, version=welcome.version))
@@ -159,21 +166,6 @@ def test_a_wait_ends_unanswered_when_its_worker_registers_again_on_another_conne
     model = _model()
     fingerprint = ModelState(model).fingerprint()
 
-    def register() -> Register:
-        return Register(worker_id="w", task="", fingerprint=fingerprint, hardware={}, batch_size=32,
-                        accumulation_steps=1, shard_index=-1, compression={"type": "none"},
-                        samples_per_sec=0.0)
-
-    async def joined(port: int) -> tuple[Any, Weights]:
-        conn = await connect(HOST, port, secret=SECRET, role="worker", timeouts=TIMEOUTS)
-        await conn.send(register())
-        assert isinstance(await conn.recv(timeout=30), RegisterAck)
-        welcome = await conn.recv(timeout=30)
-        assert isinstance(welcome, Weights)
-        while not isinstance(await conn.recv(timeout=30), Start):
-            pass
-        return conn, welcome
-
     async def scenario() -> None:
         cfg = load_coordinator_config(overrides={
             "network.host": HOST, "network.port": 0, "training.learning_rate": 1e-3,
@@ -181,7 +173,7 @@ def test_a_wait_ends_unanswered_when_its_worker_registers_again_on_another_conne
             "network.heartbeat_interval_sec": 0.5, "network.heartbeat_timeout_sec": 2.0})
         c = Coordinator(model, cfg, secret=SECRET)
         await c.start()
-        old, welcome = await joined(c.port)
+        old, welcome = await _joined(c.port, fingerprint)
         new = None
         held: list[bytearray] = []
         try:
@@ -190,7 +182,7 @@ def test_a_wait_ends_unanswered_when_its_worker_registers_again_on_another_conne
             await old.send(message(c.params, g, fuse=False, msg_id=1, version=welcome.version))
             with pytest.raises(SwarmTimeout):
                 await old.recv(timeout=0.5)  # (it waits)
-            new, again = await joined(c.port)  # (the old connection is closed by the coordinator)
+            new, again = await _joined(c.port, fingerprint)  # (the coordinator closes the old connection)
             held += _hold_every_copy(c)  # (the welcome made a copy of its own)
             asked = time.monotonic()
             await new.send(message(c.params, g, fuse=False, msg_id=7, version=again.version))
