@@ -154,3 +154,30 @@ def test_a_healthy_group_refuses_a_smaller_one_and_is_joined_by_it() -> None:
     merged = net.propose(a)
     assert merged is not None and merged.world_size == 4  # type: ignore[attr-defined]
     assert merged.donor in (a.me, b.me, c.me)  # type: ignore[attr-defined]
+
+
+def test_a_group_re_forming_keeps_its_state_when_a_peer_alone_proposes() -> None:
+    # the late joiner of test_peer_lan.py: it formed a view alone (min-peers 1) and proposes
+    # to merge while the group's members re-form (a ring broke: a member slow under load, or
+    # an epoch of the group's own leader that the joiner did not install), so they accept it;
+    # the group's state, not the joiner's round 0, is the one the merged view starts from
+    net = Net(4)
+    j, a, b, c = net.nodes
+    net.split([j], [a, b, c])
+    assert net.propose(a) is not None
+    net.train([a, b, c], 10 * 3 * 5 * 32)
+    assert net.propose(j) is not None
+    net.train([j], 0)  # its first state sync completed; no round yet
+    net.groups = None
+    for n in (a, b, c):
+        n.healthy = False
+    merged = net.propose(j)
+    assert merged is not None and merged.world_size == 4  # type: ignore[attr-defined]
+    assert merged.donor in (a.me, b.me, c.me)  # type: ignore[attr-defined]
+    # but a copy the group has trained past counts for nothing while the group re-forms: a
+    # completed round 5 of four (work 400 + 100) as the ring broke, b, c and d redid it
+    # without a (400 + 75) in epoch 2; a's copy, with more work, descends from epoch 1
+    four, three = Anchor(1, frozenset("abcd"), True), Anchor(2, frozenset("bcd"), True)
+    standing = {"a": _Standing(0, 500, 5, (four,)), **{p: _Standing(0, 475, 5, (three,)) for p in "bcd"}}
+    plan = plan_view("a", standing)
+    assert plan is not None and plan[1] in "bcd"

@@ -15,17 +15,19 @@ one with more training, and how a peer that was cut off and comes back is kept f
 splitting the group it left: it is refused with code ``follows`` naming the leader, and waits
 for that leader to take it in.
 
-The right state wins. The donor is the member whose state carries the most training
-(work, then rounds). A group may only *train* if it holds a quorum of the views its state
-descends from, so a peer cut off from its group does not train a copy that diverges (and
-would later be the one with more rounds). Each node reports two *anchors*: the view it has
-installed and the last view it completed a collective in. A new view needs, for every anchor
-of the donor's lineage (anchors linked to the donor's through shared members) that no later
-*trained* anchor supersedes, a strict majority of that anchor's members, or exactly half of
-them including its lowest id (so of two halves exactly one goes on). Peers that said goodbye
-(REFORM ``leave``) do not count. A node that cannot form such a view is *paused*: it keeps
-its state, trains nothing, and rejoins when the partition heals. ``quorum="none"`` turns the
-rule off (any group trains; the one with more training wins at the merge).
+The right state wins. The donor is a member of the largest group whose state is not left
+behind (the last view it trained in, also while it re-forms), then the one whose state
+carries the most training (work, then rounds). A group may only *train* if it holds a quorum
+of the views its state descends from, so a peer cut off from its group does not train a copy
+that diverges (and would later be the one with more rounds). Each node reports two
+*anchors*: the view it has installed and the last view it completed a collective in. A new
+view needs, for every anchor of the donor's lineage (anchors linked to the donor's through
+shared members) that no later *trained* anchor supersedes, a strict majority of that
+anchor's members, or exactly half of them including its lowest id (so of two halves exactly
+one goes on). Peers that said goodbye (REFORM ``leave``) do not count. A node that cannot
+form such a view is *paused*: it keeps its state, trains nothing, and rejoins when the
+partition heals. ``quorum="none"`` turns the rule off (any group trains; the one with more
+training wins at the merge).
 
 Every PROPOSE/ACCEPT/COMMIT, and REFORM, is signed with its sender's Ed25519 key and carries
 that public key; the sender's peer id must be the hash of the key, so no node can speak for
@@ -152,20 +154,38 @@ def _required(donor: str, standing: Mapping[str, _Standing]) -> list[tuple[str, 
             if not any(b.trained and b.epoch > a.epoch and b.members & a.members for _, b in lineage)]
 
 
+def _working_group(who: str, standing: Mapping[str, _Standing]) -> int:
+    """The size of the working group whose state ``who`` holds, to rank donors: the last
+    view it completed a collective in (its :meth:`Membership.group` while that view's ring
+    works, which is that view's size) — also while it re-forms, so a group whose ring broke a
+    moment ago still outranks a peer that trained alone — or 0 if another member here has
+    since trained in a later view with some of the same members: ``who``'s state was left
+    behind (a cut-off minority, a resumed peer), and never outranks the group that went on."""
+    st = standing[who]
+    last = max((a for a in st.anchors if a.trained), key=lambda a: a.epoch, default=None)
+    if last is None:
+        return st.group
+    if any(b.trained and b.epoch > last.epoch and b.members & last.members
+           for other in standing.values() for b in other.anchors):
+        return 0
+    return max(st.group, len(last.members))
+
+
 def plan_view(me: str, standing: Mapping[str, _Standing], *, left: set[str] | frozenset[str] = frozenset(),
               current_donor: str = "", quorum: str = "majority") -> tuple[list[str], str] | None:
     """The members and donor of the view to commit from those that accepted (``standing``,
     which includes ``me``), or None if ``me`` cannot be in a view that may train.
 
-    The donor is the member of the largest working group (see :meth:`Membership.group`),
-    then with the most work (then rounds, then the current donor, then the lowest id). A
+    The donor is the member of the largest working group (:func:`_working_group`), then
+    with the most work (then rounds, then the current donor, then the lowest id). A
     member whose anchor of the donor's lineage lacks a quorum here is left out (a newer view
     of it may be training elsewhere); if the donor's own anchor does, the donor and its
     lineage are left out and the next best donor is tried.
     """
     chosen = dict(standing)
     while me in chosen:
-        donor = max(chosen, key=lambda p: (chosen[p].group, chosen[p].work, chosen[p].rounds,
+        group = {p: _working_group(p, chosen) for p in chosen}
+        donor = max(chosen, key=lambda p: (group[p], chosen[p].work, chosen[p].rounds,
                                            p == current_donor, -_rank(p), p))
         if quorum == "none":
             return sorted(chosen), donor
@@ -297,7 +317,9 @@ class Membership:
         """The size of the working group this node's state belongs to: its view's, while that
         view's ring works (a collective of it completed here); 0 while it is re-forming or
         paused. The larger working group's state wins a merge, so a peer that trained alone
-        while it looked for the others (or a cut-off minority) never overwrites a group's."""
+        while it looked for the others (or a cut-off minority) never overwrites a group's; to
+        pick the donor, a member that re-forms counts the group it last trained in
+        (:func:`_working_group`), as its state is still that group's."""
         return len(self.view.members) if self.view is not None and self.healthy else 0
 
     def trained_in(self, epoch: int) -> None:
