@@ -243,6 +243,70 @@ class _HasKind(Protocol):
 InputT = TypeVar("InputT", bound=_HasKind)
 
 
+STARVED_STALL = 0.5
+"""Seconds the event loop must have been held up, with the process off the CPU for most of
+them, for a failed legitimate request to be taken for the box's doing (see :class:`_Stalls`)."""
+
+
+class _Stalls:
+    """Watches the event loop the fuzzer and an in-process node share: how long it was held
+    up, and whether the process had the CPU meanwhile. The nodes' handshake bound is 1 s
+    (:data:`FUZZ_TIMEOUTS`), and a box running other tests can take the CPU from the whole
+    process for that long; the legitimate client then answers its challenge late and the
+    node rightly refuses it. A stall with the CPU is the node's (or the fuzzer's) own work
+    blocking the loop; one without it is the box."""
+
+    TICK = 0.05
+    #: a stall in which the process had the CPU less than this share of the time was the box's
+    #: (a process blocked by work still gets a third of a core when three share two)
+    OFF_CPU = 0.25
+
+    def __init__(self) -> None:
+        self.starved = 0.0  # the longest stall since reset without the CPU (s)
+        self.busy = 0.0  # ... and with it
+
+        self._since = (time.monotonic(), time.process_time())  # the tick under way
+
+    def reset(self) -> None:
+        self.starved = self.busy = 0.0
+
+    def settle(self) -> None:
+        """Count the tick under way (a stall that just ended, before the watch woke)."""
+        wall, cpu = self._since
+        lag = time.monotonic() - wall - self.TICK
+        if lag > self.TICK:
+            if time.process_time() - cpu < self.OFF_CPU * lag:
+                self.starved = max(self.starved, lag)
+            else:
+                self.busy = max(self.busy, lag)
+
+    async def watch(self) -> None:
+        while True:
+            self._since = (time.monotonic(), time.process_time())
+            await asyncio.sleep(self.TICK)
+            self.settle()
+
+
+async def _checked(live: Callable[[], Awaitable[str | None]], stalls: _Stalls,
+                   report: FuzzReport) -> str | None:
+    """``live()``, asked once more (and noted) if it failed while the box held the whole
+    process off the CPU (a node that does not serve fails the second request too); a
+    failure says how long the loop stalled."""
+    stalls.reset()
+    problem = await live()
+    stalls.settle()
+    if problem is not None and stalls.starved >= STARVED_STALL:
+        report.notes.append(f"a legitimate request failed while the process was off the CPU for "
+                            f"{stalls.starved:.1f} s and was asked again ({problem})")
+        stalls.reset()
+        problem = await live()
+        stalls.settle()
+    if problem is None:
+        return None
+    return (f"{problem} (the event loop stalled up to {stalls.busy:.2f} s busy, "
+            f"{stalls.starved:.2f} s off the CPU)")
+
+
 async def run_inputs(report: FuzzReport, make: Callable[[int], InputT],
                      send: Callable[[InputT, int], Awaitable[str]],
                      live: Callable[[], Awaitable[str | None]], *, count: int, seconds: float,
@@ -276,13 +340,18 @@ async def run_inputs(report: FuzzReport, make: Callable[[int], InputT],
             if outcome == "error:internal":
                 report.crashes.append(f"input {i} ({inp.kind}): the node answered 'internal'")
             if outcome in ("no_answer", "node_fault", "refused") or i % 50 == 49:
-                problem = await live()
+                problem = await _checked(live, stalls, report)
                 if problem is not None:
                     report.hangs.append(f"input {i} ({inp.kind}, {outcome}): {problem}")
             if progress is not None and i % 100 == 99:
                 progress(report)
 
-    await asyncio.gather(*(one_worker() for _ in range(concurrency)))
+    stalls = _Stalls()
+    watch = asyncio.create_task(stalls.watch())
+    try:
+        await asyncio.gather(*(one_worker() for _ in range(concurrency)))
+    finally:
+        watch.cancel()
     report.elapsed = time.monotonic() - start
 
 
