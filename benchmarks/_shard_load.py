@@ -14,7 +14,8 @@ its slice, all at once, with that server's version, and waits for every server's
 *round*, one whole-gradient update) before the next, paced at ``--rate`` rounds/s. Answers
 are read and decoded, not applied. On SIGTERM or ``--seconds`` it writes a JSON file with
 every round's (sent, all answered, fresh) on the machine's monotonic clock: *fresh* when every
-server's answer brought newer weights (not "no change").
+server's answer brought newer weights (not "no change"), *applied* when every server applied
+its slice (none dropped it as staler than the servers' ``--max-staleness``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from swarmtrain.roles.ps.cluster import shard_of_model, split_address
 from swarmtrain.roles.ps.coordinator import Coordinator
 from swarmtrain.roles.ps.partition import parse_server_spec, partition_model
 from swarmtrain.transport import Connection, Timeouts, connect
-from swarmtrain.wire import Gradients, Register, RegisterAck, Start, Update, Weights
+from swarmtrain.wire import Gradients, Register, RegisterAck, Start, Update, UpdateStatus, Weights
 
 PORT = 7100
 HEARTBEAT_TIMEOUT_SEC = 120.0
@@ -52,7 +53,7 @@ def server_config(args: argparse.Namespace, leader: bool) -> Any:
     return load_coordinator_config(overrides={
         "compression.type": args.compression, "compression.topk_ratio": args.topk_ratio,
         "compression.downlink_bits": args.downlink_bits,
-        "training.learning_rate": LR, "training.max_staleness": MAX_STALENESS,
+        "training.learning_rate": LR, "training.max_staleness": args.max_staleness,
         "training.min_workers": args.min_workers if leader else 1,
         "network.host": "0.0.0.0", "network.port": PORT,
         "network.heartbeat_timeout_sec": HEARTBEAT_TIMEOUT_SEC, "network.handshake_timeout_sec": 60.0,
@@ -176,7 +177,7 @@ class ShardedLightWorker:
             sent = time.monotonic()
             await asyncio.gather(*(link.conn.send(dataclasses.replace(
                 link.message, msg_id=msg_id, version=link.version)) for link in links))
-            newer, nbytes, full = 0, 0, False
+            newer, applied, nbytes, full = 0, 0, 0, False
             for link in links:
                 async with asyncio.timeout(WAIT_SEC):
                     answer = await link.answered.get()
@@ -184,12 +185,14 @@ class ShardedLightWorker:
                     raise answer
                 # ("no change": the server had no copy of the weights it could send, or nothing new)
                 newer += answer.version > link.version
+                applied += answer.status == UpdateStatus.APPLIED
                 nbytes += sum(t.numel() * t.element_size() for t in answer.tensors.values())
                 full = full or answer.full
                 link.version = answer.version
-            # (sent, answered, every server's answer newer, the share of answers newer, bytes, a full one)
+            # (sent, answered, every server's answer newer, the share of answers newer, bytes, a full
+            # one, every server applied its slice: none dropped it as staler than max_staleness)
             self.rounds.append((sent, time.monotonic(), newer == len(links), newer / len(links), nbytes,
-                                full))
+                                full, applied == len(links)))
             if len(self.rounds) == 1:
                 Path(self.args.started_file).write_text("1")
             next_at = max(next_at + period, time.monotonic())
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--min-workers", type=int, default=1)
     s.add_argument("--ready-file", required=True, help="written once the server listens")
     s.add_argument("--status-file", default="", help="written at exit: the server's status, CPU time")
+    s.add_argument("--max-staleness", type=int, default=MAX_STALENESS,
+                   help="the coordinator's (default: every gradient applied)")
     w = sub.add_parser("worker")
     w.add_argument("--leader", required=True)
     w.add_argument("--worker-id", required=True)

@@ -84,6 +84,7 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     run_dir = tmp / f"s{count}"
     run_dir.mkdir()
     codec = ["--topk-ratio", str(args.topk_ratio), "--downlink-bits", "2"]
+    bound = ["--max-staleness", str(args.max_staleness)] if args.max_staleness is not None else []
     with SimulatedLAN(count + WORKERS, rate_mbit=RATE_MBIT) as lan:
         addresses = [f"{lan.hosts[i].address}:7100" for i in range(count)]
         procs, ready = [], []
@@ -92,7 +93,7 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             procs.append(lan.hosts[i].run(
                 [sys.executable, str(HERE / "_shard_load.py"), "server", "--shard", f"{i}/{count}",
                  "--servers", *addresses, "--min-workers", str(WORKERS), "--ready-file", str(ready[-1]),
-                 "--status-file", str(run_dir / f"server{i}.status.json"), *codec],
+                 "--status-file", str(run_dir / f"server{i}.status.json"), *codec, *bound],
                 env=env, stdout=open(run_dir / f"server{i}.log", "ab"), stderr=-2))
         _wait_files(ready, 180, f"S={count}: servers", procs)
         outs, started, workers = [], [], []
@@ -123,7 +124,9 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     inside = [r for res in results for r in res["rounds"] if t0 <= r[1] <= t1]
     done = len(inside)
     latencies = [a - s for s, a, *_ in inside]
-    rate = done / (t1 - t0)
+    # an update is a round every server applied (none dropped its slice as staler than the bound)
+    applied = sum(1 for r in inside if r[6])
+    rate = applied / (t1 - t0)
     fresh_rate = sum(1 for r in inside if r[2]) / (t1 - t0)
     # per round in the window: the share of servers' answers that brought newer weights, the MB
     # a worker received, and the rounds with a full answer among them
@@ -131,13 +134,13 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     mb_per_round = sum(r[4] for r in inside) / max(done, 1) / 1e6
     full_rounds = sum(1 for r in inside if r[5]) / max(done, 1)
     print(f"S={count}: {rate:.2f} updates/s, {fresh_rate:.2f} answered with newer weights "
-          f"({done} rounds in {t1 - t0:.1f} s; "
+          f"({done} rounds in {t1 - t0:.1f} s, {done - applied} dropped as stale; "
           f"{'errors: ' + '; '.join(errors) if errors else 'no errors'})", flush=True)
     servers = [_server_summary(st) for st in statuses]
     for i, sv in enumerate(servers):
         print(f"   server {i}: {sv}", flush=True)
     return {"servers": count, "updates_per_sec": rate, "fresh_updates_per_sec": fresh_rate,
-            "rounds": done, "window_sec": t1 - t0,
+            "rounds": done, "stale_rounds": done - applied, "window_sec": t1 - t0,
             "mean_round_sec": sum(latencies) / len(latencies) if latencies else None,
             "newer_share": newer_share, "mb_per_round": mb_per_round, "full_round_share": full_rounds,
             # the box's busy cores in the window (all of them: the machine, not the links, is the limit)
@@ -238,6 +241,9 @@ def main() -> None:
     ap.add_argument("--servers", default="1,2,4", help="comma-separated S values (S = 1 first)")
     ap.add_argument("--topk-ratio", type=float, default=0.01)
     ap.add_argument("--skip-training", action="store_true", help="the LAN part only")
+    ap.add_argument("--max-staleness", type=int, default=None,
+                    help="the servers' (default: every gradient applied); results go to "
+                    "shards-staleness<N>.md")
     args = ap.parse_args()
     counts = [int(s) for s in args.servers.split(",")]
     ok, why = netns_available()
@@ -269,6 +275,7 @@ def main() -> None:
 
     rows = [[r["servers"], f"{r['updates_per_sec']:.2f}", ratio(r, ""), f"{r['fresh_updates_per_sec']:.2f}",
              ratio(r, "fresh_"), f"{r['bar']:.1f}", r["rounds"],
+             f"{100 * r['stale_rounds'] / max(r['rounds'], 1):.0f} %",
              f"{r['mean_round_sec']:.2f} s" if r["mean_round_sec"] else "-",
              f"{100 * r['newer_share']:.0f} %", f"{r['mb_per_round']:.2f}",
              f"{100 * r['full_round_share']:.1f} %", f"{r['mean_staleness']:.1f}",
@@ -283,7 +290,12 @@ def main() -> None:
         "gradient) and uniform 2-bit deltas down; a worker sends every server its slice of a real "
         "gradient at once and the next gradient once all have answered. Updates/s = whole-gradient "
         f"updates completed by all workers in a {window:g} s window after {warm:g} s of warm-up "
-        f"({'--quick' if args.quick else 'full'} run). Bar (issue 20): ratio to S = 1 >= {BAR} x S. "
+        f"({'--quick' if args.quick else 'full'} run), "
+        + ("every gradient applied (the servers' max_staleness above any staleness reached)"
+           if args.max_staleness is None else
+           f"with the servers' max_staleness at {args.max_staleness}: a round some server dropped as "
+           "staler than that (*dropped stale*) is no update")
+        + f". Bar (issue 20): ratio to S = 1 >= {BAR} x S. "
         "*Fresh*: rounds in which every server's answer brought newer weights; the others were "
         "answered \"no change\" (mostly *withheld*: the weights were due in full, and the server "
         "already held as many copies of them for answers still on its link as it may, or the "
@@ -296,8 +308,9 @@ def main() -> None:
         f"window (of {os.cpu_count()}: near all of them, the box, not the links, is the limit) and the "
         "servers' CPU in cores, summed (their whole run).\n\n"
         + md_table(["S", "updates/s", "ratio to S=1", "fresh updates/s", "fresh ratio", "bar", "rounds",
-                    "mean round", "answers newer", "MB in / round", "rounds with full", "staleness",
-                    "withheld", "full", "track moves", "MB/answer", "box busy cores", "servers' cores"],
+                    "dropped stale", "mean round", "answers newer", "MB in / round", "rounds with full",
+                    "staleness", "withheld", "full", "track moves", "MB/answer", "box busy cores",
+                    "servers' cores"],
                    rows) + "\n")
     if quality:
         gap = max(abs(quality["two_servers"] - quality["one_server"]),
@@ -309,8 +322,8 @@ def main() -> None:
                f"{QUALITY_BOUND}: {'met' if gap <= QUALITY_BOUND else '**not met**'}).\n")
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "quick": args.quick,
             "rate_mbit": RATE_MBIT, "workers": WORKERS, "topk_ratio": args.topk_ratio, "lan": lan,
-            "quality": quality, "seconds": time.monotonic() - began}
-    report("shards", data, md)
+            "max_staleness": args.max_staleness, "quality": quality, "seconds": time.monotonic() - began}
+    report("shards" if args.max_staleness is None else f"shards-staleness{args.max_staleness}", data, md)
 
 
 if __name__ == "__main__":

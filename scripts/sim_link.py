@@ -22,7 +22,9 @@ thirds: updates/s, *fresh* updates/s (answers that brought newer weights), and h
 the weights each gradient was computed on were, in versions and in seconds (a coarse track's
 "no change" answers cost no link and raise the first; the second is what training feels).
 
-Run: ``python scripts/sim_link.py [--workers 8] [--answers 3000] [--stagger 4] [--step 0.005]``
+Run: ``python scripts/sim_link.py [--workers 8] [--answers 3000] [--stagger 4] [--step 0.005]
+[--max-staleness N]`` (by default every gradient is applied; with N, those staler are dropped
+and counted, and the downlink uses no track coarser than N / 2)
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ from swarmtrain.wire import Gradients, Update, UpdateStatus, encode_bytes
 
 
 def simulate(workers: int, answers: int, stagger: float, full_seconds: float, seed: int,
-             step: float = 0.005) -> dict[str, Any]:
+             step: float = 0.005, max_staleness: int = 100_000) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
     cfg = load_coordinator_config(overrides={
         "compression.type": "topk", "compression.topk_ratio": 0.01, "compression.downlink_bits": 2,
-        "training.learning_rate": 1e-3, "training.max_staleness": 100_000, "checkpointing.interval": 0})
+        "training.learning_rate": 1e-3, "training.max_staleness": max_staleness,
+        "checkpointing.interval": 0})
     c = Coordinator(model, cfg, task_name="sim")
     c._connected = lambda: list(c.workers.values())  # type: ignore[method-assign]  # (no sockets here)
     full_bytes = 4 * sum(p.numel() for p in c.params.values())
@@ -69,6 +72,7 @@ def simulate(workers: int, answers: int, stagger: float, full_seconds: float, se
     per100: list[collections.Counter[str]] = []
     fresh_at: list[float] = []
     answered_at: list[float] = []
+    applied_at: list[float] = []
     made_at = {0: 0.0}  # version -> when it was made
     stale: list[tuple[float, int, float]] = []  # (when, versions behind, seconds old) per gradient
 
@@ -118,7 +122,9 @@ def simulate(workers: int, answers: int, stagger: float, full_seconds: float, se
         status, reply = c._apply_gradient(rec, msg)
         made_at[c.version] = now
         done += 1
-        if status != UpdateStatus.APPLIED:
+        if status == UpdateStatus.APPLIED:
+            applied_at.append(now)
+        elif status != UpdateStatus.STALE:
             raise SystemExit(f"gradient {status}")
         if reply is None:
             waiting[i] = msg_ids[i]
@@ -130,7 +136,8 @@ def simulate(workers: int, answers: int, stagger: float, full_seconds: float, se
     start = answered_at[len(answered_at) // 3]
     span = max(now - start, 1e-9)
     late = [(v, age) for t, v, age in stale if t >= start]
-    return {"per100": per100, "rate": sum(1 for t in answered_at if t >= start) / span,
+    return {"per100": per100, "rate": sum(1 for t in applied_at if t >= start) / span,
+            "dropped": 1 - sum(1 for t in applied_at if t >= start) / max(1, len(late)),
             "staleness": sum(v for v, _ in late) / len(late), "age": sum(a for _, a in late) / len(late),
             "fresh": sum(1 for t in fresh_at if t >= start) / span, "switches": c.downlink.switches,
             "tracks": collections.Counter(r.track for r in recs)}
@@ -146,11 +153,15 @@ def main() -> None:
     ap.add_argument("--step", type=float, default=0.005,
                     help="seconds a worker computes between its answer and its next gradient")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-staleness", type=int, default=100_000,
+                    help="the coordinator's (default: every gradient applied)")
     args = ap.parse_args()
-    r = simulate(args.workers, args.answers, args.stagger, args.full_seconds, args.seed, args.step)
+    r = simulate(args.workers, args.answers, args.stagger, args.full_seconds, args.seed, args.step,
+                 args.max_staleness)
     print("per 100 answers, full weights:", [b["full"] for b in r["per100"]])
     print("per 100 answers, moves between tracks:", [b["moves"] for b in r["per100"]])
-    print(f"last two thirds: {r['rate']:.2f} updates/s, {r['fresh']:.2f} with newer weights; "
+    print(f"last two thirds: {r['rate']:.2f} updates/s (applied; {100 * r['dropped']:.0f} % dropped as "
+          f"stale), {r['fresh']:.2f} answers with newer weights/s; "
           f"moves in all {r['switches']}; tracks at the end {dict(r['tracks'])}")
     print(f"gradients computed on weights {r['staleness']:.1f} versions behind the master, "
           f"made {r['age']:.2f} s before (means over the last two thirds)")

@@ -88,7 +88,7 @@ def test_an_answer_due_the_weights_waits_for_a_copy_over_a_real_connection() -> 
             with pytest.raises(SwarmTimeout):  # (no answer while every copy is held)
                 await conn.recv(timeout=0.6)
             assert c.workers["w"].waits_for is not None and c.version == welcome.version + 1
-            assert c.status()["snapshots"]["waiting"] == 1
+            assert c.status()["snapshots"]["waiting"] == 1 and c.status()["downlink"]["deferred"] == 1
             released = time.monotonic()
             held.clear()
             answer = await conn.recv(timeout=10)

@@ -1492,6 +1492,7 @@ class Coordinator:
                      or self._instead_of_weights(rec, master, msg_id, status))
             if reply is None:
                 rec.waits_for = dest  # (answered once a copy may be made: _deferred_answer)
+                self.downlink.deferred += 1
                 return None
         else:
             reply = self._chain_update(rec, msg_id, status, chain, self.downlink.tracks[rec.track].head)

@@ -573,6 +573,8 @@ class Downlink:
         #: answers with a chain of the worker's own track because the weights it was due
         #: could not be copied (the coordinator's MAX_HELD_SNAPSHOTS: see _instead_of_weights)
         self.instead_of_weights = 0
+        #: answers that waited for a copy of the weights (the coordinator's _deferred_answer)
+        self.deferred = 0
         self._last_entry = 0  # (_entry_bytes)
 
     @property
@@ -743,4 +745,4 @@ class Downlink:
                 "entries_sent": sum(t.entries_sent for t in self.tracks),
                 "log_bytes": sum(t.log_bytes() for t in self.tracks), "tracks": used,
                 "switches": self.switches, "forgotten": self.forgotten,
-                "instead_of_weights": self.instead_of_weights}
+                "instead_of_weights": self.instead_of_weights, "deferred": self.deferred}
