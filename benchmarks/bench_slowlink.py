@@ -1,0 +1,196 @@
+"""Training a 1.3 M-parameter Hugging Face GPT-2 through slow links, against one process.
+
+Where the parameter server's slow-link machinery acts: a model above 2^20 parameters (its
+copies of the weights pooled and bounded, answers waiting for a copy; see
+docs/architecture.md) and links slow enough that an answer takes longer than an update. The
+model is ``_slowlink_task.py``'s (the conformance zoo's GPT-2 case, 4 layers of width 160,
+tied embeddings, byte vocabulary, stdlib source bytes), trained
+
+- in one plain PyTorch process: ``torch.optim.Adam``, ``--steps`` updates of 16 sequences,
+  1 thread (the yardstick: the same samples, the same held-out evaluation);
+- through the parameter server on a simulated LAN (network namespaces, needs root): the
+  coordinator on one host and ``--workers`` workers on others, each a real process started
+  with the CLI (``--task _slowlink_task:factory``), every host's link limited to each rate of
+  ``--rates`` each way (``unlimited``: no limit). Bounded asynchrony (``aggregate_samples`` =
+  16, the setting docs/python-api.md gives for quality): each worker computes gradients of
+  16 / workers sequences and the coordinator steps once per 16 samples, ``--steps`` updates
+  in all, the samples of one process. Top-k 1 % up, the default downlink (uniform 4-bit
+  deltas). The coordinator's final evaluation (on the case's held-out set, as one process's)
+  is read from its status at exit.
+
+Printed and written (``results/slowlink.md``): held-out loss of each run and its ratio to one
+process (bound: 1.05), wall time to the end (every run trains the same samples, so this is
+the time to its final loss), updates/s, and from the coordinator's status what its answers
+were (chains, full weights, "no change", answers that waited for a copy), moves between
+downlink tracks, MB it sent per update.
+
+Run: ``python benchmarks/bench_slowlink.py [--quick] [--steps 300] [--workers 4] [--rates unlimited,100,20]``
+(about 15 minutes; needs root)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _slowlink_task import BATCH, case
+from _util import machine, md_table, report, write_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from swarmtrain.testing import SimulatedLAN, netns_available
+from swarmtrain.testing.cluster import LanCluster
+from tests.conformance.harness import train_one_process
+
+HERE = Path(__file__).resolve().parent
+BOUND = 1.05  # held-out loss within 5 % of one process's
+#: the uplink codecs, and the downlink `auto` gives each
+UPLINK = {"topk": "top-k 1 % (downlink: uniform 4-bit deltas)",
+          "fp16": "fp16 (downlink: the weights in fp16)", "none": "fp32 (downlink: fp32)"}
+CAP_S = 3600.0  # one run's wall-clock cap
+NETWORK_TOML = """
+[network]
+heartbeat_interval_sec = 1.0
+heartbeat_timeout_sec = 30.0
+handshake_timeout_sec = 30.0
+"""
+
+
+def lan_run(rate: float | None, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One cluster on a fresh LAN, every link at ``rate`` Mbit/s (None: unlimited)."""
+    with SimulatedLAN(1 + args.workers) as lan:
+        if rate is not None:
+            for host in lan.hosts:
+                host.set_rate(rate)
+        c = LanCluster(lan, tmp)
+        compression = f'\n[compression]\ntype = "{args.compression}"\ntopk_ratio = 0.01\n'
+        (tmp / "coordinator.toml").write_text(
+            NETWORK_TOML + f"\n[training]\naggregate_samples = {BATCH}\n" + compression)
+        (tmp / "worker.toml").write_text(NETWORK_TOML + "reconnect_attempts = 0\n" + compression)
+        c.env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+        task = ("--task", "_slowlink_task:factory")
+        try:
+            c.start_coordinator(*task, "--min-workers", str(args.workers), "--max-steps", str(args.steps),
+                                "--eval-interval", "3600", "--checkpoint-interval", "0")
+            started = time.monotonic()
+            for i in range(1, args.workers + 1):
+                c.start_worker(i, f"w{i}", *task, "--batch-size", str(BATCH // args.workers),
+                               "--accumulation-steps", "1")
+            try:
+                c.procs["coordinator"].wait(timeout=CAP_S)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"rate {rate}: not done in {CAP_S:.0f} s\n{c.logs()}") from None
+            wall = time.monotonic() - started
+            status = c.status()
+        finally:
+            c.stop_all()
+    if status is None or "loss" not in (status.get("metrics") or {}):
+        raise SystemExit(f"rate {rate}: no final evaluation in the coordinator's status\n{c.logs()}")
+    dl = status["downlink"]
+    answers = dl["answers"]
+    workers = [w for w in status["workers"] if w["id"].startswith("w")]
+    out_bytes = sum(status["traffic"].get("bytes_out", {}).values())
+    return {"rate_mbit": rate, "loss": status["metrics"]["loss"], "version": status["version"],
+            "wall_s": wall, "updates_per_s": status["version"] / wall, "answers": answers,
+            "switches": dl.get("switches", 0), "deferred": dl.get("deferred", 0),
+            "instead_of_weights": dl.get("instead_of_weights", 0),
+            "tracks": [t["interval"] for t in dl.get("tracks", [])],
+            "mb_out_per_update": out_bytes / max(status["version"], 1) / 1e6,
+            "stale": sum(w["stale"] for w in workers),
+            "mean_staleness": sum(w["avg_staleness"] for w in workers) / max(len(workers), 1)}
+
+
+def _name(data: dict[str, Any]) -> str:
+    codec = data.get("compression", "topk")
+    return "slowlink" if codec == "topk" else f"slowlink-{codec}"
+
+
+def render(data: dict[str, Any]) -> str:
+    """The markdown of a run (``--render`` rebuilds it from the JSON)."""
+    ref, steps, workers, runs = data["one_process"]["loss"], data["steps"], data["workers"], data["runs"]
+    free = next((r["loss"] for r in runs if r["rate_mbit"] is None), None)
+
+    def kinds(a: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(a.items()) if v)
+
+    rows = [["one process", "-", f"{ref:.4f}", "1.000", "-", f"{data['one_process']['seconds']:.0f} s",
+             f"{steps / data['one_process']['seconds']:.1f}", "-", "-", "-", "-", "-"]]
+    rows += [[f"{workers} workers",
+              "unlimited" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s",
+              f"{r['loss']:.4f}", f"{r['ratio']:.3f}" + ("" if r["ratio"] <= BOUND else " **(over)**"),
+              f"{r['loss'] / free:.3f}" if free else "-",
+              f"{r['wall_s']:.0f} s", f"{r['updates_per_s']:.2f}", f"{r['mean_staleness']:.2f}",
+              kinds(r["answers"]), r["switches"], r["deferred"], f"{r['mb_out_per_update']:.2f}"]
+             for r in runs]
+    return ("## Training through slow links against one process (`benchmarks/bench_slowlink.py`)\n\n"
+            "Hugging Face GPT-2 from a config (4 layers, width 160, tied embeddings, 1.28 M parameters), "
+            f"stdlib source bytes, {steps} updates of {BATCH} sequences in every run (equal samples), "
+            "held-out next-byte loss. One process: `torch.optim.Adam`, 1 thread. Parameter server: the "
+            f"coordinator and {workers} worker processes started with the CLI, each on its own host of "
+            "a simulated LAN, every link at the rate shown each way; bounded asynchrony "
+            f"(`aggregate_samples` = {BATCH}), {UPLINK[data.get('compression', 'topk')]} up, the default "
+            "downlink for it. *vs "
+            "unlimited*: the loss against the same cluster's on unlimited links (what the link costs; "
+            "what the codec and asynchrony cost is in the unlimited row's ratio to one process). Wall "
+            "time is from the workers' start to the coordinator's exit (after its final evaluation): "
+            f"the time to the final loss. Bound: held-out loss within {BOUND}x one process's. "
+            "Staleness: the workers' mean, in versions. Answers: the coordinator's, by kind (chain of "
+            "deltas, full weights, current: \"no change\", withheld); moves between downlink tracks; "
+            "answers that waited for a copy of the weights; MB the coordinator sent per update.\n\n"
+            + md_table(["run", "links", "held-out loss", "vs one process", "vs unlimited", "wall",
+                        "updates/s", "staleness", "answers", "track moves", "waited", "MB out / update"],
+                       rows) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300, help="updates of 16 sequences (every run)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rates", default="unlimited,100,20",
+                    help="comma-separated Mbit/s per link, or unlimited")
+    ap.add_argument("--quick", action="store_true", help="100 updates, links unlimited and 100 Mbit/s")
+    ap.add_argument("--compression", default="topk", choices=("topk", "fp16", "none"),
+                    help="the uplink codec (top-k: 1 %%); results of another go to slowlink-<codec>.md")
+    ap.add_argument("--render", default="", help="rebuild results/slowlink.md from this JSON; run nothing")
+    args = ap.parse_args()
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        write_results(_name(data), data, render(data))
+        return
+    if args.quick:
+        args.steps, args.rates = 100, "unlimited,100"
+    ok, why = netns_available()
+    if not ok:
+        raise SystemExit(f"needs network namespaces (root): {why}")
+    began = time.monotonic()
+    cs = case(args.steps)
+    one = train_one_process(cs)
+    ref = one.metrics["loss"]
+    print(f"one process: held-out loss {ref:.4f} in {one.seconds:.1f} s", flush=True)
+    runs = []
+    for r in args.rates.split(","):
+        rate = None if r == "unlimited" else float(r)
+        with tempfile.TemporaryDirectory() as tmp:
+            run = lan_run(rate, args, Path(tmp))
+        run["ratio"] = run["loss"] / ref
+        print(f"{r} Mbit/s: held-out loss {run['loss']:.4f} ({run['ratio']:.3f}x one process) in "
+              f"{run['wall_s']:.1f} s; answers {run['answers']}, moves {run['switches']}", flush=True)
+        runs.append(run)
+
+    data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "steps": args.steps,
+            "workers": args.workers, "one_process": {"loss": ref, "seconds": one.seconds}, "runs": runs,
+            "compression": args.compression,
+            "bound": BOUND, "seconds": time.monotonic() - began}
+    report(_name(data), data, render(data))
+    print(json.dumps({"ratios": [round(r["ratio"], 4) for r in runs]}))
+
+
+if __name__ == "__main__":
+    main()
