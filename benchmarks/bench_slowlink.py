@@ -24,6 +24,10 @@ the time to its final loss), updates/s, and from the coordinator's status what i
 were (chains, full weights, "no change", answers that waited for a copy), moves between
 downlink tracks, MB it sent per update.
 
+``--compression fp16`` (or ``none``) runs another uplink codec, ``--set KEY=VALUE`` adds a
+[compression] key on both sides (``topk_ratio=0.1``, ``warmup_steps=30``, ``downlink=fp16``),
+``--tag NAME`` writes ``results/slowlink-NAME.md`` instead.
+
 Run: ``python benchmarks/bench_slowlink.py [--quick] [--steps 300] [--workers 4] [--rates unlimited,100,20]``
 (about 15 minutes; needs root)
 """
@@ -70,7 +74,8 @@ def lan_run(rate: float | None, args: argparse.Namespace, tmp: Path) -> dict[str
             for host in lan.hosts:
                 host.set_rate(rate)
         c = LanCluster(lan, tmp)
-        compression = f'\n[compression]\ntype = "{args.compression}"\ntopk_ratio = 0.01\n'
+        keys = {"type": args.compression, "topk_ratio": "0.01", **_keys(args.set)}
+        compression = "\n[compression]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items())
         (tmp / "coordinator.toml").write_text(
             NETWORK_TOML + f"\n[training]\naggregate_samples = {BATCH}\n" + compression)
         (tmp / "worker.toml").write_text(NETWORK_TOML + "reconnect_attempts = 0\n" + compression)
@@ -107,9 +112,29 @@ def lan_run(rate: float | None, args: argparse.Namespace, tmp: Path) -> dict[str
             "mean_staleness": sum(w["avg_staleness"] for w in workers) / max(len(workers), 1)}
 
 
+def _keys(pairs: list[str]) -> dict[str, str]:
+    """``--set key=value`` pairs as a dict (more [compression] keys, e.g. warmup_steps=30)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes key=value, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _toml(value: str) -> str:
+    try:
+        float(value)
+        return value
+    except ValueError:
+        return f'"{value}"'
+
+
 def _name(data: dict[str, Any]) -> str:
     codec = data.get("compression", "topk")
-    return "slowlink" if codec == "topk" else f"slowlink-{codec}"
+    tag = data.get("tag") or ("" if codec == "topk" else codec)
+    return f"slowlink-{tag}" if tag else "slowlink"
 
 
 def render(data: dict[str, Any]) -> str:
@@ -136,7 +161,8 @@ def render(data: dict[str, Any]) -> str:
             f"coordinator and {workers} worker processes started with the CLI, each on its own host of "
             "a simulated LAN, every link at the rate shown each way; bounded asynchrony "
             f"(`aggregate_samples` = {BATCH}), {UPLINK[data.get('compression', 'topk')]} up, the default "
-            "downlink for it. *vs "
+            "downlink for it"
+            + "".join(f", `{k} = {v}`" for k, v in (data.get("set") or {}).items()) + ". *vs "
             "unlimited*: the loss against the same cluster's on unlimited links (what the link costs; "
             "what the codec and asynchrony cost is in the unlimited row's ratio to one process). Wall "
             "time is from the workers' start to the coordinator's exit (after its final evaluation): "
@@ -158,6 +184,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="100 updates, links unlimited and 100 Mbit/s")
     ap.add_argument("--compression", default="topk", choices=("topk", "fp16", "none"),
                     help="the uplink codec (top-k: 1 %%); results of another go to slowlink-<codec>.md")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another [compression] key for both sides, e.g. warmup_steps=30 or downlink=fp16")
+    ap.add_argument("--tag", default="", help="results go to slowlink-<tag>.md")
     ap.add_argument("--render", default="", help="rebuild results/slowlink.md from this JSON; run nothing")
     args = ap.parse_args()
     if args.render:
@@ -186,7 +215,7 @@ def main() -> None:
 
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "steps": args.steps,
             "workers": args.workers, "one_process": {"loss": ref, "seconds": one.seconds}, "runs": runs,
-            "compression": args.compression,
+            "compression": args.compression, "set": _keys(args.set), "tag": args.tag,
             "bound": BOUND, "seconds": time.monotonic() - began}
     report(_name(data), data, render(data))
     print(json.dumps({"ratios": [round(r["ratio"], 4) for r in runs]}))
