@@ -135,3 +135,9 @@ def report(name: str, data: dict[str, Any], markdown: str) -> None:
     print()
     print(markdown)
     print(f"\nwrote {j} and {m} in {data['seconds']:.0f} s")
+
+
+def compression_toml(keys: dict[str, Any]) -> str:
+    """A ``[compression]`` TOML section of ``keys`` (strings quoted, numbers and booleans as they are)."""
+    return "\n[compression]\n" + "".join(
+        f"{k} = {json.dumps(v) if isinstance(v, str) else repr(v)}\n" for k, v in keys.items())

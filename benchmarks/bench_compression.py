@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _util import RESULTS, machine, md_table, write_results
+from _util import RESULTS, compression_toml, machine, md_table, write_results
 
 from swarmtrain.config import CompressionConfig
 from swarmtrain.roles.ps.common import downlink_codec
@@ -134,14 +134,6 @@ POLL_S = 0.2
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _toml_value(v: Any) -> str:
-    return json.dumps(v) if isinstance(v, str) else repr(v)
-
-
-def compression_toml(keys: dict[str, Any]) -> str:
-    return "\n[compression]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in keys.items())
 
 
 def downlink_name(keys: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from _slowlink_task import BATCH, case
-from _util import machine, md_table, report, write_results
+from _util import compression_toml, machine, md_table, report, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -74,8 +74,7 @@ def lan_run(rate: float | None, args: argparse.Namespace, tmp: Path) -> dict[str
             for host in lan.hosts:
                 host.set_rate(rate)
         c = LanCluster(lan, tmp)
-        keys = {"type": args.compression, "topk_ratio": "0.01", **_keys(args.set)}
-        compression = "\n[compression]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items())
+        compression = compression_toml({"type": args.compression, "topk_ratio": 0.01, **_keys(args.set)})
         (tmp / "coordinator.toml").write_text(
             NETWORK_TOML + f"\n[training]\naggregate_samples = {BATCH}\n" + compression)
         (tmp / "worker.toml").write_text(NETWORK_TOML + "reconnect_attempts = 0\n" + compression)
@@ -112,23 +111,19 @@ def lan_run(rate: float | None, args: argparse.Namespace, tmp: Path) -> dict[str
             "mean_staleness": sum(w["avg_staleness"] for w in workers) / max(len(workers), 1)}
 
 
-def _keys(pairs: list[str]) -> dict[str, str]:
-    """``--set key=value`` pairs as a dict (more [compression] keys, e.g. warmup_steps=30)."""
-    out = {}
+def _keys(pairs: list[str]) -> dict[str, Any]:
+    """``--set key=value`` pairs as a dict (more [compression] keys, e.g. warmup_steps=30): a value
+    that reads as a JSON number or boolean is one, anything else a string."""
+    out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--set takes key=value, got {pair!r}")
-        out[key.strip()] = value.strip()
+        try:
+            out[key.strip()] = json.loads(value.strip())
+        except ValueError:
+            out[key.strip()] = value.strip()
     return out
-
-
-def _toml(value: str) -> str:
-    try:
-        float(value)
-        return value
-    except ValueError:
-        return f'"{value}"'
 
 
 def _name(data: dict[str, Any]) -> str:

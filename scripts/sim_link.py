@@ -24,7 +24,7 @@ the weights each gradient was computed on were, in versions and in seconds (a co
 
 Run: ``python scripts/sim_link.py [--workers 8] [--answers 3000] [--stagger 4] [--step 0.005]
 [--max-staleness N]`` (by default every gradient is applied; with N, those staler are dropped
-and counted, and the downlink uses no track coarser than N / 2)
+and counted, and updates/s counts the applied ones)
 """
 
 from __future__ import annotations

@@ -264,7 +264,6 @@ class _Stalls:
     def __init__(self) -> None:
         self.starved = 0.0  # the longest stall since reset without the CPU (s)
         self.busy = 0.0  # ... and with it
-
         self._since = (time.monotonic(), time.process_time())  # the tick under way
 
     def reset(self) -> None:

@@ -41,7 +41,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -150,8 +150,13 @@ def _required(donor: str, standing: Mapping[str, _Standing]) -> list[tuple[str, 
                 lineage.append((w, a))
                 members |= a.members
                 grew = True
-    return [(w, a) for w, a in lineage
-            if not any(b.trained and b.epoch > a.epoch and b.members & a.members for _, b in lineage)]
+    return [(w, a) for w, a in lineage if not _superseded(a, (b for _, b in lineage))]
+
+
+def _superseded(a: Anchor, others: Iterable[Anchor]) -> bool:
+    """Whether some view of ``others`` trained after ``a`` with some of its members: a state
+    from ``a`` was left behind by the ones that went on."""
+    return any(b.trained and b.epoch > a.epoch and b.members & a.members for b in others)
 
 
 def _working_group(who: str, standing: Mapping[str, _Standing]) -> int:
@@ -165,8 +170,7 @@ def _working_group(who: str, standing: Mapping[str, _Standing]) -> int:
     last = max((a for a in st.anchors if a.trained), key=lambda a: a.epoch, default=None)
     if last is None:
         return st.group
-    if any(b.trained and b.epoch > last.epoch and b.members & last.members
-           for other in standing.values() for b in other.anchors):
+    if _superseded(last, (b for other in standing.values() for b in other.anchors)):
         return 0
     return max(st.group, len(last.members))
 
