@@ -137,7 +137,26 @@ def report(name: str, data: dict[str, Any], markdown: str) -> None:
     print(f"\nwrote {j} and {m} in {data['seconds']:.0f} s")
 
 
+def toml_section(name: str, keys: dict[str, Any]) -> str:
+    """A ``[name]`` TOML section of ``keys``: strings, numbers and booleans, each written as
+    JSON writes it, which TOML reads the same (``true``, not Python's ``True``)."""
+    return f"\n[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+
+
 def compression_toml(keys: dict[str, Any]) -> str:
-    """A ``[compression]`` TOML section of ``keys`` (strings quoted, numbers and booleans as they are)."""
-    return "\n[compression]\n" + "".join(
-        f"{k} = {json.dumps(v) if isinstance(v, str) else repr(v)}\n" for k, v in keys.items())
+    """A ``[compression]`` TOML section of ``keys``."""
+    return toml_section("compression", keys)
+
+
+def wait_files(paths: list[Path], timeout: float, what: str, procs: Sequence[Any]) -> None:
+    """Wait until every file of ``paths`` exists; exit saying ``what`` was not ready once
+    ``timeout`` seconds passed or a process of ``procs`` (Popen) exited first."""
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what}: not ready in {timeout:.0f} s ({sum(p.exists() for p in paths)} "
+                             f"of {len(paths)})")
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise SystemExit(f"{what}: a process exited ({dead[0].args[-12:]}, code {dead[0].returncode})")
+        time.sleep(0.2)

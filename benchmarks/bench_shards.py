@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _util import machine, machine_jiffies, md_table, report
+from _util import machine, machine_jiffies, md_table, report, wait_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,18 +62,6 @@ RATE_MBIT = 100.0
 WINDOWS = {False: (20.0, 60.0), True: (10.0, 25.0)}
 BAR = 0.8
 QUALITY_BOUND = 0.03
-
-
-def _wait_files(paths: list[Path], timeout: float, what: str, procs: list[Any]) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{what}: not ready in {timeout:.0f} s ({sum(p.exists() for p in paths)} "
-                             f"of {len(paths)})")
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise SystemExit(f"{what}: a process exited ({dead[0].args[-12:]}, code {dead[0].returncode})")
-        time.sleep(0.2)
 
 
 def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -95,7 +83,7 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                  "--servers", *addresses, "--min-workers", str(WORKERS), "--ready-file", str(ready[-1]),
                  "--status-file", str(run_dir / f"server{i}.status.json"), *codec, *bound],
                 env=env, stdout=open(run_dir / f"server{i}.log", "ab"), stderr=-2))
-        _wait_files(ready, 180, f"S={count}: servers", procs)
+        wait_files(ready, 180, f"S={count}: servers", procs)
         outs, started, workers = [], [], []
         for k in range(WORKERS):
             outs.append(run_dir / f"w{k}.json")
@@ -104,7 +92,7 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 [sys.executable, str(HERE / "_shard_load.py"), "worker", "--leader", addresses[0],
                  "--worker-id", f"w{k}", "--out", str(outs[-1]), "--started-file", str(started[-1]),
                  *codec], env=env, stdout=open(run_dir / f"w{k}.log", "ab"), stderr=-2))
-        _wait_files(started, 300, f"S={count}: workers' first rounds", [*procs, *workers])
+        wait_files(started, 300, f"S={count}: workers' first rounds", [*procs, *workers])
         t0 = time.monotonic() + warm
         time.sleep(warm)
         busy0, total0, _ = machine_jiffies()
@@ -113,7 +101,7 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         busy1, total1, _ = machine_jiffies()
         for w in workers:
             w.terminate()
-        _wait_files(outs, 60, f"S={count}: workers' results", [])
+        wait_files(outs, 60, f"S={count}: workers' results", [])
         for p in procs:
             p.terminate()
         for p in [*workers, *procs]:

@@ -53,13 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from _slowlink_task import BATCH, case
-from _util import compression_toml, machine, md_table, report, write_results
+from _util import compression_toml, machine, md_table, report, toml_section, wait_files, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmtrain.testing import SimulatedLAN, netns_available
-from swarmtrain.testing.cluster import PORT, LanCluster
-from swarmtrain.testing.procs import swarm_cmd
+from swarmtrain.testing.cluster import LanCluster
 from tests.conformance.harness import train_one_process
 
 HERE = Path(__file__).resolve().parent
@@ -84,29 +83,22 @@ def lan_run(rate: float | None, servers: int, args: argparse.Namespace, tmp: Pat
             for host in lan.hosts:
                 host.set_rate(rate)
         c = LanCluster(lan, tmp)
-        compression = compression_toml({"type": args.compression, "topk_ratio": 0.01, **_keys(args.set)})
-        training = {"aggregate_samples": 0 if args.on_arrival else BATCH, **_keys(args.train)}
-        (tmp / "coordinator.toml").write_text(
-            NETWORK_TOML + "\n[training]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in training.items())
-            + compression)
+        compression = compression_toml({"type": args.compression, "topk_ratio": 0.01,
+                                        **_keys(args.set, "--set")})
+        training = {"aggregate_samples": 0 if args.on_arrival else BATCH, **_keys(args.train, "--train")}
+        (tmp / "coordinator.toml").write_text(NETWORK_TOML + toml_section("training", training) + compression)
         (tmp / "worker.toml").write_text(NETWORK_TOML + "reconnect_attempts = 0\n" + compression)
         c.env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
         task = ("--task", "_slowlink_task:factory")
-        addresses = [f"{lan.hosts[i].address}:{PORT}" for i in range(servers)]
-        status_files = [tmp / f"server{i}.json" for i in range(1, servers)]
+        status_files = [c.server_status_file(i) for i in range(1, servers)]
         try:
-            for i in range(1, servers):  # the other servers first: a worker registers with each at once
-                c.procs[f"server{i}"] = lan.hosts[i].run(
-                    swarm_cmd("coordinator", "--config", str(tmp / "coordinator.toml"), *task,
-                              "--host", lan.hosts[i].address, "--port", str(PORT),
-                              "--shard", f"{i}/{servers}", "--status-file", str(status_files[i - 1]),
-                              "--checkpoint-interval", "0"),
-                    env=c.env, stdout=open(tmp / f"server{i}.log", "ab"), stderr=subprocess.STDOUT)
-            _wait_for_files(status_files, c)
-            cluster = (("--shard", f"0/{servers}", *(a for addr in addresses for a in ("--servers", addr)))
-                       if servers > 1 else ())
-            c.start_coordinator(*task, *cluster, "--min-workers", str(args.workers), "--max-steps",
-                                str(args.steps), "--eval-interval", "3600", "--checkpoint-interval", "0")
+            # the other servers first: a worker registers with every server at once
+            others = [c.start_server(i, servers, *task, "--checkpoint-interval", "0")
+                      for i in range(1, servers)]
+            wait_files(status_files, 120, "the parameter servers", others)
+            c.start_coordinator(*task, *c.leader_args(servers), "--min-workers", str(args.workers),
+                                "--max-steps", str(args.steps), "--eval-interval", "3600",
+                                "--checkpoint-interval", "0")
             started = time.monotonic()
             for i in range(args.workers):
                 c.start_worker(servers + i, f"w{i + 1}", *task, "--batch-size", str(_worker_batch(args)),
@@ -117,14 +109,14 @@ def lan_run(rate: float | None, servers: int, args: argparse.Namespace, tmp: Pat
                 raise SystemExit(f"rate {rate}: not done in {CAP_S:.0f} s\n{c.logs()}") from None
             wall = time.monotonic() - started
             status = c.status()
-            for i in range(1, servers):  # the leader tells them to finish; their statuses are final then
-                c.procs[f"server{i}"].wait(timeout=60)
-            others = [json.loads(f.read_text()) for f in status_files]
+            for proc in others:  # the leader tells them to finish; their statuses are final then
+                proc.wait(timeout=60)
+            finals = [json.loads(f.read_text()) for f in status_files]
         finally:
             c.stop_all()
     if status is None or "loss" not in (status.get("metrics") or {}):
         raise SystemExit(f"rate {rate}: no final evaluation in the coordinator's status\n{c.logs()}")
-    every = [status, *others]
+    every = [status, *finals]
     downlinks = [st["downlink"] for st in every]
     answers: dict[str, int] = {}
     for dl in downlinks:
@@ -146,30 +138,21 @@ def lan_run(rate: float | None, servers: int, args: argparse.Namespace, tmp: Pat
             "mean_staleness": sum(w["avg_staleness"] for w in workers) / max(len(workers), 1)}
 
 
-def _wait_for_files(paths: list[Path], c: LanCluster, timeout: float = 120.0) -> None:
-    """Wait until every other server wrote its status (it listens then)."""
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        dead = [n for n, proc in c.procs.items() if proc.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            raise SystemExit(f"the parameter servers did not start ({dead or 'timed out'})\n{c.logs()}")
-        time.sleep(0.2)
-
-
 def _worker_batch(args: argparse.Namespace) -> int:
     """A worker's batch: one update's samples split over the workers (bounded asynchrony), or
     the whole update's (``--on-arrival``: every gradient is an update)."""
     return BATCH if args.on_arrival else BATCH // args.workers
 
 
-def _keys(pairs: list[str]) -> dict[str, Any]:
-    """``--set key=value`` pairs as a dict (more [compression] keys, e.g. warmup_steps=30): a value
-    that reads as a JSON number or boolean is one, anything else a string."""
+def _keys(pairs: list[str], flag: str = "--set") -> dict[str, Any]:
+    """``flag key=value`` pairs as a dict (``--set``: more [compression] keys, e.g.
+    warmup_steps=30; ``--train``: [training] keys): a value that reads as a JSON number or
+    boolean is one, anything else a string."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--set takes key=value, got {pair!r}")
+            raise SystemExit(f"{flag} takes key=value, got {pair!r}")
         try:
             out[key.strip()] = json.loads(value.strip())
         except ValueError:
@@ -304,7 +287,7 @@ def main() -> None:
             "workers": args.workers, "servers": counts,
             "one_process": {"loss": ref, "seconds": one.seconds}, "runs": runs,
             "compression": args.compression, "set": _keys(args.set), "tag": args.tag,
-            "on_arrival": args.on_arrival, "train": _keys(args.train),
+            "on_arrival": args.on_arrival, "train": _keys(args.train, "--train"),
             "bound": BOUND, "seconds": time.monotonic() - began}
     report(_name(data), data, render(data))
     print(json.dumps({"ratios": [round(r["ratio"], 4) for r in runs]}))

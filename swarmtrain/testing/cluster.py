@@ -1,5 +1,6 @@
-"""A parameter-server cluster on a simulated LAN: the coordinator on host 0, workers on the
-others, each a real process; the coordinator's status is read from its --status-file."""
+"""A parameter-server cluster on a simulated LAN: the coordinator on host 0 (with a sharded
+coordinator, parameter server i on host i), workers on the others, each a real process; the
+coordinator's status is read from its --status-file."""
 
 from __future__ import annotations
 
@@ -60,6 +61,31 @@ class LanCluster:
         if wait:
             self.wait_for(lambda s: True, 60, "the coordinator to start")
         return p
+
+    def server_status_file(self, index: int) -> Path:
+        """Where parameter server ``index`` (not the leader) writes its status."""
+        return self.tmp / f"server{index}.json"
+
+    def start_server(self, index: int, count: int, *args: str) -> subprocess.Popen[Any]:
+        """Start parameter server ``index`` of ``count`` (not the leader: ``index`` >= 1) on host
+        ``index``, with the coordinator's config, writing :meth:`server_status_file`; returns at
+        once (it listens once that file exists). The leader is :meth:`start_coordinator` with
+        :meth:`leader_args`."""
+        host = self.lan.hosts[index]
+        argv = swarm_cmd("coordinator", "--config", str(self.tmp / "coordinator.toml"),
+                         "--host", host.address, "--port", str(PORT), "--shard", f"{index}/{count}",
+                         "--status-file", str(self.server_status_file(index)), *args)
+        self.procs[f"server{index}"] = p = host.run(
+            argv, env=self.env, stdout=open(self.tmp / f"server{index}.log", "ab"), stderr=subprocess.STDOUT)
+        return p
+
+    def leader_args(self, count: int) -> tuple[str, ...]:
+        """The leader's arguments in a cluster of ``count`` parameter servers on hosts 0..count-1
+        (none for one server)."""
+        if count < 2:
+            return ()
+        servers = [f"{self.lan.hosts[i].address}:{PORT}" for i in range(count)]
+        return ("--shard", f"0/{count}", *(a for addr in servers for a in ("--servers", addr)))
 
     def start_worker(self, host: int, name: str, *args: str) -> subprocess.Popen[Any]:
         argv = swarm_cmd("worker", "--config", str(self.tmp / "worker.toml"),
