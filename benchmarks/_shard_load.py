@@ -58,6 +58,7 @@ def server_config(args: argparse.Namespace, leader: bool) -> Any:
         "network.host": "0.0.0.0", "network.port": PORT,
         "network.heartbeat_timeout_sec": HEARTBEAT_TIMEOUT_SEC, "network.handshake_timeout_sec": 60.0,
         "cluster.shard": args.shard, "cluster.servers": tuple(args.servers),
+        "cluster.follow_leader": not args.no_follow_leader,
     })
 
 
@@ -81,7 +82,9 @@ async def serve(args: argparse.Namespace) -> None:
             use = resource.getrusage(resource.RUSAGE_SELF)
             out = {"version": st["version"], "downlink": st["downlink"], "traffic": st["traffic"],
                    "apply": st["apply"], "staleness_counts": st["staleness_counts"], "stats": st["stats"],
-                   "cpu_sec": use.ru_utime + use.ru_stime, "uptime_sec": st["uptime_sec"]}
+                   "cpu_sec": use.ru_utime + use.ru_stime, "uptime_sec": st["uptime_sec"],
+                   "stale": sum(w["stale"] for w in st["workers"]),
+                   "verdicts": (st.get("cluster") or {}).get("verdicts")}
             tmp = Path(args.status_file + ".tmp")
             tmp.write_text(json.dumps(out, default=str))
             tmp.rename(args.status_file)
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--status-file", default="", help="written at exit: the server's status, CPU time")
     s.add_argument("--max-staleness", type=int, default=MAX_STALENESS,
                    help="the coordinator's (default: every gradient applied)")
+    s.add_argument("--no-follow-leader", action="store_true",
+                   help="cluster.follow_leader = false: each server judges staleness on its own")
     w = sub.add_parser("worker")
     w.add_argument("--leader", required=True)
     w.add_argument("--worker-id", required=True)

@@ -64,15 +64,18 @@ BAR = 0.8
 QUALITY_BOUND = 0.03
 
 
-def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """S = ``count`` servers and 8 light workers on a 100 Mbit/s LAN: aggregate updates/s."""
+def lan_run(count: int, args: argparse.Namespace, tmp: Path, follow: bool = True) -> dict[str, Any]:
+    """S = ``count`` servers and 8 light workers on a 100 Mbit/s LAN: aggregate updates/s
+    (``follow``: the servers follow the leader's verdicts, else each judges on its own)."""
     warm, window = WINDOWS[args.quick]
     env = {"SWARMTRAIN_SECRET": secrets.token_hex(16), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    run_dir = tmp / f"s{count}"
+    run_dir = tmp / f"s{count}{'' if follow else '-alone'}"
     run_dir.mkdir()
     codec = ["--topk-ratio", str(args.topk_ratio), "--downlink-bits", "2"]
     bound = ["--max-staleness", str(args.max_staleness)] if args.max_staleness is not None else []
+    if not follow:
+        bound.append("--no-follow-leader")
     with SimulatedLAN(count + WORKERS, rate_mbit=RATE_MBIT) as lan:
         addresses = [f"{lan.hosts[i].address}:7100" for i in range(count)]
         procs, ready = [], []
@@ -127,7 +130,8 @@ def lan_run(count: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     servers = [_server_summary(st) for st in statuses]
     for i, sv in enumerate(servers):
         print(f"   server {i}: {sv}", flush=True)
-    return {"servers": count, "updates_per_sec": rate, "fresh_updates_per_sec": fresh_rate,
+    return {"servers": count, "follow_leader": follow, "updates_per_sec": rate,
+            "fresh_updates_per_sec": fresh_rate,
             "rounds": done, "stale_rounds": done - applied, "window_sec": t1 - t0,
             "mean_round_sec": sum(latencies) / len(latencies) if latencies else None,
             "newer_share": newer_share, "mb_per_round": mb_per_round, "full_round_share": full_rounds,
@@ -154,7 +158,8 @@ def _server_summary(st: dict[str, Any]) -> dict[str, Any]:
             "resets": [(t["interval"], t["resets"]) for t in dl.get("tracks", [])],
             "mb_out_per_answer": out_bytes.get(kind, 0) / max(updates, 1) / 1e6,
             "mb_out": sum(out_bytes.values()) / 1e6, "answers_total": total,
-            "cpu_per_sec": st["cpu_sec"] / max(st["uptime_sec"], 1e-9)}
+            "cpu_per_sec": st["cpu_sec"] / max(st["uptime_sec"], 1e-9),
+            "stale": st.get("stale"), "verdicts": st.get("verdicts")}
 
 
 def training_run(steps: int = 300) -> dict[str, float]:
@@ -232,6 +237,9 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="the servers' (default: every gradient applied); results go to "
                     "shards-staleness<N>.md")
+    ap.add_argument("--compare-alone", action="store_true",
+                    help="run every S > 1 a second time with cluster.follow_leader = false (each server "
+                    "judges staleness on its own), side by side")
     args = ap.parse_args()
     counts = [int(s) for s in args.servers.split(",")]
     ok, why = netns_available()
@@ -239,7 +247,8 @@ def main() -> None:
         raise SystemExit(f"needs network namespaces (root): {why}")
     began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        lan = [lan_run(s, args, Path(tmp)) for s in counts]
+        runs = [(s, True) for s in counts] + [(s, False) for s in counts if args.compare_alone and s > 1]
+        lan = [lan_run(s, args, Path(tmp), follow) for s, follow in runs]
     one = next((r for r in lan if r["servers"] == 1), None)
     for r in lan:
         r["bar"] = BAR * r["servers"]
@@ -261,7 +270,8 @@ def main() -> None:
         met = "" if r[f"{key}meets_bar"] else " **(no)**"
         return f"{r[f'{key}ratio_to_one']:.2f}{met}" if r[f"{key}ratio_to_one"] is not None else "-"
 
-    rows = [[r["servers"], f"{r['updates_per_sec']:.2f}", ratio(r, ""), f"{r['fresh_updates_per_sec']:.2f}",
+    rows = [[r["servers"] if r.get("follow_leader", True) else f"{r['servers']}, each alone",
+             f"{r['updates_per_sec']:.2f}", ratio(r, ""), f"{r['fresh_updates_per_sec']:.2f}",
              ratio(r, "fresh_"), f"{r['bar']:.1f}", r["rounds"],
              f"{100 * r['stale_rounds'] / max(r['rounds'], 1):.0f} %",
              f"{r['mean_round_sec']:.2f} s" if r["mean_round_sec"] else "-",
@@ -284,7 +294,11 @@ def main() -> None:
            f"with the servers' max_staleness at {args.max_staleness}: a round some server dropped as "
            "staler than that (*dropped stale*) is no update")
         + f". Bar (issue 20): ratio to S = 1 >= {BAR} x S. "
-        "*Fresh*: rounds in which every server's answer brought newer weights; the others were "
+        + ("The servers follow the leader's verdict on every gradient (cluster.follow_leader, the "
+           "default since 2026-12-08): a gradient is dropped on every server or on none; *each alone*: "
+           "each server judges staleness on its own (follow_leader = false). "
+           if args.compare_alone else "")
+        + "*Fresh*: rounds in which every server's answer brought newer weights; the others were "
         "answered \"no change\" (mostly *withheld*: the weights were due in full, and the server "
         "already held as many copies of them for answers still on its link as it may, or the "
         "worker's downlink track had not published since). In the window, per round: the share of "
@@ -311,7 +325,8 @@ def main() -> None:
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "quick": args.quick,
             "rate_mbit": RATE_MBIT, "workers": WORKERS, "topk_ratio": args.topk_ratio, "lan": lan,
             "max_staleness": args.max_staleness, "quality": quality, "seconds": time.monotonic() - began}
-    report("shards" if args.max_staleness is None else f"shards-staleness{args.max_staleness}", data, md)
+    name = "shards" if args.max_staleness is None else f"shards-staleness{args.max_staleness}"
+    report(name + ("-follow" if args.compare_alone else ""), data, md)
 
 
 if __name__ == "__main__":

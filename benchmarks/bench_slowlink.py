@@ -93,7 +93,8 @@ def lan_run(rate: float | None, servers: int, args: argparse.Namespace, tmp: Pat
         status_files = [c.server_status_file(i) for i in range(1, servers)]
         try:
             # the other servers first: a worker registers with every server at once
-            others = [c.start_server(i, servers, *task, "--checkpoint-interval", "0")
+            others = [c.start_server(i, servers, *task, "--checkpoint-interval", "0",
+                                     *(["--no-follow-leader"] if args.alone else []))
                       for i in range(1, servers)]
             wait_files(status_files, 120, "the parameter servers", others)
             c.start_coordinator(*task, *c.leader_args(servers), "--min-workers", str(args.workers),
@@ -227,7 +228,13 @@ def render(data: dict[str, Any]) -> str:
             + ("*Speed-up*: the time to the end of one server's run at the same rate over this run's "
                "(the parameter servers each on a host of their own, each carrying its group's "
                "gradients in and answers out; the workers send every server its slice at once). "
-               "Answers, moves, waits and MB out are summed over the servers.\n\n" if sharded else "")
+               "Answers, moves, waits and MB out are summed over the servers. "
+               + ("The other servers followed the leader's verdict on every gradient (`cluster."
+                  "follow_leader`, the default since 2026-12-08; `--alone` turns it off)"
+                  if "alone" in data and not data["alone"] else
+                  "Each server judged every gradient's staleness on its own (`cluster.follow_leader = "
+                  "false`, `--alone`; before 2026-12-08 there was nothing else)")
+               + ".\n\n" if sharded else "")
             + md_table(["run", "links", "held-out loss", "vs one process", "vs unlimited", "wall",
                         *(["speed-up"] if sharded else []), "updates/s", "staleness", "dropped", "answers",
                         "track moves", "waited", "MB out / update"],
@@ -253,6 +260,9 @@ def main() -> None:
                     "is an update of its own (staleness about workers - 1)")
     ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                     help="another [training] key for the coordinator, e.g. max_staleness=64")
+    ap.add_argument("--alone", action="store_true",
+                    help="the servers other than the leader judge each gradient on their own "
+                    "(cluster.follow_leader = false) instead of following the leader's verdicts")
     ap.add_argument("--tag", default="", help="results go to slowlink-<tag>.md")
     ap.add_argument("--render", default="", help="rebuild results/slowlink.md from this JSON; run nothing")
     args = ap.parse_args()
@@ -287,6 +297,7 @@ def main() -> None:
             "workers": args.workers, "servers": counts,
             "one_process": {"loss": ref, "seconds": one.seconds}, "runs": runs,
             "compression": args.compression, "set": _keys(args.set), "tag": args.tag,
+            "alone": args.alone,
             "on_arrival": args.on_arrival, "train": _keys(args.train, "--train"),
             "bound": BOUND, "seconds": time.monotonic() - began}
     report(_name(data), data, render(data))

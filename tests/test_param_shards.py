@@ -105,18 +105,20 @@ def test_server_spec_and_addresses_are_parsed_or_refused_clearly() -> None:
 # -- a cluster in one process ------------------------------------------------------------
 
 
-def _server(spec: ServerSpec, servers: tuple[str, ...] = (), **over: Any) -> Coordinator:
-    """Server ``spec`` of a digits cluster, as `swarmtrain coordinator --shard` builds it."""
+def _server(spec: ServerSpec, servers: tuple[str, ...] = (), every: dict[str, Any] | None = None,
+            **over: Any) -> Coordinator:
+    """Server ``spec`` of a digits cluster, as `swarmtrain coordinator --shard` builds it
+    (``every``: overrides of every server's config; ``over``: the leader's too)."""
     cfg = load_coordinator_config(overrides={
         "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
-        "training.learning_rate": 3e-3, "training.eval_interval_sec": 60.0, **over})
+        "training.learning_rate": 3e-3, "training.eval_interval_sec": 60.0, **(every or {}), **over})
     model = TASK.build_model()
     if spec.count == 1:
         return Coordinator(model, cfg, evaluate=lambda m: TASK.evaluate(m, DATA), task_name="digits",
                            secret=SECRET)
     part, place = shard_of_model(model, spec, servers)
     if not spec.leader:
-        over = {"training.min_workers": 1, "training.max_steps": 0}
+        over = {"training.min_workers": 1, "training.max_steps": 0, **(every or {})}
         cfg = load_coordinator_config(overrides={
             "network.host": "127.0.0.1", "network.port": 0, "checkpointing.interval": 0,
             "training.learning_rate": 3e-3, **over})
@@ -125,13 +127,13 @@ def _server(spec: ServerSpec, servers: tuple[str, ...] = (), **over: Any) -> Coo
                        eval_model=copy.deepcopy(model) if spec.leader else None)
 
 
-async def _cluster(count: int, **over: Any) -> list[Coordinator]:
+async def _cluster(count: int, every: dict[str, Any] | None = None, **over: Any) -> list[Coordinator]:
     """Start servers 1..S-1, then the leader listing them."""
-    others = [_server(ServerSpec(i, count)) for i in range(1, count)]
+    others = [_server(ServerSpec(i, count), every=every) for i in range(1, count)]
     for c in others:
         await c.start()
     servers = ("127.0.0.1:1", *(f"127.0.0.1:{c.port}" for c in others))
-    leader = _server(ServerSpec(0, count), servers, **over)
+    leader = _server(ServerSpec(0, count), servers, every=every, **over)
     await leader.start()
     return [leader, *others]
 
@@ -326,6 +328,113 @@ def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tm
     assert "written by parameter server 1/2" in refused, refused[-2000:]
 
 
+def _drops_and_steps(follow: bool) -> tuple[dict[str, tuple[int, int]], ...]:
+    """Three workers apply on arrival through 3 servers with max_staleness 1, so that many
+    gradients are dropped as stale: each server's (stale, applied) by worker."""
+    async def main() -> tuple[dict[str, tuple[int, int]], ...]:
+        servers = await _cluster(3, every={"training.max_staleness": 1, "cluster.follow_leader": follow},
+                                 **{"training.max_steps": 150, "training.min_workers": 3})
+        if follow:  # the leader's verdict streams are up before the first gradient
+            async with asyncio.timeout(30):
+                while not all(s.verdicts is not None and s.verdicts.streams for s in servers[1:]):
+                    await asyncio.sleep(0.02)
+        workers = [worker(servers[0].port, **{"training.worker_id": f"w{i}", "training.probe_seconds": 0.0})
+                   for i in range(3)]
+        tasks = [asyncio.create_task(w.run_async()) for w in workers]
+        try:
+            await asyncio.wait_for(servers[0].run(), 120)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            for s in servers[1:]:
+                await asyncio.wait_for(s._stopped.wait(), 30)
+        finally:
+            for s in servers:
+                await s.close()
+        if follow:
+            for s in servers[1:]:
+                v = s.status()["cluster"]["verdicts"]
+                # (alone: a last gradient or two, after the leader finished and hung up)
+                assert v["followed"] > 100 and v["alone"] <= 3 and v["late"] == 0, v
+            assert servers[0].status()["cluster"]["verdicts"]["dropped"] == 0
+        return tuple({w: (r.stale, r.steps) for w, r in s.workers.items()} for s in servers)
+
+    return asyncio.run(main())
+
+
+def test_every_server_drops_and_damps_the_gradients_the_leader_does() -> None:
+    """Each server used to judge staleness on its own (its version less the worker's), so the
+    servers dropped different slices of the same gradients and the groups stepped on different
+    ones; now the leader's verdict on each gradient holds on every server. The run's last few
+    gradients (applied on a server before the leader's end) may differ."""
+    leader, *others = _drops_and_steps(follow=True)
+    assert sum(stale for stale, _ in leader.values()) > 20, leader  # the bound acted
+    for other in others:
+        assert {w: stale for w, (stale, _) in other.items()} == {w: s for w, (s, _) in leader.items()}
+        for w, (_, steps) in other.items():
+            assert abs(steps - leader[w][1]) <= 3, (w, other, leader)
+
+
+def test_only_a_server_that_is_not_the_leader_takes_the_leaders_verdicts() -> None:
+    """A `leader` connection to the leader itself (or to a lone coordinator) is refused with
+    a reason; to a server that follows, it is the stream its slices wait for; anything but a
+    VERDICT on it is answered `unexpected`, and the stream goes on."""
+    from swarmtrain.transport import connect
+    from swarmtrain.wire import Error, StatusRequest, Verdict
+
+    async def main() -> None:
+        servers = await _cluster(2)
+        lone = _server(ServerSpec(0, 1))
+        await lone.start()
+        try:
+            for target, who in ((servers[0], "the leader"), (lone, "a lone coordinator")):
+                conn = await connect("127.0.0.1", target.port, secret=SECRET, role="leader")
+                answer = await conn.recv(timeout=10)
+                assert isinstance(answer, Error) and answer.code == "bad_role" and who in answer.message
+                await conn.close()
+            follower = servers[1]
+            assert follower.verdicts is not None
+            conn = await connect("127.0.0.1", follower.port, secret=SECRET, role="leader")
+            await conn.send(StatusRequest())
+            answer = await conn.recv(timeout=10)
+            assert isinstance(answer, Error) and answer.code == "unexpected" and not answer.fatal
+            await conn.send(Verdict(worker_id="w9", msg_id=4, status="stale", staleness=20))
+            async with asyncio.timeout(10):
+                while not follower.verdicts.summary()["kept"]:
+                    await asyncio.sleep(0.01)
+            assert follower.verdicts.streams >= 1
+            await conn.close()
+        finally:
+            for s in [*servers, lone]:
+                await s.close()
+
+    asyncio.run(main())
+
+
+def test_the_leader_verdicts_wait_for_the_slice_and_release_it_when_the_leader_is_gone() -> None:
+    from swarmtrain.roles.ps.cluster import LeaderVerdicts, Ruling
+    from swarmtrain.wire import Verdict
+
+    async def main() -> None:
+        v = LeaderVerdicts(wait_sec=0.2)
+        assert await v.wait("w", 1) is None and v.alone == 1  # no stream: decide here, at once
+        v.connected()
+        v.put(Verdict(worker_id="w", msg_id=2, status="stale", staleness=5))  # before the slice
+        v.put(Verdict(worker_id="w", msg_id=1, status="applied", staleness=0))  # never asked for
+        assert await v.wait("w", 2) == Ruling("stale", 5)
+        assert v.summary()["kept"] == 0  # the older verdict went with it
+        waiting = asyncio.create_task(v.wait("w", 3))  # the slice first
+        await asyncio.sleep(0.01)
+        v.put(Verdict(worker_id="w", msg_id=3, status="applied", staleness=2))
+        assert await waiting == Ruling("applied", 2)
+        assert await v.wait("w", 4) is None and v.late == 1  # none in time
+        waiting = asyncio.create_task(v.wait("w", 5))
+        await asyncio.sleep(0.01)
+        v.disconnected()  # the leader is gone: the waiting slice is decided here
+        assert await asyncio.wait_for(waiting, 0.1) is None
+        assert v.followed == 2 and v.alone == 2
+
+    asyncio.run(main())
+
+
 def test_ctl_status_of_the_leader_shows_every_parameter_server() -> None:
     from rich.console import Console
 
@@ -334,14 +443,20 @@ def test_ctl_status_of_the_leader_shows_every_parameter_server() -> None:
     cluster = {"shard": "0/2", "partition": "abc123", "group_tensors": 2, "group_bytes": 35328,
                "shards": [{"index": 0, "shard": "0/2", "address": "10.0.0.1:7100", "reachable": True,
                            "state": "running", "version": 120, "workers_connected": 3,
-                           "stats": {"applied": 120}, "loss": 0.5},
+                           "stats": {"applied": 120}, "loss": 0.5,
+                           "verdicts": {"streams": 2, "sent": 240, "dropped": 0}},
                           {"index": 1, "address": "10.0.0.2:7101", "reachable": False,
-                           "error": "cannot connect"}]}
+                           "error": "cannot connect"},
+                          {"index": 2, "shard": "2/3", "address": "10.0.0.3:7102", "reachable": True,
+                           "state": "running", "version": 120, "verdicts": {"streams": 0, "followed": 99,
+                                                                            "followed_share": 0.99}}]}
     console = Console(record=True, width=160)
     print_status({"version": 120, "running": True, "cluster": cluster, "workers": []}, console)
     text = console.export_text()
     assert "parameter server 0/2" in text and "abc123" in text
     assert "10.0.0.2:7101" in text and "unreachable" in text and "120" in text
+    assert "sends (240 sent, 0 dropped)" in text  # the leader's verdicts, and a server deciding alone
+    assert "decides alone" in text and "99.0 % followed" in text
 
 
 def test_every_server_clips_by_the_whole_gradients_norm() -> None:

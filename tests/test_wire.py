@@ -149,6 +149,7 @@ SAMPLES: dict[MsgType, Message] = {
         tensors={"17:fc.bias/values": torch.randn(5).to(torch.float16)},
     ),
     MsgType.ASSIGN: Assign(shards=[0, 3], num_shards=4),
+    MsgType.VERDICT: wire.Verdict(worker_id="w-1", msg_id=7, status="stale", staleness=17),
     MsgType.START: Start(version=0),
     MsgType.PAUSE: Pause(),
     MsgType.RESUME: Resume(),
@@ -792,7 +793,7 @@ def test_constants_match_the_protocol_doc() -> None:
     assert {t.name: int(t) for t in MsgType} == {
         "HELLO": 1, "CHALLENGE": 2, "AUTH": 3, "WELCOME": 4,
         "REGISTER": 10, "REGISTER_ACK": 11, "WEIGHTS": 12, "GRADIENTS": 13, "UPDATE": 14,
-        "ASSIGN": 15,
+        "ASSIGN": 15, "VERDICT": 16,
         "START": 20, "PAUSE": 21, "RESUME": 22, "SHUTDOWN": 23, "HEARTBEAT": 24,
         "CHECKPOINT": 25, "ERROR": 26, "STATUS_REQUEST": 27, "STATUS": 28,
         "PEER_HELLO": 40, "PEER_INFO": 41, "PROPOSE": 42, "ACCEPT": 43, "COMMIT": 44, "REFORM": 45,

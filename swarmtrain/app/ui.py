@@ -64,17 +64,30 @@ def _print_cluster(console: Console, cluster: dict[str, Any]) -> None:
     if not rows:
         return
     table = Table(title="parameter servers", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("shard", "address", "state", "version", "workers", "applied", "loss"):
+    for col in ("shard", "address", "state", "version", "workers", "applied", "loss", "verdicts"):
         table.add_column(col)
     for r in rows:
         if not r.get("reachable"):
             table.add_row(str(r.get("index")), str(r.get("address")),
-                          f"[bold red]unreachable[/] {str(r.get('error', ''))[:60]}", "", "", "", "")
+                          f"[bold red]unreachable[/] {str(r.get('error', ''))[:60]}", "", "", "", "", "")
             continue
         table.add_row(str(r.get("shard") or r.get("index")), str(r.get("address")), str(r.get("state")),
                       str(r.get("version")), str(r.get("workers_connected")),
-                      str((r.get("stats") or {}).get("applied", "")), _num(r.get("loss")))
+                      str((r.get("stats") or {}).get("applied", "")), _num(r.get("loss")),
+                      _verdicts(r.get("verdicts")))
     console.print(table)
+
+
+def _verdicts(v: dict[str, Any] | None) -> str:
+    """A server's part in the leader's verdicts on gradients (roles/ps/cluster.py)."""
+    if not v:
+        return ""
+    if "sent" in v:  # the leader
+        return f"sends ({v.get('sent', 0)} sent, {v.get('dropped', 0)} dropped)"
+    decided = f"{100 * v.get('followed_share', 0.0):.1f} % followed"
+    if v.get("streams"):
+        return f"follows ({decided})"
+    return f"[yellow]decides alone[/] (no stream from the leader; {decided})"
 
 
 def print_status(status: dict[str, Any], console: Console | None = None, *,

@@ -92,6 +92,7 @@ class MsgType(enum.IntEnum):
     GRADIENTS = 13
     UPDATE = 14
     ASSIGN = 15
+    VERDICT = 16
     START = 20
     PAUSE = 21
     RESUME = 22
@@ -422,6 +423,20 @@ class Assign(Message):
               "num_shards": Bound(lo=1, hi=1 << 20)}
     shards: list[int]
     num_shards: int
+
+
+@dataclass(frozen=True)
+class Verdict(Message):
+    """Leader → the other parameter servers of a sharded cluster: what became of worker
+    ``worker_id``'s gradient ``msg_id`` on the leader (an :class:`UpdateStatus` value), and
+    its staleness there; a server that follows the leader does the same with its slice."""
+
+    TYPE = MsgType.VERDICT
+    BOUNDS = {"worker_id": Bound(max_len=256), "status": Bound(max_len=32)}
+    worker_id: str
+    msg_id: int
+    status: str
+    staleness: int
 
 
 @dataclass(frozen=True)
@@ -806,7 +821,7 @@ class StageError(Message):
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update, Assign,
+        Hello, Challenge, Auth, Welcome, Register, RegisterAck, Weights, Gradients, Update, Assign, Verdict,
         Start, Pause, Resume, Shutdown, Heartbeat, CheckpointMsg, Error, StatusRequest, Status,
         PeerHello, PeerInfoMsg, Propose, Accept, Commit, Reform,
         StageForward, StageResult, StageBackward, StageGrad, StageInfer, StageSync, StageError,

@@ -53,7 +53,7 @@ from swarmtrain.errors import (
 )
 from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
-from swarmtrain.roles.ps.cluster import ClusterPeers, ClusterPlace
+from swarmtrain.roles.ps.cluster import ClusterPeers, ClusterPlace, LeaderVerdicts, Ruling, VerdictStream
 from swarmtrain.roles.ps.common import (
     FUSE_MAX_NUMEL,
     FUSED,
@@ -99,11 +99,15 @@ from swarmtrain.wire import (
     StatusRequest,
     Update,
     UpdateStatus,
+    Verdict,
     Weights,
 )
 from swarmtrain.wire.pool import PAGE, PayloadPool, pooled_bytes
 
 __all__ = ["Coordinator", "CoordinatorState", "TRANSITIONS", "WorkerRecord"]
+
+#: the leader's verdicts (Coordinator._judge) a server takes; any other it judges itself
+_FOLLOWED = frozenset({UpdateStatus.APPLIED, UpdateStatus.STALE, UpdateStatus.FINISHED})
 
 log = logging.getLogger("swarmtrain.coordinator")
 
@@ -356,6 +360,11 @@ class Coordinator:
         self.cluster = cluster
         self.peers = (ClusterPeers(cluster, secret=self.secret, tls=self.tls)
                       if cluster is not None and cluster.leader and cluster.spec.count > 1 else None)
+        #: the leader: its verdict on each gradient, for the other servers (cluster.py)
+        self.verdict_stream = VerdictStream(self.peers) if self.peers is not None else None
+        #: a server that follows the leader: the leader's verdicts, which its slices wait for
+        self.verdicts = (LeaderVerdicts() if cluster is not None and not cluster.leader
+                         and cluster.spec.count > 1 and cfg.cluster.follow_leader else None)
         self._eval_model = eval_model
         self._sizes = [p.numel() for p in self.params.values()]
         t = cfg.training
@@ -549,6 +558,8 @@ class Coordinator:
             self._tasks.append(asyncio.create_task(self._release_memory_forever()))
         if self.peers is not None:
             self._tasks.append(asyncio.create_task(self.peers.poll_forever()))
+        if self.verdict_stream is not None:
+            self._tasks.append(asyncio.create_task(self.verdict_stream.run_forever()))
         self.record_event("listening", address=f"{net.host}:{self.port}")
         log.info("coordinator listening on %s:%d (task %s, min_workers %d)",
                  net.host, self.port, self.task_name or "custom", self.config.training.min_workers)
@@ -612,6 +623,7 @@ class Coordinator:
                              max_payload_bytes=payload_limit([*self.params.values(), *self.buffers.values()]),
                              max_tensors=4 * len(self.params) + len(self.buffers) + 64),
             "ctl": Limits(max_header_bytes=1 << 16, max_payload_bytes=1 << 16, max_tensors=16),
+            "leader": Limits(max_header_bytes=1 << 16, max_payload_bytes=1 << 16, max_tensors=16),
         }
 
     async def run(self) -> None:
@@ -688,6 +700,8 @@ class Coordinator:
             await self._serve_worker(conn)
         elif role == "ctl":
             await self._serve_ctl(conn)
+        elif role == "leader":
+            await self._serve_leader(conn)
         else:
             await conn.close(Error(code="bad_role", message=f"unknown role {role!r}"))
 
@@ -870,13 +884,23 @@ class Coordinator:
         if isinstance(msg, Gradients):
             if self.finished:
                 conn.done_with(msg)
+                if self.verdict_stream is not None:  # the other servers do not apply it either
+                    self.verdict_stream.publish(rec.worker_id, msg.msg_id, UpdateStatus.FINISHED.value, 0)
                 return  # the run is over; SHUTDOWN is on its way to this worker
             arrived = time.monotonic()
             if rec.answered_at and arrived > rec.answered_at:  # answer -> next gradient: its step
                 rec.step_time.update(arrived - rec.answered_at)
             version = self.version
             try:
-                status, reply = await self._run_apply(self._apply_gradient, rec, msg)
+                ruling: Ruling | None = None
+                if self.verdict_stream is not None:
+                    # the leader judges the gradient here, and every other server does with its
+                    # slice what this says (sent before the apply: they wait for it)
+                    ruling = self._judge(msg)
+                    self.verdict_stream.publish(rec.worker_id, msg.msg_id, ruling.status, ruling.staleness)
+                elif self.verdicts is not None:
+                    ruling = await self.verdicts.wait(rec.worker_id, msg.msg_id)
+                status, reply = await self._run_apply(self._apply_gradient, rec, msg, ruling)
             finally:
                 conn.done_with(msg)  # applied (or refused): its room goes to the next gradient
             msg_id = msg.msg_id
@@ -1150,13 +1174,29 @@ class Coordinator:
             async with asyncio.timeout(limit):
                 await self._updated.wait()
 
-    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients) -> tuple[UpdateStatus, Update | None]:
+    def _judge(self, msg: Gradients) -> Ruling:
+        """(the leader of a sharded cluster) What becomes of gradient ``msg`` in every group:
+        applied with its staleness here, dropped as stale, or not applied (the run is over).
+        Duplicates and the screen's refusals each server judges on its own slice."""
+        staleness = self.version - msg.version
+        limit = self.config.training.max_steps
+        if limit and self.version >= limit:
+            return Ruling(UpdateStatus.FINISHED.value, 0)
+        if staleness < 0 or staleness > self.config.training.max_staleness:
+            return Ruling(UpdateStatus.STALE.value, max(0, staleness))
+        return Ruling(UpdateStatus.APPLIED.value, staleness)
+
+    def _apply_gradient(self, rec: WorkerRecord, msg: Gradients,
+                        ruling: Ruling | None = None) -> tuple[UpdateStatus, Update | None]:
         # Only an applied gradient moves the training state (weights, versions, last_msg_id,
         # the worker's loss); a duplicate, stale or refused one moves its own counter and the
-        # traffic counts (gradients received, bytes up) alone.
+        # traffic counts (gradients received, bytes up) alone. ``ruling``: in a sharded
+        # cluster, the leader's verdict on this gradient (_judge), which every server follows.
         rec.gradients += 1
         rec.bytes_up += payload_bytes(msg.tensors)
         staleness = self.version - msg.version
+        if ruling is not None and ruling.status not in _FOLLOWED:
+            ruling = None
         limit = self.config.training.max_steps
         if limit and self.version >= limit:
             # the run is over (the shutdown is on its way): gradients still queued here are
@@ -1166,11 +1206,16 @@ class Coordinator:
             status = UpdateStatus.DUPLICATE
             rec.duplicates += 1
             self.refusals.count("duplicate_gradient")
-        elif staleness > self.config.training.max_staleness or staleness < 0:
+        elif staleness < 0 or (ruling.status == UpdateStatus.STALE if ruling is not None
+                               else staleness > self.config.training.max_staleness):
             status = UpdateStatus.STALE  # dropped: a resend of it is stale again, never applied
             rec.stale += 1
             self.refusals.count("stale_gradient")
+        elif ruling is not None and ruling.status == UpdateStatus.FINISHED:
+            status = UpdateStatus.FINISHED
         else:
+            if ruling is not None:  # damped as on the leader
+                staleness = ruling.staleness
             status = self._apply_checked(rec, msg, staleness)
         if status is UpdateStatus.APPLIED:
             rec.loss = msg.loss
@@ -1603,6 +1648,35 @@ class Coordinator:
 
     # -- control, evaluation, status -------------------------------------------------------
 
+    async def _serve_leader(self, conn: Connection) -> None:
+        """The leader's verdict stream (a server of a sharded cluster that follows it)."""
+        if self.cluster is None or self.cluster.leader or self.cluster.spec.count < 2:
+            await conn.close(Error(code="bad_role", message=(
+                "only a parameter server other than the leader takes the leader's verdicts; this "
+                f"is {'the leader' if self.cluster is not None else 'a lone coordinator'}: check "
+                "cluster.servers (--servers) on the leader")))
+            return
+        log.info("the leader's verdict stream connected from %s%s", conn.peer,
+                 "" if self.verdicts is not None else " (not followed: cluster.follow_leader is false)")
+        if self.verdicts is not None:
+            self.verdicts.connected()
+        try:
+            with contextlib.suppress(SwarmError):
+                while True:
+                    msg = await conn.recv()
+                    if isinstance(msg, Verdict):
+                        if self.verdicts is not None:
+                            self.verdicts.put(msg)
+                    else:
+                        self.refusals.count("unexpected")
+                        await conn.send(Error(code="unexpected", fatal=False,
+                                              message=f"the leader's stream may not send {msg.TYPE.name}"))
+        finally:
+            if self.verdicts is not None:
+                self.verdicts.disconnected()
+            log.info("the leader's verdict stream from %s ended: deciding on gradients here until "
+                     "it is back", conn.peer)
+
     async def _serve_ctl(self, conn: Connection) -> None:
         with contextlib.suppress(SwarmError):
             while True:
@@ -1784,10 +1858,15 @@ class Coordinator:
         if self.cluster is None:
             return {}
         out = self.cluster.summary()
+        # the leader's verdicts: sent (the leader), or followed and decided here (the others)
+        if self.verdict_stream is not None:
+            out["verdicts"] = self.verdict_stream.summary()
+        elif self.verdicts is not None:
+            out["verdicts"] = self.verdicts.summary()
         if self.peers is not None:
             own = {"version": self.version, "state": self.lifecycle.name.lower(), "loss": self.loss_ema,
                    "workers_connected": len(self._connected()), "stats": dict(self.stats),
-                   "shard": str(self.cluster.spec)}
+                   "shard": str(self.cluster.spec), "verdicts": out.get("verdicts")}
             out["shards"] = self.peers.summary(own)
         return out
 
