@@ -322,6 +322,11 @@ def test_a_killed_server_pauses_training_until_it_resumes_from_its_checkpoint(tm
     late = accuracies_since(tmp_path / "s0.jsonl", min(stalled, MAX_STEPS // 2))
     assert len(late) >= 3 and statistics.median(late) > 0.9, (late, final["metrics"])
     assert "resumed from" in (tmp_path / "s1b.log").read_text()
+    # the leader's verdict stream to server 1 broke with it and was connected again to the
+    # server that came back (which then followed the leader again)
+    verdicts = final["cluster"]["verdicts"]
+    assert verdicts["reconnects"] >= 1 and verdicts["sent"] > 0, verdicts
+    assert "verdict stream connected" in " ".join((tmp_path / "s1b.log").read_text().split())
     said = " ".join((tmp_path / "w.log").read_text().split())  # (the log wraps lines)
     assert "training waits until it is back" in said and "parameter server 1" in said, said[-3000:]
     refused = (tmp_path / "wrong.log").read_text()
@@ -431,8 +436,37 @@ def test_the_leader_verdicts_wait_for_the_slice_and_release_it_when_the_leader_i
         v.disconnected()  # the leader is gone: the waiting slice is decided here
         assert await asyncio.wait_for(waiting, 0.1) is None
         assert v.followed == 2 and v.alone == 2
+        # the run is over: a slice still waiting, and every later one, is over too
+        v.connected()
+        waiting = asyncio.create_task(v.wait("w", 8))
+        await asyncio.sleep(0.01)
+        v.put(Verdict(worker_id="x", msg_id=3, status="finished", staleness=0))
+        assert await asyncio.wait_for(waiting, 0.1) == Ruling("finished", 0)
+        assert await v.wait("w2", 1) == Ruling("finished", 0)
+        v.connected()  # a leader restarted to train on starts over
+        v.put(Verdict(worker_id="w2", msg_id=2, status="applied", staleness=1))
+        assert await v.wait("w2", 2) == Ruling("applied", 1)
 
     asyncio.run(main())
+
+
+def test_a_verdict_that_does_not_fit_the_servers_own_view_is_not_believed() -> None:
+    """Every holder of the cluster secret can open a `leader` stream: a verdict is followed
+    only within the workers' count of what this server counts itself, and on the side of
+    max_staleness its status claims; else the server decides (counted)."""
+    from swarmtrain.roles.ps.cluster import LeaderVerdicts, Ruling
+
+    v = LeaderVerdicts()
+    stale, applied = Ruling("stale", 20), Ruling("applied", 3)
+    assert v.check(stale, own=18, bound=16, spread=4) == stale  # at the bound: the leader's word
+    assert v.check(applied, own=5, bound=16, spread=4) == applied
+    assert v.check(stale, own=2, bound=16, spread=4) is None  # a fresh gradient called stale
+    assert v.check(applied, own=30, bound=16, spread=4) is None  # a stale one called fresh
+    assert v.check(Ruling("applied", 20), own=20, bound=16, spread=4) is None  # past the bound
+    assert v.check(Ruling("stale", 10), own=10, bound=16, spread=4) is None  # within it
+    assert v.check(None, own=0, bound=16, spread=4) is None
+    assert v.check(Ruling("finished", 0), own=0, bound=16, spread=4) == Ruling("finished", 0)
+    assert v.implausible == 4 and v.summary()["implausible"] == 4
 
 
 def test_ctl_status_of_the_leader_shows_every_parameter_server() -> None:

@@ -337,6 +337,9 @@ class VerdictStream:
                 "reconnects": self.reconnects}
 
 
+_APPLIED, _STALE, _FINISHED = "applied", "stale", "finished"  # (UpdateStatus values)
+
+
 @dataclass(frozen=True)
 class Ruling:
     """The leader's verdict on one gradient, as a server that follows it reads it."""
@@ -347,7 +350,18 @@ class Ruling:
 
 class LeaderVerdicts:
     """(a server other than the leader) The leader's verdicts, by (worker, msg_id): a slice
-    waits here for the verdict on its gradient (:meth:`wait`)."""
+    waits here for the verdict on its gradient (:meth:`wait`).
+
+    Whoever holds the cluster secret can open a ``leader`` stream (every worker does), so a
+    verdict is believed only where this server's own view allows it (:meth:`check`): its
+    staleness within a few versions of what this server counts for the same slice (each
+    worker has one gradient in flight, so two servers that apply the same gradients differ by
+    at most the workers' count), on the side of ``max_staleness`` its status says; and once
+    a verdict says the run is over, every gradient after it is over too. A forged stream can
+    then move only gradients at the bound, or stop this server's group altogether (which its
+    version, standing still in the leader's ``ctl status``, shows), not drop the others'
+    gradients and keep its own.
+    """
 
     def __init__(self, wait_sec: float = VERDICT_WAIT_SEC) -> None:
         self.wait_sec = wait_sec
@@ -359,10 +373,16 @@ class LeaderVerdicts:
         #: slices decided here: no stream connected (``alone``) or no verdict in time (``late``)
         self.alone = 0
         self.late = 0
+        #: verdicts not believed (:meth:`check`): decided here instead
+        self.implausible = 0
         self.wait_total = 0.0
+        #: a verdict said the run is over: every later gradient is over too
+        self.finished = False
 
     def connected(self) -> None:
+        """A stream connected (a leader that was restarted, e.g. to train on, starts over)."""
         self.streams += 1
+        self.finished = False
 
     def disconnected(self) -> None:
         """A stream ended: when it was the last, nobody waits for a verdict any more."""
@@ -375,6 +395,12 @@ class LeaderVerdicts:
     def put(self, verdict: Verdict) -> None:
         key = (verdict.worker_id, verdict.msg_id)
         ruling = Ruling(verdict.status, verdict.staleness)
+        if verdict.status == _FINISHED and not self.finished:
+            # the stream is in the leader's order: a slice still waiting was judged after this
+            self.finished = True
+            for other in self._waiting.values():
+                if not other.done():
+                    other.set_result(ruling)
         fut = self._waiting.get(key)
         if fut is not None and not fut.done():
             fut.set_result(ruling)
@@ -395,6 +421,8 @@ class LeaderVerdicts:
         # verdicts on this worker's older gradients will not be asked for any more
         for old in [m for m in kept if m < msg_id]:
             del kept[old]
+        if ruling is None and self.finished:
+            ruling = Ruling(_FINISHED, 0)
         if ruling is None and self.streams:
             fut: asyncio.Future[Ruling | None] = asyncio.get_running_loop().create_future()
             self._waiting[key] = fut
@@ -415,9 +443,28 @@ class LeaderVerdicts:
         self.followed += 1
         return ruling
 
+    def check(self, ruling: Ruling | None, own: int, bound: int, spread: int) -> Ruling | None:
+        """``ruling`` if this server can believe it of a slice it counts ``own`` versions stale
+        (``bound``: ``max_staleness``; ``spread``: how far two servers' counts may differ, the
+        workers in flight), else None (decided here, counted and logged)."""
+        if ruling is None or ruling.status not in (_APPLIED, _STALE):
+            return ruling
+        stale = ruling.status == _STALE
+        if (ruling.staleness > bound) == stale and abs(ruling.staleness - own) <= spread:
+            return ruling
+        self.implausible += 1
+        if self.implausible % 100 == 1:
+            log.warning("a verdict of the leader's stream does not fit this server's view (%s at "
+                        "staleness %d, here %d, max_staleness %d, %d versions apart at most): "
+                        "decided here (%d such so far). Two streams, or one from a machine that is "
+                        "not the leader? ctl status shows the streams and the events who opened them",
+                        ruling.status, ruling.staleness, own, bound, spread, self.implausible)
+        return None
+
     def summary(self) -> dict[str, Any]:
         decided = self.followed + self.alone + self.late
         return {"streams": self.streams, "followed": self.followed, "alone": self.alone,
-                "late": self.late, "kept": sum(len(k) for k in self._kept.values()),
+                "late": self.late, "implausible": self.implausible, "finished": self.finished,
+                "kept": sum(len(k) for k in self._kept.values()),
                 "mean_wait_ms": 1e3 * self.wait_total / max(1, self.followed + self.late),
-                "followed_share": self.followed / decided if decided else 0.0}
+                "followed_share": (self.followed - self.implausible) / decided if decided else 0.0}

@@ -899,7 +899,9 @@ class Coordinator:
                     ruling = self._judge(msg)
                     self.verdict_stream.publish(rec.worker_id, msg.msg_id, ruling.status, ruling.staleness)
                 elif self.verdicts is not None:
-                    ruling = await self.verdicts.wait(rec.worker_id, msg.msg_id)
+                    ruling = self.verdicts.check(
+                        await self.verdicts.wait(rec.worker_id, msg.msg_id), self.version - msg.version,
+                        self.config.training.max_staleness, len(self._connected()) + 1)
                 status, reply = await self._run_apply(self._apply_gradient, rec, msg, ruling)
             finally:
                 conn.done_with(msg)  # applied (or refused): its room goes to the next gradient
@@ -1656,8 +1658,11 @@ class Coordinator:
                 f"is {'the leader' if self.cluster is not None else 'a lone coordinator'}: check "
                 "cluster.servers (--servers) on the leader")))
             return
-        log.info("the leader's verdict stream connected from %s%s", conn.peer,
+        log.info("the leader's verdict stream connected from %s%s%s", conn.peer,
+                 f" (node {conn.node})" if conn.node else "",
                  "" if self.verdicts is not None else " (not followed: cluster.follow_leader is false)")
+        # who opened it, in the events: any holder of the cluster secret could
+        self.record_event("verdict_stream", address=conn.peer, node=conn.node)
         if self.verdicts is not None:
             self.verdicts.connected()
         try:
