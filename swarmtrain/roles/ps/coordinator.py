@@ -27,6 +27,7 @@ import enum
 import logging
 import math
 import re
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Mapping
@@ -53,7 +54,14 @@ from swarmtrain.errors import (
 )
 from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
-from swarmtrain.roles.ps.cluster import ClusterPeers, ClusterPlace, LeaderVerdicts, Ruling, VerdictStream
+from swarmtrain.roles.ps.cluster import (
+    ClusterPeers,
+    ClusterPlace,
+    LeaderVerdicts,
+    Ruling,
+    VerdictStream,
+    split_address,
+)
 from swarmtrain.roles.ps.common import (
     FUSE_MAX_NUMEL,
     FUSED,
@@ -365,6 +373,7 @@ class Coordinator:
         #: a server that follows the leader: the leader's verdicts, which its slices wait for
         self.verdicts = (LeaderVerdicts() if cluster is not None and not cluster.leader
                          and cluster.spec.count > 1 and cfg.cluster.follow_leader else None)
+        self._leader_addresses: frozenset[str] | None = None  # (_leader_hosts)
         self._eval_model = eval_model
         self._sizes = [p.numel() for p in self.params.values()]
         t = cfg.training
@@ -899,9 +908,7 @@ class Coordinator:
                     ruling = self._judge(msg)
                     self.verdict_stream.publish(rec.worker_id, msg.msg_id, ruling.status, ruling.staleness)
                 elif self.verdicts is not None:
-                    ruling = self.verdicts.check(
-                        await self.verdicts.wait(rec.worker_id, msg.msg_id), self.version - msg.version,
-                        self.config.training.max_staleness, len(self._connected()) + 1)
+                    ruling = await self.verdicts.wait(rec.worker_id, msg.msg_id)
                 status, reply = await self._run_apply(self._apply_gradient, rec, msg, ruling)
             finally:
                 conn.done_with(msg)  # applied (or refused): its room goes to the next gradient
@@ -1658,11 +1665,18 @@ class Coordinator:
                 f"is {'the leader' if self.cluster is not None else 'a lone coordinator'}: check "
                 "cluster.servers (--servers) on the leader")))
             return
+        # who opened it, in the events: any holder of the cluster secret could
+        self.record_event("verdict_stream", address=conn.peer, node=conn.node)
+        if self.verdicts is not None and (why := self.verdicts.admit(conn.node or "", _host(conn.peer),
+                                                                      self._leader_hosts())):
+            log.warning("refused a leader's verdict stream from %s: %s", conn.peer, why)
+            self.record_event("verdict_stream_refused", address=conn.peer, node=conn.node, reason=why)
+            self.refusals.count("not_the_leader")
+            await conn.close(Error(code="not_the_leader", message=why))
+            return
         log.info("the leader's verdict stream connected from %s%s%s", conn.peer,
                  f" (node {conn.node})" if conn.node else "",
                  "" if self.verdicts is not None else " (not followed: cluster.follow_leader is false)")
-        # who opened it, in the events: any holder of the cluster secret could
-        self.record_event("verdict_stream", address=conn.peer, node=conn.node)
         if self.verdicts is not None:
             self.verdicts.connected()
         try:
@@ -1681,6 +1695,19 @@ class Coordinator:
                 self.verdicts.disconnected()
             log.info("the leader's verdict stream from %s ended: deciding on gradients here until "
                      "it is back", conn.peer)
+
+    def _leader_hosts(self) -> frozenset[str]:
+        """Server 0's addresses, when this server was given ``cluster.servers`` (else empty)."""
+        if self.cluster is None or not self.cluster.servers:
+            return frozenset()
+        if self._leader_addresses is None:
+            host, _ = split_address(self.cluster.servers[0])
+            try:
+                infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+                self._leader_addresses = frozenset({host, *(str(i[4][0]) for i in infos)})
+            except OSError:
+                self._leader_addresses = frozenset({host})
+        return self._leader_addresses
 
     async def _serve_ctl(self, conn: Connection) -> None:
         with contextlib.suppress(SwarmError):
@@ -1954,6 +1981,11 @@ def _gradient_norm(msg: Gradients, grads: Mapping[str, LazyGradient]) -> float:
         return math.sqrt(total + fast.sumsq_many(sources))
     rest = global_norm(sources)
     return math.sqrt(total + rest * rest)
+
+
+def _host(peer: str) -> str:
+    """The host of a connection's ``host:port``."""
+    return peer.rpartition(":")[0].strip("[]")
 
 
 def _check_identity(msg: Register) -> None:
