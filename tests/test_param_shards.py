@@ -138,13 +138,15 @@ async def _cluster(count: int, every: dict[str, Any] | None = None, **over: Any)
     return [leader, *others]
 
 
-async def _train_to_the_end(servers: list[Coordinator]) -> None:
-    """One worker trains the cluster until the leader's max_steps; every server closed."""
-    w = worker(servers[0].port, **{"training.worker_id": "w0", "training.probe_seconds": 0.0})
+async def _train_to_the_end(servers: list[Coordinator], workers: int = 1) -> None:
+    """``workers`` workers (w0, w1, ...) train the cluster until the leader's max_steps; every
+    server closed."""
+    ws = [worker(servers[0].port, **{"training.worker_id": f"w{i}", "training.probe_seconds": 0.0})
+          for i in range(workers)]
     try:
-        task = asyncio.create_task(w.run_async())
+        tasks = [asyncio.create_task(w.run_async()) for w in ws]
         await asyncio.wait_for(servers[0].run(), 120)
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
         for s in servers[1:]:  # the leader shut the others down
             await asyncio.wait_for(s._stopped.wait(), 30)
     finally:
@@ -343,17 +345,7 @@ def _drops_and_steps(follow: bool) -> tuple[dict[str, tuple[int, int]], ...]:
             async with asyncio.timeout(30):
                 while not all(s.verdicts is not None and s.verdicts.streams for s in servers[1:]):
                     await asyncio.sleep(0.02)
-        workers = [worker(servers[0].port, **{"training.worker_id": f"w{i}", "training.probe_seconds": 0.0})
-                   for i in range(3)]
-        tasks = [asyncio.create_task(w.run_async()) for w in workers]
-        try:
-            await asyncio.wait_for(servers[0].run(), 120)
-            await asyncio.wait_for(asyncio.gather(*tasks), 30)
-            for s in servers[1:]:
-                await asyncio.wait_for(s._stopped.wait(), 30)
-        finally:
-            for s in servers:
-                await s.close()
+        await _train_to_the_end(servers, workers=3)
         if follow:
             for s in servers[1:]:
                 v = s.status()["cluster"]["verdicts"]
@@ -414,6 +406,9 @@ def test_only_a_server_that_is_not_the_leader_takes_the_leaders_verdicts() -> No
             await conn.send(StatusRequest())
             answer = await conn.recv(timeout=10)
             assert isinstance(answer, Error) and answer.code == "unexpected" and not answer.fatal
+            await conn.send(Verdict(worker_id="w9", msg_id=3, status="maybe", staleness=0))
+            answer = await conn.recv(timeout=10)  # a status no leader sends: judged here
+            assert isinstance(answer, Error) and answer.code == "bad_verdict" and not answer.fatal
             await conn.send(Verdict(worker_id="w9", msg_id=4, status="stale", staleness=20))
             async with asyncio.timeout(10):
                 while not follower.verdicts.summary()["kept"]:
@@ -490,6 +485,13 @@ def test_the_leader_verdicts_wait_for_the_slice_and_release_it_when_the_leader_i
         v.disconnected()  # the leader is gone: the waiting slice is decided here
         assert await asyncio.wait_for(waiting, 0.1) is None
         assert v.followed == 2 and v.alone == 2
+        # a status no leader sends is not taken: the slice waiting for it is decided here
+        v.connected()
+        waiting = asyncio.create_task(v.wait("w", 6))
+        await asyncio.sleep(0.01)
+        assert not v.put(Verdict(worker_id="w", msg_id=6, status="maybe", staleness=0))
+        assert await asyncio.wait_for(waiting, 0.1) is None and v.alone == 3
+        v.disconnected()
         # the run is over: a slice still waiting, and every later one, is over too
         v.connected()
         waiting = asyncio.create_task(v.wait("w", 8))

@@ -48,10 +48,19 @@ from swarmtrain.roles.ps.partition import Partition, ServerSpec, group_module, p
 from swarmtrain.transport import Connection, Timeouts, connect
 from swarmtrain.transport.identity import Identity, node_identity
 from swarmtrain.transport.tls import TLSConfig
-from swarmtrain.wire import CheckpointMsg, Error, Shutdown, Status, StatusRequest, Verdict, Weights
+from swarmtrain.wire import (
+    CheckpointMsg,
+    Error,
+    Shutdown,
+    Status,
+    StatusRequest,
+    UpdateStatus,
+    Verdict,
+    Weights,
+)
 
-__all__ = ["ClusterPlace", "ClusterPeers", "LeaderVerdicts", "VerdictStream", "split_address",
-           "shard_of_model"]
+__all__ = ["VERDICT_STATUSES", "ClusterPlace", "ClusterPeers", "LeaderVerdicts", "VerdictStream",
+           "split_address", "shard_of_model"]
 
 log = logging.getLogger("swarmtrain.cluster")
 
@@ -298,7 +307,7 @@ class VerdictStream:
 
     def publish(self, worker_id: str, msg_id: int, status: str, staleness: int) -> None:
         """Queue the verdict on ``worker_id``'s gradient ``msg_id`` for every connected server."""
-        verdict = Verdict(worker_id=worker_id, msg_id=msg_id, status=status, staleness=max(0, staleness))
+        verdict = Verdict(worker_id=worker_id, msg_id=msg_id, status=status, staleness=staleness)
         for queue in self._queues.values():
             try:
                 queue.put_nowait(verdict)
@@ -366,7 +375,11 @@ class VerdictStream:
                 "reconnects": self.reconnects}
 
 
-_FINISHED = "finished"  # (UpdateStatus.FINISHED's value)
+#: the statuses a verdict has (Coordinator._judge); one with another is refused, and the
+#: server judges that gradient itself
+VERDICT_STATUSES = frozenset({UpdateStatus.APPLIED.value, UpdateStatus.STALE.value,
+                              UpdateStatus.FINISHED.value})
+_FINISHED = UpdateStatus.FINISHED.value
 
 
 @dataclass(frozen=True)
@@ -425,8 +438,14 @@ class LeaderVerdicts:
                 if not fut.done():
                     fut.set_result(None)
 
-    def put(self, verdict: Verdict) -> None:
+    def put(self, verdict: Verdict) -> bool:
+        """Take a verdict (False: its status is none of :data:`VERDICT_STATUSES`; a slice
+        waiting for it is decided here at once)."""
         key = (verdict.worker_id, verdict.msg_id)
+        if verdict.status not in VERDICT_STATUSES:
+            if (waiting := self._waiting.get(key)) is not None and not waiting.done():
+                waiting.set_result(None)
+            return False
         ruling = Ruling(verdict.status, verdict.staleness)
         if verdict.status == _FINISHED and not self.finished:
             # the stream is in the leader's order: a slice still waiting was judged after this
@@ -437,13 +456,14 @@ class LeaderVerdicts:
         fut = self._waiting.get(key)
         if fut is not None and not fut.done():
             fut.set_result(ruling)
-            return
+            return True
         kept = self._kept.setdefault(verdict.worker_id, {})
         kept[verdict.msg_id] = ruling
         if len(kept) > VERDICTS_KEPT:
             del kept[next(iter(kept))]
         if len(self._kept) > VERDICT_WORKERS_KEPT:
             del self._kept[next(iter(self._kept))]
+        return True
 
     async def wait(self, worker_id: str, msg_id: int) -> Ruling | None:
         """The leader's verdict on ``worker_id``'s gradient ``msg_id``, once it is here (None:

@@ -55,6 +55,7 @@ from swarmtrain.errors import (
 from swarmtrain.roles.aggregation import GradientWindow, RobustWindow
 from swarmtrain.roles.ps.adam import adam_step, is_sparse, make_adam, variance_steps
 from swarmtrain.roles.ps.cluster import (
+    VERDICT_STATUSES,
     ClusterPeers,
     ClusterPlace,
     LeaderVerdicts,
@@ -87,7 +88,7 @@ from swarmtrain.roles.ps.screen import NormScreen
 from swarmtrain.roles.ps.shards import ShardPlanner
 from swarmtrain.transport import Connection, Server, Timeouts, start_server
 from swarmtrain.transport.auth import cluster_secret
-from swarmtrain.transport.endpoints import payload_limit, require_secret
+from swarmtrain.transport.endpoints import payload_limit, peer_ip, require_secret
 from swarmtrain.transport.payload_gate import PayloadGate
 from swarmtrain.transport.refusals import RefusalCounter, merge_refusals
 from swarmtrain.wire import (
@@ -113,9 +114,6 @@ from swarmtrain.wire import (
 from swarmtrain.wire.pool import PAGE, PayloadPool, pooled_bytes
 
 __all__ = ["Coordinator", "CoordinatorState", "TRANSITIONS", "WorkerRecord"]
-
-#: the leader's verdicts (Coordinator._judge) a server takes; any other it judges itself
-_FOLLOWED = frozenset({UpdateStatus.APPLIED, UpdateStatus.STALE, UpdateStatus.FINISHED})
 
 log = logging.getLogger("swarmtrain.coordinator")
 
@@ -373,7 +371,9 @@ class Coordinator:
         #: a server that follows the leader: the leader's verdicts, which its slices wait for
         self.verdicts = (LeaderVerdicts() if cluster is not None and not cluster.leader
                          and cluster.spec.count > 1 and cfg.cluster.follow_leader else None)
-        self._leader_addresses: frozenset[str] | None = None  # (_leader_hosts)
+        #: server 0's addresses, the only ones a verdict stream is taken from (resolved in
+        #: start() when this server has cluster.servers; empty: any)
+        self._leader_hosts: frozenset[str] = frozenset()
         self._eval_model = eval_model
         self._sizes = [p.numel() for p in self.params.values()]
         t = cfg.training
@@ -557,6 +557,8 @@ class Coordinator:
         # the fused kernels (built once per machine, ~1 s) before the first worker, not during
         # the first update while that worker waits
         await self.run_on_apply_thread(kernels)
+        if self.verdicts is not None and self.cluster is not None and self.cluster.servers:
+            self._leader_hosts = await _addresses_of(self.cluster.servers[0])
         self._server = await start_server(
             net.host, net.port, self._handle, secret=self.secret, tls=self.tls, timeouts=timeouts,
             send_queue_size=net.send_queue_size, role_limits=self._role_limits(),
@@ -1204,8 +1206,6 @@ class Coordinator:
         rec.gradients += 1
         rec.bytes_up += payload_bytes(msg.tensors)
         staleness = self.version - msg.version
-        if ruling is not None and ruling.status not in _FOLLOWED:
-            ruling = None
         limit = self.config.training.max_steps
         if limit and self.version >= limit:
             # the run is over (the shutdown is on its way): gradients still queued here are
@@ -1667,8 +1667,9 @@ class Coordinator:
             return
         # who opened it, in the events: any holder of the cluster secret could
         self.record_event("verdict_stream", address=conn.peer, node=conn.node)
-        if self.verdicts is not None and (why := self.verdicts.admit(conn.node or "", _host(conn.peer),
-                                                                      self._leader_hosts())):
+        host = peer_ip(conn.transport) if conn.transport is not None else ""
+        if self.verdicts is not None and (why := self.verdicts.admit(conn.node or "", host,
+                                                                      self._leader_hosts)):
             log.warning("refused a leader's verdict stream from %s: %s", conn.peer, why)
             self.record_event("verdict_stream_refused", address=conn.peer, node=conn.node, reason=why)
             self.refusals.count("not_the_leader")
@@ -1684,8 +1685,11 @@ class Coordinator:
                 while True:
                     msg = await conn.recv()
                     if isinstance(msg, Verdict):
-                        if self.verdicts is not None:
-                            self.verdicts.put(msg)
+                        if self.verdicts is not None and not self.verdicts.put(msg):
+                            self.refusals.count("bad_verdict")
+                            await conn.send(Error(code="bad_verdict", fatal=False, message=(
+                                f"a verdict's status is one of {', '.join(sorted(VERDICT_STATUSES))}, "
+                                f"not {msg.status!r}: the gradient is judged here")))
                     else:
                         self.refusals.count("unexpected")
                         await conn.send(Error(code="unexpected", fatal=False,
@@ -1695,19 +1699,6 @@ class Coordinator:
                 self.verdicts.disconnected()
             log.info("the leader's verdict stream from %s ended: deciding on gradients here until "
                      "it is back", conn.peer)
-
-    def _leader_hosts(self) -> frozenset[str]:
-        """Server 0's addresses, when this server was given ``cluster.servers`` (else empty)."""
-        if self.cluster is None or not self.cluster.servers:
-            return frozenset()
-        if self._leader_addresses is None:
-            host, _ = split_address(self.cluster.servers[0])
-            try:
-                infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-                self._leader_addresses = frozenset({host, *(str(i[4][0]) for i in infos)})
-            except OSError:
-                self._leader_addresses = frozenset({host})
-        return self._leader_addresses
 
     async def _serve_ctl(self, conn: Connection) -> None:
         with contextlib.suppress(SwarmError):
@@ -1983,9 +1974,15 @@ def _gradient_norm(msg: Gradients, grads: Mapping[str, LazyGradient]) -> float:
     return math.sqrt(total + rest * rest)
 
 
-def _host(peer: str) -> str:
-    """The host of a connection's ``host:port``."""
-    return peer.rpartition(":")[0].strip("[]")
+async def _addresses_of(address: str) -> frozenset[str]:
+    """The host of ``address`` (``host:port``) and the IP addresses it resolves to (the host
+    alone when it does not resolve)."""
+    host, _ = split_address(address)
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return frozenset({host})
+    return frozenset({host, *(str(i[4][0]) for i in infos)})
 
 
 def _check_identity(msg: Register) -> None:
